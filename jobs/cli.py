@@ -1,0 +1,2 @@
+def main() -> None:
+    raise SystemExit("specprefill CLI: not yet built")

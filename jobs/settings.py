@@ -1,0 +1,123 @@
+"""The service's configuration: one object, read from ``SPECPREFILL_*`` environment variables.
+
+Library code (``specprefill``, ``cache_store``) takes explicit arguments; only the
+service layers (``jobs``, ``worker``) read settings, and they pass values down.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "SPECPREFILL_"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_MODELS = REPO_ROOT / "models"
+
+
+def _default_draft_model() -> str:
+    return str(SHIPPED_MODELS / "draft-tiny")
+
+
+def _default_target_model() -> str:
+    return str(SHIPPED_MODELS / "target-tiny")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every tunable of the service. Override any field with ``SPECPREFILL_<FIELD>``."""
+
+    # Where things live.
+    redis_url: str = ""  # empty: REDIS_URL, else the CLI starts an embedded Redis
+    cache_redis_url: str = ""  # block store Redis; empty: same as redis_url
+    namespace: str = "specprefill"  # prefix of every key this deployment writes
+    queue_names: tuple[str, ...] = ("specprefill",)
+
+    # Models.
+    draft_model: str = field(default_factory=_default_draft_model)
+    target_model: str = field(default_factory=_default_target_model)
+    preload_models: tuple[str, ...] = ()
+    model_lru_size: int = 2
+
+    # SpecPrefill defaults (per job overridable).
+    keep: float = 0.2
+    chunk_size: int = 32
+    tail_tokens: int = 512
+    threshold: int = 8192
+    n_lookahead: int = 8
+    temperature: float = 0.6
+    top_p: float = 0.95
+    pool_kernel: int = 13
+    prefill_step: int = 2048
+    include_last_query: bool = True
+
+    # Block store.
+    block_size: int = 256
+    block_ttl_s: int = 24 * 3600
+    memo_ttl_s: int = 24 * 3600
+
+    # Limits.
+    max_prompt_tokens: int = 131072
+    max_batch_documents: int = 10000
+    max_generate_tokens: int = 4096
+
+    # Queue behaviour.
+    job_timeout_s: int = 1800
+    result_ttl_s: int = 24 * 3600
+    failure_ttl_s: int = 7 * 24 * 3600
+    retry_max: int = 3
+    progress_stream_maxlen: int = 1000
+    progress_ttl_s: int = 24 * 3600
+    heartbeat_interval_s: float = 10.0
+
+    # Linux CPU speed-up: preload a system OpenBLAS before mlx.
+    openblas: bool = True
+    openblas_path: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Build settings from ``SPECPREFILL_*`` variables, then explicit overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _parse(f.name, raw, _field_type(f))
+        if "redis_url" not in values and environ.get("REDIS_URL"):
+            values["redis_url"] = environ["REDIS_URL"]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def block_store_url(self) -> str:
+        return self.cache_redis_url or self.redis_url
+
+
+def _field_type(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def _parse(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if type_name == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if type_name == "int":
+            return int(raw)
+        if type_name == "float":
+            return float(raw)
+        if type_name.startswith("tuple"):
+            return tuple(p.strip() for p in raw.split(",") if p.strip())
+        return raw
+    except ValueError:
+        raise ValueError(
+            f"{ENV_PREFIX}{name.upper()}={raw!r}: expected a {type_name} value"
+        ) from None
