@@ -1,0 +1,192 @@
+"""Which prompt tokens the target model prefills: chunk selection and admission.
+
+Pure NumPy (no MLX import), so the queue can plan, memoise and replay selections
+without loading a model. Tokens are ranked in chunks of ``chunk_size`` by their mean
+importance; a protected prefix (e.g. a system prompt) is kept in full and not ranked;
+the last chunks (the mandatory tail, which holds the chat-template closers) are always
+kept and are paid for out of the keep budget first.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+# ceil(n_chunks * keep) must not round 10 * 0.3 = 3.0000000000000004 up to 4.
+_CEIL_SLACK = 1e-9
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_keep(keep: Any) -> float:
+    if isinstance(keep, bool) or not isinstance(keep, numbers.Real) or not (0.0 < keep <= 1.0):
+        raise ValueError(f"keep must be a fraction in (0, 1], got {keep!r}")
+    return float(keep)
+
+
+def _as_importance(importance: Any) -> np.ndarray:
+    """A float64 1-D copy of ``importance`` (NumPy, list or MLX array, any float dtype)."""
+    if type(importance).__module__.startswith("mlx"):
+        import mlx.core as mx  # only reached when the caller already uses MLX
+
+        importance = np.array(importance.astype(mx.float32))
+    values = np.asarray(importance, dtype=np.float64)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(
+            f"importance must be a non-empty 1-D sequence (one score per token), got shape {values.shape}"
+        )
+    if not np.all(np.isfinite(values)):
+        raise ValueError("importance must hold finite numbers (no NaN or inf)")
+    return values
+
+
+def select_chunks(
+    importance: Any,
+    keep: float,
+    chunk_size: int = 32,
+    tail_tokens: int = 512,
+    protected_prefix: int = 0,
+) -> np.ndarray:
+    """Sorted unique int32 indices of the tokens to keep.
+
+    The ranked region ``[protected_prefix, T)`` is cut into ``n_chunks`` chunks of
+    ``chunk_size`` from its start (the last one may be short). ``max(1, ceil(n_chunks *
+    keep))`` chunks are kept: first the last ``ceil(tail_tokens / chunk_size)`` chunks
+    (kept even if they alone exceed the budget), then the rest by mean importance, ties
+    going to the earlier chunk. ``keep == 1`` keeps everything.
+    """
+    scores = _as_importance(importance)
+    keep = _check_keep(keep)
+    chunk_size = _check_int("chunk_size", chunk_size, 1)
+    tail_tokens = _check_int("tail_tokens", tail_tokens, 0)
+    protected_prefix = _check_int("protected_prefix", protected_prefix, 0)
+
+    total = scores.size
+    start = min(protected_prefix, total)
+    n_chunks = math.ceil((total - start) / chunk_size)
+    if n_chunks == 0 or keep >= 1.0:
+        return np.arange(total, dtype=np.int32)
+
+    budget = max(1, math.ceil(n_chunks * keep - _CEIL_SLACK))
+    n_tail = min(n_chunks, math.ceil(tail_tokens / chunk_size))
+    n_ranked = max(0, budget - n_tail)
+
+    chunk_starts = start + chunk_size * np.arange(n_chunks)
+    chunk_sums = np.add.reduceat(scores[start:], chunk_starts - start)
+    chunk_lengths = np.minimum(chunk_size, total - chunk_starts)
+    chunk_means = chunk_sums / chunk_lengths
+
+    candidates = np.arange(n_chunks - n_tail)
+    # lexsort: last key is primary -> highest mean first, then lowest chunk index.
+    order = np.lexsort((candidates, -chunk_means[candidates]))
+    chosen = np.concatenate([candidates[order[:n_ranked]], np.arange(n_chunks - n_tail, n_chunks)])
+
+    pieces = [np.arange(start, dtype=np.int64)]
+    pieces += [np.arange(chunk_starts[c], chunk_starts[c] + chunk_lengths[c]) for c in np.sort(chosen)]
+    return np.concatenate(pieces).astype(np.int32)
+
+
+def admission_reason(n_tokens: int, *, threshold: int = 8192, protected_prefix: int = 0) -> str | None:
+    """Why a prompt of ``n_tokens`` is prefilled in full, or ``None`` to sparsify it.
+
+    A prompt is sparsified only when it is strictly longer than ``threshold`` and the
+    protected prefix leaves something to rank.
+    """
+    n_tokens = _check_int("n_tokens", n_tokens, 0)
+    threshold = _check_int("threshold", threshold, 0)
+    protected_prefix = _check_int("protected_prefix", protected_prefix, 0)
+    if n_tokens <= threshold:
+        return f"keep all: prompt has {n_tokens} tokens, not more than the threshold of {threshold}"
+    if protected_prefix >= n_tokens:
+        return f"keep all: protected prefix of {protected_prefix} tokens covers the whole prompt ({n_tokens})"
+    return None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Kept token indices of a prompt of ``total`` tokens.
+
+    ``reason`` says why every token is kept (admission policy, or a selection that
+    happens to cover the whole prompt); ``None`` means the prompt is sparsified.
+    """
+
+    indices: np.ndarray
+    total: int
+    reason: str | None
+
+    @property
+    def kept(self) -> int:
+        return int(self.indices.size)
+
+    @property
+    def ratio(self) -> float:
+        """Fraction of prompt tokens kept."""
+        return self.kept / self.total if self.total else 1.0
+
+
+def plan_selection(
+    importance: Any,
+    *,
+    keep: float,
+    chunk_size: int = 32,
+    tail_tokens: int = 512,
+    protected_prefix: int = 0,
+    threshold: int = 8192,
+) -> Selection:
+    """Admission policy, then :func:`select_chunks`: always a usable answer for a caller."""
+    scores = _as_importance(importance)
+    total = scores.size
+    # Validate everything up front so bad settings fail the same way on short prompts.
+    _check_keep(keep)
+    _check_int("chunk_size", chunk_size, 1)
+    _check_int("tail_tokens", tail_tokens, 0)
+    reason = admission_reason(total, threshold=threshold, protected_prefix=protected_prefix)
+    if reason is not None:
+        return Selection(np.arange(total, dtype=np.int32), total, reason)
+    indices = select_chunks(scores, keep, chunk_size, tail_tokens, protected_prefix)
+    if indices.size == total:
+        reason = f"keep all: the selection (keep={keep}, tail_tokens={tail_tokens}) covers every token"
+    return Selection(indices, total, reason)
+
+
+def to_ranges(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """Half-open ``[start, end)`` runs of consecutive indices (input: sorted, unique, >= 0)."""
+    values = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices)
+    if values.size == 0:
+        return []
+    if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"indices must be a 1-D sequence of integers, got dtype {values.dtype} shape {values.shape}")
+    values = values.astype(np.int64)
+    if values[0] < 0 or np.any(np.diff(values) <= 0):
+        raise ValueError("indices must be non-negative, sorted and unique")
+    breaks = np.flatnonzero(np.diff(values) > 1)
+    starts = np.concatenate([[values[0]], values[breaks + 1]])
+    ends = np.concatenate([values[breaks], [values[-1]]]) + 1
+    return [(int(s), int(e)) for s, e in zip(starts, ends)]
+
+
+def from_ranges(ranges: Iterable[Sequence[int]]) -> np.ndarray:
+    """Sorted int32 indices from half-open ``[start, end)`` runs (ascending, non-overlapping)."""
+    pieces = []
+    previous_end = 0
+    for item in ranges:
+        if len(item) != 2:
+            raise ValueError(f"ranges must hold (start, end) pairs, got {item!r}")
+        start = _check_int("range start", item[0], 0)
+        end = _check_int("range end", item[1], start + 1)
+        if start < previous_end:
+            raise ValueError(f"ranges must be ascending and non-overlapping: ({start}, {end}) starts before {previous_end}")
+        pieces.append(np.arange(start, end, dtype=np.int64))
+        previous_end = end
+    if not pieces:
+        return np.zeros(0, dtype=np.int32)
+    return np.concatenate(pieces).astype(np.int32)

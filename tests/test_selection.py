@@ -1,0 +1,177 @@
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specprefill.selection import (
+    Selection,
+    admission_reason,
+    from_ranges,
+    plan_selection,
+    select_chunks,
+    to_ranges,
+)
+
+
+def chunks_of(indices, start, chunk_size):
+    return sorted({(int(i) - start) // chunk_size for i in indices if i >= start})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    total=st.integers(1, 700),
+    keep=st.floats(0.01, 1.0),
+    chunk_size=st.integers(1, 64),
+    tail_tokens=st.integers(0, 300),
+    prefix=st.integers(0, 800),
+    seed=st.integers(0, 2**16),
+)
+def test_selection_invariants(total, keep, chunk_size, tail_tokens, prefix, seed):
+    scores = np.random.default_rng(seed).random(total)
+    kept = select_chunks(scores, keep, chunk_size, tail_tokens, prefix)
+
+    assert kept.dtype == np.int32
+    assert np.all(np.diff(kept) > 0) and kept[0] >= 0 and kept[-1] < total
+    start = min(prefix, total)
+    assert np.array_equal(kept[:start], np.arange(start)), "protected prefix kept in full"
+
+    n_chunks = math.ceil((total - start) / chunk_size)
+    if n_chunks == 0:
+        assert kept.size == total
+        return
+    chosen = chunks_of(kept, start, chunk_size)
+    n_tail = min(n_chunks, math.ceil(tail_tokens / chunk_size))
+    if keep >= 1.0:
+        assert kept.size == total
+    else:
+        budget = max(1, math.ceil(round(n_chunks * keep, 9)))
+        assert len(chosen) == max(budget, n_tail)
+    assert set(range(n_chunks - n_tail, n_chunks)) <= set(chosen), "mandatory tail kept"
+    for c in chosen:  # whole chunks only
+        lo, hi = start + c * chunk_size, min(total, start + (c + 1) * chunk_size)
+        assert np.isin(np.arange(lo, hi), kept).all()
+    assert np.array_equal(kept, select_chunks(scores, keep, chunk_size, tail_tokens, prefix))
+
+
+def test_ranks_chunks_by_mean_importance():
+    scores = np.zeros(32 * 10)
+    scores[32 * 3: 32 * 4] = 5.0  # chunk 3 best
+    scores[32 * 7 + 5] = 40.0  # chunk 7 second (mean 1.25)
+    kept = select_chunks(scores, keep=0.3, chunk_size=32, tail_tokens=32)
+    assert chunks_of(kept, 0, 32) == [3, 7, 9]
+
+
+def test_tail_comes_out_of_budget_first_and_ties_go_to_earlier_chunks():
+    scores = np.ones(32 * 10)
+    kept = select_chunks(scores, keep=0.3, chunk_size=32, tail_tokens=64)
+    # budget 3: the 2 tail chunks, then 1 ranked chunk; all tied -> the earliest.
+    assert chunks_of(kept, 0, 32) == [0, 8, 9]
+    only_tail = select_chunks(scores, keep=0.1, chunk_size=32, tail_tokens=96)
+    assert chunks_of(only_tail, 0, 32) == [7, 8, 9]
+
+
+def test_ceil_is_not_fooled_by_float_rounding():
+    kept = select_chunks(np.arange(320.0), keep=0.3, chunk_size=32, tail_tokens=0)
+    assert len(chunks_of(kept, 0, 32)) == 3  # 10 * 0.3 == 3.0000000000000004
+
+
+def test_protected_prefix_exact_selection():
+    scores = np.zeros(100)
+    scores[:10] = 100.0
+    scores[50:60] = 1.0
+    scores[80:90] = 0.5
+    kept = select_chunks(scores, keep=0.2, chunk_size=10, tail_tokens=0, protected_prefix=10)
+    # 9 ranked chunks * 0.2 -> 2 chunks: [50,60) and [80,90); the high prefix spends nothing
+    assert kept.tolist() == list(range(10)) + list(range(50, 60)) + list(range(80, 90))
+
+
+def test_keep_one_keeps_everything_and_accepts_mlx_arrays():
+    import mlx.core as mx
+
+    assert select_chunks(mx.arange(100).astype(mx.bfloat16), 1.0).tolist() == list(range(100))
+
+
+def test_admission_policy():
+    assert "threshold" in admission_reason(8192)
+    assert admission_reason(8193) is None
+    assert admission_reason(100, threshold=50) is None
+    assert "protected prefix" in admission_reason(100, threshold=50, protected_prefix=100)
+
+    short = plan_selection(np.ones(100), keep=0.1, chunk_size=8, tail_tokens=8, protected_prefix=0,
+                           threshold=1000)
+    assert short.kept == 100 and short.ratio == 1.0 and "threshold" in short.reason
+
+    long = plan_selection(np.arange(1000.0), keep=0.1, chunk_size=10, tail_tokens=10,
+                          protected_prefix=0, threshold=500)
+    assert long.reason is None and long.total == 1000 and long.kept == 100
+    assert long.ratio == pytest.approx(0.1)
+    assert long.indices.tolist() == list(range(900, 1000))
+
+    everything = plan_selection(np.ones(100), keep=0.5, chunk_size=10, tail_tokens=100,
+                                protected_prefix=0, threshold=10)
+    assert everything.kept == 100 and "covers every token" in everything.reason
+
+
+def test_selection_is_frozen():
+    sel = Selection(np.arange(3, dtype=np.int32), 3, None)
+    with pytest.raises(Exception):
+        sel.total = 4
+
+
+def test_ranges_round_trip():
+    indices = np.array([0, 1, 2, 5, 7, 8, 20], dtype=np.int32)
+    ranges = to_ranges(indices)
+    assert ranges == [(0, 3), (5, 6), (7, 9), (20, 21)]
+    assert all(type(v) is int for r in ranges for v in r)
+    assert from_ranges(ranges).tolist() == indices.tolist()
+    assert from_ranges([[0, 3], [3, 4]]).tolist() == [0, 1, 2, 3]  # JSON lists, adjacent runs
+    assert to_ranges([]) == [] and from_ranges([]).tolist() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(importance=[]), "importance"),
+        (dict(importance=[[1.0, 2.0]]), "importance"),
+        (dict(importance=[1.0, float("nan")]), "importance"),
+        (dict(keep=0.0), "keep"),
+        (dict(keep=-0.5), "keep"),
+        (dict(keep=1.5), "keep"),
+        (dict(keep=float("nan")), "keep"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=2.5), "chunk_size"),
+        (dict(tail_tokens=-1), "tail_tokens"),
+        (dict(protected_prefix=-1), "protected_prefix"),
+    ],
+)
+def test_bad_selection_input_names_the_field(kwargs, field):
+    args = dict(importance=np.ones(64), keep=0.5, chunk_size=8, tail_tokens=8, protected_prefix=0)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        select_chunks(**args)
+    with pytest.raises(ValueError, match=field):
+        plan_selection(args.pop("importance"), threshold=0, **args)
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda: admission_reason(-1), "n_tokens"),
+        (lambda: admission_reason(10, threshold=-1), "threshold"),
+        (lambda: admission_reason(10, protected_prefix=-2), "protected_prefix"),
+        (lambda: plan_selection(np.ones(10), keep=0.5, threshold=-1), "threshold"),
+        (lambda: to_ranges([3, 1]), "indices"),
+        (lambda: to_ranges([1, 1]), "indices"),
+        (lambda: to_ranges([-1, 2]), "indices"),
+        (lambda: to_ranges([0.5]), "indices"),
+        (lambda: from_ranges([(3, 3)]), "range end"),
+        (lambda: from_ranges([(-1, 3)]), "range start"),
+        (lambda: from_ranges([(0, 5), (4, 6)]), "ranges"),
+        (lambda: from_ranges([(0, 5, 6)]), "ranges"),
+    ],
+)
+def test_bad_admission_and_range_input(call, field):
+    with pytest.raises(ValueError, match=field):
+        call()
