@@ -1,0 +1,289 @@
+"""The job spec: what a client asks a worker to do, validated on both sides of the queue.
+
+A spec travels as a JSON payload (``JobSpec.to_payload``). The client validates it before
+enqueueing and the worker validates the payload again with :func:`spec_from_payload`,
+because anything read off a queue may be stale, hand-written or hostile. Every rejection
+is a :class:`JobSpecError` naming the field and its allowed range.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+from jobs.settings import Settings
+
+PAYLOAD_VERSION = 1
+JOB_KINDS = ("prefill",)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+MAX_MODEL_NAME_CHARS = 1024
+MAX_CHAT_MESSAGES = 10_000
+MAX_TOKEN_ID = 2**31 - 1
+# Text is checked in characters at enqueue (tokens are only known to the worker, which
+# checks max_prompt_tokens again after tokenizing); no tokenizer emits fewer than one
+# token per this many characters on real text.
+CHARS_PER_TOKEN_BOUND = 32
+
+
+class JobSpecError(ValueError):
+    """A job spec field is missing, of the wrong type, or out of its allowed range."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits a spec must respect (from :class:`Settings`)."""
+
+    max_prompt_tokens: int = 131072
+    max_batch_documents: int = 10000
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Limits":
+        return cls(settings.max_prompt_tokens, settings.max_batch_documents)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One SpecPrefill job. Exactly one of ``tokens``, ``text`` and ``messages`` is set."""
+
+    draft_model: str
+    tokens: tuple[int, ...] | None = None
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs
+    keep: float = 0.2
+    chunk_size: int = 32
+    tail_tokens: int = 512
+    threshold: int = 8192
+    n_lookahead: int = 8
+    temperature: float = 0.6
+    top_p: float = 0.95
+    pool_kernel: int = 13
+    seed: int = 0
+    include_last_query: bool = True
+    return_importance: bool = False
+    return_spans: bool = False
+    kind: str = "prefill"
+    extra: Mapping[str, Any] = field(default_factory=dict)  # kind-specific options (JSON)
+
+    @property
+    def input_kind(self) -> str:
+        return "tokens" if self.tokens is not None else "text" if self.text is not None else "chat"
+
+    def scoring_options(self) -> dict[str, Any]:
+        """Options for ``score_tokens`` that come from the spec."""
+        return dict(n_lookahead=self.n_lookahead, temperature=self.temperature,
+                    top_p=self.top_p, seed=self.seed, pool_kernel=self.pool_kernel,
+                    include_last_query=self.include_last_query)
+
+    def selection_options(self) -> dict[str, Any]:
+        """Everything besides the tokens that decides the selection (the memo key)."""
+        return dict(self.scoring_options(), keep=self.keep, chunk_size=self.chunk_size,
+                    tail_tokens=self.tail_tokens, threshold=self.threshold)
+
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON-ready dict put on the queue."""
+        d = asdict(self)
+        d["tokens"] = list(self.tokens) if self.tokens is not None else None
+        d["messages"] = ([{"role": r, "content": c} for r, c in self.messages]
+                         if self.messages is not None else None)
+        d["extra"] = dict(self.extra)
+        d["v"] = PAYLOAD_VERSION
+        return d
+
+    def job_id(self) -> str:
+        """Deterministic RQ job id: SHA-256 of the canonical payload (letters, digits, '-')."""
+        canonical = json.dumps(self.to_payload(), sort_keys=True, separators=(",", ":"),
+                               ensure_ascii=True)
+        return f"{self.kind}-{hashlib.sha256(canonical.encode()).hexdigest()[:40]}"
+
+
+# ---- field checks: each returns the clean value or raises JobSpecError ----
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise JobSpecError(f"{name}: expected an integer in [{lo}, {hi}], got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise JobSpecError(f"{name}: {value} is outside the allowed range [{lo}, {hi}]")
+    return value
+
+
+def _float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise JobSpecError(f"{name}: expected a number in {'(' if lo_open else '['}{lo}, {hi}], "
+                           f"got {type(value).__name__}")
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):
+        raise JobSpecError(f"{name}: not representable as a float") from None
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not math.isfinite(value) or not ok:
+        raise JobSpecError(f"{name}: {value!r} is outside the allowed range "
+                           f"{'(' if lo_open else '['}{lo}, {hi}]")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise JobSpecError(f"{name}: expected true or false, got {type(value).__name__}")
+    return value
+
+
+def _model_name(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise JobSpecError("draft_model: expected a non-empty local path or hub id "
+                           f"(string of 1..{MAX_MODEL_NAME_CHARS} characters)")
+    if len(value) > MAX_MODEL_NAME_CHARS:
+        raise JobSpecError(f"draft_model: {len(value)} characters, the limit is {MAX_MODEL_NAME_CHARS}")
+    if any(ord(ch) < 32 for ch in value):
+        raise JobSpecError("draft_model: control characters are not allowed")
+    return value
+
+
+def _tokens(value: Any, limits: Limits) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        if not (hasattr(value, "tolist") and hasattr(value, "ndim")):  # numpy / mlx arrays
+            raise JobSpecError("tokens: expected a list of token ids")
+        if value.ndim != 1:
+            raise JobSpecError(f"tokens: expected a 1-D list of token ids, got {value.ndim}-D")
+        value = value.tolist()
+    n = len(value)
+    if not 1 <= n <= limits.max_prompt_tokens:
+        raise JobSpecError(f"tokens: {n} tokens, allowed 1..{limits.max_prompt_tokens} "
+                           "(max_prompt_tokens)")
+    out = []
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID:
+            raise JobSpecError(f"tokens[{i}]: expected a token id in [0, {MAX_TOKEN_ID}], got {t!r:.40}")
+        out.append(int(t))
+    return tuple(out)
+
+
+def _text(value: Any, limits: Limits) -> str:
+    if not isinstance(value, str):
+        raise JobSpecError(f"text: expected a string, got {type(value).__name__}")
+    max_chars = limits.max_prompt_tokens * CHARS_PER_TOKEN_BOUND
+    if not 1 <= len(value) <= max_chars:
+        raise JobSpecError(f"text: {len(value)} characters, allowed 1..{max_chars} "
+                           f"(max_prompt_tokens={limits.max_prompt_tokens})")
+    return value
+
+
+def _messages(value: Any, limits: Limits) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise JobSpecError("messages: expected a list of {role, content} objects")
+    if not 1 <= len(value) <= MAX_CHAT_MESSAGES:
+        raise JobSpecError(f"messages: {len(value)} messages, allowed 1..{MAX_CHAT_MESSAGES}")
+    out, total = [], 0
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
+            raise JobSpecError(f"messages[{i}]: expected an object with exactly 'role' and 'content'")
+        role, content = m["role"], m["content"]
+        if role not in CHAT_ROLES:
+            raise JobSpecError(f"messages[{i}].role: {role!r:.40} is not one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise JobSpecError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
+        total += len(content)
+        out.append((role, content))
+    max_chars = limits.max_prompt_tokens * CHARS_PER_TOKEN_BOUND
+    if total > max_chars:
+        raise JobSpecError(f"messages: {total} characters in total, the limit is {max_chars} "
+                           f"(max_prompt_tokens={limits.max_prompt_tokens})")
+    if not any(r != "system" and r != "developer" for r, _ in out):
+        raise JobSpecError("messages: needs at least one user/assistant/tool message")
+    return tuple(out)
+
+
+def _extra(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise JobSpecError("extra: expected an object with string keys")
+    try:  # must survive the JSON queue unchanged
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise JobSpecError("extra: must be plain JSON (no NaN, no custom objects)") from None
+    return dict(value)
+
+
+_FIELDS = {f for f in JobSpec.__dataclass_fields__}
+
+
+def build_spec(settings: Settings | None = None, *, limits: Limits | None = None,
+               **fields_: Any) -> JobSpec:
+    """Build a validated spec; unset fields take their defaults from ``settings``.
+
+    Pass exactly one of ``tokens=``, ``text=`` or ``messages=``. Raises
+    :class:`JobSpecError` naming the offending field.
+    """
+    settings = settings or Settings()
+    limits = limits or Limits.from_settings(settings)
+    unknown = sorted(set(fields_) - _FIELDS)
+    if unknown:
+        raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
+    defaults = dict(draft_model=settings.draft_model, keep=settings.keep,
+                    chunk_size=settings.chunk_size, tail_tokens=settings.tail_tokens,
+                    threshold=settings.threshold, n_lookahead=settings.n_lookahead,
+                    temperature=settings.temperature, top_p=settings.top_p,
+                    pool_kernel=settings.pool_kernel,
+                    include_last_query=settings.include_last_query)
+    values = {**defaults, **{k: v for k, v in fields_.items() if v is not None}}
+    return _validate(values, limits)
+
+
+def spec_from_payload(payload: Any, settings: Settings | None = None, *,
+                      limits: Limits | None = None) -> JobSpec:
+    """Validate a payload read off the queue (never trusted) into a :class:`JobSpec`."""
+    settings = settings or Settings()
+    limits = limits or Limits.from_settings(settings)
+    if not isinstance(payload, Mapping):
+        raise JobSpecError(f"payload: expected an object, got {type(payload).__name__}")
+    payload = dict(payload)
+    version = payload.pop("v", PAYLOAD_VERSION)
+    if version != PAYLOAD_VERSION:
+        raise JobSpecError(f"v: payload version {version!r:.20} is not supported (expected {PAYLOAD_VERSION})")
+    unknown = sorted(k if isinstance(k, str) else repr(k) for k in set(payload) - _FIELDS)
+    if unknown:
+        raise JobSpecError(f"{unknown[0]:.60}: unknown field")
+    if "draft_model" not in payload:
+        raise JobSpecError("draft_model: missing")
+    return build_spec(settings, limits=limits, **payload)
+
+
+def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
+    inputs = [k for k in ("tokens", "text", "messages") if v.get(k) is not None]
+    if len(inputs) != 1:
+        raise JobSpecError("input: give exactly one of tokens, text or messages "
+                           f"(got {', '.join(inputs) or 'none'})")
+    kind = v.get("kind", "prefill")
+    if kind not in JOB_KINDS:
+        raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
+    top = limits.max_prompt_tokens
+    return JobSpec(
+        kind=kind,
+        draft_model=_model_name(v.get("draft_model")),
+        tokens=_tokens(v["tokens"], limits) if "tokens" in inputs else None,
+        text=_text(v["text"], limits) if "text" in inputs else None,
+        messages=_messages(v["messages"], limits) if "messages" in inputs else None,
+        keep=_float("keep", v.get("keep"), 0.0, 1.0, lo_open=True),
+        chunk_size=_int("chunk_size", v.get("chunk_size"), 1, 8192),
+        tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, top),
+        threshold=_int("threshold", v.get("threshold"), 0, top),
+        n_lookahead=_int("n_lookahead", v.get("n_lookahead"), 1, 256),
+        temperature=_float("temperature", v.get("temperature"), 0.0, 100.0),
+        top_p=_float("top_p", v.get("top_p"), 0.0, 1.0, lo_open=True),
+        pool_kernel=_int("pool_kernel", v.get("pool_kernel"), 1, 1023),
+        seed=_int("seed", v.get("seed", 0), 0, 2**32 - 1),
+        include_last_query=_bool("include_last_query", v.get("include_last_query")),
+        return_importance=_bool("return_importance", v.get("return_importance", False)),
+        return_spans=_bool("return_spans", v.get("return_spans", False)),
+        extra=_extra(v.get("extra", {})),
+    )
+
+
+def check_batch_size(n_documents: int, limits: Limits) -> None:
+    """Raise :class:`JobSpecError` if a batch has more documents than allowed."""
+    if n_documents > limits.max_batch_documents:
+        raise JobSpecError(f"documents: {n_documents} in one batch, the limit is "
+                           f"{limits.max_batch_documents} (max_batch_documents)")

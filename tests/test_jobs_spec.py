@@ -1,0 +1,131 @@
+"""Job spec validation, payload round trips and deterministic ids."""
+import math
+
+import numpy as np
+import pytest
+
+from jobs.results import KeptSpan, PrefillResult, rates
+from jobs.settings import Settings
+from jobs.spec import JobSpecError, Limits, build_spec, check_batch_size, spec_from_payload
+
+S = Settings(draft_model="models/draft-tiny")
+
+
+def test_defaults_come_from_settings():
+    spec = build_spec(S.replace(keep=0.3, tail_tokens=64), tokens=[1, 2, 3])
+    assert spec.keep == 0.3 and spec.tail_tokens == 64 and spec.draft_model == "models/draft-tiny"
+    assert spec.input_kind == "tokens"
+
+
+def test_payload_round_trip_and_id_is_deterministic():
+    spec = build_spec(S, messages=[{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "hi"}], seed=7)
+    again = spec_from_payload(spec.to_payload(), S)
+    assert again == spec
+    assert again.job_id() == spec.job_id()
+    assert spec.job_id().startswith("prefill-")
+    assert all(c.isalnum() or c in "-_" for c in spec.job_id())
+
+
+def test_id_changes_with_content_and_settings():
+    a = build_spec(S, text="hello world")
+    assert build_spec(S, text="hello world!").job_id() != a.job_id()
+    assert build_spec(S, text="hello world", keep=0.5).job_id() != a.job_id()
+    assert build_spec(S, text="hello world").job_id() == a.job_id()
+
+
+def test_numpy_tokens_accepted():
+    spec = build_spec(S, tokens=np.arange(10, dtype=np.int32))
+    assert spec.tokens == tuple(range(10))
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(tokens=[1], keep=0.0), r"keep: 0.0 is outside the allowed range \(0.0, 1.0\]"),
+    (dict(tokens=[1], keep=float("nan")), "keep"),
+    (dict(tokens=[1], keep=True), "keep: expected a number"),
+    (dict(tokens=[1], keep="0.2"), "keep: expected a number"),
+    (dict(tokens=[1], chunk_size=0), r"chunk_size: 0 is outside the allowed range \[1, 8192\]"),
+    (dict(tokens=[1], chunk_size=10**100), "chunk_size"),
+    (dict(tokens=[1], seed=-1), "seed"),
+    (dict(tokens=[1], n_lookahead=2.5), "n_lookahead: expected an integer"),
+    (dict(tokens=[1], include_last_query=1), "include_last_query: expected true or false"),
+    (dict(tokens=[-1]), r"tokens\[0\]"),
+    (dict(tokens=[1, "2"]), r"tokens\[1\]"),
+    (dict(tokens=[[1]]), r"tokens\[0\]"),
+    (dict(tokens="123"), "tokens: expected a list"),
+    (dict(tokens=[]), "tokens: 0 tokens"),
+    (dict(text=""), "text: 0 characters"),
+    (dict(text=b"abc"), "text: expected a string"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), r"messages\[0\].role"),
+    (dict(messages=[{"role": "user", "content": 3}]), r"messages\[0\].content"),
+    (dict(messages=[{"role": "user"}]), r"messages\[0\]"),
+    (dict(messages=[{"role": "system", "content": "x"}]), "at least one user"),
+    (dict(messages="hi"), "messages: expected a list"),
+    (dict(), "exactly one of tokens, text or messages"),
+    (dict(tokens=[1], text="x"), "exactly one"),
+    (dict(tokens=[1], draft_model=""), "draft_model"),
+    (dict(tokens=[1], draft_model="a\x00b"), "draft_model: control"),
+    (dict(tokens=[1], kind="train"), "kind"),
+    (dict(tokens=[1], bogus=1), "bogus: unknown field"),
+    (dict(tokens=[1], extra={"x": float("inf")}), "extra"),
+])
+def test_bad_fields_name_the_field(fields, match):
+    with pytest.raises(JobSpecError, match=match):
+        build_spec(S, **fields)
+
+
+def test_prompt_limit_is_named():
+    with pytest.raises(JobSpecError, match=r"allowed 1..16 \(max_prompt_tokens\)"):
+        build_spec(S.replace(max_prompt_tokens=16), tokens=list(range(17)))
+    with pytest.raises(JobSpecError, match="max_prompt_tokens=16"):
+        build_spec(S.replace(max_prompt_tokens=16), text="x" * 10_000)
+
+
+def test_batch_limit_is_named():
+    check_batch_size(3, Limits(max_batch_documents=3))
+    with pytest.raises(JobSpecError, match="limit is 3 \\(max_batch_documents\\)"):
+        check_batch_size(4, Limits(max_batch_documents=3))
+
+
+@pytest.mark.parametrize("payload", [
+    None, [], "x", 3, {"tokens": [1]}, {"draft_model": "m", "tokens": [1], "v": 99},
+    {"draft_model": "m", "tokens": [1], 5: 1}, {"draft_model": {"a": 1}, "tokens": [1]},
+    {"draft_model": "m", "tokens": [1], "keep": [0.2]},
+    {"draft_model": "m", "tokens": {"0": 1}},
+])
+def test_hostile_payloads_raise_clean_errors(payload):
+    with pytest.raises(JobSpecError):
+        spec_from_payload(payload, S)
+
+
+def test_result_round_trip():
+    r = PrefillResult(job_id="j", kept_ranges=[(0, 4), (10, 12)], kept=6, total=20, reason=None,
+                      spans=[KeptSpan(0, 4, "abcd")], timings={"prefill": 0.5},
+                      tokens_per_s=rates({"prefill": 0.5}, {"prefill": 20}))
+    d = r.to_json()
+    assert d["ratio"] == pytest.approx(0.3) and d["kept_ranges"] == [[0, 4], [10, 12]]
+    back = PrefillResult.from_json(d)
+    assert back == r and back.kept_indices() == [0, 1, 2, 3, 10, 11]
+    assert back.tokens_per_s == {"prefill": 40.0}
+    assert math.isclose(PrefillResult("j", [], 0, 0, "short").ratio, 1.0)
+
+
+from hypothesis import given, settings as hsettings, strategies as st
+
+_junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12)
+_field = st.sampled_from(["draft_model", "tokens", "text", "messages", "keep", "chunk_size",
+                          "tail_tokens", "threshold", "n_lookahead", "seed", "top_p", "extra",
+                          "include_last_query", "kind", "v", "other"])
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.dictionaries(_field, _junk, max_size=8))
+def test_fuzzed_payloads_only_raise_jobspecerror(payload):
+    try:
+        spec = spec_from_payload(payload, S)
+    except JobSpecError:
+        return
+    assert spec_from_payload(spec.to_payload(), S) == spec
