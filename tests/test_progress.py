@@ -1,0 +1,156 @@
+"""Progress events: publisher (fakeredis), subscriber replay/reconnect (real Redis), batch view."""
+import threading
+import time
+
+import fakeredis
+import pytest
+import redis
+
+from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, ProgressTimeout,
+                           batch_progress, channel_name, iter_events, parse_stream_events,
+                           stream_key)
+
+
+def test_publisher_numbers_caps_and_expires():
+    r = fakeredis.FakeRedis()
+    pub = ProgressPublisher(r, "j1", namespace="t", maxlen=5, ttl_s=100)
+    for i in range(20):
+        pub.publish("lookahead", step=i)
+    pub.publish("done", elapsed_s=1.0)
+    assert pub.publish("failed", error="late") is None  # exactly one terminal
+    entries = r.xrange(stream_key("t", "j1"))
+    events = parse_stream_events(entries)
+    assert len(events) <= 21 and events[-1].kind == "done" and events[-1].seq == 21
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+    assert 0 < r.ttl(stream_key("t", "j1")) <= 100
+
+
+def test_resume_continues_sequence():
+    r = fakeredis.FakeRedis()
+    ProgressPublisher(r, "j", namespace="t").publish("queued")
+    pub = ProgressPublisher.resume(r, "j", namespace="t")
+    assert pub.publish("loading_model", model="m").seq == 2
+
+
+def test_scoring_events_are_throttled_but_last_chunk_always_goes_out():
+    r = fakeredis.FakeRedis()
+    now = [0.0]
+    pub = ProgressPublisher(r, "j", namespace="t", min_interval_s=1.0, clock=lambda: now[0])
+    sent = []
+    for i in range(1, 101):
+        now[0] = i * 0.05  # 20 chunks per second
+        sent.append(pub.scoring(i * 10, 1000, 200.0, 1.0))
+    assert sent[-1] is True
+    assert 5 <= sum(sent) <= 7
+
+
+def test_unknown_kind_rejected():
+    with pytest.raises(ValueError, match="kind"):
+        ProgressPublisher(fakeredis.FakeRedis(), "j").publish("exploded")
+
+
+def test_publish_faults_are_counted_not_raised():
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    r = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,  # nothing listens
+                    retry=Retry(NoBackoff(), 0))
+    pub = ProgressPublisher(r, "j")
+    assert pub.publish("queued") is None and pub.dropped == 1
+
+
+def test_batch_progress_counts_and_rates():
+    r = fakeredis.FakeRedis()
+    ids = ["a", "b", "c", "d"]
+    for jid, status in zip(ids, ["finished", "started", "queued", "failed"]):
+        r.hset(f"rq:job:{jid}", "status", status)
+    ProgressPublisher(r, "a").publish("done", elapsed_s=2.0)
+    ProgressPublisher(r, "b").publish("scoring", processed=5, total=10, tokens_per_s=300.0, eta_s=1.5)
+    view = batch_progress(r, ids + ["zz"])
+    assert (view.done, view.running, view.queued, view.failed, view.missing) == (1, 1, 1, 1, 1)
+    assert view.tokens_per_s == 300.0 and view.eta_s == pytest.approx(2.0 + 1.5)
+    assert not view.complete
+    assert BatchProgress(total=2, done=1, failed=1).complete
+
+
+# ---- real Redis: pub/sub + stream ----
+
+def _publish_slowly(url, job_id, n, delay):
+    pub = ProgressPublisher(redis.Redis.from_url(url), job_id)
+    for i in range(n):
+        pub.publish("lookahead", step=i)
+        time.sleep(delay)
+    pub.publish("done", elapsed_s=n * delay)
+
+
+def test_late_subscriber_sees_every_event_in_order(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    t = threading.Thread(target=_publish_slowly, args=(redis_url, "late", 10, 0.02))
+    t.start()
+    time.sleep(0.1)  # attach mid-job: pub/sub alone would miss the first events
+    events = list(iter_events(r, "late", timeout=10))
+    t.join()
+    assert [e.seq for e in events] == list(range(1, 12))
+    assert events[-1].kind == "done" and sum(e.terminal for e in events) == 1
+
+
+def test_subscriber_after_job_end_replays_and_ends(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    _publish_slowly(redis_url, "old", 3, 0)
+    events = list(iter_events(r, "old", timeout=5))
+    assert [e.kind for e in events] == ["lookahead"] * 3 + ["done"]
+
+
+def test_after_seq_skips_seen_events(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    _publish_slowly(redis_url, "j", 3, 0)
+    assert [e.seq for e in iter_events(r, "j", after_seq=2, timeout=5)] == [3, 4]
+
+
+def test_subscriber_survives_connection_kill(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    admin = redis.Redis.from_url(redis_url)
+    got = []
+
+    def watch():
+        got.extend(iter_events(r, "rc", timeout=15, poll_s=0.2))
+
+    w = threading.Thread(target=watch)
+    w.start()
+    pub = ProgressPublisher(admin, "rc")
+    for i in range(5):
+        pub.publish("lookahead", step=i)
+    time.sleep(0.3)
+    admin.client_kill_filter(_type="pubsub")  # drop the watcher's subscription
+    for i in range(5, 10):
+        pub.publish("lookahead", step=i)
+    time.sleep(0.3)
+    pub.publish("done")
+    w.join(15)
+    assert [e.seq for e in got] == list(range(1, 12))
+
+
+def test_gap_on_channel_is_filled_from_stream(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    got = []
+    w = threading.Thread(target=lambda: got.extend(iter_events(r, "gap", timeout=10, poll_s=5)))
+    w.start()
+    time.sleep(0.2)
+    # Event 1 only in the stream (as if its PUBLISH was lost), then 2 on both.
+    r.xadd(stream_key("specprefill", "gap"), {"e": ProgressEvent("gap", 1, "queued").to_json()})
+    ProgressPublisher(r, "gap", start_seq=1).publish("done")
+    w.join(10)
+    assert [e.seq for e in got] == [1, 2]
+
+
+def test_timeout_and_idle_check(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    with pytest.raises(ProgressTimeout):
+        list(iter_events(r, "never", timeout=0.3, poll_s=0.1))
+    synth = ProgressEvent("gone", 0, "failed", {"error": "expired"})
+    assert list(iter_events(r, "gone", timeout=5, poll_s=0.1, idle_check=lambda s: synth)) == [synth]
+
+
+def test_channel_and_stream_names_are_per_job():
+    assert channel_name("ns", "a") != channel_name("ns", "b")
+    assert stream_key("ns", "a").startswith("ns:")
