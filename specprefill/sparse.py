@@ -259,8 +259,10 @@ def _run_prefill(model, inputs: mx.array, cache: list, *, first_stop: int, step:
 
 
 def _as_tokens(tokens) -> mx.array:
-    prompt = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1)) if not isinstance(tokens, mx.array) \
-        else tokens.reshape(-1).astype(mx.int32)
+    if isinstance(tokens, mx.array):
+        prompt = tokens.reshape(-1).astype(mx.int32)
+    else:
+        prompt = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1))
     if len(prompt) == 0:
         raise ValueError("tokens: the prompt must hold at least 1 token")
     return prompt

@@ -339,3 +339,14 @@ def test_sampling_settings():
     greedy_tokens = run(Sampling(greedy=True, temperature=1.0))
     assert run(Sampling(temperature=1.0, top_p=1e-6, seed=3)) == greedy_tokens
     assert run(Sampling(), stop_tokens=[greedy_tokens[3]]) == greedy_tokens[:greedy_tokens.index(greedy_tokens[3])]
+
+
+def test_full_prefill_inside_a_session_is_the_plain_prefill():
+    model = make_model("phi3", seed=4)
+    tokens = prompt(50)
+    outside = full_prefill(model, tokens, prefill_step=16)
+    with sparse_session(model):
+        inside = full_prefill(model, tokens, prefill_step=16)
+        inside_tokens = greedy(model, *inside)
+    assert np.array_equal(np.array(inside[0]), np.array(outside[0]))
+    assert inside_tokens == greedy(model, *outside)
