@@ -259,7 +259,6 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
     kind = v.get("kind", "prefill")
     if kind not in JOB_KINDS:
         raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
-    top = limits.max_prompt_tokens
     return JobSpec(
         kind=kind,
         draft_model=_model_name(v.get("draft_model")),
@@ -268,8 +267,8 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         messages=_messages(v["messages"], limits) if "messages" in inputs else None,
         keep=_float("keep", v.get("keep"), 0.0, 1.0, lo_open=True),
         chunk_size=_int("chunk_size", v.get("chunk_size"), 1, 8192),
-        tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, top),
-        threshold=_int("threshold", v.get("threshold"), 0, top),
+        tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, MAX_TOKEN_ID),
+        threshold=_int("threshold", v.get("threshold"), 0, MAX_TOKEN_ID),
         n_lookahead=_int("n_lookahead", v.get("n_lookahead"), 1, 256),
         temperature=_float("temperature", v.get("temperature"), 0.0, 100.0),
         top_p=_float("top_p", v.get("top_p"), 0.0, 1.0, lo_open=True),

@@ -1,0 +1,255 @@
+"""The Python client: submit prefill jobs, follow them, fetch results.
+
+Job ids are derived from the spec (content + settings), so submitting the same work again
+returns the existing job instead of running it twice; only jobs that ended failed, stopped
+or canceled are enqueued afresh. A batch is checked in one pipelined round trip and
+enqueued (jobs + their ``queued`` events) in another.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
+
+import redis
+from rq import Queue, Retry
+from rq.command import send_stop_job_command
+from rq.job import Callback, Job
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
+                           iter_events, stream_key)
+from jobs.results import PrefillResult
+from jobs.settings import Settings
+from jobs.spec import JobSpec, Limits, build_spec, check_batch_size
+
+JOB_FUNCTION = "worker.tasks.run_job"
+FAILURE_CALLBACK = "worker.tasks.on_job_failure"
+RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
+TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+
+
+class JobFailed(RuntimeError):
+    """The job ended failed (or stopped/canceled); the message is the worker's error."""
+
+    def __init__(self, job_id: str, status: str, error: str) -> None:
+        super().__init__(f"job {job_id} {status}: {error}")
+        self.job_id, self.status, self.error = job_id, status, error
+
+
+def _text(v: Any) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class JobHandle:
+    """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``."""
+
+    def __init__(self, client: "Client", job_id: str, *, created: bool = False) -> None:
+        self.client, self.id, self.created = client, job_id, created
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+    def status(self) -> str:
+        """RQ status (queued, started, finished, failed, stopped, canceled, ...) or 'missing'."""
+        return _text(self.client.connection.hget(Job.key_for(self.id), "status")) or "missing"
+
+    def _job(self) -> Job:
+        return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
+
+    def error(self) -> str:
+        """The worker's error message for a failed job (last line of the traceback)."""
+        res = Result.fetch_latest(self._job(), serializer=JSONSerializer)
+        exc = (res.exc_string if res is not None else "") or ""
+        lines = [ln for ln in exc.strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else "unknown error"
+
+    def result(self, timeout: float | None = None, poll_s: float = 0.05) -> PrefillResult | dict:
+        """Wait for the job to end; return its result or raise :class:`JobFailed`.
+
+        Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status()
+            if status == "finished":
+                value = self._job().return_value()
+                if isinstance(value, Mapping) and value.get("kind", "prefill") == "prefill":
+                    return PrefillResult.from_json(value)
+                return value
+            if status in TERMINAL_STATUSES:
+                raise JobFailed(self.id, status, self.error() if status == "failed" else status)
+            if status == "missing":
+                raise JobFailed(self.id, status, "no such job (expired or never submitted)")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 0.5)
+
+    def cancel(self) -> str:
+        """Cancel a queued job, or ask the worker to stop a running one. Returns the status seen."""
+        status = self.status()
+        conn = self.client.connection
+        if status in ("queued", "deferred", "scheduled"):
+            self._job().cancel()
+            self.client._publisher(self.id).publish("stopped", reason="canceled before start")
+        elif status == "started":
+            send_stop_job_command(conn, self.id, serializer=JSONSerializer)
+        return status
+
+    def events(self, timeout: float | None = None, after_seq: int = 0,
+               poll_s: float = 1.0) -> Iterator[ProgressEvent]:
+        """Every progress event in order, ending at the terminal one (late attach replays)."""
+        def idle_check(last_seq: int) -> ProgressEvent | None:
+            status = self.status()
+            if status == "missing" or status in TERMINAL_STATUSES:
+                kind = {"finished": "done", "failed": "failed"}.get(status, "stopped")
+                return ProgressEvent(self.id, last_seq + 1, kind,
+                                     {"synthetic": True, "status": status})
+            return None
+
+        return iter_events(self.client.connection, self.id, namespace=self.client.settings.namespace,
+                           after_seq=after_seq, timeout=timeout, poll_s=poll_s, idle_check=idle_check)
+
+
+class BatchHandle:
+    """A submitted batch: the same verbs over all its jobs, plus ``progress()``."""
+
+    def __init__(self, client: "Client", handles: list[JobHandle]) -> None:
+        self.client, self.handles = client, handles
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [h.id for h in self.handles]
+
+    @property
+    def created(self) -> int:
+        """How many jobs this submission actually enqueued (the rest already existed)."""
+        return sum(h.created for h in self.handles)
+
+    def progress(self) -> BatchProgress:
+        return batch_progress(self.client.connection, self.job_ids,
+                              namespace=self.client.settings.namespace, job_key=Job.key_for)
+
+    def status(self) -> dict[str, Any]:
+        return self.progress().to_json()
+
+    def result(self, timeout: float | None = None) -> list[PrefillResult | dict | JobFailed]:
+        """Each job's result in submission order; failed jobs give their :class:`JobFailed`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Any] = []
+        for h in self.handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out.append(h.result(left))
+            except JobFailed as exc:
+                out.append(exc)
+        return out
+
+    def cancel(self) -> dict[str, str]:
+        return {h.id: h.cancel() for h in self.handles}
+
+    def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
+        """Aggregate snapshots every ``poll_s`` until every job has ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self.progress()
+            yield view
+            if view.complete:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"batch not complete after {timeout}s")
+            time.sleep(poll_s)
+
+
+@dataclass
+class _Plan:
+    spec: JobSpec
+    job_id: str
+
+
+class Client:
+    """Submits jobs to the service's queue on ``connection`` (JSON payloads only)."""
+
+    def __init__(self, connection: redis.Redis, settings: Settings | None = None,
+                 queue_name: str | None = None) -> None:
+        self.connection = connection
+        self.settings = settings or Settings.from_env()
+        self.queue = Queue(queue_name or self.settings.queue_names[0], connection=connection,
+                           serializer=JSONSerializer, default_timeout=self.settings.job_timeout_s)
+
+    @classmethod
+    def from_url(cls, url: str, settings: Settings | None = None, **kwargs: Any) -> "Client":
+        return cls(redis.Redis.from_url(url), settings, **kwargs)
+
+    def _publisher(self, job_id: str, start_seq: int | None = None) -> ProgressPublisher:
+        s = self.settings
+        kwargs = dict(namespace=s.namespace, maxlen=s.progress_stream_maxlen, ttl_s=s.progress_ttl_s)
+        if start_seq is None:
+            return ProgressPublisher.resume(self.connection, job_id, **kwargs)
+        return ProgressPublisher(self.connection, job_id, start_seq=start_seq, **kwargs)
+
+    def spec(self, **fields: Any) -> JobSpec:
+        """A validated spec with this client's settings as defaults."""
+        return build_spec(self.settings, **fields)
+
+    def handle(self, job_id: str) -> JobHandle:
+        return JobHandle(self, job_id)
+
+    def submit(self, spec: JobSpec | None = None, **fields: Any) -> JobHandle:
+        """Enqueue one job (``spec``, or spec fields such as ``text=...``)."""
+        spec = spec or self.spec(**fields)
+        return self._enqueue([spec])[0]
+
+    def submit_many(self, documents: Iterable[JobSpec | Mapping[str, Any] | str],
+                    **common: Any) -> BatchHandle:
+        """Enqueue a batch: each document is a spec, a dict of spec fields, or a text.
+
+        ``common`` fields apply to every document built here. Identical documents share one job.
+        """
+        specs = []
+        for doc in documents:
+            if isinstance(doc, JobSpec):
+                specs.append(doc)
+            elif isinstance(doc, str):
+                specs.append(self.spec(**{**common, "text": doc}))
+            else:
+                specs.append(self.spec(**{**common, **doc}))
+        check_batch_size(len(specs), Limits.from_settings(self.settings))
+        return BatchHandle(self, self._enqueue(specs))
+
+    def _enqueue(self, specs: list[JobSpec]) -> list[JobHandle]:
+        s, conn, q = self.settings, self.connection, self.queue
+        plans = [_Plan(spec, spec.job_id()) for spec in specs]
+        unique = list(dict.fromkeys(p.job_id for p in plans))
+        with conn.pipeline(transaction=False) as pipe:
+            for jid in unique:
+                pipe.hget(Job.key_for(jid), "status")
+            statuses = dict(zip(unique, (_text(v) for v in pipe.execute())))
+        todo = [jid for jid in unique if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
+        if todo:
+            first = {}
+            for p in plans:
+                first.setdefault(p.job_id, p.spec)
+            q.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+            with conn.pipeline() as pipe:
+                datas = []
+                for jid in todo:
+                    if statuses[jid] is not None:  # a rerun: clear the old run's traces
+                        pipe.zrem(q.failed_job_registry.key, jid)
+                        pipe.zrem(q.canceled_job_registry.key, jid)
+                        pipe.delete(Job.key_for(jid), Result.get_key(jid))
+                    pipe.delete(stream_key(s.namespace, jid))
+                    self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
+                    spec = first[jid]
+                    datas.append(Queue.prepare_data(
+                        JOB_FUNCTION, args=[spec.to_payload()], job_id=jid,
+                        timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
+                        failure_ttl=s.failure_ttl_s, description=f"{spec.kind} {spec.input_kind}",
+                        retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
+                        on_failure=Callback(FAILURE_CALLBACK)))
+                q.enqueue_many(datas, pipeline=pipe)
+                pipe.execute()
+        created = set(todo)
+        return [JobHandle(self, p.job_id, created=p.job_id in created) for p in plans]

@@ -1,0 +1,228 @@
+"""The RQ worker as a real subprocess on a real Redis, with the fake scoring backend of
+tests/test_worker_tasks.py (slow chunks make stop/SIGTERM/timeout timing controllable).
+
+Run as a script, this file is the worker harness: ``python test_worker_process.py URL DELAY NAME``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def harness_settings(**overrides):
+    from jobs.settings import Settings
+
+    base = dict(draft_model="fake-draft", threshold=64, tail_tokens=16, chunk_size=8, keep=0.25,
+                heartbeat_interval_s=0.3, retry_max=2, job_timeout_s=60)
+    return Settings(**{**base, **overrides})
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    from test_worker_tasks import fake_runtime
+
+    from worker.rq_worker import run_worker
+
+    url, delay, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    rt = fake_runtime(redis.Redis.from_url(url), harness_settings(), chunk_delay_s=delay)
+    run_worker(rt, ["specprefill"], name=name, logging_level="INFO")
+    raise SystemExit(0)
+
+
+from jobs.client import Client, JobFailed  # noqa: E402
+from jobs.progress import ProgressEvent  # noqa: E402
+
+
+class WorkerProcess:
+    def __init__(self, url: str, delay: float, name: str, log_dir: Path) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "test_worker_process.py"), url,
+                                      str(delay), name], stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        r = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 20
+        while not r.exists(f"rq:worker:{name}"):
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "worker did not register"
+            time.sleep(0.05)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def start_worker(redis_url, tmp_path):
+    started = []
+
+    def start(delay=0.0, name=None):
+        w = WorkerProcess(redis_url, delay, name or f"w{len(started)}-{os.getpid()}", tmp_path)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def client_for(url, **overrides):
+    return Client(redis.Redis.from_url(url), harness_settings(**overrides))
+
+
+def wait_for(pred, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def first_scoring_event(handle):
+    for ev in handle.events(timeout=15):
+        if ev.kind == "scoring" or ev.terminal:
+            return ev
+
+
+DOC = list(range(2, 250))
+
+
+def test_job_result_and_late_subscriber_replay(redis_url, start_worker):
+    start_worker(0.005)
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)
+    res = h.result(timeout=30)
+    assert res.total == len(DOC) and 0 < res.kept < res.total
+    events = list(h.events(timeout=5))  # attached after the end: replayed from the stream
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "queued" and kinds[-1] == "done" and "scoring" in kinds
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    # Same spec again: same job, nothing re-enqueued.
+    again = c.submit(tokens=DOC)
+    assert again.id == h.id and not again.created and again.status() == "finished"
+
+
+def test_stop_job_ends_stopped_and_worker_takes_next(redis_url, start_worker):
+    start_worker(0.1)
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)  # ~31 chunks x 0.1 s
+    assert first_scoring_event(h).kind == "scoring"
+    assert h.cancel() == "started"
+    with pytest.raises(JobFailed) as info:
+        h.result(timeout=10)
+    assert info.value.status == "stopped"
+    assert list(h.events(timeout=5))[-1].kind == "stopped"
+    quick = c.submit(tokens=list(range(2, 30)))  # short: kept in full
+    assert quick.result(timeout=15).kept == 28
+
+
+def test_cancel_queued_job(redis_url):
+    c = client_for(redis_url)
+    h = c.submit(tokens=[5, 6, 7])
+    assert h.cancel() == "queued" and h.status() == "canceled"
+    assert list(h.events(timeout=5))[-1].kind == "stopped"
+    assert c.submit(tokens=[5, 6, 7]).created  # a canceled job can be submitted again
+
+
+def test_first_sigterm_finishes_job_then_exits(redis_url, start_worker):
+    w = start_worker(0.05)
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)  # ~1.5 s
+    first_scoring_event(h)
+    w.signal(signal.SIGTERM)
+    assert w.proc.wait(20) == 0
+    assert h.status() == "finished" and h.result(timeout=1).total == len(DOC)
+
+
+def test_second_sigterm_stops_at_next_chunk(redis_url, start_worker):
+    w = start_worker(0.2)
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)  # ~6 s
+    first_scoring_event(h)
+    w.signal(signal.SIGTERM)
+    time.sleep(1.2)  # RQ ignores a repeat within 1 s
+    w.signal(signal.SIGTERM)
+    assert w.proc.wait(10) == 0
+    assert h.status() == "stopped"
+    assert list(h.events(timeout=5))[-1].kind == "stopped"
+
+
+def test_timeout_fails_without_retry_and_worker_keeps_serving(redis_url, start_worker):
+    start_worker(0.2)
+    c = client_for(redis_url, job_timeout_s=1)
+    h = c.submit(tokens=DOC)
+    with pytest.raises(JobFailed) as info:
+        h.result(timeout=20)
+    assert info.value.status == "failed" and "Timeout" in info.value.error
+    kinds = [e.kind for e in h.events(timeout=5)]
+    assert kinds.count("failed") == 1 and "retrying" not in kinds
+    assert c.submit(tokens=list(range(2, 20))).result(timeout=15).kept == 18
+
+
+def test_bad_input_fails_with_message_not_retried(redis_url, start_worker):
+    from rq import Queue, Retry
+    from rq.serializers import JSONSerializer
+
+    start_worker(0.0)
+    conn = redis.Redis.from_url(redis_url)
+    q = Queue("specprefill", connection=conn, serializer=JSONSerializer)
+    job = q.enqueue("worker.tasks.run_job", {"draft_model": "fake-draft", "tokens": [1, 2], "keep": 5},
+                    retry=Retry(max=3), job_timeout=30)
+    c = client_for(redis_url)
+    with pytest.raises(JobFailed) as info:
+        c.handle(job.id).result(timeout=15)
+    assert "keep: 5.0 is outside the allowed range" in info.value.error
+    kinds = [e.kind for e in c.handle(job.id).events(timeout=5)]
+    assert kinds == ["failed"]
+    assert c.submit(tokens=[3, 4, 5]).result(timeout=15).kept == 3
+
+
+def test_heartbeats_during_a_long_job_and_rq_info_lists_worker(redis_url, start_worker):
+    w = start_worker(0.2)
+    conn = redis.Redis.from_url(redis_url)
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)  # ~6 s, heartbeat every 0.3 s
+    first_scoring_event(h)
+    rq_bin = Path(sys.executable).with_name("rq")
+    out = subprocess.run([str(rq_bin), "info", "--url", redis_url], capture_output=True,
+                         text=True, timeout=30)
+    assert f"{w.name} (" in out.stdout and "busy" in out.stdout, out.stdout
+    beat1 = conn.hget(f"rq:worker:{w.name}", "last_heartbeat")
+    time.sleep(0.8)
+    assert h.status() == "started"
+    assert conn.hget(f"rq:worker:{w.name}", "last_heartbeat") != beat1
+    h.cancel()
+
+
+def test_two_workers_share_a_batch(redis_url, start_worker):
+    start_worker(0.01)
+    start_worker(0.01)
+    c = client_for(redis_url)
+    batch = c.submit_many([{"tokens": list(range(2 + i, 120 + i))} for i in range(6)])
+    results = batch.result(timeout=60)
+    assert all(not isinstance(r, JobFailed) for r in results)
+    view = batch.progress()
+    assert view.done == 6 and view.complete
+    workers = {c.handle(jid)._job().worker_name for jid in batch.job_ids}
+    assert len(workers) == 2

@@ -1,0 +1,247 @@
+"""The job body with injected fakes (no model, fakeredis): events, memo, stop, errors.
+
+The fakes here are also used by tests/test_worker_process.py, which runs them inside real
+worker subprocesses.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import fakeredis
+import numpy as np
+import pytest
+
+from jobs.progress import ProgressPublisher, parse_stream_events, stream_key
+from jobs.results import PrefillResult
+from jobs.settings import Settings
+from jobs.spec import JobSpecError, build_spec
+from specprefill.selection import admission_reason, plan_selection, to_ranges
+from worker.models import ModelPool
+from worker.runtime import JobStopped, PrefillBackend, WorkerRuntime
+from worker.tasks import JobContext, execute, system_prefix_tokens, tokenize
+
+# ---- fakes ----
+
+
+class FakeTokenizer:
+    chat_template = "fake"
+
+    def encode(self, text, add_special_tokens=True):
+        return ([1] if add_special_tokens else []) + [2 + ord(c) % 200 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i - 2 + 32) for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeModel:
+    class args:
+        vocab_size = 256
+
+
+def fake_pool(capacity=2):
+    return ModelPool(capacity, loader=lambda name: (FakeModel(), FakeTokenizer()),
+                     check=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
+                     identify=lambda name: "fake:" + name, warm=lambda m: None)
+
+
+@dataclass
+class FakeScore:
+    importance: np.ndarray
+    cache: list
+    lookahead_tokens: list
+    timings: dict
+    cached_tokens: int
+    prompt_tokens: int
+
+
+class FakeStore:
+    """Longest stored prefix in blocks of 8 tokens; fetch always leaves >= 1 token."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def fetch(self, tokens):
+        n = 0
+        for end in range(8, len(tokens), 8):
+            if tuple(tokens[:end]) in self.shared:
+                n = end
+        return (["kv"] if n else None), n
+
+    def store(self, tokens, cache):
+        new = [tuple(tokens[:e]) for e in range(8, len(tokens) + 1, 8) if tuple(tokens[:e]) not in self.shared]
+        self.shared.update(new)
+        return len(new)
+
+
+class FakeMemo:
+    def __init__(self, shared):
+        self.shared = shared
+
+    def get(self, tokens, settings):
+        return self.shared.get((tuple(tokens), tuple(sorted(settings.items()))))
+
+    def put(self, tokens, settings, ranges):
+        self.shared[(tuple(tokens), tuple(sorted(settings.items())))] = list(ranges)
+
+
+def make_fake_score(chunk_delay_s=0.0, step=16):
+    def score_with_cache(model, tokens, draft_cache, *, progress=None, prefill_step=2048, **opts):
+        cache, n = draft_cache.fetch(tokens) if draft_cache is not None else (None, 0)
+        t0 = time.perf_counter()
+        for p in range(n, len(tokens), step):
+            time.sleep(chunk_delay_s)
+            if progress:
+                progress(min(p + step, len(tokens)), len(tokens), "prefill")
+        if progress:
+            progress(len(tokens), len(tokens), "lookahead")
+            progress(len(tokens), len(tokens), "importance")
+        importance = np.array([(t * 7919) % 101 for t in tokens], dtype=np.float32)
+        if draft_cache is not None:
+            draft_cache.store(tokens, ["kv"])
+        return FakeScore(importance, ["kv"], [1] * opts.get("n_lookahead", 8),
+                         {"prefill": time.perf_counter() - t0, "lookahead": 0.001, "importance": 0.001},
+                         n, len(tokens))
+    return score_with_cache
+
+
+def fake_backend(chunk_delay_s=0.0, shared=None):
+    shared = shared if shared is not None else {"blocks": set(), "memo": {}}
+    return PrefillBackend(
+        score_with_cache=make_fake_score(chunk_delay_s), plan_selection=plan_selection,
+        to_ranges=to_ranges, admission_reason=admission_reason,
+        block_store=lambda client, fp, s: FakeStore(shared["blocks"]),
+        memo=lambda client, fp, s: FakeMemo(shared["memo"]))
+
+
+def fake_runtime(connection, settings=None, chunk_delay_s=0.0, shared=None):
+    settings = settings or Settings(draft_model="fake-draft", threshold=64, tail_tokens=16,
+                                    chunk_size=8, keep=0.25)
+    be = fake_backend(chunk_delay_s, shared)
+    return WorkerRuntime(settings, connection, connection, fake_pool(settings.model_lru_size),
+                         backend_factory=lambda: be)
+
+
+# ---- tests ----
+
+def _run(rt, payload, job_id="j"):
+    pub = ProgressPublisher(rt.connection, job_id, min_interval_s=0.0)
+    return execute(payload, JobContext(job_id, rt, pub))
+
+
+def _events(r, job_id="j"):
+    return parse_stream_events(r.xrange(stream_key("specprefill", job_id)))
+
+
+def test_prefill_job_events_and_result():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    spec = build_spec(rt.settings, text="x" * 200, return_spans=True, return_importance=True)
+    out = PrefillResult.from_json(_run(rt, spec.to_payload()))
+    assert out.total == 201 and out.reason is None and 0 < out.kept < out.total
+    assert out.kept == sum(e - s for s, e in out.kept_ranges)
+    assert out.kept_ranges[-1][1] == 201  # the tail is kept
+    assert len(out.importance) == 201 and len(out.spans) == len(out.kept_ranges)
+    assert out.model == "fake:fake-draft" and not out.memo_hit
+    assert {"prefill", "load_model", "selection", "total"} <= set(out.timings)
+    kinds = [e.kind for e in _events(r)]
+    assert kinds[:2] == ["loading_model", "cache_lookup"]
+    assert "scoring" in kinds and "lookahead" in kinds and "importance" in kinds
+    assert kinds[-3:] == ["cache_store", "selection", "done"]
+    assert [e.seq for e in _events(r)] == list(range(1, len(kinds) + 1))
+
+
+def test_short_prompt_keeps_all_with_reason():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    out = _run(rt, build_spec(rt.settings, tokens=list(range(10))).to_payload())
+    assert out["kept"] == 10 and "threshold" in out["reason"]
+
+
+def test_second_identical_job_is_a_memo_hit_and_shared_prefix_hits_the_store():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    doc = list(range(2, 130))
+    first = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "a")
+    again = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "b")
+    assert again["memo_hit"] and again["kept_ranges"] == first["kept_ranges"]
+    other = _run(rt, build_spec(rt.settings, tokens=doc + [5, 6, 7]).to_payload(), "c")
+    assert not other["memo_hit"] and other["cached_tokens"] == 128
+
+
+def test_bad_payload_fails_with_validation_message():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    with pytest.raises(JobSpecError, match="keep"):
+        _run(rt, {"draft_model": "m", "tokens": [1, 2], "keep": 7})
+    ev = _events(r)[-1]
+    assert ev.kind == "failed" and "keep" in ev.data["error"]
+
+
+def test_token_outside_vocabulary_rejected():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    with pytest.raises(JobSpecError, match="vocabulary"):
+        _run(rt, build_spec(rt.settings, tokens=[1, 300]).to_payload())
+
+
+def test_prompt_limit_checked_after_tokenizing():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r, settings=Settings(draft_model="fake-draft", max_prompt_tokens=50))
+    with pytest.raises(JobSpecError, match="max_prompt_tokens"):
+        _run(rt, {"draft_model": "fake-draft", "text": "y" * 60})
+
+
+def test_stop_request_ends_job_stopped_between_chunks():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    rt.stop_event.set()
+    with pytest.raises(JobStopped):
+        _run(rt, build_spec(rt.settings, tokens=list(range(2, 200))).to_payload())
+    assert _events(r)[-1].kind == "stopped"
+
+
+def test_chat_protected_prefix_is_the_system_block():
+    tok = FakeTokenizer()
+    spec = build_spec(Settings(draft_model="m"), messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
+    tokens, system_end = tokenize(spec, tok)
+    assert system_end == len(tok.encode("<system>You are terse.</system><user>", add_special_tokens=False))
+    assert tokens[:system_end] == tok.encode("<system>You are terse.</system><user>", add_special_tokens=False)
+    assert system_prefix_tokens(tok, [{"role": "user", "content": "x"}], tokens) == 0
+
+
+def test_chat_without_template_is_a_clear_error():
+    class NoTemplate(FakeTokenizer):
+        chat_template = None
+
+    spec = build_spec(Settings(draft_model="m"), messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(JobSpecError, match="no chat template"):
+        tokenize(spec, NoTemplate())
+
+
+def test_model_pool_is_a_bounded_lru():
+    pool = fake_pool(capacity=2)
+    a = pool.get("a")
+    pool.get("b")
+    assert pool.get("a") is a and pool.loads == 2
+    pool.get("c")  # evicts b (least recently used)
+    assert pool.names() == ["a", "c"] and "b" not in pool
+    with pytest.raises(ValueError, match="model_lru_size"):
+        ModelPool(0)
+
+
+def test_local_identity_hashes_config_and_weights(tmp_path):
+    from worker.models import local_identity
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    first = local_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"abd")
+    assert first.startswith("local:") and local_identity(tmp_path) != first
+    with pytest.raises(ValueError, match="draft_model"):
+        local_identity(tmp_path / "nope")

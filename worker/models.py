@@ -1,0 +1,166 @@
+"""Draft models for the worker: loaded once, warmed up, kept in a bounded LRU.
+
+A model's *identity* roots its block-store keys, so two workers that load the same
+weights share KV blocks and different weights never do: a local folder is identified by
+a SHA-256 of its config and weight files, a hub id by the repo id plus the resolved
+snapshot revision.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_HASH_CHUNK = 1 << 22
+_identity_cache: dict[tuple, str] = {}
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    names = ["config.json"] + sorted(p.name for p in folder.glob("*.safetensors"))
+    return [folder / n for n in names if (folder / n).is_file()]
+
+
+def local_identity(folder: str | Path) -> str:
+    """``local:<sha256>`` over config.json and every ``*.safetensors`` file (name + bytes)."""
+    folder = Path(folder).expanduser().resolve()
+    files = _weight_files(folder)
+    if not files:
+        raise ValueError(f"draft_model: {folder} holds no config.json or *.safetensors")
+    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    key = (str(folder), stamp)
+    if key not in _identity_cache:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                while chunk := fh.read(_HASH_CHUNK):
+                    h.update(chunk)
+        _identity_cache[key] = f"local:{h.hexdigest()}"
+    return _identity_cache[key]
+
+
+def hub_identity(repo_id: str) -> str:
+    """``hub:<repo>@<revision>`` from the locally resolved snapshot (no network)."""
+    from huggingface_hub import snapshot_download
+
+    path = Path(snapshot_download(repo_id, local_files_only=True))
+    return f"hub:{repo_id}@{path.name}"
+
+
+def model_identity(name: str) -> str:
+    """Identity of a draft model named by a local folder or a hub id."""
+    return local_identity(name) if Path(name).expanduser().is_dir() else hub_identity(name)
+
+
+@dataclass
+class LoadedModel:
+    """A loaded draft model with what jobs need besides the weights."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    identity: str
+    fingerprint: str
+    vocab_size: int | None
+    load_seconds: float
+
+
+def _vocab_size(model: Any) -> int | None:
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def warm_up(model: Any) -> None:
+    """One tiny forward pass so the first job does not pay for lazy initialisation."""
+    import mlx.core as mx
+
+    mx.eval(model(mx.array([[1, 2, 3, 4]])))
+
+
+def _default_loader(name: str) -> tuple[Any, Any]:
+    import mlx_lm
+
+    return mlx_lm.load(name)
+
+
+def _default_check(model: Any) -> None:
+    from specprefill.scoring import check_scorable
+
+    check_scorable(model)
+
+
+def _default_fingerprint(model: Any, identity: str, block_size: int) -> str:
+    from cache_store import model_fingerprint
+
+    return model_fingerprint(model, identity, block_size=block_size)
+
+
+class ModelPool:
+    """At most ``capacity`` loaded draft models, least recently used evicted first.
+
+    The seams (``loader``, ``check``, ``fingerprint``, ``identify``) default to mlx-lm,
+    ``specprefill.scoring.check_scorable`` and ``cache_store.model_fingerprint``.
+    """
+
+    def __init__(self, capacity: int = 2, *, block_size: int = 256,
+                 loader: Callable[[str], tuple[Any, Any]] = _default_loader,
+                 check: Callable[[Any], None] = _default_check,
+                 fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
+                 identify: Callable[[str], str] = model_identity,
+                 warm: Callable[[Any], None] = warm_up) -> None:
+        if capacity < 1:
+            raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
+        self.capacity = capacity
+        self.block_size = block_size
+        self._loader, self._check, self._fingerprint = loader, check, fingerprint
+        self._identify, self._warm = identify, warm
+        self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self.loads = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._models
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def get(self, name: str) -> LoadedModel:
+        """The loaded model ``name``, loading (and evicting the LRU one) on a miss."""
+        if name in self._models:
+            self._models.move_to_end(name)
+            return self._models[name]
+        t0 = time.perf_counter()
+        identity = self._identify(name)
+        model, tokenizer = self._loader(name)
+        self._check(model)  # UnsupportedModelError (a ValueError) names the reason
+        self._warm(model)
+        loaded = LoadedModel(name, model, tokenizer, identity,
+                             self._fingerprint(model, identity, self.block_size),
+                             _vocab_size(model), time.perf_counter() - t0)
+        self.loads += 1
+        log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
+        while len(self._models) >= self.capacity:
+            self._evict()
+        self._models[name] = loaded
+        return loaded
+
+    def preload(self, names: list[str] | tuple[str, ...]) -> None:
+        for name in names:
+            self.get(name)
+
+    def _evict(self) -> None:
+        name, _ = self._models.popitem(last=False)
+        log.info("model %s evicted from the LRU", name)
+        try:  # drop the buffers only after pending work is done (a bare clear races it)
+            import mlx.core as mx
+
+            mx.synchronize()
+            mx.clear_cache()
+        except (ImportError, AttributeError):
+            pass

@@ -1,0 +1,101 @@
+"""What a job needs from the worker process it runs in: settings, Redis, models, stop flag.
+
+RQ calls a job function by import path with only its payload, so the worker installs one
+:class:`WorkerRuntime` per process before working; a job run by a plain ``rq worker``
+gets a default runtime built from the environment on first use.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import redis
+
+from jobs.settings import Settings
+from worker.models import ModelPool
+
+
+class JobStopped(Exception):
+    """A stop was requested (RQ stop-job command or a second SIGTERM); raised between chunks."""
+
+
+@dataclass
+class PrefillBackend:
+    """The scoring, selection and storage functions a prefill job calls (a test seam)."""
+
+    score_with_cache: Callable[..., Any]
+    plan_selection: Callable[..., Any]
+    to_ranges: Callable[[Any], list]
+    admission_reason: Callable[..., str | None]
+    block_store: Callable[[redis.Redis, str, Settings], Any]
+    memo: Callable[[redis.Redis, str, Settings], Any]
+
+    @classmethod
+    def default(cls) -> "PrefillBackend":
+        from cache_store import RedisBlockStore, SelectionMemo
+        from specprefill.reuse import score_with_cache
+        from specprefill.selection import admission_reason, plan_selection, to_ranges
+
+        return cls(
+            score_with_cache=score_with_cache, plan_selection=plan_selection,
+            to_ranges=to_ranges, admission_reason=admission_reason,
+            block_store=lambda client, fp, s: RedisBlockStore(
+                client, fp, namespace=s.namespace, block_size=s.block_size, ttl_s=s.block_ttl_s),
+            memo=lambda client, fp, s: SelectionMemo(client, fp, namespace=s.namespace,
+                                                     ttl_s=s.memo_ttl_s),
+        )
+
+
+@dataclass
+class WorkerRuntime:
+    """Per-process state shared by the worker loop and the jobs it runs."""
+
+    settings: Settings
+    connection: redis.Redis        # queue + progress
+    cache_client: redis.Redis      # block store + memo (may be another Redis)
+    models: ModelPool
+    backend_factory: Callable[[], PrefillBackend] = PrefillBackend.default
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    _backend: PrefillBackend | None = None
+
+    @property
+    def backend(self) -> PrefillBackend:
+        if self._backend is None:  # imported on first job so the worker starts without them
+            self._backend = self.backend_factory()
+        return self._backend
+
+    def stop_requested(self) -> bool:
+        return self.stop_event.is_set()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, connection: redis.Redis | None = None,
+                      **kwargs: Any) -> "WorkerRuntime":
+        connection = connection or redis.Redis.from_url(settings.redis_url)
+        cache_client = (redis.Redis.from_url(settings.block_store_url)
+                        if settings.cache_redis_url else connection)
+        models = kwargs.pop("models", None) or ModelPool(settings.model_lru_size,
+                                                         block_size=settings.block_size)
+        return cls(settings, connection, cache_client, models, **kwargs)
+
+
+_current: WorkerRuntime | None = None
+
+
+def install(runtime: WorkerRuntime | None) -> None:
+    """Make ``runtime`` the one jobs in this process use (None uninstalls)."""
+    global _current
+    _current = runtime
+
+
+def current(connection: redis.Redis | None = None) -> WorkerRuntime:
+    """The installed runtime, or a default one from ``SPECPREFILL_*`` settings."""
+    global _current
+    if _current is None:
+        _current = WorkerRuntime.from_settings(Settings.from_env(), connection)
+    return _current
+
+
+def current_settings() -> Settings:
+    """Settings of the installed runtime, else from the environment (no runtime built)."""
+    return _current.settings if _current is not None else Settings.from_env()
