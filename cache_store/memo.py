@@ -1,0 +1,107 @@
+"""A memo of final selections: identical prompt + identical settings -> the same kept ranges.
+
+Agents and retries resend byte-identical prompts; answering them from here skips
+the draft model entirely. The key covers the model fingerprint, the prompt's full
+digest and every selection-changing setting (canonical JSON, sorted keys), so any
+change in them is a different entry. Redis errors make ``get`` a miss and ``put``
+a no-op, logged and counted in this process.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+import redis
+
+from .keys import check_fingerprint, check_namespace, memo_key, stats_key
+
+log = logging.getLogger(__name__)
+
+MEMO_VERSION = 1
+
+
+class SelectionMemo:
+    """Stores each prompt's selection as half-open ``[start, end)`` index ranges."""
+
+    def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
+                 ttl_s: int = 86400) -> None:
+        self.client = client
+        self.fingerprint = check_fingerprint(fingerprint)
+        self.namespace = check_namespace(namespace)
+        if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s < 1:
+            raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
+        self.ttl_s = ttl_s
+        self._stats_key = stats_key(namespace, fingerprint)
+        self.local_counters = {"memo_errors": 0, "memo_corrupt": 0}
+
+    def key(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> str:
+        return memo_key(self.namespace, self.fingerprint, tokens, settings)
+
+    def get(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> list[tuple[int, int]] | None:
+        """The remembered ranges for this prompt and settings, or None."""
+        key = self.key(tokens, settings)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.hincrby(self._stats_key, "memo_lookups", 1)
+            value = pipe.execute()[0]
+            if value is None:
+                return None
+            ranges = self._decode(value, len(np.asarray(tokens)))
+            if ranges is None:
+                self.local_counters["memo_corrupt"] += 1
+                log.warning("selection memo: deleting a bad entry %s", key)
+                self.client.delete(key)
+                return None
+            self.client.hincrby(self._stats_key, "memo_hits", 1)
+            return ranges
+        except redis.RedisError as exc:
+            self.local_counters["memo_errors"] += 1
+            log.warning("selection memo: get failed, treating as a miss: %s", exc)
+            return None
+
+    def put(self, tokens: Sequence[int], settings: Mapping[str, Any],
+            ranges: Sequence[tuple[int, int]]) -> None:
+        """Remember ``ranges`` (sorted, non-overlapping, within the prompt) for this prompt and settings."""
+        n_tokens = len(np.asarray(tokens))
+        flat = [int(x) for pair in ranges for x in pair]
+        if len(flat) != 2 * len(ranges) or not _valid_ranges(flat, n_tokens):
+            raise ValueError(f"ranges: expected sorted, disjoint [start, end) pairs within [0, {n_tokens}]")
+        value = msgpack.packb({"version": MEMO_VERSION, "fingerprint": self.fingerprint,
+                               "tokens": n_tokens, "ranges": flat})
+        key = self.key(tokens, settings)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(key, value, ex=self.ttl_s)
+            pipe.hincrby(self._stats_key, "memo_writes", 1)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self.local_counters["memo_errors"] += 1
+            log.warning("selection memo: put failed, nothing stored: %s", exc)
+
+    def _decode(self, value: bytes, n_tokens: int) -> list[tuple[int, int]] | None:
+        try:
+            entry = msgpack.unpackb(value)
+        except Exception:  # msgpack raises several unrelated types for garbage
+            return None
+        if (not isinstance(entry, dict) or entry.get("version") != MEMO_VERSION
+                or entry.get("fingerprint") != self.fingerprint or entry.get("tokens") != n_tokens):
+            return None
+        flat = entry.get("ranges")
+        if (not isinstance(flat, list) or len(flat) % 2
+                or not all(isinstance(x, int) for x in flat) or not _valid_ranges(flat, n_tokens)):
+            return None
+        return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def _valid_ranges(flat: list[int], n_tokens: int) -> bool:
+    """Pairs are non-empty, increasing and disjoint, inside [0, n_tokens]."""
+    previous_end = 0
+    for i in range(0, len(flat), 2):
+        start, end = flat[i], flat[i + 1]
+        if not previous_end <= start < end <= n_tokens:
+            return False
+        previous_end = end
+    return True

@@ -1,0 +1,37 @@
+"""Helpers for the block-store tests: real draft caches from tiny models."""
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+
+def prefilled(model, tokens, *, chunks=()):
+    """The model's cache after prefilling ``tokens`` (split at the ``chunks`` offsets), evaluated."""
+    cache = make_prompt_cache(model)
+    bounds = [0, *chunks, len(tokens)]
+    logits = None
+    for start, end in zip(bounds, bounds[1:]):
+        logits = model(mx.array([list(tokens[start:end])]), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return cache, logits
+
+
+def continue_prefill(model, cache, tokens):
+    """Run ``tokens`` through ``cache`` (in place); return the last logits."""
+    logits = model(mx.array([list(tokens)]), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def bits(array: mx.array):
+    """The array's raw bits as numpy (bfloat16 included), for bit-exact comparisons."""
+    import numpy as np
+
+    view = {2: mx.uint16, 4: mx.uint32}[array.dtype.size]
+    return np.asarray(array.view(view))
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    import numpy as np
+
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(bits(a), bits(b))

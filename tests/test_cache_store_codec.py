@@ -1,0 +1,139 @@
+"""The block codec: bit-exact round trips, one msgpack value, every kind of bad value detected."""
+import msgpack
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cache_store.codec import (FORMAT_VERSION, CorruptBlockError, RawArray, decode_block,
+                               encode_block, payload_checksum, raw_bits, to_mlx)
+from kv_blocks import same_bits
+
+FP = "0f" * 32
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def random_cache_array(dtype, tokens=40, heads=2, head_dim=8, seed=0):
+    """Random bits reinterpreted as ``dtype``: covers NaN payloads, infinities, subnormals, -0."""
+    rng = np.random.default_rng(seed)
+    width = {2: np.uint16, 4: np.uint32}[dtype.size]
+    raw = rng.integers(0, np.iinfo(width).max, size=(1, heads, tokens, head_dim), dtype=width, endpoint=True)
+    out = mx.array(raw).view(dtype)
+    mx.eval(out)
+    return out
+
+
+def block_of(arrays, start, end):
+    return [(RawArray(k.dtype, k.bits[:, :, start:end]), RawArray(v.dtype, v.bits[:, :, start:end]))
+            for k, v in arrays]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_round_trip_is_bit_exact(dtype):
+    full = [(random_cache_array(dtype, seed=2 * i), random_cache_array(dtype, seed=2 * i + 1)) for i in range(3)]
+    raws = [(raw_bits(k), raw_bits(v)) for k, v in full]
+    value = encode_block(FP, 16, block_of(raws, 16, 32))
+    block = decode_block(bytes(value), fingerprint=FP, n_tokens=16)
+    assert len(block.layers) == 3
+    for (k, v), (dk, dv) in zip(full, block.layers):
+        assert same_bits(to_mlx(dk), k[:, :, 16:32])
+        assert same_bits(to_mlx(dv), v[:, :, 16:32])
+
+
+def test_value_is_plain_msgpack_with_aligned_payload():
+    k = random_cache_array(mx.float16)
+    value = bytes(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
+    header, payload, checksum = msgpack.unpackb(value)
+    assert header["version"] == FORMAT_VERSION and header["fingerprint"] == FP and header["tokens"] == 8
+    assert header["layers"] == [["float16", [1, 2, 8, 8], "float16", [1, 2, 8, 8]]]
+    assert len(payload) == 2 * 2 * 8 * 8 * 2
+    assert payload[:len(payload) // 2] == np.asarray(k.view(mx.uint16))[:, :, 0:8].tobytes()
+    assert isinstance(checksum, int)
+    assert value.index(payload) % 16 == 0
+
+
+def test_decoded_arrays_do_not_depend_on_the_value_buffer():
+    k = random_cache_array(mx.float32)
+    value = bytearray(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
+    restored = to_mlx(decode_block(value, fingerprint=FP, n_tokens=8).layers[0][0])
+    value[:] = bytes(len(value))  # scribble over the stored bytes
+    assert same_bits(restored, k[:, :, 0:8])
+
+
+def test_encoding_copies_the_slice():
+    k = random_cache_array(mx.float32)
+    raw = raw_bits(k)
+    value = encode_block(FP, 8, block_of([(raw, raw)], 8, 16))
+    assert not np.shares_memory(np.frombuffer(value, np.uint8), raw.bits)
+
+
+def test_checksum_sees_flips_truncation_and_swapped_segments():
+    data = np.random.default_rng(1).bytes(4096)
+    base = payload_checksum(memoryview(data), [2048, 2048])
+    flipped = bytearray(data)
+    flipped[1000] ^= 0x10
+    assert payload_checksum(memoryview(bytes(flipped)), [2048, 2048]) != base
+    swapped = data[2048:] + data[:2048]
+    assert payload_checksum(memoryview(swapped), [2048, 2048]) != base
+    assert payload_checksum(memoryview(data[:4095]), [2048, 2047]) != base
+    assert payload_checksum(memoryview(data), [2048, 2048]) == base
+
+
+def good_value(dtype=mx.float32):
+    k = random_cache_array(dtype)
+    return bytes(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))] * 2, 0, 8)))
+
+
+def repack(value, edit):
+    header, payload, checksum = msgpack.unpackb(value)
+    header, payload, checksum = edit(header, payload, checksum)
+    return msgpack.packb([header, payload, checksum])
+
+
+def _flip_payload_byte(value):
+    out = bytearray(value)
+    out[-100] ^= 1
+    return bytes(out)
+
+
+BAD_VALUES = {
+    "truncated": lambda v: v[:-1],
+    "truncated_mid_payload": lambda v: v[: len(v) // 2],
+    "padded": lambda v: v + b"\0",
+    "payload_bit_flip": _flip_payload_byte,
+    "not_msgpack": lambda v: b"\xc1garbage",
+    "empty": lambda v: b"",
+    "text": lambda v: b"hello world",
+    "msgpack_but_not_a_block": lambda v: msgpack.packb({"a": 1}),
+    "wrong_version": lambda v: repack(v, lambda h, p, c: ({**h, "version": FORMAT_VERSION + 1}, p, c)),
+    "wrong_fingerprint": lambda v: repack(v, lambda h, p, c: ({**h, "fingerprint": "ab" * 32}, p, c)),
+    "wrong_token_count": lambda v: repack(v, lambda h, p, c: ({**h, "tokens": 9}, p, c)),
+    "unknown_dtype": lambda v: repack(v, lambda h, p, c: (
+        {**h, "layers": [["int8", s1, d2, s2] for _, s1, d2, s2 in h["layers"]]}, p, c)),
+    "shape_disagrees_with_payload": lambda v: repack(v, lambda h, p, c: (
+        {**h, "layers": [[d1, [1, 1, 8, 8], d2, s2] for d1, _, d2, s2 in h["layers"]]}, p, c)),
+    "wrong_checksum": lambda v: repack(v, lambda h, p, c: (h, p, (c + 1) % 2**64)),
+    "payload_not_bytes": lambda v: repack(v, lambda h, p, c: (h, "x" * len(p), c)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
+def test_bad_values_are_rejected(kind):
+    value = good_value()
+    assert decode_block(value, fingerprint=FP, n_tokens=8).n_tokens == 8  # the unedited value is fine
+    with pytest.raises(CorruptBlockError):
+        decode_block(BAD_VALUES[kind](value), fingerprint=FP, n_tokens=8)
+
+
+def test_repacked_good_value_still_decodes():
+    """A value re-encoded by any msgpack writer (minimal bin markers, no alignment) still reads."""
+    value = good_value(mx.bfloat16)
+    again = repack(value, lambda h, p, c: (h, p, c))
+    assert again != value
+    a = decode_block(value, fingerprint=FP, n_tokens=8).layers[0][0]
+    b = decode_block(again, fingerprint=FP, n_tokens=8).layers[0][0]
+    assert np.array_equal(a.bits, b.bits)
+
+
+def test_unsupported_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="dtype"):
+        raw_bits(mx.zeros((1, 1, 2, 2), dtype=mx.int32))
