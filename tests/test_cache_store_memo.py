@@ -1,0 +1,87 @@
+"""SelectionMemo: identical prompt and settings -> remembered ranges; anything else -> a miss."""
+import fakeredis
+import msgpack
+import pytest
+import redis
+
+from cache_store import SelectionMemo
+
+FP = "3c" * 32
+TOKENS = list(range(5000, 5300))
+SETTINGS = {"keep": 0.2, "chunk_size": 32, "tail_tokens": 64, "protected_prefix": 0,
+            "n_lookahead": 8, "seed": 0, "include_last_query": True, "threshold": 0}
+RANGES = [(0, 32), (96, 128), (236, 300)]
+
+
+@pytest.fixture
+def server():
+    return fakeredis.FakeServer()
+
+
+@pytest.fixture
+def memo(server):
+    return SelectionMemo(fakeredis.FakeRedis(server=server), FP, ttl_s=600)
+
+
+def test_put_then_get(memo):
+    assert memo.get(TOKENS, SETTINGS) is None
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.get(TOKENS, dict(SETTINGS)) == RANGES
+    assert 0 < memo.client.ttl(memo.key(TOKENS, SETTINGS)) <= 600
+    stats = {k.decode(): int(v) for k, v in memo.client.hgetall(f"specprefill:kvstats:{FP}").items()}
+    assert stats == {"memo_lookups": 2, "memo_hits": 1, "memo_writes": 1}
+
+
+@pytest.mark.parametrize("change", [{"keep": 0.3}, {"chunk_size": 16}, {"tail_tokens": 32},
+                                    {"protected_prefix": 5}, {"n_lookahead": 4}, {"seed": 1},
+                                    {"include_last_query": False}])
+def test_any_setting_change_misses(memo, change):
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.get(TOKENS, {**SETTINGS, **change}) is None
+
+
+def test_other_prompt_or_model_misses(memo):
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.get(TOKENS[:-1], SETTINGS) is None
+    assert memo.get(TOKENS[:-1] + [1], SETTINGS) is None
+    assert SelectionMemo(memo.client, "4d" * 32).get(TOKENS, SETTINGS) is None
+
+
+@pytest.mark.parametrize("value", [
+    b"junk",
+    msgpack.packb({"version": 2, "fingerprint": FP, "tokens": 300, "ranges": [0, 32]}),
+    msgpack.packb({"version": 1, "fingerprint": "4d" * 32, "tokens": 300, "ranges": [0, 32]}),
+    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 299, "ranges": [0, 32]}),
+    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 32, 64]}),
+    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [32, 0]}),
+    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 301]}),
+    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 40, 30, 50]}),
+])
+def test_bad_entries_are_misses_and_deleted(memo, value):
+    key = memo.key(TOKENS, SETTINGS)
+    memo.client.set(key, value)
+    assert memo.get(TOKENS, SETTINGS) is None
+    assert not memo.client.exists(key)
+    assert memo.local_counters["memo_corrupt"] == 1
+
+
+@pytest.mark.parametrize("ranges", [[(0, 301)], [(5, 5)], [(10, 20), (15, 30)], [(1, 2, 3)]])
+def test_bad_ranges_are_value_errors(memo, ranges):
+    with pytest.raises(ValueError, match="ranges"):
+        memo.put(TOKENS, SETTINGS, ranges)
+
+
+def test_redis_down_is_a_miss_and_a_no_op(server, memo):
+    server.connected = False
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.get(TOKENS, SETTINGS) is None
+    assert memo.local_counters["memo_errors"] == 2
+    server.connected = True
+    assert memo.get(TOKENS, SETTINGS) is None
+
+
+def test_real_redis_round_trip(redis_url):
+    memo = SelectionMemo(redis.Redis.from_url(redis_url), FP, namespace="ns")
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.get(TOKENS, SETTINGS) == RANGES
+    assert memo.key(TOKENS, SETTINGS).startswith(f"ns:memo:{FP[:16]}:")
