@@ -1,0 +1,96 @@
+"""Client logic against fakeredis: idempotent enqueue, reruns, batch limits, round trips."""
+import fakeredis
+import pytest
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from jobs.client import Client, JobFailed
+from jobs.progress import parse_stream_events, stream_key
+from jobs.settings import Settings
+from jobs.spec import JobSpecError
+
+S = Settings(draft_model="m", max_batch_documents=50, result_ttl_s=3600, job_timeout_s=77)
+
+
+@pytest.fixture
+def client():
+    return Client(fakeredis.FakeRedis(), S)
+
+
+def test_submit_enqueues_json_job_with_explicit_timeout_ttl_and_queued_event(client):
+    h = client.submit(tokens=[1, 2, 3])
+    assert h.created and h.status() == "queued"
+    job = Job.fetch(h.id, connection=client.connection, serializer=JSONSerializer)
+    assert job.timeout == 77 and job.result_ttl == 3600
+    assert job.func_name == "worker.tasks.run_job" and job.args[0]["tokens"] == [1, 2, 3]
+    assert job.retries_left == S.retry_max
+    import json
+    import zlib
+
+    raw = zlib.decompress(client.connection.hget(Job.key_for(h.id), "data"))
+    assert json.loads(raw)[0] == "worker.tasks.run_job"  # JSON, never pickle
+    events = parse_stream_events(client.connection.xrange(stream_key("specprefill", h.id)))
+    assert [(e.seq, e.kind) for e in events] == [(1, "queued")]
+
+
+def test_resubmitting_does_not_duplicate(client):
+    docs = [{"text": f"document {i}"} for i in range(5)]
+    first = client.submit_many(docs)
+    assert first.created == 5 and len(client.queue) == 5
+    again = client.submit_many(docs)
+    assert again.job_ids == first.job_ids and again.created == 0 and len(client.queue) == 5
+
+
+def test_identical_documents_in_one_batch_share_a_job(client):
+    batch = client.submit_many(["same", "same", "other"])
+    assert batch.job_ids[0] == batch.job_ids[1] != batch.job_ids[2]
+    assert len(client.queue) == 2
+
+
+def test_failed_job_is_enqueued_afresh(client):
+    h = client.submit(text="x")
+    client.connection.hset(Job.key_for(h.id), "status", "failed")
+    again = client.submit(text="x")
+    assert again.created and again.status() == "queued"
+    events = parse_stream_events(client.connection.xrange(stream_key("specprefill", h.id)))
+    assert [e.kind for e in events] == ["queued"]  # the old run's events were cleared
+
+
+def test_batch_limit_and_validation_before_anything_is_enqueued(client):
+    with pytest.raises(JobSpecError, match="max_batch_documents"):
+        client.submit_many(["d"] * 51)
+    with pytest.raises(JobSpecError, match=r"keep"):
+        client.submit_many([{"text": "ok"}, {"text": "bad", "keep": 2}])
+    assert len(client.queue) == 0
+
+
+def test_enqueue_is_two_round_trips_for_a_batch():
+    calls = []
+
+    class Counting(fakeredis.FakeRedis):
+        def execute_command(self, *args, **kwargs):
+            calls.append(args[0])
+            return super().execute_command(*args, **kwargs)
+
+    c = Client(Counting(), S)
+    c.queue.get_redis_server_version()
+    calls.clear()
+    orig = c.connection.pipeline
+    pipelines = []
+
+    def counting_pipeline(*a, **k):
+        p = orig(*a, **k)
+        pipelines.append(p)
+        return p
+
+    c.connection.pipeline = counting_pipeline
+    c.submit_many([f"doc {i}" for i in range(40)])
+    assert len(pipelines) == 2 and calls == []  # a status check, then one enqueue pipeline
+
+
+def test_result_of_missing_job_and_timeout(client):
+    with pytest.raises(JobFailed, match="no such job"):
+        client.handle("prefill-nope").result(timeout=1)
+    h = client.submit(text="waiting")
+    with pytest.raises(TimeoutError):
+        h.result(timeout=0.2)
