@@ -59,6 +59,8 @@ class WorkerProcesses:
         self.logs = [log_dir / f"{name}.log" for name in self.names]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        # Prefill the ~2K-token demo documents in several chunks so progress shows live.
+        env.setdefault("SPECPREFILL_PREFILL_STEP", "256")
         for name, log in zip(self.names, self.logs):
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "worker", "--redis-url", url, "--preload", model,

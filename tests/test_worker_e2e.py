@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(200)]
 
 
-def save_random_model(folder: Path) -> Path:
-    """A random-weight llama folder with a word-level tokenizer and a chat template."""
+def save_random_model(folder: Path, words: list[str] = WORDS) -> Path:
+    """A random-weight llama folder with a word-level tokenizer over ``words`` and a chat
+    template (vocabulary 512, so up to 506 words)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -29,13 +30,14 @@ def save_random_model(folder: Path) -> Path:
     from tiny_models import make_model
 
     specials = ["<unk>", "<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
-    vocab = {w: i for i, w in enumerate(specials + WORDS)}
-    model = make_model("llama", seed=3, vocab_size=256)
+    vocab = {w: i for i, w in enumerate(specials + list(words))}
+    assert len(vocab) <= 512
+    model = make_model("llama", seed=3, vocab_size=512)
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
                   tie_word_embeddings=True)
     (folder / "config.json").write_text(json.dumps(config))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -1,0 +1,124 @@
+"""CLI pieces in-process, and the demo end to end (embedded Redis, two worker processes)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.cli import _safe, build_parser, iter_documents, main
+from jobs.demo import load_demo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_command_takes_redis_url():
+    p = build_parser()
+    for argv in (["worker"], ["submit", "--text", "x"], ["watch", "j"], ["batch", "f", "--out", "o"],
+                 ["cache", "stats"], ["demo"]):
+        assert p.parse_args(argv + ["--redis-url", "rediss://:pw@h:1/0"]).redis_url == "rediss://:pw@h:1/0"
+
+
+def test_password_is_masked_in_messages():
+    assert _safe("rediss://:s3cret@host:6380/0") == "rediss://:***@host:6380/0"
+    assert _safe("redis://user:s3cret@host/0") == "redis://user:***@host/0"
+
+
+def test_missing_url_and_bad_spec_are_clean_errors(capsys, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("SPECPREFILL_REDIS_URL", raising=False)
+    assert main(["submit", "--text", "x"]) == 2
+    assert "no Redis URL" in capsys.readouterr().err
+
+
+def test_bad_spec_fails_before_enqueue(redis_url, capsys):
+    assert main(["submit", "--redis-url", redis_url, "--text", "x", "--keep", "3"]) == 2
+    assert "keep: 3.0 is outside" in capsys.readouterr().err
+
+
+def test_auth_url_is_honoured(capsys):
+    from jobs.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis(password="pw1") as server:
+        assert main(["cache", "stats", "--redis-url", server.url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["blocks"] == 0
+        bad = server.url.replace("pw1", "nope")
+        assert main(["cache", "stats", "--redis-url", bad]) == 2
+        assert "***" in capsys.readouterr().err
+
+
+def test_iter_documents_reads_files_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "t"}\n\n{"tokens": [1, 2]}\n')
+    docs = list(iter_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]))
+    assert docs == [(str(tmp_path / "a.txt"), {"text": "hello"}), ("x", {"text": "t"}),
+                    (f"{tmp_path / 'b.jsonl'}:3", {"tokens": [1, 2]})]
+
+
+def test_demo_documents_have_two_rounds():
+    docs = load_demo()
+    assert len(docs) >= 2 and all({1, 2} <= set(d.questions) for d in docs)
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    shipped = ROOT / "models" / "draft-tiny"
+    if (shipped / "config.json").exists():
+        return str(shipped)
+    from test_worker_e2e import save_random_model
+
+    words = sorted({w for d in load_demo() for t in [d.text, *d.questions.values()] for w in t.split()})
+    return str(save_random_model(tmp_path_factory.mktemp("demo") / "draft-random", words))
+
+
+def _demo(model, *extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECPREFILL_REDIS_URL")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "demo", "--model", model, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=env, start_new_session=True)
+
+
+def _port_open(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_demo_runs_two_rounds_and_stops_everything(demo_model):
+    proc = _demo(demo_model, "--documents", "3")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    port = int(re.search(r"private Redis on 127.0.0.1:(\d+)", out).group(1))
+    assert "round 1: 3 documents" in out and "round 2: 3 documents" in out and "summary" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[12]\s+3\s+\d+", line)]
+    assert len(rows) == 2
+    cached_round1, cached_round2 = int(rows[0][5]), int(rows[1][5])
+    assert cached_round1 == 0 and cached_round2 > 0
+    assert int(rows[0][3]) < int(rows[0][2])  # real selections: tokens were dropped
+    assert not _port_open(port)
+
+
+def test_demo_ctrl_c_stops_workers_and_redis(demo_model):
+    proc = _demo(demo_model)
+    port = None
+    lines = []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"private Redis on 127.0.0.1:(\d+)", line)
+        port = int(m.group(1)) if m else port
+        if line.startswith("round 1"):
+            break
+        assert time.monotonic() < deadline
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert port is not None and not _port_open(port)
+    assert "interrupted" in rest
