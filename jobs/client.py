@@ -68,9 +68,11 @@ class JobHandle:
     def result(self, timeout: float | None = None, poll_s: float = 0.05) -> PrefillResult | dict:
         """Wait for the job to end; return its result or raise :class:`JobFailed`.
 
-        Raises ``TimeoutError`` if it has not ended within ``timeout`` seconds.
+        Waits on RQ's per-job results stream (XREAD BLOCK), so a result is seen as soon as
+        it is written. Raises ``TimeoutError`` if the job has not ended within ``timeout``.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        results_key = Result.get_key(self.id)
         while True:
             status = self.status()
             if status == "finished":
@@ -82,10 +84,18 @@ class JobHandle:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else status)
             if status == "missing":
                 raise JobFailed(self.id, status, "no such job (expired or never submitted)")
-            if deadline is not None and time.monotonic() > deadline:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, 0.5)
+            block_ms = int(1000 * min(1.0, left if left is not None else 1.0)) or 1
+            t0 = time.monotonic()
+            # Only a new entry wakes us: "$" would miss a result written between the status
+            # read and here, so read from the start; an old entry (an earlier failed attempt
+            # that was retried) returns at once, hence the back-off below.
+            self.client.connection.xread({results_key: "0-0"}, count=1, block=block_ms)
+            if time.monotonic() - t0 < 0.001 * block_ms / 2:
+                time.sleep(poll_s)
+                poll_s = min(poll_s * 1.5, 0.5)
 
     def cancel(self) -> str:
         """Cancel a queued job, or ask the worker to stop a running one. Returns the status seen."""

@@ -154,3 +154,21 @@ def test_timeout_and_idle_check(redis_url):
 def test_channel_and_stream_names_are_per_job():
     assert channel_name("ns", "a") != channel_name("ns", "b")
     assert stream_key("ns", "a").startswith("ns:")
+
+
+def test_events_are_batched_between_flushes_and_terminal_flushes_all():
+    r = fakeredis.FakeRedis()
+    now = [0.0]
+    pub = ProgressPublisher(r, "b", namespace="t", min_interval_s=1.0, clock=lambda: now[0])
+    pub.publish("loading_model")  # first event: sent at once
+    assert len(r.xrange(stream_key("t", "b"))) == 1
+    pub.publish("cache_lookup", hit_tokens=0)
+    pub.publish("lookahead")
+    assert len(r.xrange(stream_key("t", "b"))) == 1  # held for the next send
+    now[0] = 1.5
+    pub.publish("importance")  # interval passed: everything pending goes in one trip
+    assert len(r.xrange(stream_key("t", "b"))) == 4
+    pub.publish("selection", kept=1, total=2)
+    pub.publish("done")
+    events = parse_stream_events(r.xrange(stream_key("t", "b")))
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5, 6] and events[-1].kind == "done"
