@@ -175,6 +175,9 @@ def score_tokens(
     argmax), so equal inputs give equal results on every run and machine.
     """
     prompt = _prompt(tokens)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(vocab, int) and max(prompt) >= vocab:
+        raise ValueError(f"tokens must be ids below the model's vocab_size {vocab}, got {max(prompt)}")
     n_lookahead = _int_option("n_lookahead", n_lookahead, 0)
     if not include_last_query and n_lookahead == 0:
         raise ValueError("n_lookahead must be >= 1 when include_last_query is False (no query to score with)")

@@ -291,6 +291,7 @@ def test_sliding_only_model_scores_short_prompts_and_rejects_long_ones():
         (dict(tokens=[[1, 2]]), "tokens"),
         (dict(tokens=[1, -2]), "tokens"),
         (dict(tokens=[0.5, 1.5]), "tokens"),
+        (dict(tokens=[1, 256]), "vocab_size"),
         (dict(n_lookahead=-1), "n_lookahead"),
         (dict(n_lookahead=0, include_last_query=False), "n_lookahead"),
         (dict(temperature=-0.1), "temperature"),

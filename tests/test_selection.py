@@ -1,4 +1,6 @@
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -175,3 +177,9 @@ def test_bad_selection_input_names_the_field(kwargs, field):
 def test_bad_admission_and_range_input(call, field):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+def test_package_and_selection_import_without_mlx():
+    # specprefill.blas must be able to run before mlx is imported.
+    code = "import sys, specprefill, specprefill.selection; assert 'mlx' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,157 @@
+"""Scoring cost against the floor of a plain mlx-lm prefill, side by side in one run.
+
+A draft-sized random-weight qwen2 (4 layers, hidden 256, 4 heads, 2 KV heads) reads
+prompts of 2K, 4K and 8K tokens twice per length, alternating: once with mlx-lm's own
+``generate_step`` up to its first token (chunked prefill + last-token logits, the least
+any scorer must do), once with ``score_tokens`` (the same prefill, 8 lookahead steps and
+the importance pass). Times are the best of the repeats (wall clock; the process CPU
+time ratio is printed too, as it is steadier when the cores are shared); peak memory
+is MLX's peak during each call. Then a 2K prefill is timed again in a child process with
+``SPECPREFILL_OPENBLAS=0`` to show what the OpenBLAS preload buys on Linux.
+
+    .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Import from the repository root, not from bench/ (whose queue.py would shadow the stdlib's).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
+
+preload_openblas()
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_map  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models import qwen2  # noqa: E402
+
+from specprefill.scoring import score_tokens  # noqa: E402
+
+RATIO_GOAL = 1.15
+RATIO_TARGET_LENGTHS = (4096, 8192)
+MB = 1024 * 1024
+
+
+def draft_model(seed: int = 0) -> qwen2.Model:
+    """Random-weight qwen2 of the draft size named in issue 2."""
+    args = qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=256, num_hidden_layers=4, intermediate_size=1024,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=32000,
+        tie_word_embeddings=True,
+    )
+    model = qwen2.Model(args)
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_of(length: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(length).integers(0, 32000, length)]
+
+
+def plain_prefill(model, tokens: list[int]) -> None:
+    token, _ = next(generate_step(mx.array(tokens), model, max_tokens=1, prefill_step_size=2048))
+    mx.eval(token)
+
+
+def measured(fn) -> tuple[float, float, float]:
+    """(wall seconds, process CPU seconds, peak MB) of one call, from a clean allocator."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start, cpu = time.perf_counter(), time.process_time()
+    fn()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return seconds, cpu, mx.get_peak_memory() / MB
+
+
+def prefill_seconds(length: int) -> float:
+    model = draft_model()
+    tokens = prompt_of(length)
+    plain_prefill(model, tokens[:256])  # warm-up
+    return measured(lambda: plain_prefill(model, tokens))[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blas-length", type=int, default=2048,
+                        help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
+    parser.add_argument("--prefill-only", type=int, default=0, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+
+    if opts.prefill_only:  # child process of the BLAS comparison
+        print(json.dumps({"seconds": prefill_seconds(opts.prefill_only), "blas": blas_in_use()}))
+        return 0
+
+    print(f"BLAS: {blas_in_use()}; model: qwen2 4 layers, hidden 256, 4 heads / 2 KV heads")
+    model = draft_model()
+    warm = prompt_of(256)
+    plain_prefill(model, warm)
+    score_tokens(model, warm)
+
+    rows = []
+    for length in opts.lengths:
+        tokens = prompt_of(length)
+        plain, scored, phases = [], [], None
+        for _ in range(opts.repeats):
+            plain.append(measured(lambda: plain_prefill(model, tokens)))
+            holder = {}
+            scored.append(measured(lambda: holder.setdefault("r", score_tokens(model, tokens))))
+            timings = holder["r"].timings
+            if phases is None or sum(timings.values()) < sum(phases.values()):
+                phases = timings
+            del holder
+        t_plain, t_score = min(m[0] for m in plain), min(m[0] for m in scored)
+        cpu_plain, cpu_score = min(m[1] for m in plain), min(m[1] for m in scored)
+        rows.append(dict(length=length, prefill=t_plain, score=t_score, ratio=t_score / t_plain,
+                         cpu_ratio=cpu_score / cpu_plain,
+                         prefill_mb=max(m[2] for m in plain), score_mb=max(m[2] for m in scored),
+                         phases=phases))
+
+    print()
+    print("| tokens | prefill s | scoring s | ratio | CPU-time ratio | prefill peak MB | scoring peak MB | scoring phases s (prefill / lookahead / importance) |")
+    print("|-------:|----------:|----------:|------:|---------------:|----------------:|----------------:|------------------------------------------------------|")
+    for r in rows:
+        p = r["phases"]
+        print(f"| {r['length']:6d} | {r['prefill']:9.3f} | {r['score']:9.3f} | {r['ratio']:5.3f} | {r['cpu_ratio']:14.3f} | "
+              f"{r['prefill_mb']:15.1f} | {r['score_mb']:15.1f} | "
+              f"{p['prefill']:.3f} / {p['lookahead']:.3f} / {p['importance']:.3f} |")
+
+    if opts.blas_length and "OpenBLAS" in blas_in_use():
+        with_blas = min(prefill_seconds(opts.blas_length) for _ in range(opts.repeats))
+        env = dict(os.environ, SPECPREFILL_OPENBLAS="0")
+        child = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--prefill-only", str(opts.blas_length)],
+            env=env, capture_output=True, text=True, check=True,
+        )
+        stock = json.loads(child.stdout.strip().splitlines()[-1])
+        print(f"\nprefill of {opts.blas_length} tokens: {with_blas:.3f} s with OpenBLAS, "
+              f"{stock['seconds']:.3f} s with {stock['blas']} -> OpenBLAS speed-up {stock['seconds'] / with_blas:.1f}x")
+
+    print()
+    failed = False
+    for r in rows:
+        if r["length"] in RATIO_TARGET_LENGTHS:
+            ok = r["ratio"] <= RATIO_GOAL
+            failed |= not ok
+            print(f"target scoring_over_prefill_{r['length']}: {r['ratio']:.3f} (goal <= {RATIO_GOAL}) "
+                  f"{'PASS' if ok else 'FAIL'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
