@@ -15,7 +15,8 @@ import numpy as np
 import redis
 from mlx_lm.models.cache import KVCache
 
-from .codec import CorruptBlockError, DecodedBlock, RawArray, decode_block, encode_block, raw_bits, to_mlx
+from .codec import (CorruptBlockError, DecodedBlock, RawArray, decode_block, encode_block, raw_bits_many,
+                    to_mlx_many)
 from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace,
                    stats_key, unstorable_reason)
 
@@ -139,12 +140,15 @@ class RedisBlockStore:
     def _rebuild(self, blocks: list[DecodedBlock]) -> list[KVCache]:
         """One ``KVCache`` per layer holding the blocks' tokens (the stored bytes are not pinned)."""
         n_tokens = len(blocks) * self.block_size
-        cache = []
+        raws = []
         for i, (k0, v0) in enumerate(blocks[0].layers):
-            keys = np.concatenate([b.layers[i][0].bits for b in blocks], axis=2)
-            values = np.concatenate([b.layers[i][1].bits for b in blocks], axis=2)
+            raws.append(RawArray(k0.dtype, np.concatenate([b.layers[i][0].bits for b in blocks], axis=2)))
+            raws.append(RawArray(v0.dtype, np.concatenate([b.layers[i][1].bits for b in blocks], axis=2)))
+        arrays = to_mlx_many(raws)
+        cache = []
+        for keys, values in zip(arrays[0::2], arrays[1::2]):
             layer = KVCache()
-            layer.state = (to_mlx(RawArray(k0.dtype, keys)), to_mlx(RawArray(v0.dtype, values)), n_tokens)
+            layer.state = (keys, values, n_tokens)
             cache.append(layer)
         return cache
 
@@ -195,7 +199,8 @@ class RedisBlockStore:
             if not missing:
                 return 0
             # Evaluate once, on this thread, before any bytes are read.
-            layers = [(raw_bits(c.keys), raw_bits(c.values)) for c in cache]
+            raws = raw_bits_many([a for c in cache for a in (c.keys, c.values)])
+            layers = list(zip(raws[0::2], raws[1::2]))
             for start in range(0, len(missing), _BATCH_BLOCKS):
                 w, b = self._write_blocks(keys, missing[start:start + _BATCH_BLOCKS], layers)
                 written += w
