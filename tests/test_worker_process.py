@@ -226,3 +226,36 @@ def test_two_workers_share_a_batch(redis_url, start_worker):
     assert view.done == 6 and view.complete
     workers = {c.handle(jid)._job().worker_name for jid in batch.job_ids}
     assert len(workers) == 2
+
+
+def test_transient_redis_error_is_retried_in_process(redis_url):
+    """A Redis connection error mid-job keeps RQ's retries: the second attempt finishes."""
+    import signal as _signal
+
+    from test_worker_tasks import FakeMemo, fake_runtime
+
+    from worker.rq_worker import run_worker
+
+    class FlakyMemo(FakeMemo):
+        failures = [redis.exceptions.ConnectionError("connection reset by peer")]
+
+        def get(self, tokens, settings):
+            if self.failures:
+                raise self.failures.pop()
+            return super().get(tokens, settings)
+
+    conn = redis.Redis.from_url(redis_url)
+    rt = fake_runtime(conn, harness_settings())
+    memo_store = {}
+    rt.backend.memo = lambda client, fp, s: FlakyMemo(memo_store)
+    c = client_for(redis_url, retry_max=2)
+    h = c.submit(tokens=list(range(2, 40)))
+    handlers = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
+    try:
+        run_worker(rt, ["specprefill"], burst=True, name=f"inproc-{os.getpid()}")
+    finally:
+        _signal.signal(_signal.SIGINT, handlers[0])
+        _signal.signal(_signal.SIGTERM, handlers[1])
+    assert h.status() == "finished" and h.result(timeout=5).kept == 38
+    kinds = [e.kind for e in h.events(timeout=5)]
+    assert "retrying" in kinds and kinds[-1] == "done" and kinds.count("done") == 1

@@ -242,6 +242,8 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
     except BaseException as exc:  # timeouts, SystemExit on cold shutdown, bad input, bugs
         ctx.publisher.publish("failed", error=f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        ctx.publisher.flush()  # a non-terminal last event (retrying) must not stay buffered
     ctx.publisher.publish("done", **_done_summary(result, time.perf_counter() - t0))
     return result
 
