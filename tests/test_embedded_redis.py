@@ -1,4 +1,6 @@
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from jobs.embedded_redis import EmbeddedRedis
 
@@ -13,7 +15,7 @@ def test_password_protected_server():
     with EmbeddedRedis(password="s3cret") as server:
         client = redis.Redis.from_url(server.url)
         assert client.ping()
-        anonymous = redis.Redis(port=server.port)
+        anonymous = redis.Redis(port=server.port, retry=Retry(NoBackoff(), 0))
         try:
             anonymous.ping()
             raise AssertionError("unauthenticated ping succeeded")
