@@ -1,0 +1,258 @@
+"""The draft-KV block store, measured side by side in one run on a private local Redis.
+
+1. Codec: encode + decode of one 256-token block of the scoring benchmark's draft
+   model (4 layers, 2 KV heads, head dim 64, float32: 1 MiB), against a plain copy
+   of the same arrays out of MLX into one bytes buffer and back (no framing, no
+   checksum). A single memcpy of the value and the candidate checksums are shown
+   for context.
+2. Transport: a 64-block chain fetched through ``RedisBlockStore.fetch`` (GETs,
+   validation, rebuilt ``KVCache`` objects) against raw redis-py pipelined GETs of
+   the same keys.
+3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
+   against cold scoring with no store, same model as ``bench/scoring.py``; and the
+   identical request answered from the selection memo.
+
+    .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 2]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+# bench/queue.py would shadow the standard library's queue (which redis-py imports).
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
+
+from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
+
+preload_openblas()
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import importlib.util  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
+from cache_store.codec import (RawArray, decode_block, encode_block, payload_checksum,  # noqa: E402
+                               raw_bits_many, to_mlx_many)
+from jobs.embedded_redis import EmbeddedRedis  # noqa: E402
+from specprefill.reuse import score_with_cache  # noqa: E402
+from specprefill.selection import plan_selection, to_ranges  # noqa: E402
+
+GB = 1e9
+BLOCK = 256
+FP = hashlib.sha256(b"bench/cache_store").hexdigest()
+SELECT = dict(keep=0.2, chunk_size=32, tail_tokens=512, protected_prefix=0, threshold=0)
+GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02}
+
+
+def _scoring_bench():
+    """``bench/scoring.py`` as a module: its draft model and prompts are the reference."""
+    spec = importlib.util.spec_from_file_location("bench_scoring", os.path.join(BENCH, "scoring.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_cache(n_tokens: int, layers: int = 4, kv_heads: int = 2, head_dim: int = 64,
+                 dtype=mx.float32, seed: int = 0) -> list[KVCache]:
+    """KVCache objects shaped like the draft model's, filled with random values."""
+    mx.random.seed(seed)
+    cache = []
+    for _ in range(layers):
+        c = KVCache()
+        shape = (1, kv_heads, n_tokens, head_dim)
+        c.state = (mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype), n_tokens)
+        mx.eval(c.keys, c.values)
+        cache.append(c)
+    return cache
+
+
+def best_rate(n_bytes: int, fn, *, inner: int, rounds: int = 7) -> float:
+    """Bytes per second of ``fn`` (best of ``rounds`` rounds of ``inner`` calls)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.perf_counter() - start) / inner)
+    return n_bytes / best
+
+
+def bench_codec() -> dict[str, float]:
+    cache = random_cache(4 * BLOCK)
+    raws = raw_bits_many([a for c in cache for a in (c.keys, c.values)])
+    layers = list(zip(raws[0::2], raws[1::2]))
+    span = slice(BLOCK, 2 * BLOCK)  # a block from the middle: a strided slice, as in store()
+    block = [(RawArray(k.dtype, k.bits[:, :, span]), RawArray(v.dtype, v.bits[:, :, span])) for k, v in layers]
+    arrays = [a for pair in block for a in pair]
+    n_bytes = sum(a.bits.nbytes for a in arrays)
+    value = bytes(encode_block(FP, BLOCK, block))
+
+    def codec_round_trip():
+        encoded = encode_block(FP, BLOCK, block)
+        decoded = decode_block(encoded, fingerprint=FP, n_tokens=BLOCK)
+        to_mlx_many([a for pair in decoded.layers for a in pair])
+
+    def plain_round_trip():
+        # The same copies with no framing and no checksum, written as tightly as the codec's.
+        buf = np.empty(n_bytes, dtype=np.uint8)
+        stacked = buf.view(arrays[0].bits.dtype).reshape((len(arrays),) + arrays[0].shape)
+        for i, a in enumerate(arrays):
+            np.copyto(stacked[i], a.bits)
+        to_mlx_many([RawArray(a.dtype, stacked[i]) for i, a in enumerate(arrays)])
+
+    payload = memoryview(value)[len(value) - 9 - n_bytes:len(value) - 9]
+    sizes = [a.bits.nbytes for a in arrays]
+    rates = {}
+    for _ in range(2):  # interleave the pair twice; keep each one's best
+        for name, fn in (("codec", codec_round_trip), ("plain", plain_round_trip)):
+            rates[name] = max(rates.get(name, 0.0), best_rate(n_bytes, fn, inner=50))
+    rates["memcpy"] = best_rate(n_bytes, lambda: bytes(memoryview(value)[1:]), inner=50)
+    rates["checksum_wordsum"] = best_rate(n_bytes, lambda: payload_checksum(payload, sizes), inner=50)
+    rates["checksum_crc32"] = best_rate(n_bytes, lambda: zlib.crc32(payload), inner=20)
+    rates["checksum_blake2b"] = best_rate(
+        n_bytes, lambda: hashlib.blake2b(payload, digest_size=16).digest(), inner=5)
+    rates["block_bytes"] = n_bytes
+    return rates
+
+
+def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
+    n_tokens = n_blocks * BLOCK
+    tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
+    store = RedisBlockStore(client, FP, block_size=BLOCK)
+    assert store.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
+    keys = store.block_keys(tokens[:-1])
+    n_bytes = sum(client.strlen(k) for k in keys)
+
+    def raw_gets():
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key)
+        values = pipe.execute()
+        assert all(v is not None for v in values)
+
+    def store_fetch():
+        cache, n = store.fetch(tokens)
+        assert n == n_tokens
+        mx.eval([c.state[:2] for c in cache])
+
+    raw_gets(), store_fetch()
+    raw, fetched = [], []
+    for _ in range(repeats):  # alternate so both see the same machine state
+        for times, fn in ((raw, raw_gets), (fetched, store_fetch)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return {"bytes": n_bytes, "raw": min(raw), "store": min(fetched),
+            "raw_median": statistics.median(raw), "store_median": statistics.median(fetched)}
+
+
+def bench_end_to_end(client: redis.Redis, model, tokens: list[int], repeats: int) -> dict[str, float]:
+    """Cold scoring (no store) vs warm (first 90% stored) vs the memo, in seconds (best of repeats)."""
+    store = RedisBlockStore(client, FP, block_size=BLOCK, namespace=f"e2e{len(tokens)}")
+    memo = SelectionMemo(client, FP, namespace=f"e2e{len(tokens)}")
+    settings = dict(SELECT, n_lookahead=8, seed=0, include_last_query=True)
+    stored = int(0.9 * len(tokens))
+    keys = store.block_keys(tokens)
+    cold, warm, memo_s = [], [], []
+    cached = 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = score_with_cache(model, tokens, None)
+        cold.append(time.perf_counter() - start)
+        selection = plan_selection(result.importance, **SELECT)
+        ranges = [(int(s), int(e)) for s, e in to_ranges(selection.indices)]
+
+        # Keep exactly the blocks of the first 90% stored, as a returning prompt would find them.
+        client.delete(*keys)
+        store.store(tokens[:stored], result.cache)
+        del result
+        start = time.perf_counter()
+        warm_result = score_with_cache(model, tokens, store)
+        warm.append(time.perf_counter() - start)
+        cached = warm_result.cached_tokens
+        warm_ranges = [(int(s), int(e)) for s, e in
+                       to_ranges(plan_selection(warm_result.importance, **SELECT).indices)]
+        assert warm_ranges == ranges, "warm and cold selections differ"
+        del warm_result
+
+        memo.put(tokens, settings, ranges)
+        start = time.perf_counter()
+        remembered = memo.get(tokens, settings)
+        memo_s.append(time.perf_counter() - start)
+        assert remembered == ranges
+    return {"cold": min(cold), "warm": min(warm), "memo": min(memo_s), "cached": cached}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--repeats", type=int, default=2)
+    opts = parser.parse_args()
+
+    print(f"BLAS: {blas_in_use()}")
+    rows: list[tuple[str, str, str, str]] = []
+    verdicts: list[tuple[str, float, str, float]] = []
+
+    codec = bench_codec()
+    size = codec.pop("block_bytes")
+    ratio = codec["codec"] / codec["plain"]
+    rows.append(("codec: encode+decode of one block", f"{codec['codec'] / GB:.1f} GB/s",
+                 f"plain copy out+back {codec['plain'] / GB:.1f} GB/s", f"{ratio:.2f}"))
+    rows.append(("  context: memcpy of the value / word-sum checksum", f"{codec['memcpy'] / GB:.1f} GB/s",
+                 f"{codec['checksum_wordsum'] / GB:.1f} GB/s", ""))
+    rows.append(("  context: CRC32 / BLAKE2b-128 (not used)", f"{codec['checksum_crc32'] / GB:.1f} GB/s",
+                 f"{codec['checksum_blake2b'] / GB:.1f} GB/s", ""))
+    verdicts.append(("codec_vs_plain_copy", ratio, ">=", GOALS["codec"]))
+
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback); "
+              f"block {BLOCK} tokens = {size / 2**20:.2f} MiB")
+        t = bench_transport(client)
+        ratio = t["raw"] / t["store"]
+        rows.append(("transport: fetch of a 64-block chain", f"{t['bytes'] / t['store'] / GB:.2f} GB/s "
+                     f"({t['store'] * 1e3:.0f} ms)", f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
+                     f"({t['raw'] * 1e3:.0f} ms)", f"{ratio:.2f}"))
+        verdicts.append(("transport_vs_raw_gets", ratio, ">=", GOALS["transport"]))
+        client.flushall()
+
+        scoring = _scoring_bench()
+        model = scoring.draft_model()
+        score_with_cache(model, scoring.prompt_of(256), None)  # warm-up
+        for length in opts.lengths:
+            e = bench_end_to_end(client, model, scoring.prompt_of(length), opts.repeats)
+            rows.append((f"end to end {length}: warm ({e['cached']} tokens restored)",
+                         f"{e['warm']:.3f} s", f"cold {e['cold']:.3f} s", f"{e['warm'] / e['cold']:.3f}"))
+            rows.append((f"end to end {length}: selection memo", f"{e['memo'] * 1e3:.2f} ms",
+                         f"cold {e['cold']:.3f} s", f"{e['memo'] / e['cold']:.5f}"))
+            verdicts.append((f"warm_vs_cold_{length}", e["warm"] / e["cold"], "<=", GOALS["warm"]))
+            verdicts.append((f"memo_vs_cold_{length}", e["memo"] / e["cold"], "<=", GOALS["memo"]))
+        client.close()
+
+    print()
+    print("| measurement | this | against | ratio |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+    failed = False
+    for name, value, op, bound in verdicts:
+        ok = value >= bound if op == ">=" else value <= bound
+        failed |= not ok
+        print(f"target {name}: {value:.4g} (goal {op} {bound}) {'PASS' if ok else 'FAIL'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
