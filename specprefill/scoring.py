@@ -253,7 +253,8 @@ def score_tokens(
     )
     for c, rewind in zip(cache, rewinds):
         _drop_lookahead(c, n_lookahead, rewind, n_prompt)
-    _eval_cache(cache)
+    # Evaluate here, on the thread that built the graph, before anyone serialises it.
+    mx.eval(importance, [c.state for c in cache])
     timings["importance"] = time.perf_counter() - started
 
     return ScoreResult(
