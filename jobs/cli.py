@@ -1,4 +1,4 @@
-"""The ``specprefill`` command: worker, submit, watch, batch, cache stats, demo."""
+"""The ``specprefill`` command: worker, submit, generate, watch, batch, cache stats, demo."""
 from specprefill.blas import preload_openblas
 
 preload_openblas()  # before anything can import mlx (the worker loads models)
@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO  # noqa: E402
 
 import redis  # noqa: E402
 
+from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
 
 SPEC_OPTIONS = ("keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead", "seed")
@@ -75,6 +76,12 @@ def _describe(ev: Any) -> str:
                (" (memo)" if d.get("memo") else "")
     if ev.kind == "selection":
         return f"selection: kept {d['kept']}/{d['total']}"
+    if ev.kind == "target_prefill":
+        return f"target prefill {_bar(d['processed'], d['total'])} {d['processed']}/{d['total']}"
+    if ev.kind == "decode":
+        return f"decode: {d['tokens']}/{d['max_tokens']} tokens ({d.get('tokens_per_s', 0):.1f} tok/s)"
+    if ev.kind == "text":
+        return f"text: {d.get('delta', '')!r}"
     if ev.kind == "failed":
         return f"failed: {d.get('error', '')}"
     extra = ", ".join(f"{k}={v}" for k, v in d.items())
@@ -288,10 +295,14 @@ def _print_batch(out: TextIO, view: Any, by_job: dict[str, list[str]], summary: 
 
 
 def cmd_batch(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.cli_generate import generate_documents, generate_options
     from jobs.client import Client
 
     client = Client(_connect(args, settings), settings)
     docs = list(iter_documents(args.paths))
+    if args.generate or args.question is not None or any("question" in f for _, f in docs):
+        docs = generate_documents(docs, question=args.question,
+                                  options=generate_options(args) if args.generate else None)
     summary = run_batch(client, docs, Path(args.out), common=_spec_fields(args),
                         progress=None if args.json else sys.stderr, timeout=args.timeout)
     if args.json:
@@ -388,7 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="results JSONL (appended; done documents skipped)")
     b.add_argument("--json", action="store_true", help="print the summary as JSON")
     b.add_argument("--timeout", type=float)
+    b.add_argument("--generate", action="store_true",
+                   help="run generate jobs (results hold the text); --seed also seeds sampling")
+    b.add_argument("--question", help="appended to every document (a JSONL 'question' wins)")
+    add_generate_options(b)
     b.set_defaults(func=cmd_batch)
+
+    register_generate(sub, common)
 
     c = sub.add_parser("cache", parents=[common], help="block store information")
     c.add_argument("action", choices=["stats"])

@@ -20,9 +20,9 @@ from rq.serializers import JSONSerializer
 
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, stream_key)
-from jobs.results import PrefillResult
+from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
-from jobs.spec import JobSpec, Limits, build_spec, check_batch_size
+from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
 
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
@@ -65,7 +65,8 @@ class JobHandle:
         lines = [ln for ln in exc.strip().splitlines() if ln.strip()]
         return lines[-1] if lines else "unknown error"
 
-    def result(self, timeout: float | None = None, poll_s: float = 0.05) -> PrefillResult | dict:
+    def result(self, timeout: float | None = None,
+               poll_s: float = 0.05) -> PrefillResult | GenerateResult | dict:
         """Wait for the job to end; return its result or raise :class:`JobFailed`.
 
         Waits on RQ's per-job results stream (XREAD BLOCK), so a result is seen as soon as
@@ -77,8 +78,8 @@ class JobHandle:
             status = self.status()
             if status == "finished":
                 value = self._job().return_value()
-                if isinstance(value, Mapping) and value.get("kind", "prefill") == "prefill":
-                    return PrefillResult.from_json(value)
+                if isinstance(value, Mapping) and value.get("kind", "prefill") in ("prefill", "generate"):
+                    return result_from_json(value)
                 return value
             if status in TERMINAL_STATUSES:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else status)
@@ -121,6 +122,31 @@ class JobHandle:
 
         return iter_events(self.client.connection, self.id, namespace=self.client.settings.namespace,
                            after_seq=after_seq, timeout=timeout, poll_s=poll_s, idle_check=idle_check)
+
+
+    def stream_text(self, timeout: float | None = None, poll_s: float = 1.0) -> Iterator[str]:
+        """A generate job's text as it is produced: each delta once, in order, then stop.
+
+        Follows the job's ``text`` events until the terminal one (late attach replays). If
+        the capped progress stream lost some deltas, the missing text comes from the result
+        when the job ends. Raises :class:`JobFailed` if the job ends failed or stopped.
+        """
+        sent, last = 0, None
+        for ev in self.events(timeout=timeout, poll_s=poll_s):
+            last = ev
+            if ev.kind == "text":
+                offset, delta = int(ev.data.get("offset", sent)), ev.data.get("delta", "")
+                if offset <= sent < offset + len(delta):
+                    yield delta[sent - offset:]
+                    sent = offset + len(delta)
+        if last is None or last.kind != "done":
+            status = self.status()
+            raise JobFailed(self.id, status, self.error() if status == "failed" else
+                            (last.data.get("error") if last is not None else None) or status)
+        res = self.result(timeout=timeout)
+        text = res.text if isinstance(res, GenerateResult) else ""
+        if len(text) > sent:
+            yield text[sent:]
 
 
 class BatchHandle:
@@ -203,6 +229,21 @@ class Client:
     def spec(self, **fields: Any) -> JobSpec:
         """A validated spec with this client's settings as defaults."""
         return build_spec(self.settings, **fields)
+
+    def generate_spec(self, **fields: Any) -> JobSpec:
+        """A validated generate spec. Generate options (``max_tokens``, ``temperature``,
+        ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``, ``target_model``) are
+        taken from ``fields``; the rest are spec fields (input, keep, threshold, ...). The
+        draft's lookahead sampling keeps its defaults here; set it with
+        ``spec(kind="generate", extra={...}, temperature=...)`` if needed."""
+        extra = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        return self.spec(kind="generate", extra=extra, **fields)
+
+    def generate(self, **fields: Any) -> JobHandle:
+        """Enqueue a generate job (see :meth:`generate_spec`); ``handle.stream_text()``
+        follows the text, ``handle.result()`` returns a :class:`GenerateResult`."""
+        return self.submit(self.generate_spec(**fields))
 
     def handle(self, job_id: str) -> JobHandle:
         return JobHandle(self, job_id)

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 EVENT_KINDS = (
     "queued", "loading_model", "cache_lookup", "scoring", "lookahead", "importance",
     "selection", "cache_store", "retrying", "done", "failed", "stopped",
+    # generate jobs: target prefill (processed/total), decode (tokens so far, tokens/s) and
+    # the generated text as ``text`` deltas (``offset`` = characters before ``delta``)
+    "target_prefill", "decode", "text",
 )
 TERMINAL_KINDS = frozenset({"done", "failed", "stopped"})
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)

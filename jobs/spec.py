@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 from jobs.settings import Settings
 
 PAYLOAD_VERSION = 1
-JOB_KINDS = ("prefill",)
+JOB_KINDS = ("prefill", "generate")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 MAX_MODEL_NAME_CHARS = 1024
@@ -27,6 +27,11 @@ MAX_TOKEN_ID = 2**31 - 1
 # checks max_prompt_tokens again after tokenizing); no tokenizer emits fewer than one
 # token per this many characters on real text.
 CHARS_PER_TOKEN_BOUND = 32
+# Generate jobs carry their options in ``extra`` (see :class:`GenerateOptions`).
+GENERATE_OPTIONS = ("target_model", "max_tokens", "temperature", "top_p", "seed", "greedy",
+                    "stop", "full_prefill")
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 class JobSpecError(ValueError):
@@ -39,10 +44,37 @@ class Limits:
 
     max_prompt_tokens: int = 131072
     max_batch_documents: int = 10000
+    max_generate_tokens: int = 4096
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Limits":
-        return cls(settings.max_prompt_tokens, settings.max_batch_documents)
+        return cls(settings.max_prompt_tokens, settings.max_batch_documents,
+                   settings.max_generate_tokens)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What a generate job does after selection (validated from the spec's ``extra``).
+
+    Sampling: ``greedy`` or ``temperature`` 0 takes the argmax; otherwise top-p sampling
+    seeded by ``seed`` (reproducible). Generation ends at EOS, after ``max_tokens`` tokens,
+    or before the first occurrence of any ``stop`` string. ``full_prefill`` prefills the
+    target with every prompt token (no draft scoring) for comparison.
+    """
+
+    target_model: str
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int = 0
+    greedy: bool = False
+    stop: tuple[str, ...] = ()
+    full_prefill: bool = False
+
+    def to_extra(self) -> dict[str, Any]:
+        d = {name: getattr(self, name) for name in GENERATE_OPTIONS}
+        d["stop"] = list(self.stop)
+        return d
 
 
 @dataclass(frozen=True)
@@ -67,6 +99,13 @@ class JobSpec:
     return_spans: bool = False
     kind: str = "prefill"
     extra: Mapping[str, Any] = field(default_factory=dict)  # kind-specific options (JSON)
+
+    @property
+    def generate(self) -> GenerateOptions:
+        """The generate options of a validated ``kind="generate"`` spec."""
+        if self.kind != "generate":
+            raise ValueError(f"kind: {self.kind!r} job has no generate options")
+        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ()))})
 
     @property
     def input_kind(self) -> str:
@@ -132,14 +171,14 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-def _model_name(value: Any) -> str:
+def _model_name(value: Any, name: str = "draft_model") -> str:
     if not isinstance(value, str) or not value.strip():
-        raise JobSpecError("draft_model: expected a non-empty local path or hub id "
+        raise JobSpecError(f"{name}: expected a non-empty local path or hub id "
                            f"(string of 1..{MAX_MODEL_NAME_CHARS} characters)")
     if len(value) > MAX_MODEL_NAME_CHARS:
-        raise JobSpecError(f"draft_model: {len(value)} characters, the limit is {MAX_MODEL_NAME_CHARS}")
+        raise JobSpecError(f"{name}: {len(value)} characters, the limit is {MAX_MODEL_NAME_CHARS}")
     if any(ord(ch) < 32 for ch in value):
-        raise JobSpecError("draft_model: control characters are not allowed")
+        raise JobSpecError(f"{name}: control characters are not allowed")
     return value
 
 
@@ -209,6 +248,44 @@ def _extra(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Sequence):
+        raise JobSpecError("stop: expected a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise JobSpecError(f"stop: {len(value)} strings, allowed 0..{MAX_STOP_STRINGS}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise JobSpecError(f"stop[{i}]: expected a string of 1..{MAX_STOP_CHARS} characters")
+    return tuple(value)
+
+
+def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptions:
+    unknown = sorted(set(extra) - set(GENERATE_OPTIONS))
+    if unknown:
+        raise JobSpecError(f"{unknown[0]:.60}: unknown generate option "
+                           f"(allowed: {', '.join(GENERATE_OPTIONS)})")
+    if "target_model" not in extra:
+        raise JobSpecError("target_model: missing")
+    d = GenerateOptions(target_model="-")  # defaults
+    limit = limits.max_generate_tokens
+    try:
+        max_tokens = _int("max_tokens", extra.get("max_tokens", min(d.max_tokens, limit)), 1, limit)
+    except JobSpecError as exc:
+        raise JobSpecError(f"{exc} (max_generate_tokens)") from None
+    return GenerateOptions(
+        target_model=_model_name(extra["target_model"], "target_model"),
+        max_tokens=max_tokens,
+        temperature=_float("temperature", extra.get("temperature", d.temperature), 0.0, 100.0),
+        top_p=_float("top_p", extra.get("top_p", d.top_p), 0.0, 1.0, lo_open=True),
+        seed=_int("seed", extra.get("seed", d.seed), 0, 2**32 - 1),
+        greedy=_bool("greedy", extra.get("greedy", d.greedy)),
+        stop=_stop_strings(extra.get("stop", d.stop)),
+        full_prefill=_bool("full_prefill", extra.get("full_prefill", d.full_prefill)),
+    )
+
+
 _FIELDS = {f for f in JobSpec.__dataclass_fields__}
 
 
@@ -231,6 +308,8 @@ def build_spec(settings: Settings | None = None, *, limits: Limits | None = None
                     pool_kernel=settings.pool_kernel,
                     include_last_query=settings.include_last_query)
     values = {**defaults, **{k: v for k, v in fields_.items() if v is not None}}
+    if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
+        values["extra"] = {"target_model": settings.target_model, **values.get("extra", {})}
     return _validate(values, limits)
 
 
@@ -261,6 +340,9 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
     kind = v.get("kind", "prefill")
     if kind not in JOB_KINDS:
         raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
+    extra = _extra(v.get("extra", {}))
+    if kind == "generate":  # stored normalised, so equal requests get equal job ids
+        extra = _generate_options(extra, limits).to_extra()
     return JobSpec(
         kind=kind,
         draft_model=_model_name(v.get("draft_model")),
@@ -279,7 +361,7 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         include_last_query=_bool("include_last_query", v.get("include_last_query")),
         return_importance=_bool("return_importance", v.get("return_importance", False)),
         return_spans=_bool("return_spans", v.get("return_spans", False)),
-        extra=_extra(v.get("extra", {})),
+        extra=extra,
     )
 
 

@@ -154,6 +154,11 @@ def _progress_callback(ctx: JobContext, reporting: ReportingDraftCache) -> Calla
 
 def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     """Score ``spec``'s prompt with its draft model and return the selection (JSON)."""
+    return select_prompt(spec, ctx)[0].to_json()
+
+
+def select_prompt(spec: JobSpec, ctx: JobContext) -> tuple[PrefillResult, list[int]]:
+    """Tokenize, then select through the memo or by draft scoring: the result and the tokens."""
     settings, backend, pub = ctx.settings, ctx.runtime.backend, ctx.publisher
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -213,15 +218,24 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
         memo_hit=score is None, model=loaded.identity,
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, phase_tokens), importance=importance, spans=spans)
-    return result.to_json()
+    return result, tokens
+
+
+def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
+    """Select, sparse-prefill the target and generate text (see :mod:`worker.generate`)."""
+    from worker.generate import generate_job
+
+    return generate_job(spec, ctx)
 
 
 # A job kind names the function that runs it; both take (spec, ctx) and return JSON.
-RUNNERS: dict[str, Callable[[JobSpec, JobContext], dict[str, Any]]] = {"prefill": run_prefill}
+RUNNERS: dict[str, Callable[[JobSpec, JobContext], dict[str, Any]]] = {
+    "prefill": run_prefill, "generate": run_generate}
 
 
 def _done_summary(result: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    keys = ("kept", "total", "ratio", "reason", "cached_tokens", "memo_hit")
+    keys = ("kept", "total", "ratio", "reason", "cached_tokens", "memo_hit",
+            "generated_tokens", "ttft_s", "finish_reason")
     return {**{k: result.get(k) for k in keys if k in result}, "elapsed_s": round(elapsed, 4)}
 
 
