@@ -232,6 +232,8 @@ def generate_job(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     timings["total"] = time.perf_counter() - t0
 
     kept_ranges = selection.kept_ranges if sparse else [(0, T)]
+    scored = ({"draft_scoring": T - selection.cached_tokens}
+              if selection is not None and not selection.memo_hit else {})
     result = GenerateResult(
         job_id=ctx.job_id, text=stream.text, finish_reason=finish, token_ids=stream.ids,
         ttft_s=round(ttft if ttft is not None else timings["total"], 6),
@@ -246,8 +248,7 @@ def generate_job(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
         target_model=target.identity,
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
-                                     "decode": report.tokens,
-                                     "draft_scoring": T - (selection.cached_tokens if selection else 0)}),
+                                     "decode": report.tokens, **scored}),
         draft_timings=dict(selection.timings) if selection is not None else {},
     )
     return result.to_json()
