@@ -8,7 +8,7 @@ A value is the msgpack array ``[header, payload, checksum]``:
 - ``payload``: one ``bin`` holding every layer's keys then values, in layer order,
   as the arrays' raw little-endian bits (C order). It starts 16-byte aligned in
   the value so readers can view it in place.
-- ``checksum``: a uint64 over the payload (see :func:`payload_checksum`).
+- ``checksum``: the payload's 64-bit XXH3 (see :func:`payload_checksum`).
 
 Any msgpack reader can read a value; :func:`decode_block` reads it without
 copying the payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so
@@ -24,6 +24,7 @@ from typing import Sequence
 import mlx.core as mx
 import msgpack
 import numpy as np
+import xxhash
 
 FORMAT_VERSION = 1
 
@@ -39,8 +40,6 @@ _NUMPY_FLOATS = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 _ALIGN = 16
 _BIN32 = 0xC6
 _UINT64 = 0xCF
-_MIX = 0x9E3779B97F4A7C15  # odd, so every segment sum reaches the checksum
-_MASK = (1 << 64) - 1
 
 
 class CorruptBlockError(ValueError):
@@ -102,42 +101,14 @@ def to_mlx(raw: RawArray) -> mx.array:
     return to_mlx_many([raw])[0]
 
 
-def _word_sum(buf: memoryview) -> int:
-    """Sum of the buffer's little-endian uint64 words (a short tail counts as one word), mod 2**64."""
-    n_words = len(buf) // 8
-    total = int(np.add.reduce(np.frombuffer(buf, dtype="<u8", count=n_words))) if n_words else 0
-    tail = buf[n_words * 8:]
-    return (total + int.from_bytes(tail, "little")) & _MASK
+def payload_checksum(payload: memoryview) -> int:
+    """64-bit XXH3 of the payload: catches flips, truncation, reordering and foreign data.
 
-
-def _segment_sums(payload: memoryview, segment_sizes: Sequence[int]) -> list[int]:
-    sizes = list(segment_sizes)
-    if sizes and sizes[0] % 8 == 0 and sizes.count(sizes[0]) == len(sizes) and sum(sizes) == len(payload):
-        # The usual block: equal arrays of whole words, summed row by row in one call.
-        words = np.frombuffer(payload, dtype="<u8").reshape(len(sizes), sizes[0] // 8)
-        return [int(x) for x in np.add.reduce(words, axis=1)]
-    sums, pos = [], 0
-    for size in sizes:
-        sums.append(_word_sum(payload[pos:pos + size]))
-        pos += size
-    return sums
-
-
-def payload_checksum(payload: memoryview, segment_sizes: Sequence[int]) -> int:
-    """64-bit checksum of a payload cut into segments (one per array).
-
-    Horner combination of the payload length and each segment's uint64 word sum
-    (mod 2**64) with an odd multiplier: it catches bit flips, truncation, zeroed
-    or foreign data and swapped segments, at memory speed (~60 GB/s here, against
-    ~7 for CRC32 and ~1.4 for BLAKE2b, either of which would cap the codec far
-    below a plain copy). It is an integrity check against faults, not a MAC:
-    reordered 8-byte words inside one array go unnoticed, and Redis is trusted
-    not to forge values.
+    XXH3 runs at memory speed (faster than a copy here), where CRC32 or BLAKE2b would cap
+    the codec far below a plain copy. An integrity check against faults, not a MAC:
+    Redis is trusted not to forge values.
     """
-    h = len(payload) & _MASK
-    for segment_sum in _segment_sums(payload, segment_sizes):
-        h = (h * _MIX + segment_sum) & _MASK
-    return h
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 @functools.lru_cache(maxsize=64)
@@ -196,7 +167,7 @@ def encode_block(fingerprint: str, n_tokens: int,
             np.copyto(out[pos:pos + a.bits.nbytes].view(a.bits.dtype).reshape(a.bits.shape), a.bits)
             pos += a.bits.nbytes
     view = memoryview(out)
-    checksum = payload_checksum(view[start:end], sizes)
+    checksum = payload_checksum(view[start:end])
     out[end:] = np.frombuffer(bytes([_UINT64]) + checksum.to_bytes(8, "big"), dtype=np.uint8)
     return view.toreadonly()
 
@@ -343,9 +314,8 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int) 
         raise CorruptBlockError(f"value: {len(view)} bytes, payload says {end + 9} (truncated or padded)")
     payload = view[start:end]
     specs = fmt.specs
-    sizes = [size for _, _, _, size in specs]
     stored = int.from_bytes(view[end + 1:end + 9], "big")
-    if payload_checksum(payload, sizes) != stored:
+    if payload_checksum(payload) != stored:
         raise CorruptBlockError("checksum: payload does not match")
 
     data = np.frombuffer(payload, dtype=np.uint8)
