@@ -241,36 +241,53 @@ def run_batch(client: Any, docs: list[tuple[str, dict[str, Any]]], out_path: Pat
     for h, (doc_id, _) in zip(batch.handles, todo):
         by_job.setdefault(h.id, []).append(doc_id)
     deadline = None if timeout is None else time.monotonic() + timeout
+    unfinished: list[str] = []
+    outage_wait = poll_s
     with open(out_path, "a") as out:
         while pending:
-            view = batch.progress()
-            for job_id in list(pending):
-                ev = view.last_events.get(job_id)
-                status = client.handle(job_id).status() if ev is None or ev.terminal else None
-                if status not in ("finished", "failed", "stopped", "canceled", "missing"):
-                    continue
-                pending.pop(job_id)
-                rec: dict[str, Any] = {"job_id": job_id, "status": status}
-                try:
-                    res = _result_json(client.handle(job_id).result(timeout=5))
-                    rec["result"] = res
-                    summary["finished"] += len(by_job[job_id])
-                    summary["cached_tokens"] += res["cached_tokens"] * len(by_job[job_id])
-                    summary["kept"] += res["kept"]
-                    summary["total"] += res["total"]
-                except JobFailed as exc:
-                    rec.update(status=exc.status, error=exc.error)
-                    summary["failed"] += len(by_job[job_id])
-                for doc_id in by_job[job_id]:
-                    out.write(json.dumps({"id": doc_id, **rec}) + "\n")
-                out.flush()
-            if progress is not None:
+            try:
+                view = batch.progress()
+                for job_id in list(pending):
+                    ev = view.last_events.get(job_id)
+                    status = client.handle(job_id).status() if ev is None or ev.terminal else None
+                    if status not in ("finished", "failed", "stopped", "canceled", "missing"):
+                        continue
+                    rec: dict[str, Any] = {"job_id": job_id, "status": status}
+                    try:
+                        res = _result_json(client.handle(job_id).result(timeout=5))
+                        rec["result"] = res
+                    except JobFailed as exc:
+                        rec.update(status=exc.status, error=exc.error)
+                    pending.pop(job_id)  # only once its line is certain to be written
+                    n_docs = len(by_job[job_id])
+                    if "result" in rec:
+                        summary["finished"] += n_docs
+                        summary["cached_tokens"] += rec["result"]["cached_tokens"] * n_docs
+                        summary["kept"] += rec["result"]["kept"]
+                        summary["total"] += rec["result"]["total"]
+                    else:
+                        summary["failed"] += n_docs
+                        unfinished.extend(by_job[job_id])
+                    for doc_id in by_job[job_id]:
+                        out.write(json.dumps({"id": doc_id, **rec}) + "\n")
+                    out.flush()
+                outage_wait = poll_s
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Redis restarting: keep watching (jobs it lost come back as "missing").
+                if progress is not None:
+                    print(f"\nbatch: Redis unavailable ({exc}); retrying in {outage_wait:.1f}s",
+                          file=progress, flush=True)
+                view = None
+                time.sleep(outage_wait)
+                outage_wait = min(outage_wait * 2, 10.0)
+            if progress is not None and view is not None:
                 _print_batch(progress, view, by_job, summary)
             if not pending:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise CliError(f"batch: {len(pending)} documents still running after {timeout}s")
             time.sleep(poll_s)
+    summary["unfinished"] = unfinished
     if progress is not None and progress.isatty():
         print(file=progress)
     summary["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -311,6 +328,11 @@ def cmd_batch(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{summary['documents']} documents: {summary['finished']} finished, "
               f"{summary['failed']} failed, {summary['skipped']} already done; "
               f"results in {args.out}")
+        if summary.get("unfinished"):
+            shown = ", ".join(summary["unfinished"][:10])
+            more = len(summary["unfinished"]) - 10
+            print(f"not finished: {shown}{f' and {more} more' if more > 0 else ''} "
+                  "(their lines in the output say why; run the same command again to redo them)")
     return 0 if summary["failed"] == 0 else 1
 
 
@@ -438,6 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # JobSpecError and bad settings name the field
         print(f"specprefill {args.command}: {exc}", file=sys.stderr)
         return 2
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        print(f"specprefill {args.command}: lost the connection to Redis: {exc} "
+              "(a batch can be re-run: finished documents are skipped)", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
 

@@ -80,7 +80,8 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
         ]
         if self.persist:
-            args += ["--save", "1 1", "--appendonly", "no", "--dbfilename", "dump.rdb"]
+            # "1", "1" as two words: redis-server 6.2 ignores a single "1 1" argument
+            args += ["--save", "1", "1", "--appendonly", "no", "--dbfilename", "dump.rdb"]
         else:
             args += ["--save", "", "--appendonly", "no"]
         if self.password:

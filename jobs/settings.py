@@ -70,6 +70,11 @@ class Settings:
     progress_stream_maxlen: int = 1000
     progress_ttl_s: int = 24 * 3600
     heartbeat_interval_s: float = 10.0
+    # A started job whose worker sent no heartbeat for this long counts as abandoned (the
+    # worker died) and is retried elsewhere; must exceed heartbeat_interval_s comfortably.
+    heartbeat_ttl_s: float = 60.0
+    # How often a worker (busy or idle) sweeps RQ's registries for abandoned jobs.
+    maintenance_interval_s: float = 60.0
 
     # Linux CPU speed-up: preload a system OpenBLAS before mlx.
     openblas: bool = True

@@ -9,11 +9,14 @@ event the job checks between prefill chunks), and an explicit timeout for every 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Sequence
 
-from rq import Queue, SimpleWorker
+import redis
+from rq import Queue, SimpleWorker, worker_registration
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
@@ -21,6 +24,8 @@ from worker import runtime as runtime_mod
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 class _HeartbeatThread(threading.Thread):
@@ -52,10 +57,28 @@ class PrefillWorker(SimpleWorker):
     def __init__(self, queues: Sequence[str | Queue], *, runtime: WorkerRuntime, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
         kwargs.setdefault("default_result_ttl", runtime.settings.result_ttl_s)
-        kwargs.setdefault("job_monitoring_interval", max(1, int(runtime.settings.heartbeat_interval_s)))
+        s = runtime.settings
+        if s.heartbeat_ttl_s < 2 * s.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_ttl_s: {s.heartbeat_ttl_s} must be at least twice "
+                             f"heartbeat_interval_s ({s.heartbeat_interval_s})")
+        kwargs.setdefault("job_monitoring_interval", max(1, int(s.heartbeat_interval_s)))
+        kwargs.setdefault("maintenance_interval", s.maintenance_interval_s)
+        # An idle worker blocks in BLPOP for worker_ttl - 15 s before it looks at maintenance
+        # again; tie that wait to the maintenance interval so idle workers sweep too.
+        kwargs.setdefault("worker_ttl", max(16, math.ceil(s.maintenance_interval_s) + 15))
         super().__init__(queues, connection=runtime.connection, **kwargs)
         self.runtime = runtime
         runtime_mod.install(runtime)
+
+    def get_heartbeat_ttl(self, job: Any, working_time: float = 0.0) -> int:
+        """How long a started job stays claimed without a heartbeat.
+
+        SimpleWorker claims a job for its whole timeout + 60 s (it cannot beat while the
+        job runs), so a worker killed mid-job would hold it that long. The heartbeat thread
+        beats every ``heartbeat_interval_s``, so a short claim is safe and a dead worker's
+        job is retried after ``heartbeat_ttl_s`` (at the next registry sweep).
+        """
+        return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s))
 
     def perform_job(self, job: Any, queue: Queue, execution: Any) -> bool:
         self.runtime.stop_event.clear()
@@ -68,6 +91,82 @@ class PrefillWorker(SimpleWorker):
         finally:
             beat.stop()
             self.runtime.stop_event.clear()
+
+    # -- surviving a Redis outage ---------------------------------------------
+    # RQ's dequeue loop already waits out a lost Redis with backoff, but an error anywhere
+    # else in its work loop (recording a job's end, maintenance, the suspension check,
+    # heartbeats) makes it quit. These overrides keep the worker alive instead; a job whose
+    # end could not be recorded keeps its short claim (heartbeat_ttl_s), so if Redis kept
+    # it, a registry sweep retries it, and if Redis lost it, the client reports it missing.
+
+    _redis_lost = False
+
+    def _redis_down(self, where: str, exc: Exception) -> None:
+        if not self._redis_lost:
+            self.log.warning("Worker %s: Redis unavailable (%s): %s", self.name, where, exc)
+        self._redis_lost = True
+
+    def _wait_for_redis(self) -> None:
+        wait = 1.0
+        while not self._stop_requested:
+            try:
+                self.connection.ping()
+                return
+            except REDIS_DOWN as exc:
+                self.log.warning("Worker %s: Redis still unavailable (%s); retrying in %.0f s",
+                            self.name, exc, wait)
+                time.sleep(wait)
+                wait = min(wait * self.exponential_backoff_factor, self.max_connection_wait_time)
+
+    def _register_again(self) -> None:
+        """Redis came back (maybe empty): put this worker's hash and registry entries back."""
+        try:
+            with self.connection.pipeline() as pipe:
+                pipe.hset(self.key, mapping=self.serialize())
+                worker_registration.register(self, pipe)
+                pipe.expire(self.key, self.worker_ttl + 60)
+                pipe.execute()
+            self._redis_lost = False
+            self.log.info("Worker %s: Redis is back; registered again", self.name)
+        except REDIS_DOWN as exc:
+            self._redis_down("register", exc)
+
+    def execute_job(self, job: Any, queue: Queue) -> None:
+        try:
+            super().execute_job(job, queue)
+        except REDIS_DOWN as exc:
+            self._redis_down(f"ending job {job.id}", exc)
+            self.executions.clear()  # the execution RQ could not close is not running any more
+            self._wait_for_redis()
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        if pipeline is not None:
+            return super().heartbeat(timeout, pipeline=pipeline)
+        try:
+            super().heartbeat(timeout)
+        except REDIS_DOWN as exc:  # the dequeue that follows backs off
+            self._redis_down("heartbeat", exc)
+            return
+        if self._redis_lost:
+            self._register_again()
+
+    def run_maintenance_tasks(self) -> None:
+        try:
+            super().run_maintenance_tasks()
+        except REDIS_DOWN as exc:
+            self._redis_down("maintenance", exc)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        try:
+            super().check_for_suspension(burst)
+        except REDIS_DOWN as exc:
+            self._redis_down("suspension check", exc)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        except REDIS_DOWN as exc:  # exiting anyway: the worker's key expires on its own
+            self.log.warning("Worker %s: could not register its death: %s", self.name, exc)
 
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job command lands here: ask the running job to stop between chunks."""

@@ -1,0 +1,68 @@
+"""A real RQ worker process running the fake scoring backend of tests/test_worker_tasks.py.
+
+``python tests/reliability/worker_harness.py URL NAME CHUNK_DELAY_S`` with ``SPECPREFILL_*``
+settings in the environment. The fake scorer sleeps ``CHUNK_DELAY_S`` per 16-token chunk
+(so kill/timeout/restart timing is controllable) and gives deterministic importance. The
+model pool accepts only ``Settings.draft_model``; any other name goes through the real
+``worker.models.model_identity`` (so unknown models fail as they would in production).
+
+With ``SPECPREFILL_HARNESS_FORBID_PICKLE=1`` every pickle loader in the process raises, so a
+job that unpickles anything fails loudly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+class PickleForbidden(RuntimeError):
+    """Something in the worker tried to unpickle data."""
+
+
+def forbid_pickle() -> None:
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise PickleForbidden("unpickling is forbidden in this worker")
+
+    class Refusing(pickle.Unpickler):
+        def __init__(self, *args, **kwargs):
+            refuse()
+
+    pickle.loads = pickle.load = refuse
+    pickle.Unpickler = Refusing
+    import _pickle
+    _pickle.loads = _pickle.load = refuse
+
+
+def main() -> None:
+    if os.environ.get("SPECPREFILL_HARNESS_FORBID_PICKLE") == "1":
+        forbid_pickle()  # before rq or redis are imported
+    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(TESTS.parent))
+    import redis
+
+    from jobs.settings import Settings
+    from test_worker_tasks import FakeModel, FakeTokenizer, fake_backend
+    from worker.models import ModelPool, model_identity
+    from worker.rq_worker import run_worker
+    from worker.runtime import WorkerRuntime
+
+    url, name, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    settings = Settings.from_env(redis_url=url)
+    known = settings.draft_model
+    pool = ModelPool(settings.model_lru_size, loader=lambda n: (FakeModel(), FakeTokenizer()),
+                     check=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
+                     identify=lambda n: "fake:" + n if n == known else model_identity(n),
+                     warm=lambda m: None)
+    backend = fake_backend(delay)
+    conn = redis.Redis.from_url(url)
+    runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
+    run_worker(runtime, settings.queue_names, name=name, logging_level="INFO")
+
+
+if __name__ == "__main__":
+    main()
