@@ -200,6 +200,23 @@ def test_stop_during_decode_then_same_output_as_a_fresh_worker(redis_url, models
     assert fresh.text == after.text
 
 
+def test_second_sigterm_stops_a_decoding_job(redis_url, models, start_worker):
+    import signal
+
+    c = Client(redis.Redis.from_url(redis_url), settings_for(models))
+    w = start_worker(delay=0.03)
+    h = c.generate(text=DOC, max_tokens=400, greedy=True)
+    for ev in h.events(timeout=120):
+        assert not ev.terminal, ev
+        if ev.kind == "decode":
+            break
+    w.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.2)  # RQ ignores a repeat within 1 s
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(20) == 0
+    assert h.status() == "stopped" and list(h.events(timeout=10))[-1].kind == "stopped"
+
+
 def run_cli(*args, timeout=180):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True,

@@ -237,3 +237,34 @@ def test_target_with_another_tokenizer_is_rejected():
     check_shared_tokenizer(FakeTokenizer(), TargetTokenizer())
     with pytest.raises(JobSpecError, match="target_model: its tokenizer differs"):
         check_shared_tokenizer(FakeTokenizer(), Other())
+
+
+def test_stream_text_fills_a_gap_from_the_result():
+    from jobs.client import JobFailed, JobHandle
+    from jobs.progress import ProgressEvent
+
+    class Handle(JobHandle):
+        def __init__(self, evs, status="finished"):
+            self.id, self.evs, self._status = "h", evs, status
+
+        def events(self, timeout=None, poll_s=1.0):
+            return iter(self.evs)
+
+        def status(self):
+            return self._status
+
+        def error(self):
+            return "boom"
+
+        def result(self, timeout=None):
+            return GenerateResult("h", "abcdefghij", "length", [], 0.1, 1, 1)
+
+    def ev(seq, kind, **data):
+        return ProgressEvent("h", seq, kind, data)
+
+    # "def" was trimmed from the capped stream; "abc" arrives twice (replay after reconnect).
+    evs = [ev(1, "text", offset=0, delta="abc"), ev(2, "text", offset=0, delta="abc"),
+           ev(3, "text", offset=6, delta="ghi"), ev(4, "done")]
+    assert "".join(Handle(evs).stream_text()) == "abcdefghij"
+    with pytest.raises(JobFailed, match="boom"):
+        list(Handle([ev(1, "text", offset=0, delta="a"), ev(2, "failed", error="x")], "failed").stream_text())
