@@ -167,6 +167,8 @@ def test_sampling_is_seeded():
     b = run(rt, "b", keep=0.25, n_lookahead=8, extra={"max_tokens": 20, "temperature": 1.0, "seed": 5,
                                                      "top_p": 0.95})
     assert a.token_ids == b.token_ids  # same spec content (defaults filled in), same draw
+    other = run(rt, "c", extra={"max_tokens": 20, "temperature": 1.0, "seed": 6})
+    assert other.token_ids != a.token_ids
 
 
 @pytest.mark.parametrize("extra, message", [
