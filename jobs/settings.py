@@ -55,6 +55,9 @@ class Settings:
     # Block store.
     block_size: int = 256
     block_ttl_s: int = 24 * 3600
+    # A separate block-store Redis is a cache: a call to it that hangs this long is a miss
+    # (the job runs cold) instead of a stuck job.
+    cache_socket_timeout_s: float = 5.0
     memo_ttl_s: int = 24 * 3600
 
     # Limits.

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from jobs.settings import Settings
 from worker.models import ModelPool
@@ -72,11 +74,18 @@ class WorkerRuntime:
     def from_settings(cls, settings: Settings, connection: redis.Redis | None = None,
                       **kwargs: Any) -> "WorkerRuntime":
         connection = connection or redis.Redis.from_url(settings.redis_url)
-        cache_client = (redis.Redis.from_url(settings.block_store_url)
-                        if settings.cache_redis_url else connection)
+        cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
         models = kwargs.pop("models", None) or ModelPool(settings.model_lru_size,
                                                          block_size=settings.block_size)
         return cls(settings, connection, cache_client, models, **kwargs)
+
+
+def cache_connection(settings: Settings) -> redis.Redis:
+    """The block store's own Redis client: bounded waits and no retries, because every
+    block-store and memo error is already a miss (a dead or hung cache makes jobs run cold)."""
+    timeout = settings.cache_socket_timeout_s
+    return redis.Redis.from_url(settings.block_store_url, socket_timeout=timeout,
+                                socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
 
 
 _current: WorkerRuntime | None = None
