@@ -49,7 +49,11 @@ def hub_identity(repo_id: str) -> str:
     """``hub:<repo>@<revision>`` from the locally resolved snapshot (no network)."""
     from huggingface_hub import snapshot_download
 
-    path = Path(snapshot_download(repo_id, local_files_only=True))
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError) as exc:  # not downloaded here, or not a valid repo id
+        raise ValueError(f"draft_model: {repo_id[:200]!r} is neither a model folder nor a hub "
+                         f"model downloaded on this worker ({type(exc).__name__})") from None
     return f"hub:{repo_id}@{path.name}"
 
 
