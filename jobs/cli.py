@@ -103,7 +103,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     conn = _connect(args, settings)
     runtime = WorkerRuntime.from_settings(settings, conn)
-    run_worker(runtime, args.queue or settings.queue_names,
+    run_worker(runtime, args.queue or settings.queues,
                preload=args.preload or settings.preload_models, name=args.name,
                burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     return 0

@@ -212,7 +212,7 @@ class Client:
                  queue_name: str | None = None) -> None:
         self.connection = connection
         self.settings = settings or Settings.from_env()
-        self.queue = Queue(queue_name or self.settings.queue_names[0], connection=connection,
+        self.queue = Queue(queue_name or self.settings.queues[0], connection=connection,
                            serializer=JSONSerializer, default_timeout=self.settings.job_timeout_s)
 
     @classmethod
@@ -272,7 +272,7 @@ class Client:
 
     def _enqueue(self, specs: list[JobSpec]) -> list[JobHandle]:
         s, conn, q = self.settings, self.connection, self.queue
-        plans = [_Plan(spec, spec.job_id()) for spec in specs]
+        plans = [_Plan(spec, spec.job_id(s.namespace)) for spec in specs]
         unique = list(dict.fromkeys(p.job_id for p in plans))
         with conn.pipeline(transaction=False) as pipe:
             for jid in unique:

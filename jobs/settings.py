@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,7 +33,7 @@ class Settings:
     redis_url: str = ""  # empty: REDIS_URL, else the CLI starts an embedded Redis
     cache_redis_url: str = ""  # block store Redis; empty: same as redis_url
     namespace: str = "specprefill"  # prefix of every key this deployment writes
-    queue_names: tuple[str, ...] = ("specprefill",)
+    queue_names: tuple[str, ...] = ()  # RQ queues; empty: one queue named like the namespace
 
     # Models.
     draft_model: str = field(default_factory=_default_draft_model)
@@ -97,12 +98,25 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
+    def __post_init__(self) -> None:
+        # Every key is "<namespace>:...": without ':' in a namespace, two namespaces can never
+        # produce the same key or match each other's SCAN patterns.
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.namespace):
+            raise ValueError(f"namespace: {self.namespace!r}; allowed 1-64 letters, digits, "
+                             "'_', '.' or '-'")
+
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
 
     @property
     def block_store_url(self) -> str:
         return self.cache_redis_url or self.redis_url
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        """The RQ queues this deployment uses (RQ's keys are not under ``namespace``, so
+        deployments sharing a Redis are kept apart by queue name and by job id)."""
+        return self.queue_names or (self.namespace,)
 
 
 def _field_type(f: dataclasses.Field) -> str:

@@ -132,10 +132,11 @@ class JobSpec:
         d["v"] = PAYLOAD_VERSION
         return d
 
-    def job_id(self) -> str:
-        """Deterministic RQ job id: SHA-256 of the canonical payload (letters, digits, '-')."""
-        canonical = json.dumps(self.to_payload(), sort_keys=True, separators=(",", ":"),
-                               ensure_ascii=True)
+    def job_id(self, namespace: str = "specprefill") -> str:
+        """Deterministic RQ job id (letters, digits, '-'): SHA-256 of the deployment's
+        namespace and the canonical payload, so deployments sharing a Redis never share a job."""
+        canonical = json.dumps({"namespace": namespace, "payload": self.to_payload()},
+                               sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return f"{self.kind}-{hashlib.sha256(canonical.encode()).hexdigest()[:40]}"
 
 

@@ -196,7 +196,7 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     from specprefill.blas import blas_in_use
 
     log.info("BLAS in use: %s", blas_in_use())
-    queues = list(queues or runtime.settings.queue_names)
+    queues = list(queues or runtime.settings.queues)
     for model in preload:
         runtime.models.get(model)
     w = PrefillWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)

@@ -61,7 +61,7 @@ def main() -> None:
     backend = fake_backend(delay)
     conn = redis.Redis.from_url(url)
     runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
-    run_worker(runtime, settings.queue_names, name=name, logging_level="INFO")
+    run_worker(runtime, settings.queues, name=name, logging_level="INFO")
 
 
 if __name__ == "__main__":
