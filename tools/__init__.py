@@ -1,0 +1,1 @@
+"""Project tools: tiny-model training, the recall task, demo data generation."""

@@ -1,0 +1,352 @@
+"""Train a tiny mlx-lm llama on the associative-recall task and write a loadable model folder.
+
+Deterministic for a given seed (python ``random``, numpy, ``mx.random``). The folder holds
+``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
+``training.json`` and a ``README.md`` model card, and loads offline with ``mlx_lm.load``.
+
+Curriculum (what made the 2-layer draft learn on a 2-core CPU): a phase of very short
+sequences (64 tokens) before 128-1024; loss on every token plus on the answer tokens.
+Phases are given as ``LENGTHS:STEPS`` items, ``LENGTHS`` one length or ``A-B`` (the powers
+of two from A to B, plus 3/2 of each below B, sampled uniformly per step).
+
+Examples::
+
+    python tools/train_tiny.py --preset draft --out models/draft-tiny
+    python tools/train_tiny.py --preset target --out models/target-tiny
+    python tools/train_tiny.py --init models/draft-tiny --phases 1024-2048:300 --lr 3e-4 --out /tmp/ft
+    python tools/train_tiny.py --eval models/draft-tiny --eval-lengths 512,1024,2048
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
+
+preload_openblas()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import random  # noqa: E402
+import shlex  # noqa: E402
+import time  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from tools import recall_task as task  # noqa: E402
+
+PRESETS = {
+    "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256),
+    "target": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                   intermediate_size=512),
+}
+DEFAULT_PHASES = "64:1200,128-1024:1800"
+CHAT_FRACTION = 0.3
+
+
+def model_config(hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                 num_key_value_heads: int, intermediate_size: int, rope_theta: float) -> dict:
+    return {
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": task.VOCAB_SIZE,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+        "eos_token_id": task.TOKEN_ID[task.END],
+    }
+
+
+def parse_phases(spec: str) -> list[tuple[list[int], int]]:
+    """``"64:1200,128-1024:1800"`` -> [([64], 1200), ([128, 192, 256, ...], 1800)]."""
+    phases = []
+    for item in spec.split(","):
+        try:
+            lengths, steps = item.split(":")
+            if "-" in lengths:
+                lo, hi = (int(x) for x in lengths.split("-"))
+                choices, n = [], lo
+                while n <= hi:
+                    choices.append(n)
+                    if n * 3 // 2 < hi:
+                        choices.append(n * 3 // 2)
+                    n *= 2
+            else:
+                choices = [int(lengths)]
+            phases.append((choices, int(steps)))
+        except ValueError as e:
+            raise ValueError(f"--phases item {item!r} must be LENGTH:STEPS or A-B:STEPS") from e
+    if not phases or any(s < 0 or min(c) < 32 for c, s in phases):
+        raise ValueError(f"--phases must list lengths >= 32 and steps >= 0, got {spec!r}")
+    return phases
+
+
+def sample_batch(rng: random.Random, length: int, batch: int, *, chat_fraction: float = CHAT_FRACTION,
+                 repeat_prob: float = 0.03, max_needles: int = 8) -> mx.array:
+    rows = []
+    for _ in range(batch):
+        # At least two needles: with one, "copy the value after any key" answers without
+        # matching the key, and the model settles on that shortcut.
+        n_needles = rng.randint(min(2, max_needles), max(2, min(max_needles, length // 12)))
+        chat = rng.random() < chat_fraction
+        system_words = rng.choice([0, rng.randint(4, 24)]) if chat and length >= 128 else 0
+        rows.append(task.make_example(rng, length, n_needles, chat=chat, system_words=system_words,
+                                      repeat_prob=repeat_prob).tokens)
+    return mx.array(np.array(rows, dtype=np.int32))
+
+
+def losses(model, tokens: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """(all-token loss, answer loss, answer accuracy); the answer is the last 3 tokens before <|end|>."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, targets)
+    a = slice(-(task.VALUE_LEN + 1), -1)
+    answer_ce = ce[:, a].mean()
+    correct = (logits[:, a].argmax(-1) == targets[:, a]).all(-1).astype(mx.float32).mean()
+    return ce.mean(), answer_ce, correct
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=dict(task.TOKEN_ID), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=task.END,
+        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+    )
+    wrapped.chat_template = task.CHAT_TEMPLATE
+    return wrapped
+
+
+def save_folder(model, config: dict, out: Path, training: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    build_tokenizer().save_pretrained(str(out))
+    # transformers 5 writes "TokenizersBackend" (unknown to transformers 4) and may put the
+    # template in a separate file; keep one portable tokenizer_config.json.
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg["chat_template"] = task.CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    for extra in ("chat_template.jinja", "special_tokens_map.json"):
+        (out / extra).unlink(missing_ok=True)
+    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(config, training))
+
+
+def model_card(config: dict, training: dict) -> str:
+    n = training["parameters"]
+    chain, t = [], training
+    while t:  # a fine-tune records the run it continued from
+        chain.insert(0, t)
+        t = t.get("base_training")
+    commands = "\n".join(t["command"] for t in chain)
+    stages = "; then ".join(
+        f"phases {t['phases']} at lr {t['lr']:g}, {t['tokens_per_step']} tokens per step, seed {t['seed']}"
+        for t in chain)
+    acc = training.get("eval", {})
+    rows = "\n".join(f"| {L} | {r['plain']:.2f} | {r['chat']:.2f} |" for L, r in acc.items())
+    return f"""# {training['name']}
+
+A tiny mlx-lm `llama` trained by this project on a synthetic associative-recall task
+(`tools/recall_task.py`): documents of made-up filler words with planted needles
+`kXX vA vB vC`, ending in the query `? kXX`; the answer is the 3-token value `vA vB vC`
+followed by `<|end|>`. A chat template (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`)
+wraps the same content; both the plain and the chat form were trained on.
+
+## Architecture
+hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads,
+{config['num_key_value_heads']} KV heads, intermediate {config['intermediate_size']}, vocab {config['vocab_size']}
+(word-level tokenizer), tied embeddings, rope_theta {config['rope_theta']:g}, float32;
+{n:,} parameters ({n * 4 / 1e6:.1f} MB).
+
+## Training
+```
+{commands}
+```
+AdamW (cosine to 0 after a linear warm-up, weight decay {training['weight_decay']:g}): {stages};
+loss = mean cross-entropy on all tokens + on the answer tokens.
+Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU ({training['blas']}).
+
+## Measured recall accuracy (greedy answer exactly right, {training.get('eval_samples', 0)} documents per cell)
+| tokens | plain prompt | chat prompt |
+|---|---|---|
+{rows}
+
+Reproduce: `python tools/train_tiny.py --eval <this folder>`.
+"""
+
+
+def evaluate(model, lengths: list[int], samples: int, seed: int, batch_tokens: int = 8192) -> dict:
+    """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy)."""
+    out: dict[str, dict[str, float]] = {}
+    for length in lengths:
+        row = {}
+        for chat in (False, True):
+            rng = random.Random(seed * 7919 + length * 2 + int(chat))
+            batch = max(1, batch_tokens // length)
+            correct = 0.0
+            done = 0
+            while done < samples:
+                b = min(batch, samples - done)
+                rows = [task.make_example(rng, length, rng.randint(1, 8), chat=chat,
+                                          system_words=8 if chat else 0).tokens for _ in range(b)]
+                _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
+                correct += acc.item() * b
+                done += b
+            row["chat" if chat else "plain"] = correct / samples
+        out[str(length)] = row
+        print(f"eval len {length:5d}: plain {row['plain']:.3f}  chat {row['chat']:.3f}", flush=True)
+    return out
+
+
+def train(args: argparse.Namespace) -> None:
+    from mlx_lm.models import llama
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    mx.random.seed(args.seed)
+    rng = random.Random(args.seed)
+
+    if args.init:
+        from mlx_lm import load
+
+        model, _ = load(args.init)
+        config = json.loads((Path(args.init) / "config.json").read_text())
+    else:
+        sizes = dict(PRESETS[args.preset])
+        for name in sizes:
+            if getattr(args, name) is not None:
+                sizes[name] = getattr(args, name)
+        config = model_config(rope_theta=args.rope_theta, **sizes)
+        model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
+
+    phases = parse_phases(args.phases)
+    total = sum(s for _, s in phases)
+    warmup = min(args.warmup, max(1, total // 10))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-7, args.lr, warmup), optim.cosine_decay(args.lr, max(1, total - warmup), 0.0)],
+        [warmup],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=args.weight_decay)
+
+    def loss_fn(m, tokens):
+        lm, ans, acc = losses(m, tokens)
+        return lm + ans, (lm, ans, acc)
+
+    grad_fn = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(tokens):
+        (loss, aux), grads = grad_fn(model, tokens)
+        if args.grad_clip > 0:
+            grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
+        optimizer.update(model, grads)
+        return loss, aux
+
+    step = mx.compile(step, inputs=state, outputs=state)
+
+    t0 = time.perf_counter()
+    i = 0
+    window: list[tuple[float, float, float]] = []
+    for lengths, steps in phases:
+        for _ in range(steps):
+            length = rng.choice(lengths)
+            tokens = sample_batch(rng, length, max(1, args.tokens_per_step // length),
+                                  chat_fraction=args.chat_fraction if length > 64 else 0.0,
+                                  repeat_prob=args.repeat_prob, max_needles=args.max_needles)
+            loss, (lm, ans, acc) = step(tokens)
+            mx.eval(state, loss, lm, ans, acc)
+            window.append((lm.item(), ans.item(), acc.item()))
+            i += 1
+            if i % args.log_every == 0 or i == total:
+                m = np.mean(window, axis=0)
+                window.clear()
+                print(f"step {i:5d}/{total} len {length:5d} lm {m[0]:.3f} answer {m[1]:.3f} "
+                      f"acc {m[2]:.2f} lr {optimizer.learning_rate.item():.2e} "
+                      f"{time.perf_counter() - t0:7.1f}s", flush=True)
+    train_seconds = time.perf_counter() - t0
+
+    training = {
+        "name": Path(args.out).name,
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "seed": args.seed, "lr": args.lr, "warmup": warmup, "weight_decay": args.weight_decay,
+        "tokens_per_step": args.tokens_per_step, "phases": args.phases, "init": args.init,
+        "parameters": n_params, "train_seconds": round(train_seconds, 1), "blas": blas_in_use(),
+    }
+    if args.init:
+        prior = Path(args.init) / "training.json"
+        if prior.exists():
+            base = json.loads(prior.read_text())
+            training["base_training"] = base
+            training["train_seconds"] = round(train_seconds + base.get("train_seconds", 0.0), 1)
+    if args.eval_samples > 0:
+        lengths = [int(x) for x in args.eval_lengths.split(",")]
+        training["eval"] = evaluate(model, lengths, args.eval_samples, seed=10_000 + args.seed)
+        training["eval_samples"] = args.eval_samples
+    save_folder(model, config, Path(args.out), training)
+    print(f"wrote {args.out} in {train_seconds:.0f}s of training", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="draft")
+    p.add_argument("--hidden-size", dest="hidden_size", type=int)
+    p.add_argument("--layers", dest="num_hidden_layers", type=int)
+    p.add_argument("--heads", dest="num_attention_heads", type=int)
+    p.add_argument("--kv-heads", dest="num_key_value_heads", type=int)
+    p.add_argument("--intermediate-size", dest="intermediate_size", type=int)
+    p.add_argument("--rope-theta", type=float, default=1e4)
+    p.add_argument("--init", help="continue from this model folder (fine-tune)")
+    p.add_argument("--phases", default=DEFAULT_PHASES, help="LENGTHS:STEPS,... (default %(default)s)")
+    p.add_argument("--tokens-per-step", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-fraction", type=float, default=CHAT_FRACTION,
+                   help="share of chat-form examples above length 64")
+    p.add_argument("--repeat-prob", type=float, default=0.03, help="per-word chance of repeating a filler segment")
+    p.add_argument("--max-needles", type=int, default=8)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
+    p.add_argument("--out", help="model folder to write")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval", metavar="FOLDER", help="only measure recall accuracy of this model folder")
+    p.add_argument("--eval-lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--eval-samples", type=int, default=64)
+    args = p.parse_args(argv)
+    if args.eval:
+        from mlx_lm import load
+
+        model, _ = load(args.eval)
+        evaluate(model, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        return
+    if not args.out:
+        p.error("--out is required when training")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
