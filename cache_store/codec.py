@@ -195,12 +195,15 @@ def _payload_span(value: memoryview, at: int) -> tuple[int, int]:
     return start, length
 
 
+def _is_dim(d: object) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 1
+
+
 def _array_spec(dtype: object, shape: object, n_tokens: int) -> tuple[str, np.dtype, tuple[int, ...], int]:
     """(dtype name, bits dtype, shape, bytes) of one header array entry, validated."""
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CorruptBlockError(f"layer dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    if (not isinstance(shape, list) or len(shape) != 4
-            or not all(isinstance(d, int) and d >= 1 for d in shape)):
+    if not isinstance(shape, list) or len(shape) != 4 or not all(_is_dim(d) for d in shape):
         raise CorruptBlockError(f"layer shape: {shape!r} is not 4 positive ints")
     if shape[2] != n_tokens:
         raise CorruptBlockError(f"layer shape: {shape!r} does not hold {n_tokens} tokens")
@@ -209,19 +212,31 @@ def _array_spec(dtype: object, shape: object, n_tokens: int) -> tuple[str, np.dt
 
 
 def _layer_specs(entries: list, n_tokens: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
-    """Keys then values spec of every layer; identical layers are validated once."""
+    """Keys then values spec of every layer; identical layers are validated once.
+
+    Every field is type-checked before it is hashed or multiplied: a crafted header
+    (a list where a dtype belongs) is a :class:`CorruptBlockError`, never a ``TypeError``.
+    """
     seen: dict[tuple, list] = {}
     specs = []
     for entry in entries:
         if not isinstance(entry, list) or len(entry) != 4:
             raise CorruptBlockError("layers: entry is not [k_dtype, k_shape, v_dtype, v_shape]")
+        k_dtype, k_shape, v_dtype, v_shape = entry
+        if not (isinstance(k_shape, list) and isinstance(v_shape, list)):
+            raise CorruptBlockError(f"layer shapes: {k_shape!r}, {v_shape!r} are not lists")
+        key = (k_dtype, tuple(k_shape), v_dtype, tuple(v_shape))
         try:
-            key = (entry[0], tuple(entry[1]), entry[2], tuple(entry[3]))
-        except TypeError:
-            raise CorruptBlockError("layers: malformed entry") from None
-        if key not in seen:
-            seen[key] = [_array_spec(entry[0], entry[1], n_tokens), _array_spec(entry[2], entry[3], n_tokens)]
-        specs.extend(seen[key])
+            pair = seen.get(key)
+        except TypeError:  # an unhashable dtype or dim: not a layer entry
+            raise CorruptBlockError(f"layers: malformed entry {entry!r}") from None
+        if pair is None:
+            pair = [_array_spec(k_dtype, k_shape, n_tokens), _array_spec(v_dtype, v_shape, n_tokens)]
+            if k_shape[:3] != v_shape[:3]:
+                raise CorruptBlockError(f"layer shapes: keys {k_shape} and values {v_shape} differ in "
+                                        "batch, heads or tokens")
+            seen[key] = pair
+        specs.extend(pair)
     return specs
 
 
@@ -275,7 +290,7 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
         raise CorruptBlockError(f"value: not a block ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CorruptBlockError("header: not a map")
-    if header.get("tokens") != n_tokens:
+    if not _is_dim(header.get("tokens")) or header["tokens"] != n_tokens:
         raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
     layer_specs = header.get("layers")
     if not isinstance(layer_specs, list) or not layer_specs:

@@ -109,8 +109,16 @@ class RedisBlockStore:
             log.warning("block store: fetch failed, treating as a miss: %s", exc)
             return None, 0
 
+        cache = None
+        if blocks:
+            try:
+                cache = self._rebuild(blocks)
+            except Exception as exc:  # never raise out of fetch: the blocks are unusable, drop them
+                log.warning("block store: could not rebuild %d blocks, deleting them: %s: %s",
+                            len(blocks), type(exc).__name__, exc)
+                corrupt.extend(keys[:len(blocks)])
+                blocks = []
         n_tokens = len(blocks) * self.block_size
-        cache = self._rebuild(blocks) if blocks else None
         self._record_fetch(keys[:len(blocks)], len(keys) - len(blocks), n_tokens, bytes_read, corrupt)
         return cache, n_tokens
 
@@ -130,8 +138,8 @@ class RedisBlockStore:
                 block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size)
                 if blocks and block.layout != blocks[0].layout:
                     raise CorruptBlockError("layers: layout differs from the chain's first block")
-            except CorruptBlockError as exc:
-                log.warning("block store: deleting corrupt block %s: %s", key, exc)
+            except Exception as exc:  # decoding must never take a job down: any failure is corrupt
+                log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
                 corrupt.append(key)
                 return False, n_read
             blocks.append(block)

@@ -278,3 +278,35 @@ def test_store_accepts_mx_and_numpy_tokens(client, llama):
     store = make_store(client, fp)
     assert store.store(mx.array(tokens), cache) == 2
     assert store.fetch(np.array(tokens))[1] == 32
+
+
+def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
+    model, fp = llama
+    tokens = prompt(40, seed=17)
+    store = make_store(client, fp)
+    store.store(tokens, prefilled(model, tokens)[0])
+    keys = store.block_keys(tokens)
+    header, payload, checksum = msgpack.unpackb(client.get(keys[1]))
+    header["layers"] = [[[e[0]], e[1], e[2], e[3]] for e in header["layers"]]
+    client.set(keys[1], msgpack.packb([header, payload, checksum]))
+    restored, n = store.fetch(tokens)
+    assert n == 16 and restored[0].offset == 16
+    assert client.exists(keys[1]) == 0 and store.stats()["corrupt_blocks"] == 1
+
+
+@pytest.mark.parametrize("where", ["decode_block", "to_mlx_many"])
+def test_any_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatch, where):
+    import cache_store.store as store_mod
+
+    model, fp = llama
+    tokens = prompt(40, seed=18)
+    store = make_store(client, fp)
+    store.store(tokens, prefilled(model, tokens)[0])
+
+    def broken(*args, **kwargs):
+        raise TypeError("unexpected")
+
+    monkeypatch.setattr(store_mod, where, broken)
+    assert store.fetch(tokens) == (None, 0)
+    assert store.stats()["corrupt_blocks"] >= 1
+    assert client.exists(store.block_keys(tokens)[0]) == 0

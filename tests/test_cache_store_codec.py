@@ -137,3 +137,40 @@ def test_repacked_good_value_still_decodes():
 def test_unsupported_dtype_is_a_value_error():
     with pytest.raises(ValueError, match="dtype"):
         raw_bits(mx.zeros((1, 1, 2, 2), dtype=mx.int32))
+
+
+def _edit_layers(edit):
+    return lambda v: repack(v, lambda h, p, c: ({**h, "layers": [edit(list(e)) for e in h["layers"]]}, p, c))
+
+
+# Headers whose field types are wrong: the checksum still matches (payload untouched).
+MALFORMED_HEADERS = {
+    "dtype_is_a_list": _edit_layers(lambda e: [[e[0]], e[1], e[2], e[3]]),
+    "dtype_is_a_map": _edit_layers(lambda e: [{"d": e[0]}, e[1], e[2], e[3]]),
+    "shape_dim_is_a_list": _edit_layers(lambda e: [e[0], [[1], 2, 8, 8], e[2], e[3]]),
+    "shape_dim_is_a_map": _edit_layers(lambda e: [e[0], e[1], e[2], [1, {"x": 2}, 8, 8]]),
+    "shape_dim_is_a_bool": _edit_layers(lambda e: [e[0], [True, 2, 8, 8], e[2], e[3]]),
+    "shape_dim_is_a_float": _edit_layers(lambda e: [e[0], [1.0, 2, 8, 8], e[2], e[3]]),
+    "shape_of_wrong_rank": _edit_layers(lambda e: [e[0], [2, 8, 8], e[2], e[3]]),
+    "shape_is_a_string": _edit_layers(lambda e: [e[0], "1288", e[2], e[3]]),
+    "keys_and_values_disagree": _edit_layers(lambda e: [e[0], [1, 4, 8, 8], e[2], [1, 1, 8, 8]]),
+    "layers_is_a_map": lambda v: repack(v, lambda h, p, c: ({**h, "layers": {"a": 1}}, p, c)),
+    "tokens_is_a_list": lambda v: repack(v, lambda h, p, c: ({**h, "tokens": [8]}, p, c)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED_HEADERS))
+def test_malformed_header_types_are_corrupt_not_type_errors(kind):
+    value = good_value()
+    with pytest.raises(CorruptBlockError):
+        decode_block(MALFORMED_HEADERS[kind](value), fingerprint=FP, n_tokens=8)
+
+
+def test_reviewer_header_is_corrupt():
+    """The reported case: a list where the keys' dtype belongs, valid checksum."""
+    k = RawArray("float32", np.zeros((1, 1, 16, 4), dtype="<u4"))
+    good = bytes(encode_block(FP, 16, [(k, k)]))
+    header, payload, checksum = msgpack.unpackb(good)
+    header["layers"] = [[["float32"], [1, 1, 16, 4], "float32", [1, 1, 16, 4]]]
+    with pytest.raises(CorruptBlockError):
+        decode_block(msgpack.packb([header, payload, checksum]), fingerprint=FP, n_tokens=16)
