@@ -172,7 +172,8 @@ def select_prompt(spec: JobSpec, ctx: JobContext) -> tuple[PrefillResult, list[i
     check_prompt(tokens, loaded, settings)
     timings["tokenize"] = time.perf_counter() - t
     total = len(tokens)
-    options = spec.selection_options()
+    # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
+    options = dict(spec.selection_options(), protected_prefix=system_end)
     memo = backend.memo(ctx.runtime.cache_client, loaded.fingerprint, settings)
 
     ranges = None if spec.return_importance else memo.get(tokens, options)
