@@ -34,33 +34,58 @@ class SelectionMemo:
             raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
         self.ttl_s = ttl_s
         self._stats_key = stats_key(namespace, fingerprint)
-        self.local_counters = {"memo_errors": 0, "memo_corrupt": 0}
+        self.local_counters = {"memo_errors": 0, "memo_corrupt": 0, "memo_stats_errors": 0}
 
     def key(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> str:
         return memo_key(self.namespace, self.fingerprint, tokens, settings)
 
     def get(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> list[tuple[int, int]] | None:
-        """The remembered ranges for this prompt and settings, or None."""
+        """The remembered ranges for this prompt and settings, or None.
+
+        Counters are written in the same round trip but judged apart: a failing
+        HINCRBY (WRONGTYPE, OOM under ``noeviction``) never turns a hit into a miss.
+        """
         key = self.key(tokens, settings)
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.get(key)
             pipe.hincrby(self._stats_key, "memo_lookups", 1)
-            value = pipe.execute()[0]
-            if value is None:
-                return None
-            ranges = self._decode(value, len(np.asarray(tokens)))
-            if ranges is None:
-                self.local_counters["memo_corrupt"] += 1
-                log.warning("selection memo: deleting a bad entry %s", key)
-                self.client.delete(key)
-                return None
-            self.client.hincrby(self._stats_key, "memo_hits", 1)
-            return ranges
+            value, counted = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
             self.local_counters["memo_errors"] += 1
             log.warning("selection memo: get failed, treating as a miss: %s", exc)
             return None
+        self._count_stats_failures([counted])
+        if isinstance(value, Exception):
+            self.local_counters["memo_errors"] += 1
+            log.warning("selection memo: GET failed, treating as a miss: %s", value)
+            return None
+        if value is None:
+            return None
+        ranges = self._decode(value, len(np.asarray(tokens)))
+        if ranges is None:
+            self.local_counters["memo_corrupt"] += 1
+            log.warning("selection memo: deleting a bad entry %s", key)
+            self._after_lookup([("delete", key)])
+            return None
+        self._after_lookup([("hincrby", self._stats_key, "memo_hits", 1)])
+        return ranges
+
+    def _after_lookup(self, commands: list[tuple]) -> None:
+        """Bookkeeping after a lookup; its failures are counted, never returned as a miss."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for name, *args in commands:
+                getattr(pipe, name)(*args)
+            self._count_stats_failures(pipe.execute(raise_on_error=False))
+        except redis.RedisError as exc:
+            self._count_stats_failures([exc])
+
+    def _count_stats_failures(self, results: list[Any]) -> None:
+        for result in results:
+            if isinstance(result, Exception):
+                self.local_counters["memo_stats_errors"] += 1
+                log.warning("selection memo: bookkeeping write failed (entry unaffected): %s", result)
 
     def put(self, tokens: Sequence[int], settings: Mapping[str, Any],
             ranges: Sequence[tuple[int, int]]) -> None:
@@ -76,10 +101,14 @@ class SelectionMemo:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(key, value, ex=self.ttl_s)
             pipe.hincrby(self._stats_key, "memo_writes", 1)
-            pipe.execute()
+            stored, counted = pipe.execute(raise_on_error=False)
         except redis.RedisError as exc:
+            stored, counted = exc, None
+        if isinstance(stored, Exception):
             self.local_counters["memo_errors"] += 1
-            log.warning("selection memo: put failed, nothing stored: %s", exc)
+            log.warning("selection memo: put failed, nothing stored: %s", stored)
+            return
+        self._count_stats_failures([counted])
 
     def _decode(self, value: bytes, n_tokens: int) -> list[tuple[int, int]] | None:
         try:

@@ -99,7 +99,9 @@ class RedisBlockStore:
                     pipe.get(key)
                 if start == 0:
                     pipe.hincrby(self._stats_key, "lookups", 1)
-                values = pipe.execute(raise_on_error=False)[:len(batch)]
+                results = pipe.execute(raise_on_error=False)
+                values = results[:len(batch)]
+                self._count_stats_failures(results[len(batch):])
                 complete, n_read = self._take_valid(batch, values, blocks, corrupt)
                 bytes_read += n_read
                 if not complete:
@@ -174,7 +176,7 @@ class RedisBlockStore:
             if corrupt:
                 pipe.delete(*corrupt)
             if len(pipe):
-                pipe.execute()
+                self._count_stats_failures(pipe.execute(raise_on_error=False))
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not record fetch statistics: %s", exc)
@@ -228,7 +230,7 @@ class RedisBlockStore:
             if written:
                 pipe.hincrby(self._stats_key, "blocks_written", written)
                 pipe.hincrby(self._stats_key, "bytes_written", n_bytes)
-            pipe.execute()
+            self._count_stats_failures(pipe.execute(raise_on_error=False))
         except redis.RedisError as exc:
             self.local_counters["store_errors"] += 1
             log.warning("block store: could not record store statistics: %s", exc)
@@ -256,6 +258,13 @@ class RedisBlockStore:
         return written, n_bytes
 
     # -- stats ---------------------------------------------------------------
+
+    def _count_stats_failures(self, results: list[Any]) -> None:
+        """Count failed bookkeeping commands (counters, EXPIRE, DELETE): they never fail a fetch or store."""
+        for result in results:
+            if isinstance(result, Exception):  # e.g. WRONGTYPE, or OOM under maxmemory noeviction
+                self.local_counters["stats_errors"] += 1
+                log.warning("block store: bookkeeping command failed: %s", result)
 
     def stats(self) -> dict[str, int]:
         """This model's counters from Redis (all processes) plus this process's error counts."""

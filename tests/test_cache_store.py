@@ -310,3 +310,15 @@ def test_any_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkey
     assert store.fetch(tokens) == (None, 0)
     assert store.stats()["corrupt_blocks"] >= 1
     assert client.exists(store.block_keys(tokens)[0]) == 0
+
+
+def test_failing_stats_writes_leave_fetch_and_store_working(client, llama):
+    model, fp = llama
+    tokens = prompt(40, seed=19)
+    store = make_store(client, fp)
+    client.set(store._stats_key, b"not a hash")  # every HINCRBY fails with WRONGTYPE
+    assert store.store(tokens, prefilled(model, tokens)[0]) == 2
+    assert store.fetch(tokens)[1] == 32
+    counters = store.local_counters
+    assert counters["store_errors"] == 0 and counters["fetch_errors"] == 0
+    assert counters["stats_errors"] >= 2

@@ -85,3 +85,22 @@ def test_real_redis_round_trip(redis_url):
     memo.put(TOKENS, SETTINGS, RANGES)
     assert memo.get(TOKENS, SETTINGS) == RANGES
     assert memo.key(TOKENS, SETTINGS).startswith(f"ns:memo:{FP[:16]}:")
+
+
+def test_failing_stats_writes_do_not_turn_a_hit_into_a_miss(memo):
+    """HINCRBY failing (WRONGTYPE here; OOM under noeviction in production) must not lose the entry."""
+    stats = f"specprefill:kvstats:{FP}"
+    memo.client.set(stats, b"not a hash")
+    memo.put(TOKENS, SETTINGS, RANGES)
+    assert memo.client.exists(memo.key(TOKENS, SETTINGS))
+    assert memo.get(TOKENS, SETTINGS) == RANGES
+    assert memo.local_counters["memo_errors"] == 0
+    assert memo.local_counters["memo_stats_errors"] >= 2
+
+
+def test_real_redis_stats_failure_keeps_the_hit(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    memo = SelectionMemo(client, FP)
+    memo.put(TOKENS, SETTINGS, RANGES)
+    client.set(f"specprefill:kvstats:{FP}", b"not a hash")
+    assert memo.get(TOKENS, SETTINGS) == RANGES
