@@ -98,3 +98,45 @@ def test_a_restore_of_the_wrong_length_is_ignored(model):
 def test_cache_option_is_rejected(model):
     with pytest.raises(ValueError, match="cache"):
         score_with_cache(model, PROMPT, DictDraftCache(), cache=[])
+
+
+class WrongLayout(DictDraftCache):
+    """Restores well-formed caches that do not fit the model: too few layers, or other shapes."""
+
+    def __init__(self, edit):
+        super().__init__()
+        self.edit = edit
+
+    def fetch(self, tokens):
+        cache, n = super().fetch(tokens)
+        return (self.edit(cache) if cache else cache), n
+
+
+def _other_heads(cache):
+    out = []
+    for c in cache:
+        layer = KVCache()
+        layer.state = (mx.concatenate([c.keys, c.keys], axis=1), mx.concatenate([c.values, c.values], axis=1),
+                       c.offset)
+        out.append(layer)
+    return out
+
+
+def _other_dtype(cache):
+    out = []
+    for c in cache:
+        layer = KVCache()
+        layer.state = (c.keys.astype(mx.float16), c.values.astype(mx.float16), c.offset)
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("edit", [lambda c: c[:1], lambda c: c + c[:1], _other_heads, _other_dtype],
+                         ids=["fewer_layers", "more_layers", "other_kv_heads", "other_dtype"])
+def test_a_restore_that_does_not_fit_the_model_scores_cold(model, edit, caplog):
+    store = WrongLayout(edit)
+    cold = score_with_cache(model, PROMPT, store, n_lookahead=1)
+    result = score_with_cache(model, PROMPT, store, n_lookahead=1)
+    assert result.cached_tokens == 0 and store.fetches == 2
+    np.testing.assert_array_equal(np.array(result.importance), np.array(cold.importance))
+    assert "does not fit" in caplog.text
