@@ -9,7 +9,7 @@ this process; a bad value is deleted, counted in Redis and treated as a miss.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import redis
@@ -50,6 +50,21 @@ def _int(value: Any) -> int:
         return 0
 
 
+def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> list[tuple]:
+    """A full block's expected ``DecodedBlock.layout`` from a :func:`cache_layout` description."""
+    if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
+        raise ValueError("layout: expected a non-empty list of per-layer entries (from cache_layout)")
+    expected = []
+    for i, entry in enumerate(layout):
+        try:
+            (k_dtype, k_heads, k_dim), (v_dtype, v_heads, v_dim) = entry["keys"], entry["values"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"layout[{i}]: expected 'keys' and 'values' as [dtype, kv_heads, head_dim] "
+                             "(from cache_layout)") from None
+        expected.append((k_dtype, (1, k_heads, block_size, k_dim), v_dtype, (1, v_heads, block_size, v_dim)))
+    return expected
+
+
 class RedisBlockStore:
     """Stores and restores a draft model's KV cache as content-addressed blocks in Redis.
 
@@ -57,11 +72,15 @@ class RedisBlockStore:
     same ``block_size``. Only caches whose layers are all plain ``KVCache`` are
     stored; for others (sliding-window ``RotatingKVCache`` layers, quantized or
     recurrent caches) ``store`` writes nothing, so ``fetch`` always misses. Give
-    ``client`` a ``socket_timeout`` so a hung Redis cannot hang a job.
+    ``client`` a ``socket_timeout`` so a hung Redis cannot hang a job. ``layout``
+    (:func:`cache_store.keys.cache_layout` of the model) makes ``fetch`` reject, as
+    corrupt, well-formed blocks that do not hold this model's layers (count, KV heads,
+    head dim, dtype); without it only the chain's own consistency is checked.
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
-                 block_size: int = 256, ttl_s: int = 86400) -> None:
+                 block_size: int = 256, ttl_s: int = 86400,
+                 layout: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.client = client
         self.fingerprint = check_fingerprint(fingerprint)
         self.namespace = check_namespace(namespace)
@@ -71,6 +90,7 @@ class RedisBlockStore:
         self.ttl_s = ttl_s
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(LOCAL_COUNTERS, 0)
+        self._expected = None if layout is None else _block_layout(layout, self.block_size)
 
     def block_keys(self, tokens) -> list[str]:
         """Redis keys of the full blocks of ``tokens``, in prompt order."""
@@ -138,6 +158,9 @@ class RedisBlockStore:
             n_read += len(value)
             try:
                 block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size)
+                if self._expected is not None and block.layout != self._expected:
+                    raise CorruptBlockError("layers: block does not hold this model's layers "
+                                            f"({len(block.layers)} layers, expected {len(self._expected)})")
                 if blocks and block.layout != blocks[0].layout:
                     raise CorruptBlockError("layers: layout differs from the chain's first block")
             except Exception as exc:  # decoding must never take a job down: any failure is corrupt

@@ -322,3 +322,44 @@ def test_failing_stats_writes_leave_fetch_and_store_working(client, llama):
     counters = store.local_counters
     assert counters["store_errors"] == 0 and counters["fetch_errors"] == 0
     assert counters["stats_errors"] >= 2
+
+
+def _write_foreign_chain(client, store, tokens, cache):
+    for i, key in enumerate(store.block_keys(tokens)):
+        span = slice(i * BS, (i + 1) * BS)
+        value = encode_block(store.fingerprint, BS, [(raw_bits(c.keys[:, :, span]), raw_bits(c.values[:, :, span]))
+                                                    for c in cache])
+        client.set(key, bytes(value))
+
+
+@pytest.mark.parametrize("foreign", ["one_layer", "other_kv_heads", "other_dtype"])
+def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, foreign):
+    """Well-formed blocks under the right fingerprint, but not this model's layout."""
+    from cache_store import cache_layout
+
+    model, fp = llama
+    tokens = prompt(40, seed=20)
+    if foreign == "one_layer":
+        cache = prefilled(model, tokens)[0][:1]
+    elif foreign == "other_kv_heads":
+        cache = prefilled(make_model("llama", seed=0, num_key_value_heads=1), tokens)[0]
+    else:
+        cache = prefilled(make_model("llama", seed=0, dtype=mx.float16), tokens)[0]
+    store = make_store(client, fp, layout=cache_layout(model))
+    _write_foreign_chain(client, store, tokens, cache)
+    assert store.fetch(tokens) == (None, 0)
+    assert store.stats()["corrupt_blocks"] == 1
+    assert client.exists(store.block_keys(tokens)[0]) == 0
+    # The model's own blocks are accepted; each fetch drops the next foreign one.
+    own = prefilled(model, tokens)[0]
+    assert store.store(tokens, own) == 1
+    assert store.fetch(tokens)[1] == 16
+    assert store.store(tokens, own) == 1
+    assert store.fetch(tokens)[1] == 32
+
+
+def test_layout_must_describe_kv_layers(client, llama):
+    with pytest.raises(ValueError, match="layout"):
+        make_store(client, llama[1], layout=[{"cache": "KVCache"}])
+    with pytest.raises(ValueError, match="layout"):
+        make_store(client, llama[1], layout=[])
