@@ -104,7 +104,8 @@ class RedisBlockStore:
 
         Returns ``(cache, n_tokens)`` with fresh ``KVCache`` objects holding the first
         ``n_tokens`` tokens, or ``(None, 0)``. Stops at the first missing, corrupt
-        or mismatched block; corrupt ones are deleted and counted.
+        or mismatched block; corrupt ones are deleted and counted. A Redis error
+        ends the lookup there: the blocks validated before it are still returned.
         """
         ids = np.asarray(tokens)
         keys = self.block_keys(ids[:-1])
@@ -128,8 +129,11 @@ class RedisBlockStore:
                     break
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
-            log.warning("block store: fetch failed, treating as a miss: %s", exc)
-            return None, 0
+            if not blocks:
+                log.warning("block store: fetch failed, treating as a miss: %s", exc)
+                return None, 0
+            # The blocks already validated are a correct prefix: use them.
+            log.warning("block store: fetch failed after %d blocks, using those: %s", len(blocks), exc)
 
         cache = None
         if blocks:

@@ -363,3 +363,34 @@ def test_layout_must_describe_kv_layers(client, llama):
         make_store(client, llama[1], layout=[{"cache": "KVCache"}])
     with pytest.raises(ValueError, match="layout"):
         make_store(client, llama[1], layout=[])
+
+
+def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeypatch):
+    import redis
+
+    model = make_model("llama", seed=2)
+    fp = model_fingerprint(model, "tiny", block_size=2)
+    tokens = prompt(301, seed=21)
+    cache, _ = prefilled(model, tokens)
+    store = RedisBlockStore(client, fp, block_size=2)
+    assert store.store(tokens, cache) == 150
+    real_pipeline, calls = client.pipeline, []
+
+    def pipeline(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+        calls.append(pipe)
+
+        def execute(*a, **kw):
+            if len(calls) == 2:  # the second 64-block GET batch
+                raise redis.ConnectionError("connection lost mid-fetch")
+            return real_execute(*a, **kw)
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", pipeline)
+    restored, n = store.fetch(tokens)
+    assert n == 128
+    assert_prefix_equal(restored, cache, 128)
+    assert store.local_counters["fetch_errors"] == 1
