@@ -68,7 +68,8 @@ class SelectionMemo:
             log.warning("selection memo: deleting a bad entry %s", key)
             self._after_lookup([("delete", key)])
             return None
-        self._after_lookup([("hincrby", self._stats_key, "memo_hits", 1)])
+        # A prompt in use stays remembered: its TTL counts from the last hit.
+        self._after_lookup([("expire", key, self.ttl_s), ("hincrby", self._stats_key, "memo_hits", 1)])
         return ranges
 
     def _after_lookup(self, commands: list[tuple]) -> None:

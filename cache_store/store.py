@@ -213,7 +213,8 @@ class RedisBlockStore:
     def store(self, tokens: Sequence[int], cache: list[Any]) -> int:
         """Write the full blocks of ``cache`` (describing ``tokens``) that are not stored yet.
 
-        One pipelined EXISTS, then one pipeline of ``SET NX EX ttl`` for the missing
+        One pipelined EXPIRE (which refreshes the TTL of the blocks already stored and
+        tells which are missing), then one pipeline of ``SET NX EX ttl`` for the missing
         blocks (so concurrent writers leave one intact copy). Returns blocks written.
         """
         reason = unstorable_reason(cache)
@@ -231,7 +232,8 @@ class RedisBlockStore:
         try:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(key)
+                # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
+                pipe.expire(key, self.ttl_s)
             missing = [i for i, present in enumerate(pipe.execute()) if not present]
             if not missing:
                 return 0

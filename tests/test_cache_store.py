@@ -394,3 +394,16 @@ def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeyp
     assert n == 128
     assert_prefix_equal(restored, cache, 128)
     assert store.local_counters["fetch_errors"] == 1
+
+
+def test_store_refreshes_the_ttl_of_blocks_already_stored(client, llama):
+    model, fp = llama
+    tokens = prompt(40, seed=22)
+    cache = prefilled(model, tokens)[0]
+    store = make_store(client, fp, ttl_s=1000)
+    store.store(tokens, cache)
+    keys = store.block_keys(tokens)
+    client.expire(keys[0], 10)
+    client.delete(keys[1])
+    assert store.store(tokens, cache) == 1
+    assert client.ttl(keys[0]) > 10 and 0 < client.ttl(keys[1]) <= 1000

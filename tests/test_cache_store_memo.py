@@ -104,3 +104,11 @@ def test_real_redis_stats_failure_keeps_the_hit(redis_url):
     memo.put(TOKENS, SETTINGS, RANGES)
     client.set(f"specprefill:kvstats:{FP}", b"not a hash")
     assert memo.get(TOKENS, SETTINGS) == RANGES
+
+
+def test_a_hit_refreshes_the_entry_ttl(memo):
+    memo.put(TOKENS, SETTINGS, RANGES)
+    key = memo.key(TOKENS, SETTINGS)
+    memo.client.expire(key, 10)
+    assert memo.get(TOKENS, SETTINGS) == RANGES
+    assert 10 < memo.client.ttl(key) <= 600
