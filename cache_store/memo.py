@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 MEMO_VERSION = 1
 
+# Counters kept in Redis in the model's stats hash (shared with the block store).
+MEMO_COUNTERS = ("memo_lookups", "memo_hits", "memo_writes", "memo_corrupt")
+# Counters of this process only (Redis may be the thing that is down).
+MEMO_LOCAL_COUNTERS = ("memo_errors", "memo_stats_errors")
+
 
 class SelectionMemo:
     """Stores each prompt's selection as half-open ``[start, end)`` index ranges."""
@@ -34,7 +39,7 @@ class SelectionMemo:
             raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
         self.ttl_s = ttl_s
         self._stats_key = stats_key(namespace, fingerprint)
-        self.local_counters = {"memo_errors": 0, "memo_corrupt": 0, "memo_stats_errors": 0}
+        self.local_counters = dict.fromkeys(MEMO_LOCAL_COUNTERS, 0)
 
     def key(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> str:
         return memo_key(self.namespace, self.fingerprint, tokens, settings)
@@ -64,9 +69,8 @@ class SelectionMemo:
             return None
         ranges = self._decode(value, len(np.asarray(tokens)))
         if ranges is None:
-            self.local_counters["memo_corrupt"] += 1
             log.warning("selection memo: deleting a bad entry %s", key)
-            self._after_lookup([("delete", key)])
+            self._after_lookup([("delete", key), ("hincrby", self._stats_key, "memo_corrupt", 1)])
             return None
         # A prompt in use stays remembered: its TTL counts from the last hit.
         self._after_lookup([("expire", key, self.ttl_s), ("hincrby", self._stats_key, "memo_hits", 1)])
@@ -110,6 +114,21 @@ class SelectionMemo:
             log.warning("selection memo: put failed, nothing stored: %s", stored)
             return
         self._count_stats_failures([counted])
+
+    def stats(self) -> dict[str, int]:
+        """This model's memo counters from Redis (all processes) plus this process's error counts."""
+        counters = dict.fromkeys(MEMO_COUNTERS, 0)
+        try:
+            values = self.client.hmget(self._stats_key, list(MEMO_COUNTERS))
+        except redis.RedisError as exc:
+            values = []
+            self._count_stats_failures([exc])
+        for name, value in zip(MEMO_COUNTERS, values):
+            try:
+                counters[name] = int(value or 0)
+            except ValueError:
+                pass
+        return {**counters, **self.local_counters}
 
     def _decode(self, value: bytes, n_tokens: int) -> list[tuple[int, int]] | None:
         try:

@@ -19,6 +19,7 @@ from .codec import (CorruptBlockError, DecodedBlock, RawArray, decode_block, enc
                     to_mlx_many)
 from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace,
                    stats_key, unstorable_reason)
+from .memo import MEMO_COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,7 @@ REDIS_COUNTERS = (
     "stores",          # store calls that had blocks to write
     "blocks_written",  # blocks written by store (SET NX won)
     "bytes_written",
-    "memo_lookups",    # SelectionMemo.get calls
-    "memo_hits",
-    "memo_writes",
+    *MEMO_COUNTERS,    # SelectionMemo lookups, hits, writes and bad entries deleted
 )
 # Counters of this process only (Redis may be the thing that is down).
 LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors", "unsupported_stores")

@@ -62,7 +62,7 @@ def test_bad_entries_are_misses_and_deleted(memo, value):
     memo.client.set(key, value)
     assert memo.get(TOKENS, SETTINGS) is None
     assert not memo.client.exists(key)
-    assert memo.local_counters["memo_corrupt"] == 1
+    assert memo.stats()["memo_corrupt"] == 1
 
 
 @pytest.mark.parametrize("ranges", [[(0, 301)], [(5, 5)], [(10, 20), (15, 30)], [(1, 2, 3)]])
@@ -112,3 +112,21 @@ def test_a_hit_refreshes_the_entry_ttl(memo):
     memo.client.expire(key, 10)
     assert memo.get(TOKENS, SETTINGS) == RANGES
     assert 10 < memo.client.ttl(key) <= 600
+
+
+def test_stats_show_redis_counters_and_this_process_errors(server, memo):
+    memo.put(TOKENS, SETTINGS, RANGES)
+    memo.get(TOKENS, SETTINGS)
+    memo.client.set(memo.key(TOKENS[:-1], SETTINGS), b"junk")
+    assert memo.get(TOKENS[:-1], SETTINGS) is None
+    server.connected = False
+    memo.get(TOKENS, SETTINGS)
+    stats = memo.stats()
+    assert stats["memo_errors"] == 1 and stats["memo_stats_errors"] == 1  # Redis down: counters unreadable
+    server.connected = True
+    stats = memo.stats()
+    assert stats["memo_lookups"] == 2 and stats["memo_hits"] == 1 and stats["memo_writes"] == 1
+    assert stats["memo_corrupt"] == 1 and stats["memo_errors"] == 1 and stats["memo_stats_errors"] == 1
+    # The corrupt count lives in Redis: another process sees it.
+    assert SelectionMemo(memo.client, FP).stats()["memo_corrupt"] == 1
+
