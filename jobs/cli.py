@@ -365,7 +365,8 @@ def cmd_cache(args: argparse.Namespace, settings: Settings) -> int:
     t = stats["totals"]
     print(f"namespace {stats['namespace']}: {stats['blocks']} blocks, {stats['memo_entries']} memo "
           f"entries, {stats['used_memory'] / 1e6:.1f} MB used")
-    for name in ("lookups", "hit_blocks", "hit_tokens", "stores", "blocks_written", "bytes_written"):
+    for name in ("lookups", "hit_blocks", "hit_tokens", "stores", "blocks_written", "bytes_written",
+                 "corrupt_blocks", "memo_lookups", "memo_hits", "memo_writes", "memo_corrupt"):
         if name in t:
             print(f"  {name:<15} {t[name]}")
     return 0
