@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -264,17 +266,29 @@ class _Format:
     payload_length: int
 
 
-# Parsed prefixes seen recently: every block of a store has the same one, so a fetch
-# of many blocks parses the header once (a pure memo, like ``re``'s pattern cache).
-_FORMATS: dict[int, _Format] = {}
+# Parsed prefixes seen recently, most recent last: every block of a store has the same
+# one, so a fetch of many blocks parses the header once (a pure memo, like ``re``'s
+# pattern cache). Bounded LRU; the lock makes lookups safe from several threads.
+_FORMATS: OrderedDict[bytes, _Format] = OrderedDict()
+_FORMATS_LOCK = threading.Lock()
 _MAX_FORMATS = 16
 
 
 def _known_format(view: memoryview) -> _Format | None:
-    for length, fmt in _FORMATS.items():
-        if bytes(view[:length]) == fmt.prefix:
-            return fmt
+    with _FORMATS_LOCK:
+        for prefix, fmt in _FORMATS.items():
+            if view[:len(prefix)] == prefix:
+                _FORMATS.move_to_end(prefix)  # iteration ends here, so moving is safe
+                return fmt
     return None
+
+
+def _remember_format(fmt: _Format) -> None:
+    with _FORMATS_LOCK:
+        _FORMATS[fmt.prefix] = fmt
+        _FORMATS.move_to_end(fmt.prefix)
+        while len(_FORMATS) > _MAX_FORMATS:
+            _FORMATS.popitem(last=False)
 
 
 def _read_format(view: memoryview, n_tokens: int) -> _Format:
@@ -302,9 +316,7 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
     if sum(size for _, _, _, size in specs) != length:
         raise CorruptBlockError(f"payload: {length} bytes, layers describe {sum(s for *_, s in specs)}")
     fmt = _Format(bytes(view[:start]), header, specs, start, length)
-    if len(_FORMATS) >= _MAX_FORMATS:
-        _FORMATS.clear()
-    _FORMATS[start] = fmt
+    _remember_format(fmt)
     return fmt
 
 

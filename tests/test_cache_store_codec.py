@@ -174,3 +174,39 @@ def test_reviewer_header_is_corrupt():
     header["layers"] = [[["float32"], [1, 1, 16, 4], "float32", [1, 1, 16, 4]]]
     with pytest.raises(CorruptBlockError):
         decode_block(msgpack.packb([header, payload, checksum]), fingerprint=FP, n_tokens=16)
+
+
+def test_parsed_header_cache_is_bounded_and_thread_safe():
+    """Many threads decoding blocks of more formats than the cache holds: no error, no growth."""
+    import sys
+    import threading
+
+    from cache_store import codec
+
+    values = []
+    for heads in range(1, 25):  # 24 formats, more than the cache keeps
+        k = RawArray("float32", np.full((1, heads, 8, 4), heads, dtype="<u4"))
+        values.append((heads, bytes(encode_block(FP, 8, [(k, k)]))))
+    errors = []
+
+    def work(offset):
+        try:
+            for i in range(300):
+                heads, value = values[(i + offset) % len(values)]
+                block = decode_block(value, fingerprint=FP, n_tokens=8)
+                assert block.layers[0][0].shape == (1, heads, 8, 4)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[:3]
+    assert len(codec._FORMATS) <= codec._MAX_FORMATS
