@@ -26,6 +26,7 @@ from specprefill.capture import (
     check_attention,
 )
 from specprefill.importance import token_importance
+from specprefill.sampling import sample
 
 __all__ = ["ScoreResult", "UnsupportedModelError", "check_scorable", "score_tokens"]
 
@@ -87,20 +88,6 @@ def _restored_length(cache: list, n_layers: int, n_prompt: int) -> int:
             "(the last prompt token is always recomputed for the lookahead logits)"
         )
     return n
-
-
-def _sample(logits: mx.array, key: mx.array, temperature: float, top_p: float, greedy: bool) -> int:
-    logits = logits.astype(mx.float32)
-    if greedy or temperature == 0:
-        return int(mx.argmax(logits).item())
-    probs = mx.softmax(logits / temperature, axis=-1)
-    order = mx.argsort(-probs)
-    sorted_probs = probs[order]
-    # Nucleus: keep the most likely tokens until their mass reaches top_p (at least one).
-    before = mx.cumsum(sorted_probs) - sorted_probs
-    kept = mx.where(before < top_p, sorted_probs, 0.0)
-    choice = mx.random.categorical(mx.log(kept), key=key)
-    return int(order[choice].item())
 
 
 def _rewind_point(layer_cache: Any) -> tuple | None:
@@ -231,7 +218,8 @@ def score_tokens(
         report(0, n_lookahead, "lookahead")
         for step in range(n_lookahead):
             key, subkey = mx.random.split(key)
-            token = _sample(logits[0, -1], subkey, temperature, top_p, greedy)
+            token = int(sample(logits[0, -1], subkey, temperature=temperature, top_p=top_p,
+                               greedy=greedy).item())
             lookahead.append(token)
             with capture.recording():
                 logits = model(mx.array([[token]], dtype=mx.int32), cache=cache)

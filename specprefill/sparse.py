@@ -36,9 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_top_p
-
 from specprefill.positions import PositionMap, install_positions
+from specprefill.sampling import sample
 
 Progress = Callable[[int, int, str], None]
 
@@ -212,7 +211,8 @@ def generate_tokens(
         if state.session is not None and not state.session.active:
             raise RuntimeError("generate_tokens: a sparse prefill decodes only inside its sparse_session")
         key, step_key = mx.random.split(key)
-        token = int(_sample(logits, sampling, step_key).item())
+        token = int(sample(logits, step_key, temperature=sampling.temperature, top_p=sampling.top_p,
+                           greedy=sampling.greedy).item())
         if token in stops:
             return
         if progress is not None:
@@ -220,16 +220,6 @@ def generate_tokens(
         yield token
         if n < max_tokens:
             logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
-
-
-def _sample(logits: mx.array, sampling: Sampling, key: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    if sampling.is_greedy:
-        return mx.argmax(logits, axis=-1)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if sampling.top_p < 1:
-        logprobs = apply_top_p(logprobs, sampling.top_p)
-    return mx.random.categorical(logprobs / sampling.temperature, key=key)
 
 
 def _run_prefill(model, inputs: mx.array, cache: list, *, first_stop: int, step: int,

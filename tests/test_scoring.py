@@ -261,13 +261,13 @@ def test_greedy_follows_the_argmax():
         tokens.append(expected)
 
 
-def test_top_p_limits_sampling_to_the_nucleus():
-    from specprefill.scoring import _sample
-
-    logits = mx.log(mx.array([0.5, 0.3, 0.15, 0.05]))
-    drawn = {_sample(logits, mx.random.key(s), 1.0, 0.7, False) for s in range(200)}
-    assert drawn == {0, 1}
-    assert len({_sample(logits, mx.random.key(s), 1.0, 1.0, False) for s in range(400)}) == 4
+def test_lookahead_top_p_limits_sampling_to_the_nucleus():
+    """With a tiny nucleus the sampled lookahead is the greedy one (the shared sampler's top-p)."""
+    model = make_model("llama", seed=0)
+    greedy = score_tokens(model, PROMPT, greedy=True, n_lookahead=4).lookahead_tokens
+    for seed in range(3):
+        assert score_tokens(model, PROMPT, temperature=1.5, top_p=1e-6, seed=seed,
+                            n_lookahead=4).lookahead_tokens == greedy
 
 
 # --- sliding windows and bad input --------------------------------------------------------------
