@@ -26,6 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from specprefill.wrapping import Wrapper, unwrap_rope
+
 # A short probe: prefill PROBE_TOKENS tokens, then one decode step (the lookahead regime).
 PROBE_TOKENS = 4
 
@@ -44,7 +46,7 @@ class AttentionSite:
     module: nn.Module
 
 
-class _Tap(nn.Module):
+class _Tap(Wrapper):
     """Calls the genuine callable and records its output while its recording is on.
 
     It has no children or parameters of its own and forwards unknown attribute
@@ -52,33 +54,19 @@ class _Tap(nn.Module):
     """
 
     def __init__(self, genuine: Callable, record: list[mx.array], recording: "_Switch"):
-        super().__init__()
-        object.__setattr__(self, "_genuine", genuine)
+        super().__init__(genuine)
         object.__setattr__(self, "_record", record)
         object.__setattr__(self, "_recording", recording)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._genuine(*args, **kwargs)
+        out = self.genuine(*args, **kwargs)
         if self._recording.on:
             self._record.append(out)
         return out
 
-    def __getattr__(self, key: str) -> Any:
-        genuine = self.__dict__.get("_genuine")
-        if genuine is None:
-            raise AttributeError(key)
-        return getattr(genuine, key)
-
 
 class _Switch:
     on = False
-
-
-def genuine(obj: Any) -> Any:
-    """``obj`` with every tap layer removed."""
-    while isinstance(obj, _Tap):
-        obj = obj.__dict__["_genuine"]
-    return obj
 
 
 def _children(container: Any) -> Iterator[tuple[Any, Any]]:
@@ -101,7 +89,7 @@ def _is_attention(module: Any) -> bool:
 
 def _find_in(container: Any, found: list[tuple[Any, Any, nn.Module]]) -> None:
     for key, child in _children(container):
-        child = genuine(child)  # a stale tap must never hide (or double-wrap) the module
+        child = unwrap_rope(child)  # a stale tap must never hide (or double-wrap) the module
         if _is_attention(child):
             found.append((container, key, child))
         elif isinstance(child, (dict, list, tuple)):
@@ -143,7 +131,7 @@ def capture_queries(sites: list[AttentionSite]) -> Iterator["QueryCapture"]:
     installed: list[tuple[nn.Module, Any]] = []
     try:
         for site, record in zip(sites, capture.calls):
-            original = genuine(site.module.rope)
+            original = unwrap_rope(site.module.rope)
             site.module.rope = _Tap(original, record, capture.switch)
             installed.append((site.module, original))
         yield capture
@@ -190,7 +178,7 @@ def _capture_outputs(sites: list[AttentionSite]) -> Iterator[list[list[Any]]]:
     installed = []
     try:
         for site, record in zip(sites, outputs):
-            original = genuine(site.module)
+            original = unwrap_rope(site.module)
             _set_child(site.parent, site.key, _Tap(original, record, switch))
             installed.append((site, original))
         yield outputs
@@ -256,7 +244,7 @@ def check_attention(model: nn.Module) -> list[AttentionSite]:
         flat = attended.transpose(0, 2, 1, 3).reshape(1, 1, -1).astype(values.dtype)
         errors = []
         for name, child in _children(site.module):
-            if not isinstance(child, nn.Module) or child is genuine(site.module.rope):
+            if not isinstance(child, nn.Module) or child is unwrap_rope(site.module.rope):
                 continue
             try:
                 candidate = child(flat)

@@ -23,6 +23,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import rope_utils
 
+from specprefill.wrapping import Wrapper, unwrap_rope
+
 # Variants whose __call__ passes ``offset`` straight to mx.fast.rope (vector offsets allowed).
 SUPPORTED_ROPES: tuple[type, ...] = (
     nn.RoPE,
@@ -67,29 +69,15 @@ def rope_at_positions(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.a
     return rotated.reshape(L, B, H, D).transpose(1, 2, 0, 3)
 
 
-class PositionedRoPE(nn.Module):
+class PositionedRoPE(Wrapper):
     """Wraps a genuine rope module; rotates at the positions a :class:`PositionMap` gives.
 
     Attribute access falls through to the genuine module (``dims``, ``_freqs``, ...).
     """
 
     def __init__(self, genuine: nn.Module, position_map: PositionMap):
-        super().__init__()
-        self._genuine = genuine
+        super().__init__(genuine)
         self.position_map = position_map
-
-    @property
-    def genuine(self) -> nn.Module:
-        return self._genuine
-
-    def __getattr__(self, key: str):
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            genuine = self.get("_genuine")
-            if genuine is None:
-                raise
-            return getattr(genuine, key)
 
     def __call__(self, x: mx.array, offset: int = 0, **kwargs) -> mx.array:
         if not isinstance(offset, int):
@@ -97,17 +85,10 @@ class PositionedRoPE(nn.Module):
         positions = self.position_map.positions(offset, x.shape[-2])
         if positions[-1] - positions[0] == len(positions) - 1:
             # Contiguous run (always true while decoding): the genuine fast path.
-            return self._genuine(x, offset=int(positions[0]), **kwargs)
+            return self.genuine(x, offset=int(positions[0]), **kwargs)
         if kwargs:
             raise ValueError(f"rope keyword arguments {sorted(kwargs)} are not supported at sparse positions")
-        return rope_at_positions(self._genuine, x, mx.array(positions, dtype=mx.int32))
-
-
-def genuine_rope(rope: nn.Module) -> nn.Module:
-    """The innermost genuine rope under any number of (leftover) wrappers."""
-    while isinstance(rope, PositionedRoPE):
-        rope = rope.genuine
-    return rope
+        return rope_at_positions(self.genuine, x, mx.array(positions, dtype=mx.int32))
 
 
 def rope_owners(model: nn.Module) -> list[nn.Module]:
@@ -121,7 +102,7 @@ def check_positionable(model: nn.Module) -> None:
     if not owners:
         raise UnsupportedRoPEError("model: no attention module with a `rope` found")
     for owner in owners:
-        rope = genuine_rope(owner["rope"])
+        rope = unwrap_rope(owner["rope"])
         if type(rope) not in SUPPORTED_ROPES:
             names = ", ".join(t.__name__ for t in SUPPORTED_ROPES)
             raise UnsupportedRoPEError(f"rope: {type(rope).__name__} is not supported (supported: {names})")
@@ -131,7 +112,7 @@ def install_positions(model: nn.Module, position_map: PositionMap) -> Callable[[
     """Wrap every rope of ``model`` (unwrapping leftovers first); return the function that restores them."""
     check_positionable(model)
     owners = rope_owners(model)
-    originals = [genuine_rope(owner["rope"]) for owner in owners]
+    originals = [unwrap_rope(owner["rope"]) for owner in owners]
     for owner, rope in zip(owners, originals):
         owner.rope = PositionedRoPE(rope, position_map)
 

@@ -9,8 +9,8 @@ from specprefill.capture import (
     attention_sites,
     capture_queries,
     check_attention,
-    genuine,
 )
+from specprefill.wrapping import unwrap_rope
 from specprefill.scoring import UnsupportedModelError, check_scorable, score_tokens
 from tiny_models import FAMILIES, make_model
 
@@ -50,7 +50,7 @@ def test_taps_are_removed_on_error_and_delegate_attributes():
     with pytest.raises(RuntimeError, match="boom"):
         with capture_queries(sites):
             tap = sites[0].module.rope
-            assert isinstance(tap, _Tap) and genuine(tap) is rope
+            assert isinstance(tap, _Tap) and unwrap_rope(tap) is rope
             assert tap.dims == rope.dims and tap.base == rope.base  # attribute reads reach the genuine rope
             raise RuntimeError("boom")
     assert sites[0].module.rope is rope and not isinstance(sites[0].module.rope, _Tap)

@@ -9,12 +9,12 @@ from specprefill.positions import (
     PositionedRoPE,
     PositionMap,
     UnsupportedRoPEError,
-    genuine_rope,
     install_positions,
     rope_at_positions,
     rope_owners,
 )
 from specprefill.sparse import Sampling, full_prefill, generate_tokens, sparse_session
+from specprefill.wrapping import unwrap_rope
 from tiny_models import FAMILIES, make_model
 
 # Every rope variant the supported families build in mlx-lm 0.32, by (family, overrides).
@@ -119,7 +119,7 @@ def test_wrapper_delegates_attributes_and_unwraps():
     double = PositionedRoPE(PositionedRoPE(rope, PositionMap()), PositionMap())
     assert double.dims == 16 and double.traditional is False
     assert double._freqs is rope._freqs
-    assert genuine_rope(double) is rope
+    assert unwrap_rope(double) is rope
     assert double.parameters() == {}  # adds no parameters to the model tree
 
 
