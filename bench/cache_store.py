@@ -26,7 +26,10 @@ sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENC
 
 from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
 
-preload_openblas()
+from jobs.settings import Settings  # noqa: E402 - imports no mlx
+
+_settings = Settings.from_env()
+preload_openblas(_settings.openblas, _settings.openblas_path or None)
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402

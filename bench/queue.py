@@ -15,7 +15,10 @@ sys.path[:0] = [str(_HERE.parent), str(_HERE.parent / "tests")]
 
 from specprefill.blas import preload_openblas  # noqa: E402
 
-preload_openblas()
+from jobs.settings import Settings  # noqa: E402 - imports no mlx
+
+_settings = Settings.from_env()
+preload_openblas(_settings.openblas, _settings.openblas_path or None)
 
 import os  # noqa: E402
 import statistics  # noqa: E402

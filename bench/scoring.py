@@ -22,7 +22,10 @@ sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath
 
 from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
 
-preload_openblas()
+from jobs.settings import Settings  # noqa: E402 - imports no mlx
+
+_settings = Settings.from_env()
+preload_openblas(_settings.openblas, _settings.openblas_path or None)
 
 import argparse  # noqa: E402
 import gc  # noqa: E402

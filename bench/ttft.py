@@ -11,7 +11,10 @@ each mode reports its fastest round (other processes only ever add time).
 """
 from specprefill.blas import blas_in_use, preload_openblas
 
-preload_openblas()
+from jobs.settings import Settings  # noqa: E402 - imports no mlx
+
+_settings = Settings.from_env()
+preload_openblas(_settings.openblas, _settings.openblas_path or None)
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402

@@ -6,8 +6,9 @@ mlx is imported makes the dynamic linker resolve ``cblas_sgemm`` there first
 (~60 GFLOP/s). This must run before the first ``import mlx``: entry points call
 :func:`preload_openblas` at their very top. No-op on macOS (Accelerate is used).
 
-Environment: ``SPECPREFILL_OPENBLAS=0`` turns it off; ``SPECPREFILL_OPENBLAS_PATH``
-names the library to load.
+Like every library module here it reads no environment: entry points pass
+``Settings.from_env()``'s ``openblas`` and ``openblas_path`` (``jobs.settings`` does
+not import mlx, so it is safe to read first).
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ _loaded: str | None = None
 _decided = False
 
 
-def preload_openblas() -> str | None:
-    """Load a system OpenBLAS globally if wanted and found; return its path or None.
+def preload_openblas(enabled: bool = True, path: str | None = None) -> str | None:
+    """Load a system OpenBLAS globally if ``enabled`` and found; return its path or None.
 
-    Falls back silently (one info log line) to the bundled BLAS. Idempotent.
+    ``path`` names the library to load instead of searching :data:`CANDIDATES`.
+    Falls back silently (one info log line) to the bundled BLAS. Idempotent: the
+    first call decides.
     """
     global _loaded, _decided
     if _decided:
@@ -42,24 +45,23 @@ def preload_openblas() -> str | None:
     _decided = True
     if not sys.platform.startswith("linux"):
         return None
-    if os.environ.get("SPECPREFILL_OPENBLAS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not enabled:
         log.info("BLAS: bundled reference BLAS (OpenBLAS preload disabled)")
         return None
     if "mlx.core" in sys.modules:
         log.info("BLAS: mlx already imported; keeping the BLAS it loaded")
         return None
-    override = os.environ.get("SPECPREFILL_OPENBLAS_PATH", "").strip()
-    for path in (override,) if override else CANDIDATES:
-        if not os.path.exists(path):
+    for candidate in (path,) if path else CANDIDATES:
+        if not os.path.exists(candidate):
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            sym = ctypes.CDLL(path).cblas_sgemm  # noqa: F841 - must export the CBLAS API
+            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+            sym = ctypes.CDLL(candidate).cblas_sgemm  # noqa: F841 - must export the CBLAS API
         except (OSError, AttributeError):
             continue
-        _loaded = path
-        log.info("BLAS: OpenBLAS from %s", path)
-        return path
+        _loaded = candidate
+        log.info("BLAS: OpenBLAS from %s", candidate)
+        return candidate
     log.info("BLAS: bundled reference BLAS (no system OpenBLAS found)")
     return None
 
