@@ -24,3 +24,17 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="also run the opt-in soak tests (marker 'soak'; several minutes)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak test: opt in with --soak")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -106,6 +107,21 @@ def _default_fingerprint(model: Any, identity: str, block_size: int) -> str:
     return model_fingerprint(model, identity, block_size=block_size)
 
 
+def release_cached_buffers() -> None:
+    """Return MLX's cache of freed buffers to the system (a no-op if MLX is not loaded).
+
+    MLX keeps freed buffers for reuse, so an idle worker would hold on to the working set
+    of its largest recent job (tiny model, 600- and 8000-token jobs: 170 MB resident
+    between jobs without this, 110 MB with it). Pending work is synchronised first: a bare
+    clear races in-flight evaluation.
+    """
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        return
+    mx.synchronize()
+    mx.clear_cache()
+
+
 class ModelPool:
     """At most ``capacity`` loaded draft models, least recently used evicted first.
 
@@ -161,10 +177,4 @@ class ModelPool:
     def _evict(self) -> None:
         name, _ = self._models.popitem(last=False)
         log.info("model %s evicted from the LRU", name)
-        try:  # drop the buffers only after pending work is done (a bare clear races it)
-            import mlx.core as mx
-
-            mx.synchronize()
-            mx.clear_cache()
-        except (ImportError, AttributeError):
-            pass
+        release_cached_buffers()

@@ -21,6 +21,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from worker import runtime as runtime_mod
+from worker.models import release_cached_buffers
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class PrefillWorker(SimpleWorker):
         finally:
             beat.stop()
             self.runtime.stop_event.clear()
+            release_cached_buffers()
 
     # -- surviving a Redis outage ---------------------------------------------
     # RQ's dequeue loop already waits out a lost Redis with backoff, but an error anywhere

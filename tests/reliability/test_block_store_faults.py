@@ -19,6 +19,8 @@ from jobs.embedded_redis import free_port
 from jobs.settings import Settings
 from reliability.conftest import real_settings
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 BLOCK = 64
 
 

@@ -16,6 +16,8 @@ from jobs.client import JobFailed
 from jobs.spec import JobSpecError
 from reliability.conftest import client_for, fake_settings
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 MAX_PROMPT = 512  # small limits keep oversized examples cheap
 LIMITS = dict(max_prompt_tokens=MAX_PROMPT, max_batch_documents=20)
 VALID = {"draft_model": "fake-draft", "tokens": [2 + i % 200 for i in range(60)]}

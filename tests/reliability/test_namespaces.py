@@ -10,6 +10,8 @@ from jobs.client import Client
 from jobs.settings import Settings
 from reliability.conftest import real_settings
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 
 def doc(seed: int, n: int = 300) -> list[int]:
     return [6 + (seed * 13 + i * 3 + i * i) % 200 for i in range(n)]

