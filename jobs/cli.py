@@ -1,7 +1,18 @@
 """The ``specprefill`` command: worker, submit, generate, watch, batch, cache stats, demo."""
+from jobs.settings import Settings  # imports no mlx
 from specprefill.blas import preload_openblas
 
-preload_openblas()  # before anything can import mlx (the worker loads models)
+
+def _preload_blas() -> None:
+    """Before anything can import mlx (the worker loads models); main() reports bad settings."""
+    try:
+        settings = Settings.from_env()
+    except ValueError:
+        settings = Settings()
+    preload_openblas(settings.openblas, settings.openblas_path or None)
+
+
+_preload_blas()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -14,7 +25,6 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO  # noqa: E402
 import redis  # noqa: E402
 
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
-from jobs.settings import Settings  # noqa: E402
 
 SPEC_OPTIONS = ("keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead", "seed")
 

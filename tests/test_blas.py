@@ -37,3 +37,13 @@ def test_library_packages_do_not_read_the_environment():
     offenders = [str(p.relative_to(ROOT)) for package in ("specprefill", "cache_store")
                  for p in sorted((ROOT / package).glob("*.py")) if pattern.search(p.read_text())]
     assert offenders == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
+def test_cli_entry_point_takes_the_preload_choice_from_settings():
+    code = "import jobs.cli; from specprefill.blas import blas_in_use; print(blas_in_use())"
+    run = lambda **env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,  # noqa: E731
+                                       text=True, env={**os.environ, **env}, check=True).stdout.strip()
+    assert run(SPECPREFILL_OPENBLAS="0") == "bundled reference BLAS"
+    assert run(SPECPREFILL_OPENBLAS="1", SPECPREFILL_OPENBLAS_PATH="/nonexistent/lib.so") == "bundled reference BLAS"
+    assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not break the import

@@ -1,10 +1,6 @@
 """``python -m worker``: the same as ``specprefill worker``."""
-from specprefill.blas import preload_openblas
+import sys
 
-preload_openblas()  # before anything imports mlx
-
-import sys  # noqa: E402
-
-from jobs.cli import main  # noqa: E402
+from jobs.cli import main  # preloads OpenBLAS per Settings.from_env() before anything imports mlx
 
 raise SystemExit(main(["worker", *sys.argv[1:]]))
