@@ -6,7 +6,7 @@
 """
 from .codec import FORMAT_VERSION, CorruptBlockError, decode_block, encode_block
 from .keys import (UnsupportedCacheError, block_digests, cache_layout, check_storable,
-                   model_fingerprint, prompt_digest, unstorable_reason, weights_digest)
+                   model_fingerprint, prompt_digest, unstorable_reason)
 from .memo import SelectionMemo
 from .store import LOCAL_COUNTERS, REDIS_COUNTERS, RedisBlockStore
 
@@ -26,5 +26,4 @@ __all__ = [
     "model_fingerprint",
     "prompt_digest",
     "unstorable_reason",
-    "weights_digest",
 ]

@@ -80,11 +80,6 @@ def raw_bits_many(arrays: Sequence[mx.array]) -> list[RawArray]:
     return [RawArray(name, np.asarray(c).view(DTYPES[name][1])) for name, c in zip(names, carriers)]
 
 
-def raw_bits(array: mx.array) -> RawArray:
-    """A zero-copy numpy view of one mlx array's bits (evaluates the array)."""
-    return raw_bits_many([array])[0]
-
-
 def to_mlx_many(raws: Sequence[RawArray]) -> list[mx.array]:
     """mlx arrays (their own copies) from raw bits, evaluated together."""
     out = []
@@ -96,11 +91,6 @@ def to_mlx_many(raws: Sequence[RawArray]) -> list[mx.array]:
             out.append(mx.array(raw.bits.view(numpy_float)))
     mx.eval(out)
     return out
-
-
-def to_mlx(raw: RawArray) -> mx.array:
-    """An mlx array (its own copy) from raw bits."""
-    return to_mlx_many([raw])[0]
 
 
 def payload_checksum(payload: memoryview) -> int:

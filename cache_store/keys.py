@@ -114,16 +114,6 @@ def check_storable(model) -> None:
         raise UnsupportedCacheError(reason)
 
 
-def weights_digest(model) -> str:
-    """SHA-256 over every parameter's name, dtype, shape and bits: an identity for local weights."""
-    h = hashlib.sha256()
-    for name, p in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
-        bits = np.asarray(mx.contiguous(p).view(mx.uint8))
-        h.update(canonical_json([name, _plain(p.dtype), list(p.shape)]).encode())
-        h.update(memoryview(np.ascontiguousarray(bits)))
-    return h.hexdigest()
-
-
 def model_fingerprint(model, identity: str, *, block_size: int) -> str:
     """Hex SHA-256 of everything that changes stored KV values or their layout.
 

@@ -165,10 +165,6 @@ class QueryCapture:
             raise RuntimeError(f"layer {layer}: {len(calls)} rope calls recorded; expected pairs (queries, keys)")
         return mx.concatenate(calls[0::2], axis=2)
 
-    def clear(self) -> None:
-        for calls in self.calls:
-            calls.clear()
-
 
 @contextmanager
 def _capture_outputs(sites: list[AttentionSite]) -> Iterator[list[list[Any]]]:

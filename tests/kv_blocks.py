@@ -35,3 +35,17 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
     import numpy as np
 
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(bits(a), bits(b))
+
+
+def raw_bits(array: mx.array):
+    """One array's raw bits through the codec's batch form."""
+    from cache_store.codec import raw_bits_many
+
+    return raw_bits_many([array])[0]
+
+
+def to_mlx(raw) -> mx.array:
+    """One raw array back to mlx through the codec's batch form."""
+    from cache_store.codec import to_mlx_many
+
+    return to_mlx_many([raw])[0]

@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from cache_store import RedisBlockStore, model_fingerprint
-from cache_store.codec import encode_block, raw_bits
-from kv_blocks import continue_prefill, prefilled, same_bits
+from cache_store.codec import encode_block
+from kv_blocks import continue_prefill, prefilled, raw_bits, same_bits
 from tiny_models import make_model
 
 BS = 16

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from cache_store.codec import (FORMAT_VERSION, CorruptBlockError, RawArray, decode_block,
-                               encode_block, payload_checksum, raw_bits, to_mlx)
-from kv_blocks import same_bits
+                               encode_block, payload_checksum, raw_bits_many)
+from kv_blocks import raw_bits, same_bits, to_mlx
 
 FP = "0f" * 32
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -136,7 +136,7 @@ def test_repacked_good_value_still_decodes():
 
 def test_unsupported_dtype_is_a_value_error():
     with pytest.raises(ValueError, match="dtype"):
-        raw_bits(mx.zeros((1, 1, 2, 2), dtype=mx.int32))
+        raw_bits_many([mx.zeros((1, 1, 2, 2), dtype=mx.int32)])
 
 
 def _edit_layers(edit):

@@ -63,8 +63,8 @@ sys.path.insert(0, {tests!r})
 from specprefill.blas import preload_openblas; preload_openblas()
 import redis
 from cache_store import RedisBlockStore, model_fingerprint
-from cache_store.codec import RawArray, encode_block, raw_bits
-from kv_blocks import prefilled
+from cache_store.codec import RawArray, encode_block
+from kv_blocks import prefilled, raw_bits
 from tiny_models import make_model
 model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
 fp = model_fingerprint(model, "tiny", block_size={bs})
