@@ -137,12 +137,14 @@ def model_fingerprint(model, identity: str, *, block_size: int) -> str:
 
 
 def check_block_size(block_size: int) -> int:
+    """``block_size`` if it is an int in [1, MAX_BLOCK_SIZE], else ``ValueError`` naming it."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"block_size: {block_size!r}; allowed integers in [1, {MAX_BLOCK_SIZE}]")
     return block_size
 
 
 def check_fingerprint(fingerprint: str) -> str:
+    """``fingerprint`` if it is 64 lowercase hex digits (a :func:`model_fingerprint`), else ``ValueError``."""
     if not isinstance(fingerprint, str) or len(fingerprint) != 64 or not all(
             ch in "0123456789abcdef" for ch in fingerprint):
         raise ValueError("fingerprint: expected 64 lowercase hex digits (from model_fingerprint)")
@@ -150,6 +152,7 @@ def check_fingerprint(fingerprint: str) -> str:
 
 
 def check_namespace(namespace: str) -> str:
+    """``namespace`` if it is a non-empty string without whitespace, else ``ValueError``."""
     if not isinstance(namespace, str) or not namespace or any(ch.isspace() for ch in namespace):
         raise ValueError(f"namespace: {namespace!r}; expected a non-empty string without whitespace")
     return namespace

@@ -42,6 +42,7 @@ class SelectionMemo:
         self.local_counters = dict.fromkeys(MEMO_LOCAL_COUNTERS, 0)
 
     def key(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> str:
+        """The Redis key of this prompt's entry under these selection settings."""
         return memo_key(self.namespace, self.fingerprint, tokens, settings)
 
     def get(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> list[tuple[int, int]] | None:

@@ -182,6 +182,7 @@ class Sampling:
 
     @property
     def is_greedy(self) -> bool:
+        """Whether decoding takes the argmax (``greedy`` set or temperature 0)."""
         return self.greedy or self.temperature == 0
 
 
