@@ -16,22 +16,11 @@
 """
 from __future__ import annotations
 
-import os
-import sys
-
-BENCH = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH)
-# bench/queue.py would shadow the standard library's queue (which redis-py imports).
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != BENCH]
-
-from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
-
-from jobs.settings import Settings  # noqa: E402 - imports no mlx
-
-_settings = Settings.from_env()
-preload_openblas(_settings.openblas, _settings.openblas_path or None)
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
+from benchlib import blas_in_use, target  # noqa: E402
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import statistics  # noqa: E402
@@ -59,7 +48,7 @@ GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02}
 
 def _scoring_bench():
     """``bench/scoring.py`` as a module: its draft model and prompts are the reference."""
-    spec = importlib.util.spec_from_file_location("bench_scoring", os.path.join(BENCH, "scoring.py"))
+    spec = importlib.util.spec_from_file_location("bench_scoring", benchlib.HERE / "scoring.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -257,9 +246,7 @@ def main() -> int:
     print()
     failed = False
     for name, value, op, bound in verdicts:
-        ok = value >= bound if op == ">=" else value <= bound
-        failed |= not ok
-        print(f"target {name}: {value:.4g} (goal {op} {bound}) {'PASS' if ok else 'FAIL'}")
+        failed |= not target(name, value, op, bound)
     return 1 if failed else 0
 
 

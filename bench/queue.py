@@ -4,32 +4,21 @@ service's job (validation, progress, block store, memo), measured side by side i
 Also: the share of job time spent publishing progress, and the enqueue time of a
 1000-document batch. Ends with one ``target ...: PASS/FAIL`` line per target.
 """
-import sys
-from pathlib import Path
-
-# Run as a script, this file's folder comes first on sys.path and "queue" would shadow the
-# standard library module redis-py imports: drop it, then import as usual.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path[:0] = [str(_HERE.parent), str(_HERE.parent / "tests")]
-
-from specprefill.blas import preload_openblas  # noqa: E402
-
-from jobs.settings import Settings  # noqa: E402 - imports no mlx
-
-_settings = Settings.from_env()
-preload_openblas(_settings.openblas, _settings.openblas_path or None)
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
+from benchlib import target  # noqa: E402
 
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-ROOT = _HERE.parent
+ROOT = benchlib.ROOT
 
 REPS = 20
 TARGET_JOB_S = 0.100
@@ -209,9 +198,8 @@ def main() -> None:
           f"(re-submit, nothing enqueued: {1000 * resubmit_s:.0f} ms)")
     print()
     ratio = med["service"] / med["direct"]
-    print(f"target service/direct: {ratio:.3f} (goal <= 1.10) {'PASS' if ratio <= 1.10 else 'FAIL'}")
-    print(f"target progress share: {100 * progress_share:.2f}% (goal <= 2%) "
-          f"{'PASS' if progress_share <= 0.02 else 'FAIL'}")
+    target("service/direct", ratio, "<=", 1.10, f"{ratio:.3f}")
+    target("progress_share", progress_share, "<=", 0.02, f"{progress_share:.4f}")
 
 
 if __name__ == "__main__":

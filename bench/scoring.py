@@ -16,16 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-# Import from the repository root, not from bench/ (whose queue.py would shadow the stdlib's).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
-
-from jobs.settings import Settings  # noqa: E402 - imports no mlx
-
-_settings = Settings.from_env()
-preload_openblas(_settings.openblas, _settings.openblas_path or None)
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
+from benchlib import blas_in_use, target  # noqa: E402
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -149,10 +141,8 @@ def main() -> int:
     failed = False
     for r in rows:
         if r["length"] in RATIO_TARGET_LENGTHS:
-            ok = r["ratio"] <= RATIO_GOAL
-            failed |= not ok
-            print(f"target scoring_over_prefill_{r['length']}: {r['ratio']:.3f} (goal <= {RATIO_GOAL}) "
-                  f"{'PASS' if ok else 'FAIL'}")
+            failed |= not target(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,
+                                 f"{r['ratio']:.3f}")
     return 1 if failed else 0
 
 

@@ -9,12 +9,8 @@ each mode reports its fastest round (other processes only ever add time).
 
     .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2]
 """
-from specprefill.blas import blas_in_use, preload_openblas
-
-from jobs.settings import Settings  # noqa: E402 - imports no mlx
-
-_settings = Settings.from_env()
-preload_openblas(_settings.openblas, _settings.openblas_path or None)
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
+from benchlib import blas_in_use, target  # noqa: E402
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -115,9 +111,7 @@ def main() -> None:
     print(f"(largest round-to-round spread: {spread:.1%} of the best time)")
     print()
     ratio = best[("sparse", 0.2)]["ttft"] / full
-    verdict = "PASS" if ratio <= GOAL_RATIO_AT_0_2 else "FAIL"
-    print(f"target ttft_sparse_keep0.2_over_full@{args.tokens}: {ratio:.3f} "
-          f"(goal <= {GOAL_RATIO_AT_0_2}) {verdict}")
+    target(f"ttft_sparse_keep0.2_over_full@{args.tokens}", ratio, "<=", GOAL_RATIO_AT_0_2, f"{ratio:.3f}")
 
 
 if __name__ == "__main__":
