@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO  # noqa: E402
 
 import redis  # noqa: E402
 
+from jobs.connection import queue_connection  # noqa: E402
+
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
 
 SPEC_OPTIONS = ("keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead", "seed")
@@ -40,7 +42,7 @@ def _connect(args: argparse.Namespace, settings: Settings) -> redis.Redis:
     if not url:
         raise CliError("no Redis URL: pass --redis-url or set REDIS_URL "
                        "(redis://[:password@]host:port/db, rediss:// for TLS)")
-    client = redis.Redis.from_url(url)  # AUTH and TLS come from the URL
+    client = queue_connection(url, settings)
     try:
         client.ping()
     except redis.RedisError as exc:

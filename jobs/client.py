@@ -21,6 +21,7 @@ from rq.serializers import JSONSerializer
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, stream_key)
 from jobs.results import GenerateResult, PrefillResult, result_from_json
+from jobs.connection import queue_connection
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
 
@@ -217,7 +218,8 @@ class Client:
 
     @classmethod
     def from_url(cls, url: str, settings: Settings | None = None, **kwargs: Any) -> "Client":
-        return cls(redis.Redis.from_url(url), settings, **kwargs)
+        settings = settings or Settings.from_env()
+        return cls(queue_connection(url, settings), settings, **kwargs)
 
     def _publisher(self, job_id: str, start_seq: int | None = None) -> ProgressPublisher:
         s = self.settings

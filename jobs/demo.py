@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 import redis
 
+from jobs.connection import queue_connection
 from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
 
 DEMO_DIR = SHIPPED_MODELS / "demo"
@@ -175,7 +176,7 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
             server = EmbeddedRedis().start()
             url = server.url
             print(f"started a private Redis on 127.0.0.1:{server.port}", file=out)
-        conn = redis.Redis.from_url(url)
+        conn = queue_connection(url, settings)
         workers = WorkerProcesses(url, args.workers, model, log_dir)
         print(f"starting {args.workers} workers with {model} (logs in {log_dir})", file=out, flush=True)
         workers.wait_ready(conn, timeout=180)

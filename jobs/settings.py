@@ -59,6 +59,9 @@ class Settings:
     # A separate block-store Redis is a cache: a call to it that hangs this long is a miss
     # (the job runs cold) instead of a stuck job.
     cache_socket_timeout_s: float = 5.0
+    # Retries (jittered exponential backoff, 1 s base, 10 s cap) of a failed command on the
+    # queue's Redis; the block store's client never retries (its errors are misses).
+    redis_retries: int = 3
     memo_ttl_s: int = 24 * 3600
 
     # Limits.

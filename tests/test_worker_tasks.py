@@ -114,7 +114,7 @@ def fake_backend(chunk_delay_s=0.0, shared=None):
     return PrefillBackend(
         score_with_cache=make_fake_score(chunk_delay_s), plan_selection=plan_selection,
         to_ranges=to_ranges, admission_reason=admission_reason,
-        block_store=lambda client, fp, s: FakeStore(shared["blocks"]),
+        block_store=lambda client, loaded, s: FakeStore(shared["blocks"]),
         memo=lambda client, fp, s: FakeMemo(shared["memo"]))
 
 

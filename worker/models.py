@@ -74,6 +74,7 @@ class LoadedModel:
     fingerprint: str
     vocab_size: int | None
     load_seconds: float
+    cache_layout: list | None = None  # filled by the block store factory on first use
 
 
 def _vocab_size(model: Any) -> int | None:

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
+from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from worker.models import ModelPool
+from worker.models import LoadedModel, ModelPool
 
 
 class JobStopped(Exception):
@@ -30,7 +29,7 @@ class PrefillBackend:
     plan_selection: Callable[..., Any]
     to_ranges: Callable[[Any], list]
     admission_reason: Callable[..., str | None]
-    block_store: Callable[[redis.Redis, str, Settings], Any]
+    block_store: Callable[[redis.Redis, LoadedModel, Settings], Any]
     memo: Callable[[redis.Redis, str, Settings], Any]
 
     @classmethod
@@ -42,11 +41,20 @@ class PrefillBackend:
         return cls(
             score_with_cache=score_with_cache, plan_selection=plan_selection,
             to_ranges=to_ranges, admission_reason=admission_reason,
-            block_store=lambda client, fp, s: RedisBlockStore(
-                client, fp, namespace=s.namespace, block_size=s.block_size, ttl_s=s.block_ttl_s),
+            block_store=_block_store,
             memo=lambda client, fp, s: SelectionMemo(client, fp, namespace=s.namespace,
                                                      ttl_s=s.memo_ttl_s),
         )
+
+
+def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
+    """The draft model's block store; it rejects blocks of another cache layout as corrupt."""
+    from cache_store import RedisBlockStore, cache_layout
+
+    if loaded.cache_layout is None:  # one probe token, once per loaded model
+        loaded.cache_layout = cache_layout(loaded.model)
+    return RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
+                           ttl_s=s.block_ttl_s, layout=loaded.cache_layout)
 
 
 @dataclass
@@ -73,19 +81,11 @@ class WorkerRuntime:
     @classmethod
     def from_settings(cls, settings: Settings, connection: redis.Redis | None = None,
                       **kwargs: Any) -> "WorkerRuntime":
-        connection = connection or redis.Redis.from_url(settings.redis_url)
+        connection = connection or queue_connection(settings.redis_url, settings)
         cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
         models = kwargs.pop("models", None) or ModelPool(settings.model_lru_size,
                                                          block_size=settings.block_size)
         return cls(settings, connection, cache_client, models, **kwargs)
-
-
-def cache_connection(settings: Settings) -> redis.Redis:
-    """The block store's own Redis client: bounded waits and no retries, because every
-    block-store and memo error is already a miss (a dead or hung cache makes jobs run cold)."""
-    timeout = settings.cache_socket_timeout_s
-    return redis.Redis.from_url(settings.block_store_url, socket_timeout=timeout,
-                                socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
 
 
 _current: WorkerRuntime | None = None

@@ -184,8 +184,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext) -> tuple[PrefillResult, list[i
         reason = (backend.admission_reason(total, threshold=spec.threshold, protected_prefix=system_end)
                   if kept == total else None)
     else:
-        reporting = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client,
-                                                            loaded.fingerprint, settings), pub)
+        reporting = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, loaded, settings), pub)
         score = backend.score_with_cache(
             loaded.model, tokens, reporting, progress=_progress_callback(ctx, reporting),
             prefill_step=settings.prefill_step, **spec.scoring_options())
