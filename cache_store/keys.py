@@ -143,6 +143,13 @@ def check_block_size(block_size: int) -> int:
     return block_size
 
 
+def check_ttl(ttl_s: int) -> int:
+    """``ttl_s`` if it is an int >= 1 (seconds), else ``ValueError`` naming it."""
+    if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s < 1:
+        raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
+    return ttl_s
+
+
 def check_fingerprint(fingerprint: str) -> str:
     """``fingerprint`` if it is 64 lowercase hex digits (a :func:`model_fingerprint`), else ``ValueError``."""
     if not isinstance(fingerprint, str) or len(fingerprint) != 64 or not all(

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import redis
 
-from .keys import check_fingerprint, check_namespace, memo_key, stats_key
+from .keys import check_fingerprint, check_namespace, check_ttl, memo_key, stats_key
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,7 @@ class SelectionMemo:
         self.client = client
         self.fingerprint = check_fingerprint(fingerprint)
         self.namespace = check_namespace(namespace)
-        if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s < 1:
-            raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
-        self.ttl_s = ttl_s
+        self.ttl_s = check_ttl(ttl_s)
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(MEMO_LOCAL_COUNTERS, 0)
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from .codec import (CorruptBlockError, DecodedBlock, RawArray, decode_block, encode_block, raw_bits_many,
                     to_mlx_many)
-from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace,
+from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace, check_ttl,
                    stats_key, unstorable_reason)
 from .memo import MEMO_COUNTERS
 
@@ -84,9 +84,7 @@ class RedisBlockStore:
         self.fingerprint = check_fingerprint(fingerprint)
         self.namespace = check_namespace(namespace)
         self.block_size = check_block_size(block_size)
-        if not isinstance(ttl_s, int) or isinstance(ttl_s, bool) or ttl_s < 1:
-            raise ValueError(f"ttl_s: {ttl_s!r}; allowed integers >= 1 (seconds)")
-        self.ttl_s = ttl_s
+        self.ttl_s = check_ttl(ttl_s)
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(LOCAL_COUNTERS, 0)
         self._expected = None if layout is None else _block_layout(layout, self.block_size)

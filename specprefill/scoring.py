@@ -25,6 +25,7 @@ from specprefill.capture import (
     capture_queries,
     check_attention,
 )
+from specprefill.checks import check_int
 from specprefill.importance import token_importance
 from specprefill.sampling import sample
 
@@ -52,15 +53,6 @@ def check_scorable(model: nn.Module) -> None:
     attention output, so an unrecognised attention never yields wrong scores.
     """
     check_attention(model)
-
-
-def _int_option(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    ok = ok and value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
-    return int(value)
 
 
 def _prompt(tokens: Any) -> list[int]:
@@ -165,16 +157,16 @@ def score_tokens(
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(vocab, int) and max(prompt) >= vocab:
         raise ValueError(f"tokens must be ids below the model's vocab_size {vocab}, got {max(prompt)}")
-    n_lookahead = _int_option("n_lookahead", n_lookahead, 0)
+    n_lookahead = check_int("n_lookahead", n_lookahead, 0)
     if not include_last_query and n_lookahead == 0:
         raise ValueError("n_lookahead must be >= 1 when include_last_query is False (no query to score with)")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    seed = _int_option("seed", seed, 0, 2**63 - 1)
-    pool_kernel = _int_option("pool_kernel", pool_kernel, 0)
-    prefill_step = _int_option("prefill_step", prefill_step, 1)
+    seed = check_int("seed", seed, 0, 2**63 - 1)
+    pool_kernel = check_int("pool_kernel", pool_kernel, 0)
+    prefill_step = check_int("prefill_step", prefill_step, 1)
     report = progress or (lambda processed, total, phase: None)
 
     timings = {"prefill": 0.0, "lookahead": 0.0, "importance": 0.0}

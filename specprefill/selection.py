@@ -15,16 +15,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from specprefill.checks import check_int
+
 # ceil(n_chunks * keep) must not round 10 * 0.3 = 3.0000000000000004 up to 4.
 _CEIL_SLACK = 1e-9
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
-    return int(value)
 
 
 def _check_keep(keep: Any) -> float:
@@ -66,9 +60,9 @@ def select_chunks(
     """
     scores = _as_importance(importance)
     keep = _check_keep(keep)
-    chunk_size = _check_int("chunk_size", chunk_size, 1)
-    tail_tokens = _check_int("tail_tokens", tail_tokens, 0)
-    protected_prefix = _check_int("protected_prefix", protected_prefix, 0)
+    chunk_size = check_int("chunk_size", chunk_size, 1)
+    tail_tokens = check_int("tail_tokens", tail_tokens, 0)
+    protected_prefix = check_int("protected_prefix", protected_prefix, 0)
 
     total = scores.size
     start = min(protected_prefix, total)
@@ -101,9 +95,9 @@ def admission_reason(n_tokens: int, *, threshold: int = 8192, protected_prefix: 
     A prompt is sparsified only when it is strictly longer than ``threshold`` and the
     protected prefix leaves something to rank.
     """
-    n_tokens = _check_int("n_tokens", n_tokens, 0)
-    threshold = _check_int("threshold", threshold, 0)
-    protected_prefix = _check_int("protected_prefix", protected_prefix, 0)
+    n_tokens = check_int("n_tokens", n_tokens, 0)
+    threshold = check_int("threshold", threshold, 0)
+    protected_prefix = check_int("protected_prefix", protected_prefix, 0)
     if n_tokens <= threshold:
         return f"keep all: prompt has {n_tokens} tokens, not more than the threshold of {threshold}"
     if protected_prefix >= n_tokens:
@@ -147,8 +141,8 @@ def plan_selection(
     total = scores.size
     # Validate everything up front so bad settings fail the same way on short prompts.
     _check_keep(keep)
-    _check_int("chunk_size", chunk_size, 1)
-    _check_int("tail_tokens", tail_tokens, 0)
+    check_int("chunk_size", chunk_size, 1)
+    check_int("tail_tokens", tail_tokens, 0)
     reason = admission_reason(total, threshold=threshold, protected_prefix=protected_prefix)
     if reason is not None:
         return Selection(np.arange(total, dtype=np.int32), total, reason)
@@ -181,8 +175,8 @@ def from_ranges(ranges: Iterable[Sequence[int]]) -> np.ndarray:
     for item in ranges:
         if len(item) != 2:
             raise ValueError(f"ranges must hold (start, end) pairs, got {item!r}")
-        start = _check_int("range start", item[0], 0)
-        end = _check_int("range end", item[1], start + 1)
+        start = check_int("range start", item[0], 0)
+        end = check_int("range end", item[1], start + 1)
         if start < previous_end:
             raise ValueError(f"ranges must be ascending and non-overlapping: ({start}, {end}) starts before {previous_end}")
         pieces.append(np.arange(start, end, dtype=np.int64))
