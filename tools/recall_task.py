@@ -78,9 +78,10 @@ class Document:
 
 
 def make_document(rng: random.Random, n_words: int, n_needles: int, *, repeat_prob: float = 0.03) -> Document:
-    """A haystack of exactly ``n_words`` words holding ``n_needles`` needles with distinct keys."""
-    if n_needles < 1 or n_needles > N_KEYS:
-        raise ValueError(f"n_needles must be in [1, {N_KEYS}], got {n_needles}")
+    """A haystack of exactly ``n_words`` words holding ``n_needles`` needles (distinct keys and value tokens)."""
+    max_needles = min(N_KEYS, N_VALUES // VALUE_LEN)
+    if n_needles < 1 or n_needles > max_needles:
+        raise ValueError(f"n_needles must be in [1, {max_needles}], got {n_needles}")
     n_filler = n_words - n_needles * NEEDLE_LEN
     if n_filler < n_needles + 1:
         raise ValueError(f"n_words={n_words} is too short for {n_needles} needles")
@@ -94,13 +95,15 @@ def make_document(rng: random.Random, n_words: int, n_needles: int, *, repeat_pr
             filler.append(rng.choice(FILLER))
     filler = filler[:n_filler]
     keys = rng.sample(KEYS, n_needles)
+    # Distinct value tokens across the document, so "the token after vA" is unambiguous.
+    value_tokens = rng.sample(VALUES, VALUE_LEN * n_needles)
     slots = sorted(rng.sample(range(n_filler + 1), n_needles))
     words: list[str] = []
     needles: list[Needle] = []
     prev = 0
-    for key, slot in zip(keys, slots):
+    for i, (key, slot) in enumerate(zip(keys, slots)):
         words.extend(filler[prev:slot])
-        value = [rng.choice(VALUES) for _ in range(VALUE_LEN)]
+        value = value_tokens[i * VALUE_LEN:(i + 1) * VALUE_LEN]
         needles.append(Needle(key, value, len(words)))
         words.append(key)
         words.extend(value)
@@ -112,11 +115,12 @@ def make_document(rng: random.Random, n_words: int, n_needles: int, *, repeat_pr
 @dataclass
 class Example:
     tokens: list[int]          # the prompt followed by the answer and <|end|>
-    prompt_len: int            # tokens[:prompt_len] is the prompt
-    answer: list[int]          # value token ids
-    needle_span: tuple[int, int]  # token positions [start, end) of the queried needle
+    prompt_len: int            # tokens[:prompt_len] is the prompt of the final query
+    answer: list[int]          # value token ids of the final query
+    needle_span: tuple[int, int]  # token positions [start, end) of the finally queried needle
     document: Document
     key: str
+    answer_positions: list[int]  # positions of every answer token (values and <|end|>) in tokens
 
 
 def encode(words: list[str]) -> list[int]:
@@ -133,17 +137,33 @@ def prompt_words(doc: Document, key: str, *, chat: bool, system: list[str] | Non
 
 
 def make_example(rng: random.Random, length: int, n_needles: int, *, chat: bool = False,
-                 system_words: int = 0, repeat_prob: float = 0.03) -> Example:
-    """A training/eval example of exactly ``length`` tokens (prompt + answer + end)."""
+                 system_words: int = 0, repeat_prob: float = 0.03, n_queries: int = 1) -> Example:
+    """An example of exactly ``length`` tokens (prompt + answer + end).
+
+    With ``n_queries`` > 1 (plain form only) the document is followed by that many
+    question/answer pairs about distinct needles, ``? kXX vA vB vC <|end|>`` each: more
+    supervised recalls per sequence for training; the last pair is the example's query.
+    """
+    if n_queries < 1 or n_queries > n_needles or (chat and n_queries > 1):
+        raise ValueError(f"n_queries must be in [1, n_needles={n_needles}] (1 in chat form), got {n_queries}")
     system = [rng.choice(FILLER) for _ in range(system_words)] if chat and system_words else None
-    overhead = 2 + VALUE_LEN + 1  # query mark + key, answer, end
+    qa_len = 2 + VALUE_LEN + 1  # query mark + key, answer, end
+    overhead = qa_len * n_queries
     if chat:
         overhead += 3 + (len(system) + 2 if system else 0)  # user, end, assistant (+ system turn)
     doc = make_document(rng, length - overhead, n_needles, repeat_prob=repeat_prob)
-    needle = rng.choice(doc.needles)
-    words, offset = prompt_words(doc, needle.key, chat=chat, system=system)
+    asked = rng.sample(doc.needles, n_queries)
+    words, offset = prompt_words(doc, asked[0].key, chat=chat, system=system)
+    answer_positions = []
+    for i, needle in enumerate(asked):
+        if i:
+            words += [QUERY_MARK, needle.key]
+        answer_positions += range(len(words), len(words) + VALUE_LEN + 1)
+        if i < n_queries - 1:
+            words += needle.value + [END]
+    needle = asked[-1]
     answer = encode(needle.value)
     tokens = encode(words) + answer + [TOKEN_ID[END]]
     assert len(tokens) == length
     s, e = needle.span
-    return Example(tokens, len(words), answer, (s + offset, e + offset), doc, needle.key)
+    return Example(tokens, len(words), answer, (s + offset, e + offset), doc, needle.key, answer_positions)
