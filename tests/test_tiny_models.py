@@ -1,0 +1,162 @@
+"""The shipped tiny models, their training script and the demo data."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import generate, load
+
+from tools import make_demo, recall_task as task, train_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+DRAFT = REPO / "models" / "draft-tiny"
+TARGET = REPO / "models" / "target-tiny"
+DOC_SEEDS = (11, 12, 13, 14, 15, 16)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return load(str(DRAFT))
+
+
+def documents_512():
+    """Six fixed 512-token recall prompts (plain form) with 4 needles each."""
+    out = []
+    for seed in DOC_SEEDS:
+        ex = task.make_example(random.Random(seed), 512, 4)
+        out.append(ex)
+    return out
+
+
+# The shipped target is not trained yet (issue 5 stays open for it); its tests run once it exists.
+needs_target = pytest.mark.skipif(not (TARGET / "config.json").exists(),
+                                  reason="models/target-tiny is not shipped yet")
+
+
+@pytest.mark.parametrize("folder", [DRAFT, pytest.param(TARGET, marks=needs_target)], ids=["draft", "target"])
+def test_shipped_model_loads_offline(folder, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["vocab_size"] == task.VOCAB_SIZE
+    assert tokenizer.eos_token_ids == {task.TOKEN_ID[task.END]}
+    assert tokenizer.encode("k07 v01 ? k07", add_special_tokens=False) == task.encode(["k07", "v01", "?", "k07"])
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "k07 v01 v02 v03 ? k07"}],
+                                         add_generation_prompt=True)
+    assert chat == task.encode(["<|user|>", "k07", "v01", "v02", "v03", "?", "k07", "<|end|>", "<|assistant|>"])
+    assert (folder / "README.md").exists()
+
+
+@needs_target
+def test_target_has_at_least_four_times_the_draft_compute():
+    d = json.loads((DRAFT / "config.json").read_text())
+    t = json.loads((TARGET / "config.json").read_text())
+
+    def flops_per_token(c):  # matmul weights per layer; the tied embedding is shared by both
+        h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+        kv = h * c["num_key_value_heads"] // c["num_attention_heads"]
+        return layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+
+    assert flops_per_token(t) >= 4 * flops_per_token(d)
+
+
+def test_draft_answers_recall_on_512_token_documents(draft):
+    model, tokenizer = draft
+    correct = 0
+    for ex in documents_512():
+        prompt = tokenizer.decode(ex.tokens[:ex.prompt_len])
+        text = generate(model, tokenizer, prompt=prompt, max_tokens=6)
+        correct += text.split() == [task.VOCAB[t] for t in ex.answer]
+    assert correct >= len(DOC_SEEDS) - 1
+
+
+def test_draft_keeps_the_needle_chunk_at_keep_0_2(draft):
+    scoring = pytest.importorskip("specprefill.scoring")
+    from specprefill.selection import select_chunks
+
+    model, _ = draft
+    kept = 0
+    for i, ex in enumerate(documents_512()):
+        result = scoring.score_tokens(model, ex.tokens[:ex.prompt_len], seed=i)
+        indices = select_chunks(result.importance, 0.2, chunk_size=32, tail_tokens=32)
+        s, e = ex.needle_span
+        kept += bool(np.isin(np.arange(s, e), indices).all())
+    # Random selection keeps a 1-chunk needle with probability 3/15 here.
+    assert kept >= len(DOC_SEEDS) - 1
+
+
+def test_training_script_runs_end_to_end(tmp_path):
+    args = ["--hidden-size", "96", "--layers", "2", "--heads", "3", "--kv-heads", "3",
+            "--intermediate-size", "64", "--phases", "64:3,128-192:2", "--tokens-per-step", "256",
+            "--eval-samples", "2", "--eval-lengths", "128", "--log-every", "1", "--seed", "3"]
+    train_tiny.main(args + ["--out", str(tmp_path / "a")])
+    model, tokenizer = load(str(tmp_path / "a"))
+    logits = model(mx.array([task.encode(["k01", "v02", "?", "k01"])]))
+    assert logits.shape == (1, 4, task.VOCAB_SIZE)
+    training = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert set(training["eval"]["128"]) == {"plain", "chat"}
+    # Seeded: a second run gives the same weights.
+    train_tiny.main(args + ["--out", str(tmp_path / "b"), "--eval-samples", "0"])
+    a = mx.load(str(tmp_path / "a" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_induction_init_answers_recall_before_any_training():
+    from mlx_lm.models import llama
+
+    from tools.induction_init import init_induction_circuit
+
+    config = train_tiny.model_config(rope_theta=1e6, **train_tiny.PRESETS["draft"])
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    init_induction_circuit(model, seed=0, relay_token=task.TOKEN_ID["<|assistant|>"],
+                           closer_tokens=(task.TOKEN_ID[task.END],))
+    rng = random.Random(0)
+    for length, chat in ((128, False), (2048, False), (512, True)):
+        rows = np.array([task.make_example(rng, length, 4, chat=chat).tokens for _ in range(8)])
+        logits = model(mx.array(rows[:, :-1]))
+        # The three value tokens are induction steps (the first after the chat closers for
+        # chat): the untrained circuit gets them right; <|end|> is left to training.
+        predicted = np.array(logits[:, -4:-1].argmax(-1))
+        assert (predicted == rows[:, -4:-1]).all(axis=1).mean() >= 0.85, (length, chat)
+    small = llama.Model(llama.ModelArgs.from_dict(dict(config, hidden_size=32, num_attention_heads=2,
+                                                       num_key_value_heads=1)))
+    with pytest.raises(ValueError, match="too small"):
+        init_induction_circuit(small, seed=0)
+
+
+def test_phase_spec_is_validated():
+    assert train_tiny.parse_phases("64:10,128-512:5") == [([64], 10), ([128, 192, 256, 384, 512], 5)]
+    with pytest.raises(ValueError, match="--phases"):
+        train_tiny.parse_phases("64")
+    with pytest.raises(ValueError, match="--phases"):
+        train_tiny.parse_phases("16:10")
+
+
+def test_documents_hold_their_needles_at_the_recorded_positions():
+    rng = random.Random(5)
+    for n_words, n_needles in ((64, 2), (512, 8), (2000, 6)):
+        doc = task.make_document(rng, n_words, n_needles)
+        assert len(doc.words) == n_words and len(doc.needles) == n_needles
+        assert len({n.key for n in doc.needles}) == n_needles
+        for n in doc.needles:
+            s, e = n.span
+            assert doc.words[s:e] == [n.key, *n.value]
+    with pytest.raises(ValueError, match="n_needles"):
+        task.make_document(rng, 100, 0)
+
+
+def test_shipped_demo_files_are_reproducible(tmp_path):
+    make_demo.main(["--out", str(tmp_path)])
+    for name in ("documents.jsonl", "questions.jsonl"):
+        assert (tmp_path / name).read_text() == (REPO / "models" / "demo" / name).read_text()
+    docs = {d["id"]: d for d in map(json.loads, (tmp_path / "documents.jsonl").read_text().splitlines())}
+    for q in map(json.loads, (tmp_path / "questions.jsonl").read_text().splitlines()):
+        words = docs[q["doc_id"]]["text"].split()
+        key = q["question"].split()[1]
+        i = words.index(key)
+        assert " ".join(words[i + 1:i + 4]) == q["answer"]
