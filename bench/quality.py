@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:  # the target half needs the sparse prefill
         sparse, sparse_error = None, str(e)
     draft, _ = load(args.draft)
+    if sparse is not None and not (Path(args.target) / "config.json").exists():
+        sparse, sparse_error = None, f"no target model at {args.target}"
     target_model = load(args.target)[0] if sparse is not None else None
     print(f"BLAS: {blas_in_use()}; {args.samples} prompts per cell; chunk {args.chunk_size}, "
           f"tail {args.tail_tokens} tokens; draft {Path(args.draft).name}, target {Path(args.target).name}")
