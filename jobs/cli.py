@@ -16,7 +16,6 @@ _preload_blas()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -26,9 +25,9 @@ import redis  # noqa: E402
 
 from jobs.connection import queue_connection  # noqa: E402
 
+from jobs.cli_args import add_prompt_options, add_selection_options, prompt_fields, selection_fields  # noqa: E402
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
 
-SPEC_OPTIONS = ("keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead", "seed")
 
 
 class CliError(Exception):
@@ -61,9 +60,7 @@ def _safe(url: str) -> str:
 
 
 def _spec_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields = {k: getattr(args, k) for k in SPEC_OPTIONS if getattr(args, k, None) is not None}
-    if getattr(args, "model", None):
-        fields["draft_model"] = args.model
+    fields = selection_fields(args)
     if getattr(args, "importance", False):
         fields["return_importance"] = True
     if getattr(args, "spans", False):
@@ -123,23 +120,6 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
 
 # ---- submit / watch ----
 
-def _read_input(args: argparse.Namespace) -> dict[str, Any]:
-    given = [k for k in ("text", "file", "tokens", "messages") if getattr(args, k)]
-    if len(given) != 1:
-        raise CliError("give exactly one of --text, --file, --tokens or --messages")
-    if args.text:
-        return {"text": args.text}
-    if args.file:
-        return {"text": Path(args.file).read_text()}
-    try:
-        if args.tokens:
-            return {"tokens": json.loads(args.tokens)}
-        return {"messages": json.loads(Path(args.messages).read_text()
-                                       if os.path.exists(args.messages) else args.messages)}
-    except json.JSONDecodeError as exc:
-        raise CliError(f"--tokens/--messages: not valid JSON: {exc}") from None
-
-
 def _watch(handle: Any, out: TextIO, *, as_json: bool, timeout: float | None) -> Any:
     """Print a job's events as they come (a live bar on a terminal); return the last one."""
     last, tty = None, out.isatty()
@@ -159,7 +139,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
     client = Client(_connect(args, settings), settings)
-    handle = client.submit(**_read_input(args), **_spec_fields(args))
+    handle = client.submit(**prompt_fields(args), **_spec_fields(args))
     if not args.wait:
         info = {"job_id": handle.id, "status": handle.status(), "created": handle.created}
         print(json.dumps(info) if args.json else f"{handle.id} {info['status']}"
@@ -391,13 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--redis-url", default=None,
                         help="redis://[:password@]host:port/db or rediss:// (default: REDIS_URL)")
     spec = argparse.ArgumentParser(add_help=False)
-    spec.add_argument("--model", help="draft model: local folder or hub id (default: settings)")
-    spec.add_argument("--keep", type=float)
-    spec.add_argument("--chunk-size", dest="chunk_size", type=int)
-    spec.add_argument("--tail-tokens", dest="tail_tokens", type=int)
-    spec.add_argument("--threshold", type=int)
-    spec.add_argument("--n-lookahead", dest="n_lookahead", type=int)
-    spec.add_argument("--seed", type=int)
+    add_selection_options(spec)
     spec.add_argument("--importance", action="store_true", help="return the importance vector")
     spec.add_argument("--spans", action="store_true", help="return the kept text spans")
 
@@ -414,10 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser("submit", parents=[common, spec], help="submit one job")
-    s.add_argument("--text")
-    s.add_argument("--file", help="a text file")
-    s.add_argument("--tokens", help="token ids as a JSON list")
-    s.add_argument("--messages", help="chat messages as JSON (or a file holding it)")
+    add_prompt_options(s)
     s.add_argument("--wait", action="store_true", help="block until the job ends")
     s.add_argument("--json", action="store_true")
     s.add_argument("--timeout", type=float)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, Iterable
 
+from jobs.cli_args import add_prompt_options, add_selection_options, prompt_fields, selection_fields
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS
 
-SELECTION_OPTIONS = ("keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead", "seed")
 
 
 def add_generate_options(p: argparse.ArgumentParser) -> None:
@@ -82,25 +81,6 @@ def generate_documents(docs: Iterable[tuple[str, dict[str, Any]]], *, question: 
     return out
 
 
-def _read_generate_input(args: argparse.Namespace) -> dict[str, Any]:
-    given = [k for k in ("text", "file", "chat", "tokens") if getattr(args, k)]
-    if len(given) != 1:
-        raise ValueError("input: give exactly one of --text, --file, --chat or --tokens")
-    if args.text:
-        return {"text": args.text}
-    if args.file:
-        return {"text": Path(args.file).read_text()}
-    try:
-        if args.tokens:
-            return {"tokens": json.loads(args.tokens)}
-        messages = json.loads(Path(args.chat).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--chat/--tokens: cannot read JSON: {exc}") from None
-    if isinstance(messages, dict) and "messages" in messages:  # {"messages": [...]} too
-        messages = messages["messages"]
-    return {"messages": messages}
-
-
 def _summary(data: dict[str, Any]) -> str:
     rate = data.get("tokens_per_s", {}).get("decode")
     return (f"{data['job_id']}: {data['generated_tokens']} tokens ({data['finish_reason']}), "
@@ -114,10 +94,7 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
     client = Client(_connect(args, settings), settings)
-    fields = {k: getattr(args, k) for k in SELECTION_OPTIONS if getattr(args, k, None) is not None}
-    if args.model:
-        fields["draft_model"] = args.model
-    fields.update(_read_generate_input(args))
+    fields = {**selection_fields(args), **prompt_fields(args)}
     handle = client.submit(client.generate_spec(**fields, **generate_options(args)))
     if not (args.wait or args.stream):
         info = {"job_id": handle.id, "status": handle.status(), "created": handle.created}
@@ -147,17 +124,8 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add the ``generate`` command to the CLI's subparsers."""
     g = sub.add_parser("generate", parents=[common], help="generate text (SpecPrefill TTFT)")
-    g.add_argument("--text")
-    g.add_argument("--file", help="a text file")
-    g.add_argument("--chat", help="a JSON file holding chat messages [{role, content}, ...]")
-    g.add_argument("--tokens", help="token ids as a JSON list")
-    g.add_argument("--model", help="draft model: local folder or hub id (default: settings)")
-    g.add_argument("--keep", type=float)
-    g.add_argument("--chunk-size", dest="chunk_size", type=int)
-    g.add_argument("--tail-tokens", dest="tail_tokens", type=int)
-    g.add_argument("--threshold", type=int)
-    g.add_argument("--n-lookahead", dest="n_lookahead", type=int)
-    g.add_argument("--seed", type=int, help="seeds the draft's lookahead and the sampling")
+    add_prompt_options(g)
+    add_selection_options(g, seed_help="seeds the draft's lookahead and the sampling")
     add_generate_options(g)
     g.add_argument("--stream", action="store_true", help="print the text as it is generated")
     g.add_argument("--wait", action="store_true", help="block until the job ends, print the text")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from jobs.cli import _safe, build_parser, iter_documents, main
+from jobs.cli_args import prompt_fields, selection_fields
 from jobs.demo import load_demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,25 @@ def test_auth_url_is_honoured(capsys):
         bad = server.url.replace("pw1", "nope")
         assert main(["cache", "stats", "--redis-url", bad]) == 2
         assert "***" in capsys.readouterr().err
+
+
+def test_submit_and_generate_read_the_prompt_the_same_way(tmp_path):
+    p = build_parser()
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"messages": msgs}))
+    for cmd in ("submit", "generate"):
+        assert prompt_fields(p.parse_args([cmd, "--messages", json.dumps(msgs)])) == {"messages": msgs}
+        assert prompt_fields(p.parse_args([cmd, "--chat", str(chat)])) == {"messages": msgs}
+        assert prompt_fields(p.parse_args([cmd, "--tokens", "[1, 2]"])) == {"tokens": [1, 2]}
+        args = p.parse_args([cmd, "--text", "x", "--keep", "0.3", "--model", "m"])
+        assert selection_fields(args) == {"keep": 0.3, "draft_model": "m"}
+        with pytest.raises(ValueError, match="exactly one"):
+            prompt_fields(p.parse_args([cmd, "--text", "x", "--tokens", "[1]"]))
+        with pytest.raises(ValueError, match="--tokens: not valid JSON"):
+            prompt_fields(p.parse_args([cmd, "--tokens", "[1,"]))
+        with pytest.raises(ValueError, match="--file: cannot read"):
+            prompt_fields(p.parse_args([cmd, "--file", str(tmp_path / "missing.txt")]))
 
 
 def test_iter_documents_reads_files_and_jsonl(tmp_path):
