@@ -85,16 +85,17 @@ class JobSpec:
     tokens: tuple[int, ...] | None = None
     text: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs
-    keep: float = 0.2
-    chunk_size: int = 32
-    tail_tokens: int = 512
-    threshold: int = 8192
-    n_lookahead: int = 8
-    temperature: float = 0.6
-    top_p: float = 0.95
-    pool_kernel: int = 13
+    # Defaults are the settings' defaults; the client fills in the deployment's own values.
+    keep: float = Settings.keep
+    chunk_size: int = Settings.chunk_size
+    tail_tokens: int = Settings.tail_tokens
+    threshold: int = Settings.threshold
+    n_lookahead: int = Settings.n_lookahead
+    temperature: float = Settings.temperature
+    top_p: float = Settings.top_p
+    pool_kernel: int = Settings.pool_kernel
     seed: int = 0
-    include_last_query: bool = True
+    include_last_query: bool = Settings.include_last_query
     return_importance: bool = False
     return_spans: bool = False
     kind: str = "prefill"
@@ -288,6 +289,9 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
 
 
 _FIELDS = {f for f in JobSpec.__dataclass_fields__}
+# Spec fields whose default is the deployment's setting of the same name.
+_FROM_SETTINGS = ("draft_model", "keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead",
+                  "temperature", "top_p", "pool_kernel", "include_last_query")
 
 
 def build_spec(settings: Settings | None = None, *, limits: Limits | None = None,
@@ -302,12 +306,7 @@ def build_spec(settings: Settings | None = None, *, limits: Limits | None = None
     unknown = sorted(set(fields_) - _FIELDS)
     if unknown:
         raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
-    defaults = dict(draft_model=settings.draft_model, keep=settings.keep,
-                    chunk_size=settings.chunk_size, tail_tokens=settings.tail_tokens,
-                    threshold=settings.threshold, n_lookahead=settings.n_lookahead,
-                    temperature=settings.temperature, top_p=settings.top_p,
-                    pool_kernel=settings.pool_kernel,
-                    include_last_query=settings.include_last_query)
+    defaults = {name: getattr(settings, name) for name in _FROM_SETTINGS}
     values = {**defaults, **{k: v for k, v in fields_.items() if v is not None}}
     if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
         values["extra"] = {"target_model": settings.target_model, **values.get("extra", {})}
