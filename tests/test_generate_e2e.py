@@ -61,6 +61,7 @@ import redis  # noqa: E402
 from jobs.client import Client, JobFailed  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
 from test_worker_e2e import WORDS, doc_text, save_random_model  # noqa: E402
+from worker_procs import WorkerProcess  # noqa: E402
 
 TOKENIZER_WORDS = 6 + len(WORDS)  # specials + words: every id the target emits decodes to text
 
@@ -99,33 +100,16 @@ def settings_for(models, **over):
                     chunk_size=16, keep=0.25, block_size=64, **over)
 
 
-class Worker:
+def start_generate_worker(url, models, log_dir, name, delay=None) -> WorkerProcess:
     """``python -m worker`` (delay None) or this file's slow-target harness."""
-
-    def __init__(self, url, models, log_dir, name, delay=None):
-        self.name, self.log = name, log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT), SPECPREFILL_BLOCK_SIZE="64")
-        if delay is None:
-            cmd = [sys.executable, "-m", "worker", "--redis-url", url, "--name", name,
-                   "--preload", models[0], "--preload", models[1]]
-        else:
-            cmd = [sys.executable, str(Path(__file__)), url, name, str(delay), models[1]]
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     env=env, cwd=ROOT)
-        r, deadline = redis.Redis.from_url(url), time.monotonic() + 60
-        while not r.exists(f"rq:worker:{name}"):
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.1)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SPECPREFILL_BLOCK_SIZE="64")
+    if delay is None:
+        argv = [sys.executable, "-m", "worker", "--redis-url", url, "--name", name,
+                "--preload", models[0], "--preload", models[1]]
+    else:
+        argv = [sys.executable, str(Path(__file__)), url, name, str(delay), models[1]]
+    return WorkerProcess(argv, env, name, url, log_dir / f"{name}.log", ready_timeout=60,
+                         stop_grace_s=10)
 
 
 @pytest.fixture
@@ -133,7 +117,7 @@ def start_worker(redis_url, models, tmp_path):
     started = []
 
     def start(delay=None):
-        w = Worker(redis_url, models, tmp_path, f"gen{len(started)}-{os.getpid()}", delay)
+        w = start_generate_worker(redis_url, models, tmp_path, f"gen{len(started)}-{os.getpid()}", delay)
         started.append(w)
         return w
 
@@ -210,10 +194,10 @@ def test_second_sigterm_stops_a_decoding_job(redis_url, models, start_worker):
         assert not ev.terminal, ev
         if ev.kind == "decode":
             break
-    w.proc.send_signal(signal.SIGTERM)
+    w.signal(signal.SIGTERM)
     time.sleep(1.2)  # RQ ignores a repeat within 1 s
-    w.proc.send_signal(signal.SIGTERM)
-    assert w.proc.wait(20) == 0
+    w.signal(signal.SIGTERM)
+    assert w.wait(20) == 0
     assert h.status() == "stopped" and list(h.events(timeout=10))[-1].kind == "stopped"
 
 

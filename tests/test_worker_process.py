@@ -41,34 +41,14 @@ if __name__ == "__main__":
 
 from jobs.client import Client, JobFailed  # noqa: E402
 from jobs.progress import ProgressEvent  # noqa: E402
+from worker_procs import WorkerProcess, wait_for  # noqa: E402
 
 
-class WorkerProcess:
-    def __init__(self, url: str, delay: float, name: str, log_dir: Path) -> None:
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "test_worker_process.py"), url,
-                                      str(delay), name], stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        r = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 20
-        while not r.exists(f"rq:worker:{name}"):
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "worker did not register"
-            time.sleep(0.05)
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(3)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def worker_process(url: str, delay: float, name: str, log_dir: Path) -> WorkerProcess:
+    """This file's fake-backend harness as a worker subprocess."""
+    argv = [sys.executable, str(HERE / "test_worker_process.py"), url, str(delay), name]
+    return WorkerProcess(argv, dict(os.environ, PYTHONPATH=str(ROOT)), name, url,
+                         log_dir / f"{name}.log", stop_grace_s=3)
 
 
 @pytest.fixture
@@ -76,7 +56,7 @@ def start_worker(redis_url, tmp_path):
     started = []
 
     def start(delay=0.0, name=None):
-        w = WorkerProcess(redis_url, delay, name or f"w{len(started)}-{os.getpid()}", tmp_path)
+        w = worker_process(redis_url, delay, name or f"w{len(started)}-{os.getpid()}", tmp_path)
         started.append(w)
         return w
 
@@ -87,16 +67,6 @@ def start_worker(redis_url, tmp_path):
 
 def client_for(url, **overrides):
     return Client(redis.Redis.from_url(url), harness_settings(**overrides))
-
-
-def wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
 
 
 def first_scoring_event(handle):
@@ -151,7 +121,7 @@ def test_first_sigterm_finishes_job_then_exits(redis_url, start_worker):
     h = c.submit(tokens=DOC)  # ~1.5 s
     first_scoring_event(h)
     w.signal(signal.SIGTERM)
-    assert w.proc.wait(20) == 0
+    assert w.wait(20) == 0
     assert h.status() == "finished" and h.result(timeout=1).total == len(DOC)
 
 
@@ -163,7 +133,7 @@ def test_second_sigterm_stops_at_next_chunk(redis_url, start_worker):
     w.signal(signal.SIGTERM)
     time.sleep(1.2)  # RQ ignores a repeat within 1 s
     w.signal(signal.SIGTERM)
-    assert w.proc.wait(10) == 0
+    assert w.wait(10) == 0
     assert h.status() == "stopped"
     assert list(h.events(timeout=5))[-1].kind == "stopped"
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import redis
@@ -17,6 +14,7 @@ import redis
 from jobs.client import Client
 from jobs.embedded_redis import EmbeddedRedis
 from jobs.settings import Settings
+from worker_procs import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
@@ -51,59 +49,6 @@ def fake_settings(**overrides: Any) -> dict[str, Any]:
 
 def client_for(url: str, settings: dict[str, Any]) -> Client:
     return Client(redis.Redis.from_url(url), Settings(**settings))
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.05,
-             what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"{what} not met within {timeout}s")
-
-
-class WorkerProcess:
-    """One worker subprocess (fake backend harness or the real ``python -m worker``)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], name: str, url: str,
-                 log: Path, ready_timeout: float) -> None:
-        self.name, self.url, self.log = name, url, log
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env=env, cwd=ROOT)
-        r = redis.Redis.from_url(url)
-        deadline = time.monotonic() + ready_timeout
-        while not r.exists(f"rq:worker:{name}"):
-            assert self.proc.poll() is None, f"worker {name} exited:\n{self.text()}"
-            assert time.monotonic() < deadline, f"worker {name} did not register:\n{self.text()}"
-            time.sleep(0.05)
-        r.close()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL: the worker dies without a word (a crash, an OOM kill)."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import time
 import pytest
 import redis
 
-from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl, wait_for
+from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
+from worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 

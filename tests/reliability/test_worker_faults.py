@@ -13,8 +13,8 @@ import redis
 from rq.job import Job
 
 from jobs.client import JobFailed
-from reliability.conftest import (ROOT, client_for, env_for, fake_settings, read_jsonl,
-                                  wait_for)
+from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
+from worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 
