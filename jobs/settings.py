@@ -40,6 +40,9 @@ class Settings:
     target_model: str = field(default_factory=_default_target_model)
     preload_models: tuple[str, ...] = ()
     model_lru_size: int = 2
+    # Models a job may name. Empty: any local folder or hub id. Otherwise these plus
+    # draft_model, target_model and preload_models; a job naming another one is refused.
+    allowed_models: tuple[str, ...] = ()
 
     # SpecPrefill defaults (per job overridable).
     keep: float = 0.2

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -40,16 +41,34 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Size limits a spec must respect (from :class:`Settings`)."""
+    """What a spec must respect (from :class:`Settings`): sizes, and the models it may name
+    (``allowed_models`` None: any)."""
 
     max_prompt_tokens: int = 131072
     max_batch_documents: int = 10000
     max_generate_tokens: int = 4096
+    allowed_models: frozenset[str] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Limits":
+        allowed = None
+        if settings.allowed_models:
+            allowed = frozenset((*settings.allowed_models, settings.draft_model,
+                                 settings.target_model, *settings.preload_models))
         return cls(settings.max_prompt_tokens, settings.max_batch_documents,
-                   settings.max_generate_tokens)
+                   settings.max_generate_tokens, allowed)
+
+    def check_model(self, name: str, field_name: str) -> None:
+        """Refuse a model outside ``allowed_models`` (a local path matches its resolved form)."""
+        if self.allowed_models is None or name in self.allowed_models:
+            return
+        if os.path.isdir(name):
+            real = os.path.realpath(name)
+            if any(os.path.isdir(a) and os.path.realpath(a) == real for a in self.allowed_models):
+                return
+        shown = ", ".join(sorted(self.allowed_models))
+        raise JobSpecError(f"{field_name}: {name!r:.200} is not an allowed model "
+                           f"(allowed_models: {shown:.1000})")
 
 
 @dataclass(frozen=True)
@@ -173,7 +192,7 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
-def _model_name(value: Any, name: str = "draft_model") -> str:
+def _model_name(value: Any, limits: Limits, name: str = "draft_model") -> str:
     if not isinstance(value, str) or not value.strip():
         raise JobSpecError(f"{name}: expected a non-empty local path or hub id "
                            f"(string of 1..{MAX_MODEL_NAME_CHARS} characters)")
@@ -181,6 +200,7 @@ def _model_name(value: Any, name: str = "draft_model") -> str:
         raise JobSpecError(f"{name}: {len(value)} characters, the limit is {MAX_MODEL_NAME_CHARS}")
     if any(ord(ch) < 32 for ch in value):
         raise JobSpecError(f"{name}: control characters are not allowed")
+    limits.check_model(value, name)
     return value
 
 
@@ -277,7 +297,7 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
     except JobSpecError as exc:
         raise JobSpecError(f"{exc} (max_generate_tokens)") from None
     return GenerateOptions(
-        target_model=_model_name(extra["target_model"], "target_model"),
+        target_model=_model_name(extra["target_model"], limits, "target_model"),
         max_tokens=max_tokens,
         temperature=_float("temperature", extra.get("temperature", d.temperature), 0.0, 100.0),
         top_p=_float("top_p", extra.get("top_p", d.top_p), 0.0, 1.0, lo_open=True),
@@ -345,7 +365,7 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         extra = _generate_options(extra, limits).to_extra()
     return JobSpec(
         kind=kind,
-        draft_model=_model_name(v.get("draft_model")),
+        draft_model=_model_name(v.get("draft_model"), limits),
         tokens=_tokens(v["tokens"], limits) if "tokens" in inputs else None,
         text=_text(v["text"], limits) if "text" in inputs else None,
         messages=_messages(v["messages"], limits) if "messages" in inputs else None,

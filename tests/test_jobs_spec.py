@@ -98,6 +98,22 @@ def test_hostile_payloads_raise_clean_errors(payload):
         spec_from_payload(payload, S)
 
 
+def test_allowed_models_refuse_other_models(tmp_path):
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    locked = S.replace(allowed_models=(str(folder),), target_model="t")
+    assert build_spec(locked, tokens=[1]).draft_model == "models/draft-tiny"  # the default
+    assert build_spec(locked, tokens=[1], draft_model=str(folder)).draft_model == str(folder)
+    # the same folder by another spelling
+    other = str(tmp_path / "." / "draft")
+    assert build_spec(locked, tokens=[1], draft_model=other).draft_model == other
+    with pytest.raises(JobSpecError, match=r"draft_model: 'org/x' is not an allowed model \(allowed_models: "):
+        build_spec(locked, tokens=[1], draft_model="org/x")
+    with pytest.raises(JobSpecError, match="target_model: 'org/big' is not an allowed model"):
+        build_spec(locked, tokens=[1], kind="generate", extra={"target_model": "org/big"})
+    assert build_spec(S, tokens=[1], draft_model="org/x").draft_model == "org/x"  # empty: any
+
+
 def test_result_round_trip():
     r = PrefillResult(job_id="j", kept_ranges=[(0, 4), (10, 12)], kept=6, total=20, reason=None,
                       spans=[KeptSpan(0, 4, "abcd")], timings={"prefill": 0.5},

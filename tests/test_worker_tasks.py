@@ -182,6 +182,15 @@ def test_bad_payload_fails_with_validation_message():
     assert ev.kind == "failed" and "keep" in ev.data["error"]
 
 
+def test_model_outside_the_allow_list_is_refused_before_loading():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r, settings=Settings(draft_model="fake-draft", allowed_models=("fake-other",)))
+    with pytest.raises(JobSpecError, match="draft_model: 'evil/model' is not an allowed model"):
+        _run(rt, {"draft_model": "evil/model", "tokens": [1, 2]})
+    assert rt.models.names() == []
+    assert _run(rt, {"draft_model": "fake-other", "tokens": [1, 2]}, "ok")["kept"] == 2
+
+
 def test_token_outside_vocabulary_rejected():
     r = fakeredis.FakeRedis()
     rt = fake_runtime(r)
