@@ -363,6 +363,10 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
     extra = _extra(v.get("extra", {}))
     if kind == "generate":  # stored normalised, so equal requests get equal job ids
         extra = _generate_options(extra, limits).to_extra()
+    n_lookahead = _int("n_lookahead", v.get("n_lookahead"), 0, 256)
+    include_last_query = _bool("include_last_query", v.get("include_last_query"))
+    if n_lookahead == 0 and not include_last_query:
+        raise JobSpecError("n_lookahead: 0 needs include_last_query=true (no query would score the prompt)")
     return JobSpec(
         kind=kind,
         draft_model=_model_name(v.get("draft_model"), limits),
@@ -373,12 +377,12 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         chunk_size=_int("chunk_size", v.get("chunk_size"), 1, 8192),
         tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, MAX_TOKEN_ID),
         threshold=_int("threshold", v.get("threshold"), 0, MAX_TOKEN_ID),
-        n_lookahead=_int("n_lookahead", v.get("n_lookahead"), 1, 256),
+        n_lookahead=n_lookahead,
         temperature=_float("temperature", v.get("temperature"), 0.0, 100.0),
         top_p=_float("top_p", v.get("top_p"), 0.0, 1.0, lo_open=True),
         pool_kernel=_int("pool_kernel", v.get("pool_kernel"), 1, 1023),
         seed=_int("seed", v.get("seed", 0), 0, 2**32 - 1),
-        include_last_query=_bool("include_last_query", v.get("include_last_query")),
+        include_last_query=include_last_query,
         return_importance=_bool("return_importance", v.get("return_importance", False)),
         return_spans=_bool("return_spans", v.get("return_spans", False)),
         extra=extra,

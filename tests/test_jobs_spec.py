@@ -17,6 +17,10 @@ def test_defaults_come_from_settings():
     assert spec.input_kind == "tokens"
 
 
+def test_last_query_alone_may_score():
+    assert build_spec(S, tokens=[1], n_lookahead=0).n_lookahead == 0
+
+
 def test_payload_round_trip_and_id_is_deterministic():
     spec = build_spec(S, messages=[{"role": "system", "content": "be brief"},
                                    {"role": "user", "content": "hi"}], seed=7)
@@ -48,6 +52,8 @@ def test_numpy_tokens_accepted():
     (dict(tokens=[1], chunk_size=10**100), "chunk_size"),
     (dict(tokens=[1], seed=-1), "seed"),
     (dict(tokens=[1], n_lookahead=2.5), "n_lookahead: expected an integer"),
+    (dict(tokens=[1], n_lookahead=0, include_last_query=False), "n_lookahead: 0 needs include_last_query"),
+    (dict(tokens=[1], n_lookahead=257), r"n_lookahead: 257 is outside the allowed range \[0, 256\]"),
     (dict(tokens=[1], include_last_query=1), "include_last_query: expected true or false"),
     (dict(tokens=[-1]), r"tokens\[0\]"),
     (dict(tokens=[1, "2"]), r"tokens\[1\]"),
