@@ -273,7 +273,7 @@ def run_batch(client: Any, docs: list[tuple[str, dict[str, Any]]], out_path: Pat
                 time.sleep(outage_wait)
                 outage_wait = min(outage_wait * 2, 10.0)
             if progress is not None and view is not None:
-                _print_batch(progress, view, by_job, summary)
+                _print_batch(progress, view, by_job, summary, time.perf_counter() - t0)
             if not pending:
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -286,10 +286,11 @@ def run_batch(client: Any, docs: list[tuple[str, dict[str, Any]]], out_path: Pat
     return summary
 
 
-def _print_batch(out: TextIO, view: Any, by_job: dict[str, list[str]], summary: dict) -> None:
+def _print_batch(out: TextIO, view: Any, by_job: dict[str, list[str]], summary: dict,
+                 elapsed_s: float) -> None:
     eta = f" eta {view.eta_s:.0f}s" if view.eta_s else ""
     line = (f"overall {_bar(view.finished, view.total)} done {view.done} failed {view.failed} "
-            f"running {view.running} queued {view.queued} | {view.tokens_per_s:.0f} tok/s{eta}")
+            f"running {view.running} queued {view.queued} | {view.rates_text(summary['total'], elapsed_s)}{eta}")
     running = []
     for job_id, ev in view.last_events.items():
         if ev.kind == "scoring" and not ev.terminal:

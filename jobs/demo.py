@@ -3,8 +3,9 @@
 Starts a private Redis (unless given a URL) and two worker processes, runs the shipped
 demo documents with one question each, then asks a second question about each document:
 the document prefix is now in the block store, so round two restores it instead of
-prefilling it again, and the summary shows the hit tokens. Everything it started is
-stopped at the end, also on Ctrl-C.
+prefilling it again, and the summary shows the hit tokens, and in how many prompts the
+selection kept the needle the question asks for. Everything it started is stopped at the
+end, also on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
 DEMO_DIR = SHIPPED_MODELS / "demo"
 # The demo documents are ~1.6-2K tokens: admit them (threshold below their length) and
 # keep a tail small enough that the selection visibly drops most of each document.
+NEEDLE_TOKENS = 4  # "kXX vA vB vC" (the tokenizer is word-level)
 DEMO_OPTIONS = dict(keep=0.25, chunk_size=32, tail_tokens=64, threshold=512)
 
 
@@ -34,7 +36,13 @@ DEMO_OPTIONS = dict(keep=0.25, chunk_size=32, tail_tokens=64, threshold=512)
 class DemoDoc:
     id: str
     text: str
-    questions: dict[int, str] = field(default_factory=dict)
+    questions: dict[int, str] = field(default_factory=dict)  # round -> "? kXX"
+    needles: dict[str, int] = field(default_factory=dict)  # key -> token index of the key
+
+    def needle_span(self, round_no: int) -> tuple[int, int] | None:
+        """Token span of the needle (key and 3-token value) that round's question asks for."""
+        start = self.needles.get(self.questions[round_no].split()[-1])
+        return None if start is None else (start, start + NEEDLE_TOKENS)
 
 
 def load_demo(directory: Path = DEMO_DIR) -> list[DemoDoc]:
@@ -43,7 +51,8 @@ def load_demo(directory: Path = DEMO_DIR) -> list[DemoDoc]:
     for line in (directory / "documents.jsonl").read_text().splitlines():
         if line.strip():
             d = json.loads(line)
-            docs[d["id"]] = DemoDoc(d["id"], d["text"])
+            docs[d["id"]] = DemoDoc(d["id"], d["text"],
+                                    needles={n["key"]: int(n["start"]) for n in d.get("needles", [])})
     for line in (directory / "questions.jsonl").read_text().splitlines():
         if line.strip():
             q = json.loads(line)
@@ -95,13 +104,15 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
                timeout: float) -> dict[str, Any]:
     from jobs.client import JobFailed
 
+    asked = [d for d in docs if round_no in d.questions]
     specs = [dict(DEMO_OPTIONS, draft_model=model, text=f"{d.text} {d.questions[round_no]}")
-             for d in docs if round_no in d.questions]
-    names = [d.id for d in docs if round_no in d.questions]
+             for d in asked]
+    names = [d.id for d in asked]
     print(f"\nround {round_no}: {len(specs)} documents, each with a new question", file=out)
     t0 = time.perf_counter()
     batch = client.submit_many(specs)
     shown: set[str] = set()
+    finished_tokens = 0
     tty, last_line = out.isatty(), ""
     for view in batch.events(poll_s=0.25, timeout=timeout):
         for name, jid in zip(names, batch.job_ids):
@@ -110,6 +121,7 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
                 continue
             shown.add(jid)
             d = ev.data
+            finished_tokens += int(d.get("total", 0))
             line = (f"  {name}: {ev.kind}" if ev.kind != "done" else
                     f"  {name}: kept {d['kept']}/{d['total']} ({100 * d['ratio']:.0f}%), "
                     f"{d['cached_tokens']} tokens from the block store, {d['elapsed_s']:.2f}s")
@@ -121,7 +133,8 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
         frac = view.finished / max(1, view.total)
         bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
         line = (f"  [{bar}] {view.finished}/{view.total} done, {view.running} running, "
-                f"{view.tokens_per_s:.0f} tok/s" + (f" | {', '.join(running[:3])}" if running else ""))
+                f"{view.rates_text(finished_tokens, time.perf_counter() - t0)}"
+                + (f" | {', '.join(running[:3])}" if running else ""))
         if tty:
             print("\r\033[K" + line[:150], end="", file=out, flush=True)
         elif line != last_line:
@@ -131,8 +144,11 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
         print("\r\033[K", end="", file=out)
     results = batch.result(timeout=30)
     ok = [r for r in results if not isinstance(r, JobFailed)]
+    spans = [(d.needle_span(round_no), r) for d, r in zip(asked, results) if not isinstance(r, JobFailed)]
     return {
         "round": round_no, "documents": len(specs), "failed": len(results) - len(ok),
+        "needles": sum(span is not None for span, _ in spans),
+        "needles_kept": sum(span is not None and _covered(span, r.kept_ranges) for span, r in spans),
         "prompt_tokens": sum(r.total for r in ok), "kept": sum(r.kept for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "memo_hits": sum(r.memo_hit for r in ok),
@@ -141,15 +157,28 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
     }
 
 
+def _covered(span: tuple[int, int], kept_ranges: list[tuple[int, int]]) -> bool:
+    kept = set()
+    for s, e in kept_ranges:
+        kept.update(range(max(s, span[0]), min(e, span[1])))
+    return len(kept) == span[1] - span[0]
+
+
 def _summary(rounds: list[dict[str, Any]], out: TextIO) -> None:
     print("\nsummary", file=out)
     print(f"  {'round':>5} {'docs':>5} {'tokens':>8} {'kept':>7} {'ratio':>6} "
-          f"{'store hit tokens':>17} {'memo':>5} {'wall s':>7}", file=out)
+          f"{'store hit tokens':>17} {'memo':>5} {'wall s':>7} {'needle kept':>12}", file=out)
     for r in rounds:
         ratio = r["kept"] / max(1, r["prompt_tokens"])
+        needles = f"{r['needles_kept']}/{r['needles']}" if r["needles"] else "-"
         print(f"  {r['round']:>5} {r['documents']:>5} {r['prompt_tokens']:>8} {r['kept']:>7} "
               f"{100 * ratio:>5.1f}% {r['cached_tokens']:>17} {r['memo_hits']:>5} "
-              f"{r['wall_s']:>7.2f}", file=out)
+              f"{r['wall_s']:>7.2f} {needles:>12}", file=out)
+    asked, found = sum(r["needles"] for r in rounds), sum(r["needles_kept"] for r in rounds)
+    share = sum(r["kept"] for r in rounds) / max(1, sum(r["prompt_tokens"] for r in rounds))
+    if asked:
+        print(f"  the needle each question asks for was kept in {found}/{asked} prompts, "
+              f"with {100 * share:.0f}% of the tokens", file=out)
     if len(rounds) == 2 and rounds[1]["prompt_tokens"]:
         share = rounds[1]["cached_tokens"] / rounds[1]["prompt_tokens"]
         print(f"  round 2 restored {100 * share:.0f}% of its prompt tokens from the block store "

@@ -285,6 +285,14 @@ class BatchProgress:
     def complete(self) -> bool:
         return self.finished + self.missing >= self.total
 
+    def rates_text(self, finished_tokens: int, elapsed_s: float) -> str:
+        """Throughput so far (finished prompt tokens per wall second), plus the running jobs'
+        live scoring rate when any has reported one (short jobs end before their first report)."""
+        text = f"{finished_tokens / max(elapsed_s, 1e-9):.0f} tok/s"
+        if self.tokens_per_s:
+            text += f" ({self.tokens_per_s:.0f} tok/s now)"
+        return text
+
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("total", "queued", "running", "done", "failed",
                                               "stopped", "missing", "tokens_per_s", "eta_s")}

@@ -73,6 +73,12 @@ def test_batch_progress_counts_and_rates():
     assert BatchProgress(total=2, done=1, failed=1).complete
 
 
+def test_batch_rates_show_throughput_and_the_live_rate_only_when_reported():
+    assert BatchProgress(total=3).rates_text(5000, 2.0) == "2500 tok/s"
+    assert BatchProgress(total=3, tokens_per_s=812.4).rates_text(5000, 2.0) == "2500 tok/s (812 tok/s now)"
+    assert BatchProgress(total=3).rates_text(0, 0.0) == "0 tok/s"
+
+
 # ---- real Redis: pub/sub + stream ----
 
 def _publish_slowly(url, job_id, n, delay):
