@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -155,3 +158,32 @@ def test_shipped_demo_files_are_reproducible(tmp_path):
         key = q["question"].split()[1]
         i = words.index(key)
         assert " ".join(words[i + 1:i + 4]) == q["answer"]
+
+
+def test_hub_id_loads_from_the_local_hub_cache(tmp_path):
+    """The hub path of ``mlx_lm.load``: a model already in the Hugging Face cache loads by its
+    repo id with the network off, and the worker names it by repo and revision."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--local--draft-tiny"
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in DRAFT.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    code = (
+        "from mlx_lm import load\n"
+        "from worker.models import model_identity\n"
+        "model, tok = load('local/draft-tiny')\n"
+        "print(type(model).__module__, model_identity('local/draft-tiny'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["mlx_lm.models.llama", f"hub:local/draft-tiny@{revision}"]
+    missing = subprocess.run([sys.executable, "-c", "from worker.models import model_identity\n"
+                              "model_identity('local/absent')"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert "draft_model: 'local/absent' is neither a model folder nor a hub model downloaded" in missing.stderr
