@@ -2,6 +2,8 @@
 random target model, fakeredis. Events, text streaming, stop strings, stop, validation."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import fakeredis
 import pytest
 
@@ -239,6 +241,27 @@ def test_target_with_another_tokenizer_is_rejected():
     check_shared_tokenizer(FakeTokenizer(), TargetTokenizer())
     with pytest.raises(JobSpecError, match="target_model: its tokenizer differs"):
         check_shared_tokenizer(FakeTokenizer(), Other())
+
+
+def test_target_whose_vocabulary_gives_other_ids_is_rejected():
+    class Vocab(FakeTokenizer):
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+    base = {"a": 5, "b": 6, "<pad>": 7}
+    check_shared_tokenizer(Vocab(base), Vocab({**base, "<extra>": 8}))  # extra tokens are fine
+    with pytest.raises(JobSpecError, match=r"target_model: .*1 of 3 tokens have other ids \(e.g. 'b'\)"):
+        check_shared_tokenizer(Vocab(base), Vocab({"a": 5, "b": 9, "<pad>": 7}))
+
+
+def test_shipped_draft_and_target_share_one_tokenizer():
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    root = Path(__file__).resolve().parents[1] / "models"
+    check_shared_tokenizer(load_tokenizer(root / "draft-tiny"), load_tokenizer(root / "target-tiny"))
 
 
 def test_stream_text_fills_a_gap_from_the_result():

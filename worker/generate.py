@@ -136,12 +136,28 @@ class Reporter:
 
 
 def check_shared_tokenizer(draft_tokenizer: Any, target_tokenizer: Any) -> None:
-    """SpecPrefill feeds the draft's token ids to the target: their tokenizers must agree."""
+    """SpecPrefill feeds the draft's token ids to the target: their tokenizers must agree on
+    a probe string and give every token both vocabularies hold the same id (tokens only one
+    of them holds, such as extra special tokens, are allowed)."""
     a = list(draft_tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
     b = list(target_tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
     if a != b:
         raise JobSpecError("target_model: its tokenizer differs from the draft model's; "
                            "the draft and the target must share one tokenizer")
+    draft_vocab, target_vocab = _vocab(draft_tokenizer), _vocab(target_tokenizer)
+    if draft_vocab is None or target_vocab is None:
+        return
+    moved = [tok for tok, i in draft_vocab.items() if target_vocab.get(tok, i) != i]
+    if moved:
+        raise JobSpecError(f"target_model: its tokenizer differs from the draft model's: {len(moved)} "
+                           f"of {len(draft_vocab)} tokens have other ids (e.g. {moved[0]!r:.40}); "
+                           "the draft and the target must share one tokenizer")
+
+
+def _vocab(tokenizer: Any) -> dict[str, int] | None:
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = get_vocab() if callable(get_vocab) else None
+    return vocab if isinstance(vocab, dict) else None
 
 
 def stop_token_ids(tokenizer: Any) -> set[int]:
@@ -184,11 +200,14 @@ def generate_job(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
             st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
         timings["selection"] = st.get("selection", 0.0)
         system_end = selection.protected_prefix
-        draft_tokenizer = ctx.runtime.models.get(spec.draft_model).tokenizer  # LRU hit
+        draft = ctx.runtime.models.get(spec.draft_model)  # LRU hit
         ctx.check_stop()
         target, load_s = _load(ctx, opts.target_model, "target")
         timings["load_models"] += load_s
-        check_shared_tokenizer(draft_tokenizer, target.tokenizer)
+        pair = (draft.identity, target.identity)
+        if pair not in ctx.runtime.tokenizer_pairs_checked:  # a vocabulary scan per pair, not per job
+            check_shared_tokenizer(draft.tokenizer, target.tokenizer)
+            ctx.runtime.tokenizer_pairs_checked.add(pair)
     check_prompt(tokens, target, settings)
     T = len(tokens)
 

@@ -67,6 +67,8 @@ class WorkerRuntime:
     models: ModelPool
     backend_factory: Callable[[], PrefillBackend] = PrefillBackend.default
     stop_event: threading.Event = field(default_factory=threading.Event)
+    # (draft identity, target identity) pairs whose tokenizers were found to agree.
+    tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: PrefillBackend | None = None
 
     @property
