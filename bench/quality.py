@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
 from specprefill.scoring import score_tokens  # noqa: E402
-from specprefill.selection import select_chunks  # noqa: E402
+from specprefill.selection import select_chunks, tail_chunk_count  # noqa: E402
 from tools import recall_task as task  # noqa: E402
 
 # (include_last_query, n_lookahead); the first is the default the targets are judged on.
@@ -51,7 +51,7 @@ def random_keep_rate(n_tokens: int, span: tuple[int, int], keep: float, chunk_si
     """
     n_chunks = math.ceil(n_tokens / chunk_size)
     budget = max(1, math.ceil(n_chunks * keep - 1e-9))
-    n_tail = min(n_chunks, math.ceil(tail_tokens / chunk_size))
+    n_tail = tail_chunk_count(n_tokens, chunk_size, tail_tokens)
     n_ranked = max(0, budget - n_tail)
     candidates = n_chunks - n_tail
     needed = [c for c in needle_chunks(span, chunk_size) if c < candidates]

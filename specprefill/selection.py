@@ -3,8 +3,8 @@
 Pure NumPy (no MLX import), so the queue can plan, memoise and replay selections
 without loading a model. Tokens are ranked in chunks of ``chunk_size`` by their mean
 importance; a protected prefix (e.g. a system prompt) is kept in full and not ranked;
-the last chunks (the mandatory tail, which holds the chat-template closers) are always
-kept and are paid for out of the keep budget first.
+every chunk holding any of the last ``tail_tokens`` tokens (the mandatory tail, which holds
+the chat-template closers) is always kept and is paid for out of the keep budget first.
 """
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def _as_importance(importance: Any) -> np.ndarray:
     return values
 
 
+def tail_chunk_count(region_tokens: int, chunk_size: int, tail_tokens: int) -> int:
+    """How many chunks, laid out from the start of a ranked region of ``region_tokens``
+    tokens, hold any of its last ``tail_tokens`` tokens (the last chunk may be short, so
+    this can be one more than ``ceil(tail_tokens / chunk_size)``)."""
+    if tail_tokens <= 0 or region_tokens <= 0:
+        return 0
+    first_tail_token = max(0, region_tokens - tail_tokens)
+    return math.ceil(region_tokens / chunk_size) - first_tail_token // chunk_size
+
+
 def select_chunks(
     importance: Any,
     keep: float,
@@ -54,9 +64,9 @@ def select_chunks(
 
     The ranked region ``[protected_prefix, T)`` is cut into ``n_chunks`` chunks of
     ``chunk_size`` from its start (the last one may be short). ``max(1, ceil(n_chunks *
-    keep))`` chunks are kept: first the last ``ceil(tail_tokens / chunk_size)`` chunks
-    (kept even if they alone exceed the budget), then the rest by mean importance, ties
-    going to the earlier chunk. ``keep == 1`` keeps everything.
+    keep))`` chunks are kept: first every chunk holding any of the last ``tail_tokens``
+    tokens (:func:`tail_chunk_count`; kept even if they alone exceed the budget), then the
+    rest by mean importance, ties going to the earlier chunk. ``keep == 1`` keeps everything.
     """
     scores = _as_importance(importance)
     keep = _check_keep(keep)
@@ -71,7 +81,7 @@ def select_chunks(
         return np.arange(total, dtype=np.int32)
 
     budget = max(1, math.ceil(n_chunks * keep - _CEIL_SLACK))
-    n_tail = min(n_chunks, math.ceil(tail_tokens / chunk_size))
+    n_tail = tail_chunk_count(total - start, chunk_size, tail_tokens)
     n_ranked = max(0, budget - n_tail)
 
     chunk_starts = start + chunk_size * np.arange(n_chunks)

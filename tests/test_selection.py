@@ -44,17 +44,29 @@ def test_selection_invariants(total, keep, chunk_size, tail_tokens, prefix, seed
         assert kept.size == total
         return
     chosen = chunks_of(kept, start, chunk_size)
-    n_tail = min(n_chunks, math.ceil(tail_tokens / chunk_size))
+    tail_start = max(start, total - tail_tokens)
+    assert np.isin(np.arange(tail_start, total), kept).all(), "every one of the last tail_tokens kept"
+    n_tail = len(chunks_of(range(tail_start, total), start, chunk_size))  # chunks the tail touches
     if keep >= 1.0:
         assert kept.size == total
     else:
         budget = max(1, math.ceil(round(n_chunks * keep, 9)))
         assert len(chosen) == max(budget, n_tail)
-    assert set(range(n_chunks - n_tail, n_chunks)) <= set(chosen), "mandatory tail kept"
     for c in chosen:  # whole chunks only
         lo, hi = start + c * chunk_size, min(total, start + (c + 1) * chunk_size)
         assert np.isin(np.arange(lo, hi), kept).all()
     assert np.array_equal(kept, select_chunks(scores, keep, chunk_size, tail_tokens, prefix))
+
+
+def test_tail_is_counted_in_tokens_when_the_last_chunk_is_short():
+    # 33 tokens: chunk 1 holds one token, so the last 32 tokens touch both chunks.
+    assert select_chunks(np.ones(33), keep=0.5, chunk_size=32, tail_tokens=32).size == 33
+    sel = plan_selection(np.ones(10001), keep=0.1, chunk_size=32, tail_tokens=512, threshold=8192)
+    assert np.isin(np.arange(10001 - 512, 10001), sel.indices).all()
+    assert sel.kept == 31 * 32 + 17  # a budget of ceil(313 * 0.1) = 32 chunks, the last one 17 tokens
+    for total in (640, 641, 645):
+        kept = select_chunks(np.zeros(total), keep=0.1, chunk_size=32, tail_tokens=64)
+        assert np.isin(np.arange(total - 64, total), kept).all()
 
 
 def test_ranks_chunks_by_mean_importance():
