@@ -136,10 +136,12 @@ class RedisBlockStore:
         if blocks:
             try:
                 cache = self._rebuild(blocks)
-            except Exception as exc:  # never raise out of fetch: the blocks are unusable, drop them
-                log.warning("block store: could not rebuild %d blocks, deleting them: %s: %s",
+            except Exception as exc:  # never raise out of fetch; the blocks passed validation,
+                # so the failure is this process's (memory, say): a miss, and other workers
+                # keep the blocks.
+                self.local_counters["fetch_errors"] += 1
+                log.warning("block store: could not rebuild %d blocks here, treating as a miss: %s: %s",
                             len(blocks), type(exc).__name__, exc)
-                corrupt.extend(keys[:len(blocks)])
                 blocks = []
         n_tokens = len(blocks) * self.block_size
         self._record_fetch(keys[:len(blocks)], len(keys) - len(blocks), n_tokens, bytes_read, corrupt)
@@ -164,6 +166,10 @@ class RedisBlockStore:
                                             f"({len(block.layers)} layers, expected {len(self._expected)})")
                 if blocks and block.layout != blocks[0].layout:
                     raise CorruptBlockError("layers: layout differs from the chain's first block")
+            except MemoryError:  # this process's trouble, not the block's
+                self.local_counters["fetch_errors"] += 1
+                log.warning("block store: out of memory decoding %s, treating as a miss", key)
+                return False, n_read
             except Exception as exc:  # decoding must never take a job down: any failure is corrupt
                 log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
                 corrupt.append(key)

@@ -294,8 +294,14 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
     assert client.exists(keys[1]) == 0 and store.stats()["corrupt_blocks"] == 1
 
 
-@pytest.mark.parametrize("where", ["decode_block", "to_mlx_many"])
-def test_any_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatch, where):
+@pytest.mark.parametrize("where, error, is_corrupt", [
+    ("decode_block", TypeError, True),       # the stored bytes broke the decoder: drop them
+    ("decode_block", MemoryError, False),    # this process's trouble: keep the shared blocks
+    ("to_mlx_many", TypeError, False),       # validated blocks that could not be rebuilt here
+    ("to_mlx_many", MemoryError, False),
+])
+def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatch, where, error,
+                                                       is_corrupt):
     import cache_store.store as store_mod
 
     model, fp = llama
@@ -304,12 +310,17 @@ def test_any_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkey
     store.store(tokens, prefilled(model, tokens)[0])
 
     def broken(*args, **kwargs):
-        raise TypeError("unexpected")
+        raise error("unexpected")
 
-    monkeypatch.setattr(store_mod, where, broken)
-    assert store.fetch(tokens) == (None, 0)
-    assert store.stats()["corrupt_blocks"] >= 1
-    assert client.exists(store.block_keys(tokens)[0]) == 0
+    with monkeypatch.context() as m:
+        m.setattr(store_mod, where, broken)
+        assert store.fetch(tokens) == (None, 0)
+    stats = store.stats()
+    assert (stats["corrupt_blocks"] >= 1) == is_corrupt
+    assert stats["fetch_errors"] == (0 if is_corrupt else 1)
+    assert client.exists(store.block_keys(tokens)[0]) == (0 if is_corrupt else 1)
+    if not is_corrupt:  # another worker (or this one, recovered) still gets the blocks
+        assert store.fetch(tokens)[1] == 32
 
 
 def test_failing_stats_writes_leave_fetch_and_store_working(client, llama):
