@@ -94,8 +94,8 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
     client = Client(_connect(args, settings), settings)
-    fields = {**selection_fields(args), **prompt_fields(args)}
-    handle = client.submit(client.generate_spec(**fields, **generate_options(args)))
+    fields = {**selection_fields(args), **prompt_fields(args), **generate_options(args)}
+    handle = client.submit(client.generate_spec(**fields))
     if not (args.wait or args.stream):
         info = {"job_id": handle.id, "status": handle.status(), "created": handle.created}
         print(json.dumps(info) if args.json else f"{handle.id} {info['status']}"

@@ -235,11 +235,14 @@ class Client:
     def generate_spec(self, **fields: Any) -> JobSpec:
         """A validated generate spec. Generate options (``max_tokens``, ``temperature``,
         ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``, ``target_model``) are
-        taken from ``fields``; the rest are spec fields (input, keep, threshold, ...). The
-        draft's lookahead sampling keeps its defaults here; set it with
+        taken from ``fields``; the rest are spec fields (input, keep, threshold, ...).
+        ``seed`` seeds both the sampling and the draft's lookahead; the draft's lookahead
+        temperature and top-p keep their defaults here; set them with
         ``spec(kind="generate", extra={...}, temperature=...)`` if needed."""
         extra = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
         extra = {k: v for k, v in extra.items() if v is not None}
+        if "seed" in extra:
+            fields["seed"] = extra["seed"]
         return self.spec(kind="generate", extra=extra, **fields)
 
     def generate(self, **fields: Any) -> JobHandle:

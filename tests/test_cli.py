@@ -44,6 +44,15 @@ def test_bad_spec_fails_before_enqueue(redis_url, capsys):
     assert "keep: 3.0 is outside" in capsys.readouterr().err
 
 
+def test_generate_seed_seeds_the_draft_and_the_sampling(redis_url, capsys):
+    from jobs.client import Client
+
+    assert main(["generate", "--redis-url", redis_url, "--text", "x y", "--seed", "3", "--json"]) == 0
+    job_id = json.loads(capsys.readouterr().out)["job_id"]
+    payload = Client.from_url(redis_url).handle(job_id)._job().args[0]
+    assert payload["seed"] == 3 and payload["extra"]["seed"] == 3
+
+
 def test_auth_url_is_honoured(capsys):
     from jobs.embedded_redis import EmbeddedRedis
 
