@@ -28,6 +28,7 @@ from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
 RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
+_ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps changing
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
@@ -279,33 +280,54 @@ class Client:
         s, conn, q = self.settings, self.connection, self.queue
         plans = [_Plan(spec, spec.job_id(s.namespace)) for spec in specs]
         unique = list(dict.fromkeys(p.job_id for p in plans))
-        with conn.pipeline(transaction=False) as pipe:
-            for jid in unique:
-                pipe.hget(Job.key_for(jid), "status")
-            statuses = dict(zip(unique, (_text(v) for v in pipe.execute())))
-        todo = [jid for jid in unique if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
-        if todo:
-            first = {}
-            for p in plans:
-                first.setdefault(p.job_id, p.spec)
-            q.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+        first: dict[str, JobSpec] = {}
+        for p in plans:
+            first.setdefault(p.job_id, p.spec)
+        q.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+        # Optimistic check-and-enqueue: WATCH the job hashes, read their status, enqueue in
+        # MULTI. A concurrent submitter of the same job makes EXEC fail, and the next round
+        # sees its job and does not enqueue it again.
+        for _ in range(_ENQUEUE_ATTEMPTS):
             with conn.pipeline() as pipe:
-                datas = []
-                for jid in todo:
-                    if statuses[jid] is not None:  # a rerun: clear the old run's traces
-                        pipe.zrem(q.failed_job_registry.key, jid)
-                        pipe.zrem(q.canceled_job_registry.key, jid)
-                        pipe.delete(Job.key_for(jid), Result.get_key(jid))
-                    pipe.delete(stream_key(s.namespace, jid))
-                    self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
-                    spec = first[jid]
-                    datas.append(Queue.prepare_data(
-                        JOB_FUNCTION, args=[spec.to_payload()], job_id=jid,
-                        timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
-                        failure_ttl=s.failure_ttl_s, description=f"{spec.kind} {spec.input_kind}",
-                        retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
-                        on_failure=Callback(FAILURE_CALLBACK)))
-                q.enqueue_many(datas, pipeline=pipe)
-                pipe.execute()
+                try:
+                    todo = self._enqueue_once(pipe, unique, first)
+                    break
+                except redis.WatchError:
+                    continue
+        else:
+            raise RuntimeError(f"enqueue: the batch's jobs kept changing under us "
+                               f"({_ENQUEUE_ATTEMPTS} attempts); submit again")
         created = set(todo)
         return [JobHandle(self, p.job_id, created=p.job_id in created) for p in plans]
+
+    def _enqueue_once(self, pipe: Any, unique: list[str], first: dict[str, JobSpec]) -> list[str]:
+        """One WATCH/MULTI round of :meth:`_enqueue`; returns the ids it enqueued."""
+        s, conn, q = self.settings, self.connection, self.queue
+        pipe.watch(*(Job.key_for(jid) for jid in unique))
+        with conn.pipeline(transaction=False) as read:  # one trip; WATCH is already in force
+            for jid in unique:
+                read.hget(Job.key_for(jid), "status")
+            statuses = dict(zip(unique, (_text(v) for v in read.execute())))
+        todo = [jid for jid in unique if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
+        if not todo:
+            pipe.unwatch()
+            return []
+        pipe.multi()
+        datas = []
+        for jid in todo:
+            if statuses[jid] is not None:  # a rerun: clear the old run's traces
+                pipe.zrem(q.failed_job_registry.key, jid)
+                pipe.zrem(q.canceled_job_registry.key, jid)
+                pipe.delete(Job.key_for(jid), Result.get_key(jid))
+            pipe.delete(stream_key(s.namespace, jid))
+            self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
+            spec = first[jid]
+            datas.append(Queue.prepare_data(
+                JOB_FUNCTION, args=[spec.to_payload()], job_id=jid,
+                timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
+                failure_ttl=s.failure_ttl_s, description=f"{spec.kind} {spec.input_kind}",
+                retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
+                on_failure=Callback(FAILURE_CALLBACK)))
+        q.enqueue_many(datas, pipeline=pipe)
+        pipe.execute()
+        return todo

@@ -64,7 +64,7 @@ def test_batch_limit_and_validation_before_anything_is_enqueued(client):
     assert len(client.queue) == 0
 
 
-def test_enqueue_is_two_round_trips_for_a_batch():
+def test_enqueue_is_three_round_trips_for_a_batch():
     calls = []
 
     class Counting(fakeredis.FakeRedis):
@@ -85,7 +85,8 @@ def test_enqueue_is_two_round_trips_for_a_batch():
 
     c.connection.pipeline = counting_pipeline
     c.submit_many([f"doc {i}" for i in range(40)])
-    assert len(pipelines) == 2 and calls == []  # a status check, then one enqueue pipeline
+    # WATCH (on the transaction's pipeline), one status read, then one MULTI/EXEC
+    assert len(pipelines) == 2 and calls == []
 
 
 def test_result_of_missing_job_and_timeout(client):
@@ -94,3 +95,27 @@ def test_result_of_missing_job_and_timeout(client):
     h = client.submit(text="waiting")
     with pytest.raises(TimeoutError):
         h.result(timeout=0.2)
+
+
+def test_concurrent_identical_submissions_enqueue_one_job(redis_url):
+    """Two clients submitting the same document at the same moment: one job, queued once."""
+    import threading
+
+    import redis
+
+    for round_no in range(15):
+        clients = [Client(redis.Redis.from_url(redis_url), S) for _ in range(2)]
+        barrier, handles = threading.Barrier(2), []
+
+        def submit(c):
+            barrier.wait()
+            handles.append(c.submit(text=f"same document {round_no}"))
+
+        threads = [threading.Thread(target=submit, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(handles) == 2 and handles[0].id == handles[1].id
+        assert sorted(h.created for h in handles) == [False, True]
+        assert clients[0].queue.get_job_ids().count(handles[0].id) == 1
