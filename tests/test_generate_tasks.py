@@ -91,7 +91,8 @@ def test_generate_job_returns_text_with_events_and_timings():
     evs = events(rt)
     kinds = [e.kind for e in evs]
     assert kinds.index("selection") < kinds.index("target_prefill") < kinds.index("decode")
-    assert [e.data.get("role") for e in evs if e.kind == "loading_model"] == [None, "target"]
+    # the target first: a bad target or tokenizer fails before the draft scores anything
+    assert [e.data.get("role") for e in evs if e.kind == "loading_model"] == ["target", "draft"]
     assert kinds[-1] == "done" and evs[-1].data["generated_tokens"] == res.generated_tokens
     assert streamed_text(evs) == res.text
     assert [e.seq for e in evs] == list(range(1, len(evs) + 1))
@@ -262,6 +263,36 @@ def test_shipped_draft_and_target_share_one_tokenizer():
 
     root = Path(__file__).resolve().parents[1] / "models"
     check_shared_tokenizer(load_tokenizer(root / "draft-tiny"), load_tokenizer(root / "target-tiny"))
+
+
+def test_bad_target_fails_naming_it_before_the_draft_scores():
+    rt, _ = runtime()
+
+    def identify(name):
+        if name == "bad/target":
+            raise ValueError("'bad/target' is neither a model folder nor a hub model")
+        return "fake:" + name
+
+    rt.models._identify = identify
+    with pytest.raises(ValueError, match="^target_model: 'bad/target' is neither"):
+        run(rt, extra={"target_model": "bad/target"})
+    kinds = [e.kind for e in events(rt)]
+    assert kinds == ["loading_model", "failed"]  # nothing scored
+
+
+def test_pool_evicts_before_it_loads():
+    peak = []
+    pool, _ = pool_with_target()
+    inner = pool._loader
+
+    def load(name):
+        peak.append(len(pool.names()) + 1)  # the pool's models plus the one being loaded
+        return inner(name)
+
+    pool._loader = load
+    for name in ("fake-draft", "target-a", "target-b", "fake-draft"):
+        pool.get(name)
+    assert max(peak) == pool.capacity == 2 and pool.names() == ["target-b", "fake-draft"]
 
 
 def test_stream_text_fills_a_gap_from_the_result():

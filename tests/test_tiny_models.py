@@ -186,4 +186,4 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path):
     missing = subprocess.run([sys.executable, "-c", "from worker.models import model_identity\n"
                               "model_identity('local/absent')"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert "draft_model: 'local/absent' is neither a model folder nor a hub model downloaded" in missing.stderr
+    assert "'local/absent' is neither a model folder nor a hub model downloaded" in missing.stderr

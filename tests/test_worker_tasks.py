@@ -252,5 +252,5 @@ def test_local_identity_hashes_config_and_weights(tmp_path):
     first = local_identity(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"abd")
     assert first.startswith("local:") and local_identity(tmp_path) != first
-    with pytest.raises(ValueError, match="draft_model"):
+    with pytest.raises(ValueError, match="nope holds no config.json"):
         local_identity(tmp_path / "nope")

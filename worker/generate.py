@@ -171,7 +171,7 @@ def stop_token_ids(tokenizer: Any) -> set[int]:
 def _load(ctx: JobContext, name: str, role: str) -> tuple[LoadedModel, float]:
     ctx.publisher.publish("loading_model", model=name, role=role)
     t = time.perf_counter()
-    loaded = ctx.runtime.models.get(name)
+    loaded = ctx.runtime.models.get(name, field=f"{role}_model")
     ctx.check_stop()
     return loaded, time.perf_counter() - t
 
@@ -191,23 +191,22 @@ def generate_job(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
         tokens, system_end = tokenize(spec, target.tokenizer)
         timings["tokenize"] = time.perf_counter() - t
     else:
-        t = time.perf_counter()
-        selection, tokens = select_prompt(spec, ctx)
-        st = selection.timings
-        timings["load_models"] = st.get("load_model", 0.0)
-        timings["tokenize"] = st.get("tokenize", 0.0)
-        timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
-            st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
-        timings["selection"] = st.get("selection", 0.0)
-        system_end = selection.protected_prefix
-        draft = ctx.runtime.models.get(spec.draft_model)  # LRU hit
-        ctx.check_stop()
-        target, load_s = _load(ctx, opts.target_model, "target")
+        # Both models and their tokenizers first: a bad target fails before the draft scores.
+        target, timings["load_models"] = _load(ctx, opts.target_model, "target")
+        draft, load_s = _load(ctx, spec.draft_model, "draft")
         timings["load_models"] += load_s
         pair = (draft.identity, target.identity)
         if pair not in ctx.runtime.tokenizer_pairs_checked:  # a vocabulary scan per pair, not per job
             check_shared_tokenizer(draft.tokenizer, target.tokenizer)
             ctx.runtime.tokenizer_pairs_checked.add(pair)
+        t = time.perf_counter()
+        selection, tokens = select_prompt(spec, ctx, draft)
+        st = selection.timings
+        timings["tokenize"] = st.get("tokenize", 0.0)
+        timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
+            st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
+        timings["selection"] = st.get("selection", 0.0)
+        system_end = selection.protected_prefix
     check_prompt(tokens, target, settings)
     T = len(tokens)
 

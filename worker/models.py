@@ -32,7 +32,7 @@ def local_identity(folder: str | Path) -> str:
     folder = Path(folder).expanduser().resolve()
     files = _weight_files(folder)
     if not files:
-        raise ValueError(f"draft_model: {folder} holds no config.json or *.safetensors")
+        raise ValueError(f"{folder} holds no config.json or *.safetensors")
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = (str(folder), stamp)
     if key not in _identity_cache:
@@ -53,7 +53,7 @@ def hub_identity(repo_id: str) -> str:
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
     except (OSError, ValueError) as exc:  # not downloaded here, or not a valid repo id
-        raise ValueError(f"draft_model: {repo_id[:200]!r} is neither a model folder nor a hub "
+        raise ValueError(f"{repo_id[:200]!r} is neither a model folder nor a hub "
                          f"model downloaded on this worker ({type(exc).__name__})") from None
     return f"hub:{repo_id}@{path.name}"
 
@@ -151,13 +151,22 @@ class ModelPool:
     def names(self) -> list[str]:
         return list(self._models)
 
-    def get(self, name: str) -> LoadedModel:
-        """The loaded model ``name``, loading (and evicting the LRU one) on a miss."""
+    def get(self, name: str, field: str = "draft_model") -> LoadedModel:
+        """The loaded model ``name``, loading it on a miss; errors name the job's ``field``.
+
+        The least recently used model is evicted before a load, not after it, so a worker
+        never holds more than ``capacity`` models in its pool (unified memory on a Mac).
+        """
         if name in self._models:
             self._models.move_to_end(name)
             return self._models[name]
         t0 = time.perf_counter()
-        identity = self._identify(name)
+        try:
+            identity = self._identify(name)
+        except ValueError as exc:
+            raise ValueError(f"{field}: {exc}") from None
+        while len(self._models) >= self.capacity:
+            self._evict()
         model, tokenizer = self._loader(name)
         self._check(model)  # UnsupportedModelError (a ValueError) names the reason
         self._warm(model)
@@ -166,8 +175,6 @@ class ModelPool:
                              _vocab_size(model), time.perf_counter() - t0)
         self.loads += 1
         log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
-        while len(self._models) >= self.capacity:
-            self._evict()
         self._models[name] = loaded
         return loaded
 

@@ -157,15 +157,19 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     return select_prompt(spec, ctx)[0].to_json()
 
 
-def select_prompt(spec: JobSpec, ctx: JobContext) -> tuple[PrefillResult, list[int]]:
-    """Tokenize, then select through the memo or by draft scoring: the result and the tokens."""
+def select_prompt(spec: JobSpec, ctx: JobContext,
+                  loaded: LoadedModel | None = None) -> tuple[PrefillResult, list[int]]:
+    """Tokenize, then select through the memo or by draft scoring: the result and the tokens.
+
+    ``loaded`` is the draft when the caller has loaded it already (generate jobs do)."""
     settings, backend, pub = ctx.settings, ctx.runtime.backend, ctx.publisher
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    pub.publish("loading_model", model=spec.draft_model)
-    loaded = ctx.runtime.models.get(spec.draft_model)
-    timings["load_model"] = time.perf_counter() - t0
-    ctx.check_stop()
+    if loaded is None:
+        pub.publish("loading_model", model=spec.draft_model)
+        loaded = ctx.runtime.models.get(spec.draft_model)
+        timings["load_model"] = time.perf_counter() - t0
+        ctx.check_stop()
 
     t = time.perf_counter()
     tokens, system_end = tokenize(spec, loaded.tokenizer)
