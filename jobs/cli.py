@@ -25,7 +25,8 @@ import redis  # noqa: E402
 
 from jobs.connection import queue_connection  # noqa: E402
 
-from jobs.cli_args import add_prompt_options, add_selection_options, prompt_fields, selection_fields  # noqa: E402
+from jobs.cli_args import (Deadline, add_prompt_options, add_selection_options, prompt_fields,  # noqa: E402
+                           selection_fields)
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
 
 
@@ -145,10 +146,11 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(info) if args.json else f"{handle.id} {info['status']}"
               + ("" if handle.created else " (already submitted)"))
         return 0
+    deadline = Deadline(args.timeout)  # one --timeout for watching and the result together
     if not args.json:
-        _watch(handle, sys.stderr, as_json=False, timeout=args.timeout)
+        _watch(handle, sys.stderr, as_json=False, timeout=deadline.left())
     try:
-        res = handle.result(timeout=args.timeout)
+        res = handle.result(timeout=deadline.left())
     except JobFailed as exc:
         print(json.dumps({"job_id": handle.id, "status": exc.status, "error": exc.error})
               if args.json else str(exc))
@@ -449,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specprefill {args.command}: lost the connection to Redis: {exc} "
               "(a batch can be re-run: finished documents are skipped)", file=sys.stderr)
         return 3
+    except TimeoutError as exc:  # --timeout ran out; the job itself goes on
+        print(f"specprefill {args.command}: --timeout: {exc} (the job keeps running: "
+              "follow it with `specprefill watch JOB_ID`)", file=sys.stderr)
+        return 4
     except KeyboardInterrupt:
         return 130
 

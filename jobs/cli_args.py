@@ -1,4 +1,5 @@
-"""Command-line options shared by ``specprefill submit`` and ``specprefill generate``.
+"""Command-line options shared by ``specprefill submit`` and ``specprefill generate``, and
+the deadline of their ``--timeout``.
 
 Each command adds the same prompt and selection options and reads them back into the
 keyword arguments of :meth:`jobs.client.Client.submit`; errors are ``ValueError`` naming
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,13 @@ def _json(text: str, option: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{option}: not valid JSON: {exc}") from None
+
+
+class Deadline:
+    """The time left of one ``--timeout`` (None: no limit) spent across several waits."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self.end is None else max(0.0, self.end - time.monotonic())

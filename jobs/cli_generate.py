@@ -10,7 +10,8 @@ import json
 import sys
 from typing import Any, Iterable
 
-from jobs.cli_args import add_prompt_options, add_selection_options, prompt_fields, selection_fields
+from jobs.cli_args import (Deadline, add_prompt_options, add_selection_options, prompt_fields,
+                           selection_fields)
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS
 
@@ -101,13 +102,14 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(info) if args.json else f"{handle.id} {info['status']}"
               + ("" if handle.created else " (already submitted)"))
         return 0
+    deadline = Deadline(args.timeout)  # one --timeout for the stream and the result together
     try:
         if args.stream:
             out = sys.stderr if args.json else sys.stdout
-            for delta in handle.stream_text(timeout=args.timeout):
+            for delta in handle.stream_text(timeout=deadline.left()):
                 print(delta, end="", file=out, flush=True)
             print(file=out, flush=True)
-        data = handle.result(timeout=args.timeout).to_json()
+        data = handle.result(timeout=deadline.left()).to_json()
     except JobFailed as exc:
         print(json.dumps({"job_id": handle.id, "status": exc.status, "error": exc.error})
               if args.json else str(exc))

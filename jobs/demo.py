@@ -216,6 +216,10 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: stopping everything the demo started", file=out)
         return 130
+    except TimeoutError as exc:
+        print(f"\ndemo: --timeout: {exc}; stopping everything the demo started (worker logs in "
+              f"{log_dir})", file=out)
+        return 1
     finally:
         if workers is not None:
             workers.stop()

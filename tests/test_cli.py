@@ -53,6 +53,16 @@ def test_generate_seed_seeds_the_draft_and_the_sampling(redis_url, capsys):
     assert payload["seed"] == 3 and payload["extra"]["seed"] == 3
 
 
+@pytest.mark.parametrize("argv", [["submit", "--text", "x", "--wait"], ["submit", "--text", "x", "--wait", "--json"],
+                                  ["generate", "--text", "x", "--stream"], ["generate", "--text", "x", "--wait"]])
+def test_timeout_is_a_clean_error(redis_url, capsys, argv):
+    started = time.monotonic()
+    assert main([*argv, "--redis-url", redis_url, "--timeout", "0.5"]) == 4  # no worker runs
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert "--timeout:" in err and "keeps running" in err and "Traceback" not in err
+
+
 def test_auth_url_is_honoured(capsys):
     from jobs.embedded_redis import EmbeddedRedis
 
