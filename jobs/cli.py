@@ -186,8 +186,12 @@ def iter_documents(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]
         p = Path(path)
         if not p.is_file():
             raise CliError(f"{path}: no such file")
+        try:
+            content = p.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
         if p.suffix == ".jsonl":
-            for n, line in enumerate(p.read_text().splitlines(), 1):
+            for n, line in enumerate(content.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -199,7 +203,7 @@ def iter_documents(paths: Sequence[str]) -> Iterator[tuple[str, dict[str, Any]]]
                 doc_id = str(doc.pop("id", f"{path}:{n}"))
                 yield doc_id, doc
         else:
-            yield str(p), {"text": p.read_text()}
+            yield str(p), {"text": content}
 
 
 def _done_ids(out_path: Path) -> set[str]:
@@ -228,8 +232,14 @@ def run_batch(client: Any, docs: list[tuple[str, dict[str, Any]]], out_path: Pat
                "failed": 0, "cached_tokens": 0, "kept": 0, "total": 0, "elapsed_s": 0.0}
     if not todo:
         return summary
+    specs = []
+    for doc_id, fields in todo:  # validated one by one so an error names its document
+        try:
+            specs.append(client.spec(**{**common, **fields}))
+        except ValueError as exc:
+            raise CliError(f"document {doc_id}: {exc}") from None
     t0 = time.perf_counter()
-    batch = client.submit_many([{**common, **fields} for _, fields in todo])
+    batch = client.submit_many(specs)
     pending = dict(zip((h.id for h in batch.handles), (d for d, _ in todo)))
     by_job: dict[str, list[str]] = {}
     for h, (doc_id, _) in zip(batch.handles, todo):

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from jobs.cli import _safe, build_parser, iter_documents, main
 from jobs.cli_args import prompt_fields, selection_fields
@@ -61,6 +62,21 @@ def test_timeout_is_a_clean_error(redis_url, capsys, argv):
     assert time.monotonic() - started < 5
     err = capsys.readouterr().err
     assert "--timeout:" in err and "keeps running" in err and "Traceback" not in err
+
+
+def test_batch_errors_name_the_file_or_document(redis_url, capsys, tmp_path):
+    bad_bytes = tmp_path / "latin1.txt"
+    bad_bytes.write_bytes(b"\xff\xfe caf\xe9")
+    assert main(["batch", str(bad_bytes), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
+    assert f"{bad_bytes}: cannot read it as UTF-8 text" in capsys.readouterr().err
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "fine"}\n{"text": "bad", "keep": 7}\n{"id": "d3", "txt": "typo"}\n')
+    assert main(["batch", str(docs), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
+    assert f"document {docs}:2: keep: 7" in capsys.readouterr().err
+    docs.write_text('{"text": "fine"}\n{"id": "d3", "txt": "typo"}\n')
+    assert main(["batch", str(docs), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
+    assert "document d3: txt: unknown field" in capsys.readouterr().err
+    assert redis.Redis.from_url(redis_url).keys("rq:job:*") == []  # nothing enqueued
 
 
 def test_auth_url_is_honoured(capsys):
