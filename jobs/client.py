@@ -32,6 +32,10 @@ _ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps cha
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
+class StreamDiverged(RuntimeError):
+    """A retried generate job produced text that differs from what was already streamed."""
+
+
 class JobFailed(RuntimeError):
     """The job ended failed (or stopped/canceled); the message is the worker's error."""
 
@@ -131,24 +135,41 @@ class JobHandle:
 
         Follows the job's ``text`` events until the terminal one (late attach replays). If
         the capped progress stream lost some deltas, the missing text comes from the result
-        when the job ends. Raises :class:`JobFailed` if the job ends failed or stopped.
+        when the job ends. A retried job (its worker died) generates again from the start:
+        what matches the text already yielded is not repeated. Raises :class:`JobFailed` if
+        the job ends failed or stopped, :class:`StreamDiverged` if a retry's text differs
+        from what was already yielded (the result then holds the final text).
         """
-        sent, last = 0, None
+        shown, attempt, last = "", "", None  # yielded so far; the current attempt's text
         for ev in self.events(timeout=timeout, poll_s=poll_s):
             last = ev
-            if ev.kind == "text":
-                offset, delta = int(ev.data.get("offset", sent)), ev.data.get("delta", "")
-                if offset <= sent < offset + len(delta):
-                    yield delta[sent - offset:]
-                    sent = offset + len(delta)
+            if ev.kind == "retrying":
+                attempt = ""
+            elif ev.kind == "text":
+                offset, delta = int(ev.data.get("offset", len(attempt))), ev.data.get("delta", "")
+                if offset <= len(attempt) < offset + len(delta):  # else a replay, or after a gap
+                    attempt += delta[len(attempt) - offset:]
+                    self._check_same(shown, attempt)
+                    if len(attempt) > len(shown):
+                        yield attempt[len(shown):]
+                        shown = attempt
         if last is None or last.kind != "done":
             status = self.status()
             raise JobFailed(self.id, status, self.error() if status == "failed" else
                             (last.data.get("error") if last is not None else None) or status)
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
-        if len(text) > sent:
-            yield text[sent:]
+        self._check_same(shown, text)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+
+    def _check_same(self, shown: str, text: str) -> None:
+        n = min(len(shown), len(text))
+        if shown[:n] != text[:n]:
+            at = next(i for i in range(n) if shown[i] != text[i])
+            raise StreamDiverged(f"job {self.id}: a retry generated other text from character {at} "
+                                 f"on ({len(shown)} characters were already streamed); "
+                                 "handle.result() holds the final text")
 
 
 class BatchHandle:

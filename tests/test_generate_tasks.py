@@ -296,7 +296,7 @@ def test_pool_evicts_before_it_loads():
 
 
 def test_stream_text_fills_a_gap_from_the_result():
-    from jobs.client import JobFailed, JobHandle
+    from jobs.client import JobFailed, JobHandle, StreamDiverged
     from jobs.progress import ProgressEvent
 
     class Handle(JobHandle):
@@ -324,3 +324,13 @@ def test_stream_text_fills_a_gap_from_the_result():
     assert "".join(Handle(evs).stream_text()) == "abcdefghij"
     with pytest.raises(JobFailed, match="boom"):
         list(Handle([ev(1, "text", offset=0, delta="a"), ev(2, "failed", error="x")], "failed").stream_text())
+    # A retry (the worker died mid-decode) generates again from offset 0: the same text is
+    # not repeated, and the stream continues where it was.
+    evs = [ev(1, "text", offset=0, delta="abcd"), ev(2, "retrying", error="worker died"),
+           ev(3, "text", offset=0, delta="ab"), ev(4, "text", offset=2, delta="cdefghij"), ev(5, "done")]
+    assert list(Handle(evs).stream_text()) == ["abcd", "efghij"]
+    # ... and a retry that samples other text is reported, not spliced in.
+    evs = [ev(1, "text", offset=0, delta="abcd"), ev(2, "retrying", error="worker died"),
+           ev(3, "text", offset=0, delta="abXY"), ev(4, "done")]
+    with pytest.raises(StreamDiverged, match="from character 2 on"):
+        list(Handle(evs).stream_text())
