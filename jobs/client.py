@@ -25,6 +25,12 @@ from jobs.connection import queue_connection
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
 
+def cancel_key(namespace: str, job_id: str) -> str:
+    """Set by :meth:`JobHandle.cancel`; a worker that has just taken the job checks it before
+    running it (closing the gap between reading "queued" and cancelling)."""
+    return f"{namespace}:cancel:{job_id}"
+
+
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
 RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
@@ -105,9 +111,16 @@ class JobHandle:
                 poll_s = min(poll_s * 1.5, 0.5)
 
     def cancel(self) -> str:
-        """Cancel a queued job, or ask the worker to stop a running one. Returns the status seen."""
-        status = self.status()
+        """Cancel a queued job, or ask the worker to stop a running one. Returns the status seen.
+
+        The cancel flag is set before the status is read: a worker that took the job in
+        between either had already marked it started (then it is asked to stop) or finds
+        the flag when it starts the job (then the job ends ``stopped`` without running).
+        """
         conn = self.client.connection
+        s = self.client.settings
+        conn.set(cancel_key(s.namespace, self.id), 1, ex=max(60, s.job_timeout_s))
+        status = self.status()
         if status in ("queued", "deferred", "scheduled"):
             self._job().cancel()
             self.client._publisher(self.id).publish("stopped", reason="canceled before start")
@@ -340,7 +353,7 @@ class Client:
                 pipe.zrem(q.failed_job_registry.key, jid)
                 pipe.zrem(q.canceled_job_registry.key, jid)
                 pipe.delete(Job.key_for(jid), Result.get_key(jid))
-            pipe.delete(stream_key(s.namespace, jid))
+            pipe.delete(stream_key(s.namespace, jid), cancel_key(s.namespace, jid))
             self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
             spec = first[jid]
             datas.append(Queue.prepare_data(

@@ -115,6 +115,26 @@ def test_cancel_queued_job(redis_url):
     assert c.submit(tokens=[5, 6, 7]).created  # a canceled job can be submitted again
 
 
+def test_job_taken_while_being_canceled_ends_stopped_without_running(redis_url, start_worker):
+    """The race cancel() closes: the client sets the cancel flag, a worker takes the job
+    before Job.cancel() removes it from the queue. The worker must not run it."""
+    import redis as redis_lib
+
+    from jobs.client import cancel_key
+
+    c = client_for(redis_url)
+    h = c.submit(tokens=DOC)
+    redis_lib.Redis.from_url(redis_url).set(cancel_key("specprefill", h.id), 1)  # cancel()'s first step
+    start_worker(0.1)
+    with pytest.raises(JobFailed) as info:
+        h.result(timeout=20)
+    assert info.value.status == "stopped"
+    kinds = [e.kind for e in h.events(timeout=5)]
+    assert kinds[-1] == "stopped" and "scoring" not in kinds
+    again = c.submit(tokens=DOC)  # submitting it again clears the flag: it runs
+    assert again.created and again.result(timeout=30).kept < len(DOC)
+
+
 def test_first_sigterm_finishes_job_then_exits(redis_url, start_worker):
     w = start_worker(0.05)
     c = client_for(redis_url)

@@ -170,6 +170,12 @@ class PrefillWorker(SimpleWorker):
         except REDIS_DOWN as exc:  # exiting anyway: the worker's key expires on its own
             self.log.warning("Worker %s: could not register its death: %s", self.name, exc)
 
+    def handle_job_failure(self, job: Any, queue: Queue, *args: Any, **kwargs: Any) -> None:
+        if self.runtime.stopped_job_id == job.id:  # it stopped itself (e.g. canceled at start)
+            self._stopped_job_id = job.id
+        self.runtime.stopped_job_id = None
+        super().handle_job_failure(job, queue, *args, **kwargs)
+
     def kill_horse(self, sig: Any = None) -> None:
         """RQ's stop-job command lands here: ask the running job to stop between chunks."""
         self.runtime.stop_event.set()

@@ -67,6 +67,8 @@ class WorkerRuntime:
     models: ModelPool
     backend_factory: Callable[[], PrefillBackend] = PrefillBackend.default
     stop_event: threading.Event = field(default_factory=threading.Event)
+    # The job that just ended by stopping itself (JobStopped): RQ must record it as stopped.
+    stopped_job_id: str | None = None
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: PrefillBackend | None = None

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import redis
 
+from jobs.client import cancel_key
 from jobs.progress import ProgressPublisher
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.settings import Settings
@@ -248,6 +249,8 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
     ``retrying`` when a transient error leaves RQ retries). Raises on failure."""
     t0 = time.perf_counter()
     try:
+        if ctx.runtime.connection.exists(cancel_key(ctx.settings.namespace, ctx.job_id)):
+            raise JobStopped(f"job {ctx.job_id} canceled before it started")
         spec = spec_from_payload(payload, ctx.settings)
         result = RUNNERS[spec.kind](spec, ctx)
     except JobStopped:
@@ -282,6 +285,11 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         return execute(payload, ctx, retries_left=retries_left)
     except TRANSIENT_ERRORS:
         raise  # RQ retries while retries_left > 0
+    except JobStopped:
+        rt.stopped_job_id = job_id  # recorded as stopped, not failed (see PrefillWorker)
+        if job is not None:
+            job.retries_left = 0
+        raise
     except BaseException:
         if job is not None:
             job.retries_left = 0  # bad input, timeouts and stops are never retried
