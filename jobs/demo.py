@@ -72,11 +72,12 @@ class WorkerProcesses:
         # Prefill the ~2K-token demo documents in several chunks so progress shows live.
         env.setdefault("SPECPREFILL_PREFILL_STEP", "256")
         for name, log in zip(self.names, self.logs):
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "worker", "--redis-url", url, "--preload", model,
-                 "--name", name, "--log-level", "WARNING"],
-                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                start_new_session=True))
+            with open(log, "w") as log_file:  # the child keeps its own descriptor
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "worker", "--redis-url", url, "--preload", model,
+                     "--name", name, "--log-level", "WARNING"],
+                    stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                    start_new_session=True))
 
     def wait_ready(self, conn: redis.Redis, timeout: float) -> None:
         deadline = time.monotonic() + timeout

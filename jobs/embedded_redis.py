@@ -87,11 +87,15 @@ class EmbeddedRedis:
         if self.password:
             args += ["--requirepass", self.password]
         args += self.extra_args
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, not a pipe: nobody reads a pipe while the server runs, and a
+        # full one would block it.
+        stderr_path = self.data_dir / "stderr.log"
+        with open(stderr_path, "wb") as stderr:
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                err = stderr_path.read_text(errors="replace")
                 log = (self.data_dir / "redis.log")
                 err += log.read_text(errors="replace") if log.exists() else ""
                 raise RuntimeError(f"redis-server exited at start: {err.strip()[-500:]}")

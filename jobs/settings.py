@@ -83,7 +83,8 @@ class Settings:
     # A started job whose worker sent no heartbeat for this long counts as abandoned (the
     # worker died) and is retried elsewhere; must exceed heartbeat_interval_s comfortably.
     heartbeat_ttl_s: float = 60.0
-    # How often a worker (busy or idle) sweeps RQ's registries for abandoned jobs.
+    # How often a worker sweeps RQ's registries for abandoned jobs: an idle one on this
+    # interval, a busy one between its jobs (a requeued job waits for a free worker anyway).
     maintenance_interval_s: float = 60.0
 
     # Linux CPU speed-up: preload a system OpenBLAS before mlx.
