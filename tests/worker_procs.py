@@ -30,8 +30,9 @@ class WorkerProcess:
     def __init__(self, argv: list[str], env: dict[str, str], name: str, url: str,
                  log: Path, ready_timeout: float = 20.0, stop_grace_s: float = 5.0) -> None:
         self.name, self.url, self.log, self.stop_grace_s = name, url, log, stop_grace_s
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env=env, cwd=ROOT)
+        with open(log, "w") as log_file:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT)
         r = redis.Redis.from_url(url)
         try:
             deadline = time.monotonic() + ready_timeout
