@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO  # noqa: E402
 
 import redis  # noqa: E402
 
+from jobs.client import EnqueueConflict  # noqa: E402
 from jobs.connection import queue_connection  # noqa: E402
 
 from jobs.cli_args import (Deadline, add_prompt_options, add_selection_options, prompt_fields,  # noqa: E402
@@ -111,10 +112,12 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     from worker.runtime import WorkerRuntime
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.preload:  # one source of truth: the allow-list admits what the worker preloads
+        settings = settings.replace(preload_models=tuple(args.preload))
     conn = _connect(args, settings)
     runtime = WorkerRuntime.from_settings(settings, conn)
     run_worker(runtime, args.queue or settings.queues,
-               preload=args.preload or settings.preload_models, name=args.name,
+               preload=settings.preload_models, name=args.name,
                burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     return 0
 
@@ -289,7 +292,7 @@ def run_batch(client: Any, docs: list[tuple[str, dict[str, Any]]], out_path: Pat
             if not pending:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                raise CliError(f"batch: {len(pending)} documents still running after {timeout}s")
+                raise TimeoutError(f"batch: {len(pending)} documents still running after {timeout}s")
             time.sleep(poll_s)
     summary["unfinished"] = unfinished
     if progress is not None and progress.isatty():
@@ -461,9 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specprefill {args.command}: lost the connection to Redis: {exc} "
               "(a batch can be re-run: finished documents are skipped)", file=sys.stderr)
         return 3
+    except EnqueueConflict as exc:
+        print(f"specprefill {args.command}: {exc}", file=sys.stderr)
+        return 3
     except TimeoutError as exc:  # --timeout ran out; the job itself goes on
-        print(f"specprefill {args.command}: --timeout: {exc} (the job keeps running: "
-              "follow it with `specprefill watch JOB_ID`)", file=sys.stderr)
+        print(f"specprefill {args.command}: --timeout: {exc} (the job keeps running: follow it "
+              "with `specprefill watch JOB_ID`; a re-run batch picks up the finished documents)",
+              file=sys.stderr)
         return 4
     except KeyboardInterrupt:
         return 130

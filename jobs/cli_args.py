@@ -68,6 +68,8 @@ def _read(path: str, option: str) -> str:
         return Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{option}: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def _json(text: str, option: str) -> Any:

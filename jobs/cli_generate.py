@@ -92,7 +92,7 @@ def _summary(data: dict[str, Any]) -> str:
 
 def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.cli import _connect
-    from jobs.client import Client, JobFailed
+    from jobs.client import Client, JobFailed, StreamDiverged
 
     client = Client(_connect(args, settings), settings)
     fields = {**selection_fields(args), **prompt_fields(args), **generate_options(args)}
@@ -106,8 +106,13 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if args.stream:
             out = sys.stderr if args.json else sys.stdout
-            for delta in handle.stream_text(timeout=deadline.left()):
-                print(delta, end="", file=out, flush=True)
+            try:
+                for delta in handle.stream_text(timeout=deadline.left()):
+                    print(delta, end="", file=out, flush=True)
+            except StreamDiverged as exc:  # a retry sampled other text: show the final one
+                print(file=out, flush=True)
+                print(f"[{exc}]", file=sys.stderr, flush=True)
+                print(handle.result(timeout=deadline.left()).text, end="", file=out, flush=True)
             print(file=out, flush=True)
         data = handle.result(timeout=deadline.left()).to_json()
     except JobFailed as exc:

@@ -38,6 +38,10 @@ _ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps cha
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
+class EnqueueConflict(RuntimeError):
+    """The jobs being enqueued kept changing under us (a busy concurrent submitter)."""
+
+
 class StreamDiverged(RuntimeError):
     """A retried generate job produced text that differs from what was already streamed."""
 
@@ -318,34 +322,45 @@ class Client:
         for p in plans:
             first.setdefault(p.job_id, p.spec)
         q.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
-        # Optimistic check-and-enqueue: WATCH the job hashes, read their status, enqueue in
-        # MULTI. A concurrent submitter of the same job makes EXEC fail, and the next round
-        # sees its job and does not enqueue it again.
+        # Optimistic check-and-enqueue: read the statuses, WATCH the hashes of the jobs to
+        # enqueue, read those again, enqueue them in MULTI. A concurrent submitter of the same
+        # job makes EXEC fail, and the next round sees its job and leaves it alone. Jobs seen
+        # queued, running or done are not watched: workers write to them all the time.
+        candidates = unique
         for _ in range(_ENQUEUE_ATTEMPTS):
+            statuses = self._statuses(candidates)
+            todo = [jid for jid in candidates
+                    if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
+            if not todo:
+                break
             with conn.pipeline() as pipe:
                 try:
-                    todo = self._enqueue_once(pipe, unique, first)
+                    pipe.watch(*(Job.key_for(jid) for jid in todo))
+                    again = self._statuses(todo)  # WATCH is in force: a change from here fails EXEC
+                    if again != {jid: statuses[jid] for jid in todo}:
+                        candidates = todo
+                        continue
+                    self._enqueue_watched(pipe, todo, statuses, first)
                     break
                 except redis.WatchError:
+                    candidates = todo  # the others are settled: seen running or done
                     continue
         else:
-            raise RuntimeError(f"enqueue: the batch's jobs kept changing under us "
-                               f"({_ENQUEUE_ATTEMPTS} attempts); submit again")
+            raise EnqueueConflict(f"enqueue: {len(candidates)} of the jobs kept changing while being "
+                                  f"enqueued ({_ENQUEUE_ATTEMPTS} attempts); submit again")
         created = set(todo)
         return [JobHandle(self, p.job_id, created=p.job_id in created) for p in plans]
 
-    def _enqueue_once(self, pipe: Any, unique: list[str], first: dict[str, JobSpec]) -> list[str]:
-        """One WATCH/MULTI round of :meth:`_enqueue`; returns the ids it enqueued."""
-        s, conn, q = self.settings, self.connection, self.queue
-        pipe.watch(*(Job.key_for(jid) for jid in unique))
-        with conn.pipeline(transaction=False) as read:  # one trip; WATCH is already in force
-            for jid in unique:
+    def _statuses(self, job_ids: list[str]) -> dict[str, str | None]:
+        with self.connection.pipeline(transaction=False) as read:  # one round trip
+            for jid in job_ids:
                 read.hget(Job.key_for(jid), "status")
-            statuses = dict(zip(unique, (_text(v) for v in read.execute())))
-        todo = [jid for jid in unique if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
-        if not todo:
-            pipe.unwatch()
-            return []
+            return dict(zip(job_ids, (_text(v) for v in read.execute())))
+
+    def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
+                         first: dict[str, JobSpec]) -> None:
+        """Enqueue ``todo`` in one MULTI/EXEC on ``pipe``, which WATCHes their job hashes."""
+        s, q = self.settings, self.queue
         pipe.multi()
         datas = []
         for jid in todo:
@@ -364,4 +379,3 @@ class Client:
                 on_failure=Callback(FAILURE_CALLBACK)))
         q.enqueue_many(datas, pipeline=pipe)
         pipe.execute()
-        return todo

@@ -79,6 +79,59 @@ def test_batch_errors_name_the_file_or_document(redis_url, capsys, tmp_path):
     assert redis.Redis.from_url(redis_url).keys("rq:job:*") == []  # nothing enqueued
 
 
+def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
+    import fakeredis
+
+    import jobs.cli as cli_mod
+    import worker.rq_worker as rq_worker
+    from jobs.spec import Limits
+
+    seen = {}
+    monkeypatch.setenv("SPECPREFILL_ALLOWED_MODELS", "org/other")
+    monkeypatch.setattr(cli_mod, "_connect", lambda args, settings: fakeredis.FakeRedis())
+    monkeypatch.setattr(rq_worker, "run_worker",
+                        lambda runtime, queues, **kw: seen.update(settings=runtime.settings, **kw))
+    assert main(["worker", "--preload", "org/preloaded", "--redis-url", "redis://unused"]) == 0
+    assert seen["preload"] == ("org/preloaded",)
+    Limits.from_settings(seen["settings"]).check_model("org/preloaded", "draft_model")  # no error
+
+
+def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch, capsys):
+    import fakeredis
+
+    import jobs.cli as cli_mod
+    import jobs.client as client_mod
+    from jobs.results import GenerateResult
+
+    final = GenerateResult("j", "abXY", "length", [1, 2], 0.1, 4, 4)
+
+    class Handle:
+        id, created = "j", True
+
+        def stream_text(self, timeout=None):
+            yield "abcd"
+            raise client_mod.StreamDiverged("job j: a retry generated other text from character 2 on")
+
+        def result(self, timeout=None):
+            return final
+
+    class FakeClient:
+        def __init__(self, *a, **k):
+            pass
+
+        def generate_spec(self, **fields):
+            return fields
+
+        def submit(self, spec):
+            return Handle()
+
+    monkeypatch.setattr(cli_mod, "_connect", lambda args, settings: fakeredis.FakeRedis())
+    monkeypatch.setattr(client_mod, "Client", FakeClient)
+    assert main(["generate", "--text", "q", "--stream", "--redis-url", "redis://unused"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "abcd\nabXY\n" and "a retry generated other text" in out.err
+
+
 def test_auth_url_is_honoured(capsys):
     from jobs.embedded_redis import EmbeddedRedis
 
@@ -107,6 +160,10 @@ def test_submit_and_generate_read_the_prompt_the_same_way(tmp_path):
             prompt_fields(p.parse_args([cmd, "--tokens", "[1,"]))
         with pytest.raises(ValueError, match="--file: cannot read"):
             prompt_fields(p.parse_args([cmd, "--file", str(tmp_path / "missing.txt")]))
+        latin1 = tmp_path / "latin1.txt"
+        latin1.write_bytes(b"caf\xe9")
+        with pytest.raises(ValueError, match="--file: .*latin1.txt is not UTF-8 text"):
+            prompt_fields(p.parse_args([cmd, "--file", str(latin1)]))
 
 
 def test_iter_documents_reads_files_and_jsonl(tmp_path):

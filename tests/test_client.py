@@ -1,4 +1,6 @@
 """Client logic against fakeredis: idempotent enqueue, reruns, batch limits, round trips."""
+import time
+
 import fakeredis
 import pytest
 from rq.job import Job
@@ -64,7 +66,7 @@ def test_batch_limit_and_validation_before_anything_is_enqueued(client):
     assert len(client.queue) == 0
 
 
-def test_enqueue_is_three_round_trips_for_a_batch():
+def test_enqueue_is_a_fixed_number_of_round_trips_for_a_batch():
     calls = []
 
     class Counting(fakeredis.FakeRedis):
@@ -85,8 +87,8 @@ def test_enqueue_is_three_round_trips_for_a_batch():
 
     c.connection.pipeline = counting_pipeline
     c.submit_many([f"doc {i}" for i in range(40)])
-    # WATCH (on the transaction's pipeline), one status read, then one MULTI/EXEC
-    assert len(pipelines) == 2 and calls == []
+    # statuses, WATCH + statuses again, MULTI/EXEC: three pipelines, whatever the batch size
+    assert len(pipelines) == 3 and calls == []
 
 
 def test_result_of_missing_job_and_timeout(client):
@@ -119,3 +121,37 @@ def test_concurrent_identical_submissions_enqueue_one_job(redis_url):
         assert len(handles) == 2 and handles[0].id == handles[1].id
         assert sorted(h.created for h in handles) == [False, True]
         assert clients[0].queue.get_job_ids().count(handles[0].id) == 1
+
+
+def test_rerunning_a_batch_while_its_jobs_run_is_not_disturbed(redis_url):
+    """Workers write to running jobs' hashes all the time; only the jobs being enqueued are
+    watched, so a re-run of a large batch goes through."""
+    import threading
+
+    import redis
+
+    conn = redis.Redis.from_url(redis_url)
+    c = Client(conn, S.replace(max_batch_documents=2000))
+    texts = [f"doc {i}" for i in range(2000)]
+    handles = c.submit_many(texts).handles
+    for h in handles[:1000]:  # half failed (to re-run), half running with live heartbeats
+        conn.hset(Job.key_for(h.id), "status", "failed")
+    for h in handles[1000:]:
+        conn.hset(Job.key_for(h.id), "status", "started")
+    stop = threading.Event()
+
+    def heartbeats():
+        beat = redis.Redis.from_url(redis_url)
+        while not stop.is_set():
+            for h in handles[1000::50]:
+                beat.hset(Job.key_for(h.id), "last_heartbeat", "now")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=heartbeats)
+    t.start()
+    try:
+        again = c.submit_many(texts).handles
+    finally:
+        stop.set()
+        t.join()
+    assert [h.created for h in again] == [True] * 1000 + [False] * 1000
