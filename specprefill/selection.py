@@ -17,6 +17,11 @@ import numpy as np
 
 from specprefill.checks import check_int
 
+# Bumped whenever the same importance and options select other tokens, so that stored
+# selections (the service's memo) made under the old rule are not reused.
+# 2: the tail covers the last tail_tokens tokens even when the last chunk is short.
+SELECTION_RULE = 2
+
 # ceil(n_chunks * keep) must not round 10 * 0.3 = 3.0000000000000004 up to 4.
 _CEIL_SLACK = 1e-9
 

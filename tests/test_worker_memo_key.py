@@ -26,3 +26,21 @@ def test_same_tokens_with_another_protected_prefix_is_not_a_memo_hit():
     assert as_chat["kept_ranges"][0][1] >= system_end
     again = _run(rt, chat.to_payload(), job_id="chat-again")
     assert again["memo_hit"] and again["kept_ranges"] == as_chat["kept_ranges"]
+
+
+def test_a_new_selection_rule_does_not_reuse_old_selections():
+    r = fakeredis.FakeRedis()
+    shared = {"blocks": set(), "memo": {}}
+    rt = fake_runtime(r, shared=shared)
+    payload = build_spec(rt.settings, tokens=list(range(2, 130))).to_payload()
+    assert not _run(rt, payload, job_id="a")["memo_hit"]
+    assert _run(rt, payload, job_id="b")["memo_hit"]
+    rt.backend.selection_rule += 1  # a worker with the next rule
+    assert not _run(rt, payload, job_id="c")["memo_hit"] and len(shared["memo"]) == 2
+
+
+def test_the_shipped_backend_keys_its_memo_by_the_selection_rule():
+    from specprefill.selection import SELECTION_RULE
+    from worker.runtime import PrefillBackend
+
+    assert PrefillBackend.default().selection_rule == SELECTION_RULE >= 2

@@ -31,14 +31,16 @@ class PrefillBackend:
     admission_reason: Callable[..., str | None]
     block_store: Callable[[redis.Redis, LoadedModel, Settings], Any]
     memo: Callable[[redis.Redis, str, Settings], Any]
+    selection_rule: int = 0  # part of the memo key: a new rule never reuses old selections
 
     @classmethod
     def default(cls) -> "PrefillBackend":
         from cache_store import RedisBlockStore, SelectionMemo
         from specprefill.reuse import score_with_cache
-        from specprefill.selection import admission_reason, plan_selection, to_ranges
+        from specprefill.selection import SELECTION_RULE, admission_reason, plan_selection, to_ranges
 
         return cls(
+            selection_rule=SELECTION_RULE,
             score_with_cache=score_with_cache, plan_selection=plan_selection,
             to_ranges=to_ranges, admission_reason=admission_reason,
             block_store=_block_store,

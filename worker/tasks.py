@@ -178,7 +178,8 @@ def select_prompt(spec: JobSpec, ctx: JobContext,
     timings["tokenize"] = time.perf_counter() - t
     total = len(tokens)
     # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
-    options = dict(spec.selection_options(), protected_prefix=system_end)
+    options = dict(spec.selection_options(), protected_prefix=system_end,
+                   selection_rule=backend.selection_rule)
     memo = backend.memo(ctx.runtime.cache_client, loaded.fingerprint, settings)
 
     ranges = None if spec.return_importance else memo.get(tokens, options)
