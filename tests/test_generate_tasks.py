@@ -254,8 +254,11 @@ def test_target_whose_vocabulary_gives_other_ids_is_rejected():
 
     base = {"a": 5, "b": 6, "<pad>": 7}
     check_shared_tokenizer(Vocab(base), Vocab({**base, "<extra>": 8}))  # extra tokens are fine
-    with pytest.raises(JobSpecError, match=r"target_model: .*1 of 3 tokens have other ids \(e.g. 'b'\)"):
+    with pytest.raises(JobSpecError, match=r"target_model: .*1 of 3 tokens have other ids .*\(e.g. 'b'\)"):
         check_shared_tokenizer(Vocab(base), Vocab({"a": 5, "b": 9, "<pad>": 7}))
+    # an id both hold, meaning another token in each (reserved slot vs a new special token)
+    with pytest.raises(JobSpecError, match=r"share an id with another token \(e.g. '<pad>'\)"):
+        check_shared_tokenizer(Vocab(base), Vocab({"a": 5, "b": 6, "<tool_call>": 7}))
 
 
 def test_shipped_draft_and_target_share_one_tokenizer():
@@ -278,6 +281,18 @@ def test_bad_target_fails_naming_it_before_the_draft_scores():
         run(rt, extra={"target_model": "bad/target"})
     kinds = [e.kind for e in events(rt)]
     assert kinds == ["loading_model", "failed"]  # nothing scored
+
+
+def test_unsupported_target_is_named():
+    rt, _ = runtime()
+
+    def check(model):
+        if type(model).__name__ != "FakeModel":
+            raise ValueError("layer 0: attention variants such as soft-capping are not supported")
+
+    rt.models._check = check
+    with pytest.raises(ValueError, match="^target_model: 'tiny-target': layer 0: attention variants"):
+        run(rt)
 
 
 def test_pool_evicts_before_it_loads():

@@ -137,8 +137,8 @@ class Reporter:
 
 def check_shared_tokenizer(draft_tokenizer: Any, target_tokenizer: Any) -> None:
     """SpecPrefill feeds the draft's token ids to the target: their tokenizers must agree on
-    a probe string and give every token both vocabularies hold the same id (tokens only one
-    of them holds, such as extra special tokens, are allowed)."""
+    a probe string, and every id both vocabularies hold must be the same token (ids only
+    one of them holds, such as extra special tokens at the end, are allowed)."""
     a = list(draft_tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
     b = list(target_tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
     if a != b:
@@ -147,11 +147,13 @@ def check_shared_tokenizer(draft_tokenizer: Any, target_tokenizer: Any) -> None:
     draft_vocab, target_vocab = _vocab(draft_tokenizer), _vocab(target_tokenizer)
     if draft_vocab is None or target_vocab is None:
         return
-    moved = [tok for tok, i in draft_vocab.items() if target_vocab.get(tok, i) != i]
+    target_by_id = {i: tok for tok, i in target_vocab.items()}
+    moved = [tok for tok, i in draft_vocab.items()
+             if target_vocab.get(tok, i) != i or target_by_id.get(i, tok) != tok]
     if moved:
         raise JobSpecError(f"target_model: its tokenizer differs from the draft model's: {len(moved)} "
-                           f"of {len(draft_vocab)} tokens have other ids (e.g. {moved[0]!r:.40}); "
-                           "the draft and the target must share one tokenizer")
+                           f"of {len(draft_vocab)} tokens have other ids or share an id with another "
+                           f"token (e.g. {moved[0]!r:.40}); the draft and the target must share one tokenizer")
 
 
 def _vocab(tokenizer: Any) -> dict[str, int] | None:

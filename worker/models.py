@@ -167,8 +167,11 @@ class ModelPool:
             raise ValueError(f"{field}: {exc}") from None
         while len(self._models) >= self.capacity:
             self._evict()
-        model, tokenizer = self._loader(name)
-        self._check(model)  # UnsupportedModelError (a ValueError) names the reason
+        try:
+            model, tokenizer = self._loader(name)
+            self._check(model)  # UnsupportedModelError (a ValueError) names the reason
+        except ValueError as exc:  # mlx-lm's "model type not supported" is one too
+            raise ValueError(f"{field}: {name[:200]!r}: {exc}") from None
         self._warm(model)
         loaded = LoadedModel(name, model, tokenizer, identity,
                              self._fingerprint(model, identity, self.block_size),
