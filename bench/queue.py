@@ -22,21 +22,6 @@ ROOT = benchlib.ROOT
 
 REPS = 20
 TARGET_JOB_S = 0.100
-_bare_model = None
-
-
-def bare_score(model_dir: str, tokens: list) -> int:
-    """The bare RQ job: the same scoring call, model cached per worker process."""
-    global _bare_model
-    if _bare_model is None:
-        import mlx_lm
-
-        _bare_model = mlx_lm.load(model_dir)[0]
-    from specprefill.reuse import score_with_cache
-
-    return int(score_with_cache(_bare_model, tokens, None).prompt_tokens)
-
-
 def model_folder(tmp: Path) -> str:
     shipped = ROOT / "models" / "draft-tiny"
     if (shipped / "config.json").exists():
@@ -139,7 +124,7 @@ def main() -> None:
             def bare() -> float:
                 tokens = fresh_tokens(n)
                 t0 = time.perf_counter()
-                job = bare_q.enqueue("bench.queue.bare_score", model_dir, tokens, job_timeout=600)
+                job = bare_q.enqueue("bench.bare_job.bare_score", model_dir, tokens, job_timeout=600)
                 assert wait_finished(conn, job.id) == "finished", job.id
                 return time.perf_counter() - t0
 
