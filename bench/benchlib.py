@@ -24,10 +24,10 @@ from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
 SETTINGS = Settings.from_env()
 preload_openblas(SETTINGS.openblas, SETTINGS.openblas_path or None)
 
-__all__ = ["ROOT", "SETTINGS", "blas_in_use", "target"]
+__all__ = ["ROOT", "SETTINGS", "blas_in_use", "verdict"]
 
 
-def target(name: str, value: float, op: str, bound: float, shown: str | None = None) -> bool:
+def verdict(name: str, value: float, op: str, bound: float, shown: str | None = None) -> bool:
     """Print ``target <name>: <value> (goal <op> <bound>) PASS|FAIL``; return whether it passed."""
     ok = value <= bound if op == "<=" else value >= bound
     print(f"target {name}: {shown or f'{value:.4g}'} (goal {op} {bound}) {'PASS' if ok else 'FAIL'}")

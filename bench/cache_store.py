@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, target  # noqa: E402
+from benchlib import blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
@@ -246,7 +246,7 @@ def main() -> int:
     print()
     failed = False
     for name, value, op, bound in verdicts:
-        failed |= not target(name, value, op, bound)
+        failed |= not verdict(name, value, op, bound)
     return 1 if failed else 0
 
 

@@ -12,7 +12,7 @@ the chunks chosen with the default setting (last query + 8 lookahead).
     .venv/bin/python bench/quality.py [--samples 40] [--lengths 1024,2048,4096]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import ROOT, blas_in_use, target  # noqa: E402
+from benchlib import ROOT, blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
 import math  # noqa: E402
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     passed = []
     if 2048 in lengths and 0.1 in keeps:
         rate = sum(kept_counts[2048, k, 0.1, SETTINGS[0]] for k in needle_counts) / (n * len(needle_counts))
-        passed.append(target("needle_kept_2k_keep0.1", rate, ">=", GOAL_KEPT_2K, f"{rate:.3f}"))
+        passed.append(verdict("needle_kept_2k_keep0.1", rate, ">=", GOAL_KEPT_2K, f"{rate:.3f}"))
     if 0.2 in keeps:
         if target_model is None:
             print(f"target sparse_vs_full_accuracy_keep0.2: not measured, specprefill.sparse: {sparse_error} "
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             full = sum(answers[L, k, "full"] for L in lengths for k in needle_counts)
             part = sum(answers[L, k, 0.2] for L in lengths for k in needle_counts)
             ratio = part / full if full else 0.0
-            passed.append(target("sparse_vs_full_accuracy_keep0.2", ratio, ">=", GOAL_SPARSE_RATIO,
+            passed.append(verdict("sparse_vs_full_accuracy_keep0.2", ratio, ">=", GOAL_SPARSE_RATIO,
                                  f"{ratio:.3f} ({part}/{full} answers)"))
     return 0 if all(passed) else 1
 

@@ -5,7 +5,7 @@ Also: the share of job time spent publishing progress, and the enqueue time of a
 1000-document batch. Ends with one ``target ...: PASS/FAIL`` line per target.
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import target  # noqa: E402
+from benchlib import verdict  # noqa: E402
 
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -183,8 +183,8 @@ def main() -> None:
           f"(re-submit, nothing enqueued: {1000 * resubmit_s:.0f} ms)")
     print()
     ratio = med["service"] / med["direct"]
-    target("service/direct", ratio, "<=", 1.10, f"{ratio:.3f}")
-    target("progress_share", progress_share, "<=", 0.02, f"{progress_share:.4f}")
+    verdict("service/direct", ratio, "<=", 1.10, f"{ratio:.3f}")
+    verdict("progress_share", progress_share, "<=", 0.02, f"{progress_share:.4f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import os
 import sys
 
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, target  # noqa: E402
+from benchlib import blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
@@ -141,7 +141,7 @@ def main() -> int:
     failed = False
     for r in rows:
         if r["length"] in RATIO_TARGET_LENGTHS:
-            failed |= not target(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,
+            failed |= not verdict(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,
                                  f"{r['ratio']:.3f}")
     return 1 if failed else 0
 

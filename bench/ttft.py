@@ -10,7 +10,7 @@ each mode reports its fastest round (other processes only ever add time).
     .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, target  # noqa: E402
+from benchlib import blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
     print(f"(largest round-to-round spread: {spread:.1%} of the best time)")
     print()
     ratio = best[("sparse", 0.2)]["ttft"] / full
-    target(f"ttft_sparse_keep0.2_over_full@{args.tokens}", ratio, "<=", GOAL_RATIO_AT_0_2, f"{ratio:.3f}")
+    verdict(f"ttft_sparse_keep0.2_over_full@{args.tokens}", ratio, "<=", GOAL_RATIO_AT_0_2, f"{ratio:.3f}")
 
 
 if __name__ == "__main__":
