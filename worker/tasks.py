@@ -286,12 +286,9 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         return execute(payload, ctx, retries_left=retries_left)
     except TRANSIENT_ERRORS:
         raise  # RQ retries while retries_left > 0
-    except JobStopped:
-        rt.stopped_job_id = job_id  # recorded as stopped, not failed (see PrefillWorker)
-        if job is not None:
-            job.retries_left = 0
-        raise
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, JobStopped):
+            rt.stopped_job_id = job_id  # recorded as stopped, not failed (see PrefillWorker)
         if job is not None:
             job.retries_left = 0  # bad input, timeouts and stops are never retried
         raise
