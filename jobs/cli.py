@@ -23,13 +23,11 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO  # noqa: E402
 
 import redis  # noqa: E402
 
-from jobs.client import EnqueueConflict  # noqa: E402
-from jobs.connection import queue_connection  # noqa: E402
-
 from jobs.cli_args import (Deadline, add_prompt_options, add_selection_options, prompt_fields,  # noqa: E402
                            selection_fields)
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
-
+from jobs.client import EnqueueConflict  # noqa: E402
+from jobs.connection import queue_connection  # noqa: E402
 
 
 class CliError(Exception):

@@ -16,7 +16,6 @@ from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS
 
 
-
 def add_generate_options(p: argparse.ArgumentParser) -> None:
     """The sampling / target options shared by ``generate`` and ``batch --generate``."""
     p.add_argument("--target", help="target model: local folder or hub id (default: settings)")
@@ -109,12 +108,14 @@ def cmd_generate(args: argparse.Namespace, settings: Settings) -> int:
             try:
                 for delta in handle.stream_text(timeout=deadline.left()):
                     print(delta, end="", file=out, flush=True)
+                diverged = False
             except StreamDiverged as exc:  # a retry sampled other text: show the final one
                 print(file=out, flush=True)
                 print(f"[{exc}]", file=sys.stderr, flush=True)
-                print(handle.result(timeout=deadline.left()).text, end="", file=out, flush=True)
-            print(file=out, flush=True)
+                diverged = True
         data = handle.result(timeout=deadline.left()).to_json()
+        if args.stream:
+            print(data["text"] if diverged else "", file=out, flush=True)
     except JobFailed as exc:
         print(json.dumps({"job_id": handle.id, "status": exc.status, "error": exc.error})
               if args.json else str(exc))

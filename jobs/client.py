@@ -7,6 +7,7 @@ enqueued (jobs + their ``queued`` events) in another.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
@@ -24,6 +25,7 @@ from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.connection import queue_connection
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
+
 
 def cancel_key(namespace: str, job_id: str) -> str:
     """Set by :meth:`JobHandle.cancel`; a worker that has just taken the job checks it before
@@ -181,9 +183,8 @@ class JobHandle:
             yield text[len(shown):]
 
     def _check_same(self, shown: str, text: str) -> None:
-        n = min(len(shown), len(text))
-        if shown[:n] != text[:n]:
-            at = next(i for i in range(n) if shown[i] != text[i])
+        at = len(os.path.commonprefix([shown, text]))
+        if at < min(len(shown), len(text)):
             raise StreamDiverged(f"job {self.id}: a retry generated other text from character {at} "
                                  f"on ({len(shown)} characters were already streamed); "
                                  "handle.result() holds the final text")
