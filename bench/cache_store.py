@@ -35,7 +35,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
 from cache_store.codec import (RawArray, decode_block, encode_block, payload_checksum,  # noqa: E402
                                raw_bits_many, to_mlx_many)
-from jobs.embedded_redis import EmbeddedRedis  # noqa: E402
+from cli.embedded_redis import EmbeddedRedis  # noqa: E402
 from specprefill.reuse import score_with_cache  # noqa: E402
 from specprefill.selection import plan_selection, to_ranges  # noqa: E402
 

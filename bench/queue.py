@@ -59,15 +59,16 @@ def main() -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
+    from cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
-    from jobs.embedded_redis import EmbeddedRedis
     from jobs.progress import ProgressPublisher
     from jobs.settings import Settings
     from jobs.spec import build_spec
     from specprefill.reuse import score_with_cache
+    from worker.context import JobContext
     from worker.models import ModelPool
     from worker.runtime import WorkerRuntime
-    from worker.tasks import JobContext, execute
+    from worker.tasks import execute
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     model_dir = model_folder(tmp)

@@ -4,11 +4,26 @@
   stores and restores prompt-prefix KV blocks under it (a ``DraftCache``).
 - :class:`SelectionMemo` remembers final selections of identical requests.
 """
-from .codec import FORMAT_VERSION, CorruptBlockError, decode_block, encode_block
-from .keys import (UnsupportedCacheError, block_digests, cache_layout, check_storable,
-                   model_fingerprint, prompt_digest, unstorable_reason)
-from .memo import SelectionMemo
-from .store import LOCAL_COUNTERS, REDIS_COUNTERS, RedisBlockStore
+import importlib
+from typing import Any
+
+# Exported names -> their module, imported on first use: the layers above import
+# ``cache_store.replies`` without paying for numpy, mlx and the codec.
+_EXPORTS = {
+    "codec": ("FORMAT_VERSION", "CorruptBlockError", "decode_block", "encode_block"),
+    "keys": ("UnsupportedCacheError", "block_digests", "cache_layout", "check_storable",
+             "model_fingerprint", "prompt_digest", "unstorable_reason"),
+    "memo": ("SelectionMemo",),
+    "store": ("LOCAL_COUNTERS", "REDIS_COUNTERS", "RedisBlockStore"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+
 
 __all__ = [
     "FORMAT_VERSION",

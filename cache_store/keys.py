@@ -200,6 +200,12 @@ def stats_key(namespace: str, fingerprint: str) -> str:
     return f"{namespace}:kvstats:{fingerprint}"
 
 
+def key_patterns(namespace: str) -> dict[str, str]:
+    """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo entries."""
+    return {"blocks": f"{namespace}:kv:*", "stats": stats_key(namespace, "*"),
+            "memo": f"{namespace}:memo:*"}
+
+
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:
     """``{namespace}:memo:{fingerprint[:16]}:{digest}`` over the prompt and its selection settings."""
     if not isinstance(settings, Mapping):

@@ -16,6 +16,7 @@ import numpy as np
 import redis
 
 from .keys import check_fingerprint, check_namespace, check_ttl, memo_key, stats_key
+from .replies import as_int
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,7 @@ class SelectionMemo:
             values = []
             self._count_stats_failures([exc])
         for name, value in zip(MEMO_COUNTERS, values):
-            try:
-                counters[name] = int(value or 0)
-            except ValueError:
-                pass
+            counters[name] = as_int(value)
         return {**counters, **self.local_counters}
 
     def _decode(self, value: bytes, n_tokens: int) -> list[tuple[int, int]] | None:

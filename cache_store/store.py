@@ -20,6 +20,7 @@ from .codec import (CorruptBlockError, DecodedBlock, RawArray, decode_block, enc
 from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace, check_ttl,
                    stats_key, unstorable_reason)
 from .memo import MEMO_COUNTERS
+from .replies import as_int, as_text
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,6 @@ REDIS_COUNTERS = (
 LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors", "unsupported_stores")
 
 _BATCH_BLOCKS = 64  # blocks per pipelined round trip; bounds the memory of one batch
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
 
 
 def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> list[tuple]:
@@ -303,8 +297,7 @@ class RedisBlockStore:
         counters = dict.fromkeys(REDIS_COUNTERS, 0)
         try:
             for field, value in self.client.hgetall(self._stats_key).items():
-                name = field.decode() if isinstance(field, bytes) else str(field)
-                counters[name] = _int(value)
+                counters[str(as_text(field))] = as_int(value)
         except redis.RedisError as exc:
             self.local_counters["stats_errors"] += 1
             log.warning("block store: could not read statistics: %s", exc)

@@ -19,19 +19,15 @@ from rq.job import Callback, Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
-                           iter_events, stream_key)
-from jobs.results import GenerateResult, PrefillResult, result_from_json
+from cache_store.replies import as_text
 from jobs.connection import queue_connection
+from jobs.deadline import Deadline
+from jobs.keys import cancel_key, job_key, stream_key
+from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
+                           iter_events, publisher_for)
+from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
-
-
-def cancel_key(namespace: str, job_id: str) -> str:
-    """Set by :meth:`JobHandle.cancel`; a worker that has just taken the job checks it before
-    running it (closing the gap between reading "queued" and cancelling)."""
-    return f"{namespace}:cancel:{job_id}"
-
 
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
@@ -56,10 +52,6 @@ class JobFailed(RuntimeError):
         self.job_id, self.status, self.error = job_id, status, error
 
 
-def _text(v: Any) -> str | None:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class JobHandle:
     """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``."""
 
@@ -71,7 +63,7 @@ class JobHandle:
 
     def status(self) -> str:
         """RQ status (queued, started, finished, failed, stopped, canceled, ...) or 'missing'."""
-        return _text(self.client.connection.hget(Job.key_for(self.id), "status")) or "missing"
+        return as_text(self.client.connection.hget(job_key(self.id), "status")) or "missing"
 
     def _job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
@@ -90,7 +82,7 @@ class JobHandle:
         Waits on RQ's per-job results stream (XREAD BLOCK), so a result is seen as soon as
         it is written. Raises ``TimeoutError`` if the job has not ended within ``timeout``.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         results_key = Result.get_key(self.id)
         while True:
             status = self.status()
@@ -103,10 +95,9 @@ class JobHandle:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else status)
             if status == "missing":
                 raise JobFailed(self.id, status, "no such job (expired or never submitted)")
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if deadline.expired:
                 raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
-            block_ms = int(1000 * min(1.0, left if left is not None else 1.0)) or 1
+            block_ms = int(1000 * deadline.cap(1.0)) or 1
             t0 = time.monotonic()
             # Only a new entry wakes us: "$" would miss a result written between the status
             # read and here, so read from the start; an old entry (an earlier failed attempt
@@ -207,19 +198,18 @@ class BatchHandle:
 
     def progress(self) -> BatchProgress:
         return batch_progress(self.client.connection, self.job_ids,
-                              namespace=self.client.settings.namespace, job_key=Job.key_for)
+                              namespace=self.client.settings.namespace)
 
     def status(self) -> dict[str, Any]:
         return self.progress().to_json()
 
     def result(self, timeout: float | None = None) -> list[PrefillResult | dict | JobFailed]:
         """Each job's result in submission order; failed jobs give their :class:`JobFailed`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         out: list[Any] = []
         for h in self.handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out.append(h.result(left))
+                out.append(h.result(deadline.left()))
             except JobFailed as exc:
                 out.append(exc)
         return out
@@ -229,13 +219,13 @@ class BatchHandle:
 
     def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
         """Aggregate snapshots every ``poll_s`` until every job has ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             view = self.progress()
             yield view
             if view.complete:
                 return
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline.expired:
                 raise TimeoutError(f"batch not complete after {timeout}s")
             time.sleep(poll_s)
 
@@ -262,11 +252,7 @@ class Client:
         return cls(queue_connection(url, settings), settings, **kwargs)
 
     def _publisher(self, job_id: str, start_seq: int | None = None) -> ProgressPublisher:
-        s = self.settings
-        kwargs = dict(namespace=s.namespace, maxlen=s.progress_stream_maxlen, ttl_s=s.progress_ttl_s)
-        if start_seq is None:
-            return ProgressPublisher.resume(self.connection, job_id, **kwargs)
-        return ProgressPublisher(self.connection, job_id, start_seq=start_seq, **kwargs)
+        return publisher_for(self.connection, job_id, self.settings, start_seq=start_seq)
 
     def spec(self, **fields: Any) -> JobSpec:
         """A validated spec with this client's settings as defaults."""
@@ -276,13 +262,12 @@ class Client:
         """A validated generate spec. Generate options (``max_tokens``, ``temperature``,
         ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``, ``target_model``) are
         taken from ``fields``; the rest are spec fields (input, keep, threshold, ...).
-        ``seed`` seeds both the sampling and the draft's lookahead; the draft's lookahead
-        temperature and top-p keep their defaults here; set them with
-        ``spec(kind="generate", extra={...}, temperature=...)`` if needed."""
+        ``seed`` seeds both the sampling and the draft's lookahead (``lookahead_seed``);
+        ``lookahead_temperature`` and ``lookahead_top_p`` are spec fields like the rest."""
         extra = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
         extra = {k: v for k, v in extra.items() if v is not None}
         if "seed" in extra:
-            fields["seed"] = extra["seed"]
+            fields["lookahead_seed"] = extra["seed"]
         return self.spec(kind="generate", extra=extra, **fields)
 
     def generate(self, **fields: Any) -> JobHandle:
@@ -336,7 +321,7 @@ class Client:
                 break
             with conn.pipeline() as pipe:
                 try:
-                    pipe.watch(*(Job.key_for(jid) for jid in todo))
+                    pipe.watch(*(job_key(jid) for jid in todo))
                     again = self._statuses(todo)  # WATCH is in force: a change from here fails EXEC
                     if again != {jid: statuses[jid] for jid in todo}:
                         candidates = todo
@@ -355,8 +340,8 @@ class Client:
     def _statuses(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.connection.pipeline(transaction=False) as read:  # one round trip
             for jid in job_ids:
-                read.hget(Job.key_for(jid), "status")
-            return dict(zip(job_ids, (_text(v) for v in read.execute())))
+                read.hget(job_key(jid), "status")
+            return dict(zip(job_ids, (as_text(v) for v in read.execute())))
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
                          first: dict[str, JobSpec]) -> None:
@@ -368,7 +353,7 @@ class Client:
             if statuses[jid] is not None:  # a rerun: clear the old run's traces
                 pipe.zrem(q.failed_job_registry.key, jid)
                 pipe.zrem(q.canceled_job_registry.key, jid)
-                pipe.delete(Job.key_for(jid), Result.get_key(jid))
+                pipe.delete(job_key(jid), Result.get_key(jid))
             pipe.delete(stream_key(s.namespace, jid), cancel_key(s.namespace, jid))
             self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
             spec = first[jid]

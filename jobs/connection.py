@@ -1,17 +1,33 @@
 """Redis clients, made in one place with their retry policy spelled out.
 
-redis-py 7 retries a failed command three times with jittered backoff unless told
-otherwise; the queue's clients keep that, but as a setting (``redis_retries``), and the
-block store's client gets none, because every block-store error is already a miss.
-AUTH and TLS (``rediss://``) come from the URL.
+The one retry layer is redis-py's own ``Retry``, injected here: the queue's clients retry
+a failed command ``settings.redis_retries`` times with jittered backoff, the block store's
+client never retries (every block-store error is already a miss). AUTH and TLS
+(``rediss://``) come from the URL.
+
+:func:`wait_for_redis` is not a second retry layer: it is what a long-running loop (a
+batch, a progress watcher) does once those retries gave up, because Redis is restarting or
+failing over for longer than they cover: it waits until Redis answers, bounded by the
+caller's deadline, and the loop then carries on from where it was.
 """
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry
 
+from jobs.deadline import Deadline
 from jobs.settings import Settings
+
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+URL_HELP = "redis://[:password@]host:port/db, rediss:// for TLS"
+
+
+class RedisUnreachable(RuntimeError):
+    """Redis did not answer when a command line started (wrong URL, password or host)."""
 
 
 def queue_connection(url: str, settings: Settings) -> redis.Redis:
@@ -27,3 +43,49 @@ def cache_connection(settings: Settings) -> redis.Redis:
     timeout = settings.cache_socket_timeout_s
     return redis.Redis.from_url(settings.block_store_url, socket_timeout=timeout,
                                 socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+
+
+def checked_connection(url: str | None, settings: Settings) -> redis.Redis:
+    """A queue client for ``url`` (else ``settings.redis_url``) that has answered a PING.
+
+    Raises ``ValueError`` without a URL and :class:`RedisUnreachable` (password masked)
+    when Redis does not answer.
+    """
+    url = url or settings.redis_url
+    if not url:
+        raise ValueError(f"no Redis URL: pass --redis-url or set REDIS_URL ({URL_HELP})")
+    client = queue_connection(url, settings)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RedisUnreachable(f"cannot reach Redis at {safe_url(url)}: {exc}") from None
+    return client
+
+
+def safe_url(url: str) -> str:
+    """The URL with any password masked (for messages)."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}"
+
+
+def wait_for_redis(client: redis.Redis, deadline: Deadline, *, pause_s: float = 1.0,
+                   on_wait: Callable[[Exception], None] | None = None) -> bool:
+    """Wait until ``client`` answers a PING again: True, or False once ``deadline`` passed.
+
+    Each PING goes through the client's own retries; ``pause_s`` only spaces the rounds
+    (a client without retries fails at once). ``on_wait(error)`` is told of each failed round.
+    """
+    while True:
+        try:
+            client.ping()
+            return True
+        except REDIS_DOWN as exc:
+            if deadline.expired:
+                return False
+            if on_wait is not None:
+                on_wait(exc)
+            time.sleep(deadline.cap(pause_s))

@@ -1,11 +1,13 @@
 """The result of a prefill or generate job, as returned by the worker and stored by RQ (JSON).
 
-Kept token indices travel as half-open ``[start, end)`` ranges: a 128K-token prompt
-with 20% kept in 32-token chunks is a few hundred pairs instead of 26K integers.
+Both kinds share :class:`JobResult`: the draft's selection (kept ranges, counts, the
+protected prefix, block-store use) and the timings. Kept token indices travel as
+half-open ``[start, end)`` ranges: a 128K-token prompt with 20% kept in 32-token chunks is
+a few hundred pairs instead of 26K integers.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 RESULT_VERSION = 1
@@ -20,25 +22,25 @@ class KeptSpan:
     text: str
 
 
-@dataclass
-class PrefillResult:
-    """What a prefill job returns. ``reason`` is set when nothing was dropped."""
+@dataclass(kw_only=True)
+class JobResult:
+    """What every job returns about the prompt: the selection and how long each phase took.
+
+    ``reason`` is set when nothing was dropped (and why); ``protected_prefix`` is the
+    length of the chat system block that was always kept.
+    """
 
     job_id: str
-    kept_ranges: list[tuple[int, int]]
     kept: int
     total: int
-    reason: str | None
+    reason: str | None = None
+    kept_ranges: list[tuple[int, int]] = field(default_factory=list)
     protected_prefix: int = 0
-    cached_tokens: int = 0          # prompt tokens restored from the block store
+    cached_tokens: int = 0          # draft prompt tokens restored from the block store
     blocks_written: int = 0
     memo_hit: bool = False
-    model: str = ""
     timings: dict[str, float] = field(default_factory=dict)        # seconds per phase
     tokens_per_s: dict[str, float] = field(default_factory=dict)   # per phase
-    importance: list[float] | None = None
-    spans: list[KeptSpan] | None = None
-    kind: str = "prefill"
 
     @property
     def ratio(self) -> float:
@@ -56,15 +58,60 @@ class PrefillResult:
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "PrefillResult":
-        d = dict(d)
-        d.pop("v", None)
-        d.pop("ratio", None)
-        d["kept_ranges"] = [(int(s), int(e)) for s, e in d["kept_ranges"]]
-        if d.get("spans") is not None:
-            d["spans"] = [KeptSpan(**s) for s in d["spans"]]
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_json(cls, d: Mapping[str, Any]) -> "JobResult":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        values["kept_ranges"] = [(int(s), int(e)) for s, e in d.get("kept_ranges", [])]
+        return cls(**cls._typed(values))
+
+    @classmethod
+    def _typed(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """Hook: turn a subclass's nested JSON values back into their types."""
+        return values
+
+
+@dataclass(kw_only=True)
+class PrefillResult(JobResult):
+    """What a prefill job returns: the selection, optionally its scores and kept text."""
+
+    model: str = ""                 # the draft model's identity
+    importance: list[float] | None = None
+    spans: list[KeptSpan] | None = None
+    kind: str = "prefill"
+
+    @classmethod
+    def _typed(cls, values: dict[str, Any]) -> dict[str, Any]:
+        if values.get("spans") is not None:
+            values["spans"] = [KeptSpan(**s) for s in values["spans"]]
+        return values
+
+
+@dataclass(kw_only=True)
+class GenerateResult(JobResult):
+    """What a generate job returns: the text, and the selection the target prefilled.
+
+    ``kept`` counts the prompt tokens prefilled into the target. ``ttft_s`` runs from the
+    job's start on the worker (model loading included) to the first generated token.
+    ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string, which is not part of
+    ``text``) or ``"length"`` (``max_tokens`` reached).
+    """
+
+    text: str
+    finish_reason: str
+    token_ids: list[int]            # generated ids (up to the stop string, if any)
+    ttft_s: float
+    full_prefill: bool = False
+    draft_model: str = ""
+    target_model: str = ""
+    draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
+    kind: str = "generate"
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "generated_tokens": self.generated_tokens}
 
 
 def rates(timings: Mapping[str, float], tokens: Mapping[str, int]) -> dict[str, float]:
@@ -73,61 +120,6 @@ def rates(timings: Mapping[str, float], tokens: Mapping[str, int]) -> dict[str, 
             if phase in tokens and t > 0}
 
 
-@dataclass
-class GenerateResult:
-    """What a generate job returns: the text and how long each phase took.
-
-    ``ttft_s`` runs from the job's start on the worker (model loading included) to the
-    first generated token. ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string,
-    which is not part of ``text``) or ``"length"`` (``max_tokens`` reached).
-    """
-
-    job_id: str
-    text: str
-    finish_reason: str
-    token_ids: list[int]            # generated ids (up to the stop string, if any)
-    ttft_s: float
-    kept: int                       # prompt tokens prefilled into the target
-    total: int                      # prompt tokens
-    full_prefill: bool = False
-    reason: str | None = None       # why nothing was dropped (admission), if so
-    kept_ranges: list[tuple[int, int]] = field(default_factory=list)
-    protected_prefix: int = 0
-    cached_tokens: int = 0          # draft prompt tokens restored from the block store
-    blocks_written: int = 0
-    memo_hit: bool = False
-    draft_model: str = ""
-    target_model: str = ""
-    timings: dict[str, float] = field(default_factory=dict)        # seconds per phase
-    tokens_per_s: dict[str, float] = field(default_factory=dict)   # per phase
-    draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
-    kind: str = "generate"
-
-    @property
-    def ratio(self) -> float:
-        """Kept fraction of the prompt (1.0 for a full prefill)."""
-        return self.kept / self.total if self.total else 1.0
-
-    @property
-    def generated_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kept_ranges"] = [[int(s), int(e)] for s, e in self.kept_ranges]
-        d["ratio"] = self.ratio
-        d["generated_tokens"] = self.generated_tokens
-        d["v"] = RESULT_VERSION
-        return d
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "GenerateResult":
-        d = dict(d)
-        d["kept_ranges"] = [(int(s), int(e)) for s, e in d.get("kept_ranges", [])]
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
-def result_from_json(d: Mapping[str, Any]) -> "PrefillResult | GenerateResult":
+def result_from_json(d: Mapping[str, Any]) -> PrefillResult | GenerateResult:
     """The typed result for a job's JSON return value (by its ``kind``)."""
     return GenerateResult.from_json(d) if d.get("kind") == "generate" else PrefillResult.from_json(d)

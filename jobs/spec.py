@@ -17,7 +17,9 @@ from typing import Any, Mapping, Sequence
 
 from jobs.settings import Settings
 
-PAYLOAD_VERSION = 1
+# 2: the draft's lookahead sampling fields are lookahead_temperature / _top_p / _seed.
+PAYLOAD_VERSION = 2
+SUPPORTED_PAYLOAD_VERSIONS = (1, 2)
 JOB_KINDS = ("prefill", "generate")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -41,12 +43,12 @@ class JobSpecError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """What a spec must respect (from :class:`Settings`): sizes, and the models it may name
-    (``allowed_models`` None: any)."""
+    """What a spec must respect, derived from :class:`Settings` (:meth:`from_settings`):
+    sizes, and the models it may name (``allowed_models`` None: any)."""
 
-    max_prompt_tokens: int = 131072
-    max_batch_documents: int = 10000
-    max_generate_tokens: int = 4096
+    max_prompt_tokens: int = Settings.max_prompt_tokens
+    max_batch_documents: int = Settings.max_batch_documents
+    max_generate_tokens: int = Settings.max_generate_tokens
     allowed_models: frozenset[str] | None = None
 
     @classmethod
@@ -98,7 +100,11 @@ class GenerateOptions:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One SpecPrefill job. Exactly one of ``tokens``, ``text`` and ``messages`` is set."""
+    """One SpecPrefill job. Exactly one of ``tokens``, ``text`` and ``messages`` is set.
+
+    ``lookahead_*`` sample the draft's lookahead tokens (scoring); a generate job's own
+    sampling of the target's text is in :class:`GenerateOptions`.
+    """
 
     draft_model: str
     tokens: tuple[int, ...] | None = None
@@ -110,10 +116,10 @@ class JobSpec:
     tail_tokens: int = Settings.tail_tokens
     threshold: int = Settings.threshold
     n_lookahead: int = Settings.n_lookahead
-    temperature: float = Settings.temperature
-    top_p: float = Settings.top_p
+    lookahead_temperature: float = Settings.temperature
+    lookahead_top_p: float = Settings.top_p
     pool_kernel: int = Settings.pool_kernel
-    seed: int = 0
+    lookahead_seed: int = 0
     include_last_query: bool = Settings.include_last_query
     return_importance: bool = False
     return_spans: bool = False
@@ -132,10 +138,10 @@ class JobSpec:
         return "tokens" if self.tokens is not None else "text" if self.text is not None else "chat"
 
     def scoring_options(self) -> dict[str, Any]:
-        """Options for ``score_tokens`` that come from the spec."""
-        return dict(n_lookahead=self.n_lookahead, temperature=self.temperature,
-                    top_p=self.top_p, seed=self.seed, pool_kernel=self.pool_kernel,
-                    include_last_query=self.include_last_query)
+        """Options for ``score_tokens`` that come from the spec (its own parameter names)."""
+        return dict(n_lookahead=self.n_lookahead, temperature=self.lookahead_temperature,
+                    top_p=self.lookahead_top_p, seed=self.lookahead_seed,
+                    pool_kernel=self.pool_kernel, include_last_query=self.include_last_query)
 
     def selection_options(self) -> dict[str, Any]:
         """Everything besides the tokens that decides the selection (the memo key)."""
@@ -309,9 +315,25 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
 
 
 _FIELDS = {f for f in JobSpec.__dataclass_fields__}
-# Spec fields whose default is the deployment's setting of the same name.
-_FROM_SETTINGS = ("draft_model", "keep", "chunk_size", "tail_tokens", "threshold", "n_lookahead",
-                  "temperature", "top_p", "pool_kernel", "include_last_query")
+# Spec fields whose default is a deployment setting: spec field -> settings field.
+_FROM_SETTINGS = {name: name for name in ("draft_model", "keep", "chunk_size", "tail_tokens",
+                                          "threshold", "n_lookahead", "pool_kernel",
+                                          "include_last_query")}
+_FROM_SETTINGS.update(lookahead_temperature="temperature", lookahead_top_p="top_p")
+# Spellings of payload version 1 (and of older clients), still accepted.
+RENAMED_FIELDS = {"temperature": "lookahead_temperature", "top_p": "lookahead_top_p",
+                  "seed": "lookahead_seed"}
+
+
+def _renamed(fields_: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields_`` with old spellings under their new names (giving both is an error)."""
+    out = dict(fields_)
+    for old, new in RENAMED_FIELDS.items():
+        if old in out:
+            if new in out:
+                raise JobSpecError(f"{old}: the old name of {new}; give only {new}")
+            out[new] = out.pop(old)
+    return out
 
 
 def build_spec(settings: Settings | None = None, *, limits: Limits | None = None,
@@ -323,10 +345,11 @@ def build_spec(settings: Settings | None = None, *, limits: Limits | None = None
     """
     settings = settings or Settings()
     limits = limits or Limits.from_settings(settings)
+    fields_ = _renamed(fields_)
     unknown = sorted(set(fields_) - _FIELDS)
     if unknown:
         raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
-    defaults = {name: getattr(settings, name) for name in _FROM_SETTINGS}
+    defaults = {name: getattr(settings, source) for name, source in _FROM_SETTINGS.items()}
     values = {**defaults, **{k: v for k, v in fields_.items() if v is not None}}
     if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
         values["extra"] = {"target_model": settings.target_model, **values.get("extra", {})}
@@ -342,8 +365,10 @@ def spec_from_payload(payload: Any, settings: Settings | None = None, *,
         raise JobSpecError(f"payload: expected an object, got {type(payload).__name__}")
     payload = dict(payload)
     version = payload.pop("v", PAYLOAD_VERSION)
-    if version != PAYLOAD_VERSION:
-        raise JobSpecError(f"v: payload version {version!r:.20} is not supported (expected {PAYLOAD_VERSION})")
+    if isinstance(version, bool) or version not in SUPPORTED_PAYLOAD_VERSIONS:
+        raise JobSpecError(f"v: payload version {version!r:.20} is not supported "
+                           f"(expected one of {', '.join(map(str, SUPPORTED_PAYLOAD_VERSIONS))})")
+    payload = _renamed(payload)
     unknown = sorted(k if isinstance(k, str) else repr(k) for k in set(payload) - _FIELDS)
     if unknown:
         raise JobSpecError(f"{unknown[0]:.60}: unknown field")
@@ -378,10 +403,10 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, MAX_TOKEN_ID),
         threshold=_int("threshold", v.get("threshold"), 0, MAX_TOKEN_ID),
         n_lookahead=n_lookahead,
-        temperature=_float("temperature", v.get("temperature"), 0.0, 100.0),
-        top_p=_float("top_p", v.get("top_p"), 0.0, 1.0, lo_open=True),
+        lookahead_temperature=_float("lookahead_temperature", v.get("lookahead_temperature"), 0.0, 100.0),
+        lookahead_top_p=_float("lookahead_top_p", v.get("lookahead_top_p"), 0.0, 1.0, lo_open=True),
         pool_kernel=_int("pool_kernel", v.get("pool_kernel"), 1, 1023),
-        seed=_int("seed", v.get("seed", 0), 0, 2**32 - 1),
+        lookahead_seed=_int("lookahead_seed", v.get("lookahead_seed", 0), 0, 2**32 - 1),
         include_last_query=include_last_query,
         return_importance=_bool("return_importance", v.get("return_importance", False)),
         return_spans=_bool("return_spans", v.get("return_spans", False)),

@@ -5,7 +5,7 @@ preload_openblas()
 
 import pytest
 
-from jobs.embedded_redis import EmbeddedRedis
+from cli.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

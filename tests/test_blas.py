@@ -39,11 +39,30 @@ def test_library_packages_do_not_read_the_environment():
     assert offenders == []
 
 
+# Each entry point run to a quick exit (no Redis URL: status 2), then the BLAS it chose.
+ENTRY_POINTS = {
+    "specprefill": "from cli.main import main; main(['cache', 'stats'])",
+    "python -m worker": "from worker.launcher import main; main([])",
+}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
-def test_cli_entry_point_takes_the_preload_choice_from_settings():
-    code = "import jobs.cli; from specprefill.blas import blas_in_use; print(blas_in_use())"
-    run = lambda **env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,  # noqa: E731
-                                       text=True, env={**os.environ, **env}, check=True).stdout.strip()
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_entry_points_take_the_preload_choice_from_settings(entry):
+    code = f"{ENTRY_POINTS[entry]}; from specprefill.blas import blas_in_use; print(blas_in_use())"
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECPREFILL_REDIS_URL")}
+    run = lambda **extra: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,  # noqa: E731
+                                         text=True, env={**env, **extra}, check=True).stdout.strip()
     assert run(SPECPREFILL_OPENBLAS="0") == "bundled reference BLAS"
     assert run(SPECPREFILL_OPENBLAS="1", SPECPREFILL_OPENBLAS_PATH="/nonexistent/lib.so") == "bundled reference BLAS"
-    assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not break the import
+    found = next((p for p in __import__("specprefill.blas").blas.CANDIDATES if os.path.exists(p)), None)
+    if found is not None:
+        assert run(SPECPREFILL_OPENBLAS="1") == f"OpenBLAS ({found})"
+    assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not stop the preload
+
+
+def test_importing_the_entry_points_preloads_nothing_and_imports_no_mlx():
+    code = ("import sys, cli.main, cli.app, worker.launcher, worker.tasks, jobs.client; "
+            "import specprefill.blas as b; print(b._decided, any(m.startswith('mlx') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

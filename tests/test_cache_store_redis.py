@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from cache_store import RedisBlockStore, model_fingerprint
-from jobs.embedded_redis import EmbeddedRedis
+from cli.embedded_redis import EmbeddedRedis
 from kv_blocks import prefilled, same_bits
 from tiny_models import make_model
 

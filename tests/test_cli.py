@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.cli import _safe, build_parser, iter_documents, main
-from jobs.cli_args import prompt_fields, selection_fields
-from jobs.demo import load_demo
+from cli.app import build_parser
+from cli.demo import load_demo
+from cli.documents import iter_documents
+from cli.main import main
+from cli.options import prompt_fields, selection_fields
+from jobs.connection import safe_url
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,8 +32,8 @@ def test_every_command_takes_redis_url():
 
 
 def test_password_is_masked_in_messages():
-    assert _safe("rediss://:s3cret@host:6380/0") == "rediss://:***@host:6380/0"
-    assert _safe("redis://user:s3cret@host/0") == "redis://user:***@host/0"
+    assert safe_url("rediss://:s3cret@host:6380/0") == "rediss://:***@host:6380/0"
+    assert safe_url("redis://user:s3cret@host/0") == "redis://user:***@host/0"
 
 
 def test_missing_url_and_bad_spec_are_clean_errors(capsys, monkeypatch):
@@ -51,7 +54,7 @@ def test_generate_seed_seeds_the_draft_and_the_sampling(redis_url, capsys):
     assert main(["generate", "--redis-url", redis_url, "--text", "x y", "--seed", "3", "--json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["job_id"]
     payload = Client.from_url(redis_url).handle(job_id)._job().args[0]
-    assert payload["seed"] == 3 and payload["extra"]["seed"] == 3
+    assert payload["lookahead_seed"] == 3 and payload["extra"]["seed"] == 3
 
 
 @pytest.mark.parametrize("argv", [["submit", "--text", "x", "--wait"], ["submit", "--text", "x", "--wait", "--json"],
@@ -82,13 +85,13 @@ def test_batch_errors_name_the_file_or_document(redis_url, capsys, tmp_path):
 def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
     import fakeredis
 
-    import jobs.cli as cli_mod
+    import worker.launcher as launcher
     import worker.rq_worker as rq_worker
     from jobs.spec import Limits
 
     seen = {}
     monkeypatch.setenv("SPECPREFILL_ALLOWED_MODELS", "org/other")
-    monkeypatch.setattr(cli_mod, "_connect", lambda args, settings: fakeredis.FakeRedis())
+    monkeypatch.setattr(launcher, "checked_connection", lambda url, settings: fakeredis.FakeRedis())
     monkeypatch.setattr(rq_worker, "run_worker",
                         lambda runtime, queues, **kw: seen.update(settings=runtime.settings, **kw))
     assert main(["worker", "--preload", "org/preloaded", "--redis-url", "redis://unused"]) == 0
@@ -99,11 +102,12 @@ def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
 def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch, capsys):
     import fakeredis
 
-    import jobs.cli as cli_mod
+    import cli.options as options
     import jobs.client as client_mod
     from jobs.results import GenerateResult
 
-    final = GenerateResult("j", "abXY", "length", [1, 2], 0.1, 4, 4)
+    final = GenerateResult(job_id="j", text="abXY", finish_reason="length", token_ids=[1, 2],
+                           ttft_s=0.1, kept=4, total=4)
 
     class Handle:
         id, created = "j", True
@@ -125,7 +129,7 @@ def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch,
         def submit(self, spec):
             return Handle()
 
-    monkeypatch.setattr(cli_mod, "_connect", lambda args, settings: fakeredis.FakeRedis())
+    monkeypatch.setattr(options, "checked_connection", lambda url, settings: fakeredis.FakeRedis())
     monkeypatch.setattr(client_mod, "Client", FakeClient)
     assert main(["generate", "--text", "q", "--stream", "--redis-url", "redis://unused"]) == 0
     out = capsys.readouterr()
@@ -133,7 +137,7 @@ def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch,
 
 
 def test_auth_url_is_honoured(capsys):
-    from jobs.embedded_redis import EmbeddedRedis
+    from cli.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis(password="pw1") as server:
         assert main(["cache", "stats", "--redis-url", server.url, "--json"]) == 0
@@ -191,7 +195,7 @@ def demo_model():
 def _demo(model, *extra):
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECPREFILL_REDIS_URL")}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "demo", "--model", model, *extra],
+    return subprocess.Popen([sys.executable, "-m", "cli", "demo", "--model", model, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env=env, start_new_session=True)
 

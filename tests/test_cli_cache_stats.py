@@ -4,7 +4,7 @@ import re
 import redis
 
 from cache_store import SelectionMemo
-from jobs.cli import main
+from cli.main import main
 
 FP = "5e" * 32
 TOKENS = list(range(100, 400))

@@ -7,7 +7,8 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs.client import Client, JobFailed
-from jobs.progress import parse_stream_events, stream_key
+from jobs.keys import stream_key
+from jobs.progress import parse_stream_events
 from jobs.settings import Settings
 from jobs.spec import JobSpecError
 

@@ -2,7 +2,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from jobs.embedded_redis import EmbeddedRedis
+from cli.embedded_redis import EmbeddedRedis
 
 
 def test_embedded_redis_starts_on_a_free_port_and_stops(redis_url):

@@ -203,7 +203,7 @@ def test_second_sigterm_stops_a_decoding_job(redis_url, models, start_worker):
 
 def run_cli(*args, timeout=180):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 

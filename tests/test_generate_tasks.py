@@ -7,17 +7,20 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from jobs.progress import ProgressPublisher, parse_stream_events, stream_key
+from jobs.keys import stream_key
+from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from specprefill.positions import PositionedRoPE
 from test_worker_tasks import FakeModel, FakeTokenizer, fake_backend
 from tiny_models import make_model
-from worker.generate import TextStream, check_shared_tokenizer
+from worker.detokenize import TextStream
 from worker.models import ModelPool
-from worker.runtime import JobStopped, WorkerRuntime
-from worker.tasks import JobContext, execute
+from worker.runtime import WorkerRuntime
+from worker.context import JobContext, JobStopped
+from worker.tasks import execute
+from worker.tokenizer_pair import check_shared_tokenizer
 
 EOS = 250  # outside FakeTokenizer's 2..201 text ids
 
@@ -328,7 +331,8 @@ def test_stream_text_fills_a_gap_from_the_result():
             return "boom"
 
         def result(self, timeout=None):
-            return GenerateResult("h", "abcdefghij", "length", [], 0.1, 1, 1)
+            return GenerateResult(job_id="h", text="abcdefghij", finish_reason="length", token_ids=[],
+                                  ttft_s=0.1, kept=1, total=1)
 
     def ev(seq, kind, **data):
         return ProgressEvent("h", seq, kind, data)

@@ -23,7 +23,7 @@ def test_last_query_alone_may_score():
 
 def test_payload_round_trip_and_id_is_deterministic():
     spec = build_spec(S, messages=[{"role": "system", "content": "be brief"},
-                                   {"role": "user", "content": "hi"}], seed=7)
+                                   {"role": "user", "content": "hi"}], lookahead_seed=7)
     again = spec_from_payload(spec.to_payload(), S)
     assert again == spec
     assert again.job_id() == spec.job_id()
@@ -50,7 +50,10 @@ def test_numpy_tokens_accepted():
     (dict(tokens=[1], keep="0.2"), "keep: expected a number"),
     (dict(tokens=[1], chunk_size=0), r"chunk_size: 0 is outside the allowed range \[1, 8192\]"),
     (dict(tokens=[1], chunk_size=10**100), "chunk_size"),
-    (dict(tokens=[1], seed=-1), "seed"),
+    (dict(tokens=[1], lookahead_seed=-1), "lookahead_seed"),
+    (dict(tokens=[1], lookahead_temperature=-1), r"lookahead_temperature: -1.0 is outside the allowed range"),
+    (dict(tokens=[1], lookahead_top_p=0.0), r"lookahead_top_p: 0.0 is outside the allowed range \(0.0, 1.0\]"),
+    (dict(tokens=[1], seed=1, lookahead_seed=2), "seed: the old name of lookahead_seed; give only lookahead_seed"),
     (dict(tokens=[1], n_lookahead=2.5), "n_lookahead: expected an integer"),
     (dict(tokens=[1], n_lookahead=0, include_last_query=False), "n_lookahead: 0 needs include_last_query"),
     (dict(tokens=[1], n_lookahead=257), r"n_lookahead: 257 is outside the allowed range \[0, 256\]"),
@@ -85,6 +88,26 @@ def test_prompt_limit_is_named():
         build_spec(S.replace(max_prompt_tokens=16), tokens=list(range(17)))
     with pytest.raises(JobSpecError, match="max_prompt_tokens=16"):
         build_spec(S.replace(max_prompt_tokens=16), text="x" * 10_000)
+
+
+def test_lookahead_sampling_and_target_sampling_are_separate_fields():
+    spec = build_spec(S.replace(target_model="t"), tokens=[1, 2], kind="generate", lookahead_temperature=0.1,
+                      lookahead_top_p=0.5, lookahead_seed=3, extra={"temperature": 0.9, "top_p": 0.8, "seed": 4})
+    assert (spec.lookahead_temperature, spec.lookahead_top_p, spec.lookahead_seed) == (0.1, 0.5, 3)
+    assert (spec.generate.temperature, spec.generate.top_p, spec.generate.seed) == (0.9, 0.8, 4)
+    # score_tokens keeps its own parameter names (and the memo key with them)
+    assert {k: spec.scoring_options()[k] for k in ("temperature", "top_p", "seed")} == \
+        {"temperature": 0.1, "top_p": 0.5, "seed": 3}
+    assert build_spec(S, tokens=[1]).lookahead_temperature == S.temperature
+
+
+def test_old_spellings_of_the_lookahead_fields_are_accepted():
+    new = build_spec(S, tokens=[1, 2], lookahead_temperature=0.3, lookahead_top_p=0.5, lookahead_seed=4)
+    assert build_spec(S, tokens=[1, 2], temperature=0.3, top_p=0.5, seed=4) == new
+    old_payload = {k: v for k, v in new.to_payload().items() if not k.startswith("lookahead_")}
+    old_payload.update(v=1, temperature=0.3, top_p=0.5, seed=4)  # as a version-1 client queued it
+    assert spec_from_payload(old_payload, S) == new
+    assert new.to_payload()["v"] == 2 and "temperature" not in new.to_payload()
 
 
 def test_batch_limit_is_named():
@@ -129,7 +152,7 @@ def test_result_round_trip():
     back = PrefillResult.from_json(d)
     assert back == r and back.kept_indices() == [0, 1, 2, 3, 10, 11]
     assert back.tokens_per_s == {"prefill": 40.0}
-    assert math.isclose(PrefillResult("j", [], 0, 0, "short").ratio, 1.0)
+    assert math.isclose(PrefillResult(job_id="j", kept=0, total=0, reason="short").ratio, 1.0)
 
 
 from hypothesis import given, settings as hsettings, strategies as st
@@ -140,6 +163,7 @@ _junk = st.recursive(
     max_leaves=12)
 _field = st.sampled_from(["draft_model", "tokens", "text", "messages", "keep", "chunk_size",
                           "tail_tokens", "threshold", "n_lookahead", "seed", "top_p", "extra",
+                          "lookahead_seed", "lookahead_top_p", "lookahead_temperature",
                           "include_last_query", "kind", "v", "other"])
 
 
@@ -151,3 +175,18 @@ def test_fuzzed_payloads_only_raise_jobspecerror(payload):
     except JobSpecError:
         return
     assert spec_from_payload(spec.to_payload(), S) == spec
+
+
+def test_both_results_share_the_selection_fields_of_one_base():
+    from dataclasses import fields
+
+    from jobs.results import GenerateResult, JobResult
+
+    shared = {f.name for f in fields(JobResult)}
+    assert {"kept_ranges", "protected_prefix", "cached_tokens", "memo_hit", "timings"} <= shared
+    assert shared <= {f.name for f in fields(PrefillResult)} & {f.name for f in fields(GenerateResult)}
+    g = GenerateResult(job_id="g", kept=3, total=4, kept_ranges=[(0, 3)], text="hi", finish_reason="eos",
+                       token_ids=[5, 6], ttft_s=0.1, protected_prefix=2)
+    d = g.to_json()
+    assert d["ratio"] == 0.75 and d["generated_tokens"] == 2 and d["kind"] == "generate"
+    assert GenerateResult.from_json(d) == g and g.kept_indices() == [0, 1, 2]

@@ -6,9 +6,9 @@ import fakeredis
 import pytest
 import redis
 
+from jobs.keys import channel_name, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, ProgressTimeout,
-                           batch_progress, channel_name, iter_events, parse_stream_events,
-                           stream_key)
+                           batch_progress, iter_events, parse_stream_events)
 
 
 def test_publisher_numbers_caps_and_expires():
@@ -32,14 +32,14 @@ def test_resume_continues_sequence():
     assert pub.publish("loading_model", model="m").seq == 2
 
 
-def test_scoring_events_are_throttled_but_last_chunk_always_goes_out():
+def test_rate_events_are_throttled_but_the_last_always_goes_out():
     r = fakeredis.FakeRedis()
     now = [0.0]
     pub = ProgressPublisher(r, "j", namespace="t", min_interval_s=1.0, clock=lambda: now[0])
     sent = []
     for i in range(1, 101):
         now[0] = i * 0.05  # 20 chunks per second
-        sent.append(pub.scoring(i * 10, 1000, 200.0, 1.0))
+        sent.append(pub.progress("scoring", i * 10, 1000, tokens_per_s=200.0, eta_s=1.0))
     assert sent[-1] is True
     assert 5 <= sum(sent) <= 7
 
@@ -178,3 +178,16 @@ def test_events_are_batched_between_flushes_and_terminal_flushes_all():
     pub.publish("done")
     events = parse_stream_events(r.xrange(stream_key("t", "b")))
     assert [e.seq for e in events] == [1, 2, 3, 4, 5, 6] and events[-1].kind == "done"
+
+
+def test_publisher_for_takes_the_stream_settings_and_continues_the_sequence():
+    from jobs.progress import publisher_for
+    from jobs.settings import Settings
+
+    r = fakeredis.FakeRedis()
+    s = Settings(namespace="ns1", progress_stream_maxlen=7, progress_ttl_s=50, progress_interval_s=3.0)
+    pub = publisher_for(r, "j", s)
+    assert (pub.namespace, pub.maxlen, pub.ttl_s, pub.throttle.interval_s) == ("ns1", 7, 50, 3.0)
+    pub.publish("queued")
+    assert publisher_for(r, "j", s).seq == 1 and publisher_for(r, "j", s, start_seq=0).seq == 0
+    assert 0 < r.ttl(stream_key("ns1", "j")) <= 50

@@ -117,7 +117,7 @@ def test_real_chat_job_protects_system_block(redis_url, worker_proc, model_dir):
 
 def run_cli(*args, timeout=120, **kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT), **kw.pop("env", {}))
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env=env)
 
 

@@ -120,7 +120,7 @@ def test_job_taken_while_being_canceled_ends_stopped_without_running(redis_url, 
     before Job.cancel() removes it from the queue. The worker must not run it."""
     import redis as redis_lib
 
-    from jobs.client import cancel_key
+    from jobs.keys import cancel_key
 
     c = client_for(redis_url)
     h = c.submit(tokens=DOC)

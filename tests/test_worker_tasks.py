@@ -12,14 +12,17 @@ import fakeredis
 import numpy as np
 import pytest
 
-from jobs.progress import ProgressPublisher, parse_stream_events, stream_key
+from jobs.keys import stream_key
+from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
 from specprefill.selection import admission_reason, plan_selection, to_ranges
 from worker.models import ModelPool
-from worker.runtime import JobStopped, PrefillBackend, WorkerRuntime
-from worker.tasks import JobContext, execute, system_prefix_tokens, tokenize
+from worker.context import JobContext, JobStopped
+from worker.prompt import protected_prefix_length, tokenize
+from worker.runtime import SelectionBackend, WorkerRuntime
+from worker.tasks import execute
 
 # ---- fakes ----
 
@@ -111,7 +114,7 @@ def make_fake_score(chunk_delay_s=0.0, step=16):
 
 def fake_backend(chunk_delay_s=0.0, shared=None):
     shared = shared if shared is not None else {"blocks": set(), "memo": {}}
-    return PrefillBackend(
+    return SelectionBackend(
         score_with_cache=make_fake_score(chunk_delay_s), plan_selection=plan_selection,
         to_ranges=to_ranges, admission_reason=admission_reason,
         block_store=lambda client, loaded, s: FakeStore(shared["blocks"]),
@@ -218,10 +221,10 @@ def test_chat_protected_prefix_is_the_system_block():
     tok = FakeTokenizer()
     spec = build_spec(Settings(draft_model="m"), messages=[
         {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
-    tokens, system_end = tokenize(spec, tok)
-    assert system_end == len(tok.encode("<system>You are terse.</system><user>", add_special_tokens=False))
-    assert tokens[:system_end] == tok.encode("<system>You are terse.</system><user>", add_special_tokens=False)
-    assert system_prefix_tokens(tok, [{"role": "user", "content": "x"}], tokens) == 0
+    tokens, protected_prefix = tokenize(spec, tok)
+    assert protected_prefix == len(tok.encode("<system>You are terse.</system><user>", add_special_tokens=False))
+    assert tokens[:protected_prefix] == tok.encode("<system>You are terse.</system><user>", add_special_tokens=False)
+    assert protected_prefix_length(tok, [{"role": "user", "content": "x"}], tokens) == 0
 
 
 def test_chat_without_template_is_a_clear_error():

@@ -1,6 +1,6 @@
-"""``python -m worker``: the same as ``specprefill worker``."""
+"""``python -m worker``: run a worker (see :mod:`worker.launcher`)."""
 import sys
 
-from jobs.cli import main  # preloads OpenBLAS per Settings.from_env() before anything imports mlx
+from worker.launcher import main
 
-raise SystemExit(main(["worker", *sys.argv[1:]]))
+raise SystemExit(main(sys.argv[1:]))

@@ -11,28 +11,25 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from datetime import timedelta
 from typing import Any, Sequence
 
-import redis
 from rq import Queue, SimpleWorker, worker_registration
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from jobs.connection import REDIS_DOWN
 from worker import runtime as runtime_mod
 from worker.models import release_cached_buffers
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-
 
 class _HeartbeatThread(threading.Thread):
     """Calls RQ's ``maintain_heartbeats(job, execution)`` every ``interval_s`` seconds."""
 
-    def __init__(self, worker: "PrefillWorker", job: Any, execution: Any, interval_s: float) -> None:
+    def __init__(self, worker: "InProcessWorker", job: Any, execution: Any, interval_s: float) -> None:
         super().__init__(name=f"heartbeat-{job.id}", daemon=True)
         self.worker, self.job, self.execution = worker, job, execution
         self.interval_s = interval_s
@@ -52,8 +49,9 @@ class _HeartbeatThread(threading.Thread):
         self.join(timeout=5)
 
 
-class PrefillWorker(SimpleWorker):
-    """A SimpleWorker with heartbeats, cooperative stop and enforced job timeouts."""
+class InProcessWorker(SimpleWorker):
+    """A SimpleWorker (jobs run in this process, models stay loaded) with heartbeats,
+    cooperative stop, enforced job timeouts and a worker loop that survives Redis outages."""
 
     def __init__(self, queues: Sequence[str | Queue], *, runtime: WorkerRuntime, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
@@ -95,11 +93,12 @@ class PrefillWorker(SimpleWorker):
             release_cached_buffers()
 
     # -- surviving a Redis outage ---------------------------------------------
-    # RQ's dequeue loop already waits out a lost Redis with backoff, but an error anywhere
-    # else in its work loop (recording a job's end, maintenance, the suspension check,
-    # heartbeats) makes it quit. These overrides keep the worker alive instead; a job whose
-    # end could not be recorded keeps its short claim (heartbeat_ttl_s), so if Redis kept
-    # it, a registry sweep retries it, and if Redis lost it, the client reports it missing.
+    # Waiting for Redis is RQ's own: its dequeue loop backs off until Redis answers. But
+    # an error anywhere else in its work loop (recording a job's end, maintenance, the
+    # suspension check, heartbeats, the worker's state) makes it quit. These overrides keep
+    # the worker alive instead and let it reach that dequeue loop; a job whose end could not
+    # be recorded keeps its short claim (heartbeat_ttl_s), so if Redis kept it, a registry
+    # sweep retries it, and if Redis lost it, the client reports it missing.
 
     _redis_lost = False
 
@@ -107,18 +106,6 @@ class PrefillWorker(SimpleWorker):
         if not self._redis_lost:
             self.log.warning("Worker %s: Redis unavailable (%s): %s", self.name, where, exc)
         self._redis_lost = True
-
-    def _wait_for_redis(self) -> None:
-        wait = 1.0
-        while not self._stop_requested:
-            try:
-                self.connection.ping()
-                return
-            except REDIS_DOWN as exc:
-                self.log.warning("Worker %s: Redis still unavailable (%s); retrying in %.0f s",
-                            self.name, exc, wait)
-                time.sleep(wait)
-                wait = min(wait * self.exponential_backoff_factor, self.max_connection_wait_time)
 
     def _register_again(self) -> None:
         """Redis came back (maybe empty): put this worker's hash and registry entries back."""
@@ -139,7 +126,15 @@ class PrefillWorker(SimpleWorker):
         except REDIS_DOWN as exc:
             self._redis_down(f"ending job {job.id}", exc)
             self.executions.clear()  # the execution RQ could not close is not running any more
-            self._wait_for_redis()
+
+    def set_state(self, state: str, pipeline: Any = None) -> None:
+        if pipeline is not None:
+            return super().set_state(state, pipeline=pipeline)
+        try:
+            super().set_state(state)
+        except REDIS_DOWN as exc:  # re-registering when Redis is back writes the state again
+            self._state = state
+            self._redis_down("state", exc)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
         if pipeline is not None:
@@ -207,6 +202,6 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     queues = list(queues or runtime.settings.queues)
     for model in preload:
         runtime.models.get(model)
-    w = PrefillWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
+    w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
     return w.work(burst=burst, logging_level=logging_level, max_jobs=max_jobs)

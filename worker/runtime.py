@@ -17,13 +17,10 @@ from jobs.settings import Settings
 from worker.models import LoadedModel, ModelPool
 
 
-class JobStopped(Exception):
-    """A stop was requested (RQ stop-job command or a second SIGTERM); raised between chunks."""
-
-
 @dataclass
-class PrefillBackend:
-    """The scoring, selection and storage functions a prefill job calls (a test seam)."""
+class SelectionBackend:
+    """The scoring, selection and storage functions the selection pipeline calls, for prefill
+    and generate jobs alike (a test seam)."""
 
     score_with_cache: Callable[..., Any]
     plan_selection: Callable[..., Any]
@@ -34,7 +31,7 @@ class PrefillBackend:
     selection_rule: int = 0  # part of the memo key: a new rule never reuses old selections
 
     @classmethod
-    def default(cls) -> "PrefillBackend":
+    def default(cls) -> "SelectionBackend":
         from cache_store import RedisBlockStore, SelectionMemo
         from specprefill.reuse import score_with_cache
         from specprefill.selection import SELECTION_RULE, admission_reason, plan_selection, to_ranges
@@ -67,16 +64,16 @@ class WorkerRuntime:
     connection: redis.Redis        # queue + progress
     cache_client: redis.Redis      # block store + memo (may be another Redis)
     models: ModelPool
-    backend_factory: Callable[[], PrefillBackend] = PrefillBackend.default
+    backend_factory: Callable[[], SelectionBackend] = SelectionBackend.default
     stop_event: threading.Event = field(default_factory=threading.Event)
     # The job that just ended by stopping itself (JobStopped): RQ must record it as stopped.
     stopped_job_id: str | None = None
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
-    _backend: PrefillBackend | None = None
+    _backend: SelectionBackend | None = None
 
     @property
-    def backend(self) -> PrefillBackend:
+    def backend(self) -> SelectionBackend:
         if self._backend is None:  # imported on first job so the worker starts without them
             self._backend = self.backend_factory()
         return self._backend

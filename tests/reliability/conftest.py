@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from jobs.client import Client
-from jobs.embedded_redis import EmbeddedRedis
+from cli.embedded_redis import EmbeddedRedis
 from jobs.settings import Settings
 from worker_procs import WorkerProcess
 

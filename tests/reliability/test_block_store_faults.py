@@ -15,7 +15,7 @@ from rq.results import Result
 
 from cache_store import FORMAT_VERSION, RedisBlockStore, decode_block
 from jobs.client import Client
-from jobs.embedded_redis import free_port
+from cli.embedded_redis import free_port
 from jobs.settings import Settings
 from reliability.conftest import real_settings
 

@@ -22,8 +22,9 @@ MAX_PROMPT = 512  # small limits keep oversized examples cheap
 LIMITS = dict(max_prompt_tokens=MAX_PROMPT, max_batch_documents=20)
 VALID = {"draft_model": "fake-draft", "tokens": [2 + i % 200 for i in range(60)]}
 
-INTS = ["chunk_size", "tail_tokens", "threshold", "n_lookahead", "pool_kernel", "seed"]
-FLOATS = ["keep", "temperature", "top_p"]
+INTS = ["chunk_size", "tail_tokens", "threshold", "n_lookahead", "pool_kernel", "lookahead_seed"]
+FLOATS = ["keep", "lookahead_temperature", "lookahead_top_p"]
+OLD_NAMES = {"seed": "lookahead_seed", "temperature": "lookahead_temperature", "top_p": "lookahead_top_p"}
 BOOLS = ["include_last_query", "return_importance", "return_spans"]
 
 not_a_number = st.one_of(st.text(max_size=5), st.lists(st.integers(), max_size=2),
@@ -87,6 +88,7 @@ bad_model = st.one_of(st.just(""), st.just("   "), st.integers(), st.lists(st.te
 # (field the error must name, payload) pairs that any validator can reject.
 HOSTILE = st.one_of(
     *[with_field(n, bad_number(n)) for n in INTS + FLOATS],
+    *[with_field(old, bad_number(new), prefix=new) for old, new in OLD_NAMES.items()],  # still accepted
     *[with_field(n, st.one_of(st.integers(), st.text(max_size=4), st.floats(allow_nan=True)))
       for n in BOOLS],
     with_field("draft_model", bad_model),
@@ -97,8 +99,8 @@ HOSTILE = st.one_of(
     st.just(("input", {"draft_model": "fake-draft"})),
     with_field("kind", st.text(max_size=10).filter(lambda k: k not in ("prefill", "generate"))),
     st.text(min_size=1, max_size=10).filter(lambda k: k.isidentifier() and k not in
-                                              {*VALID, *INTS, *FLOATS, *BOOLS, "text", "messages",
-                                               "kind", "extra", "v"})
+                                              {*VALID, *INTS, *FLOATS, *BOOLS, *OLD_NAMES, "text",
+                                               "messages", "kind", "extra", "v"})
     .map(lambda k: (k, {**VALID, k: 1})),
 )
 # Only the worker can reject these: it knows its models and their vocabularies.

@@ -25,7 +25,7 @@ def doc_tokens(i: int) -> list[int]:
 
 
 def run_batch_cli(url, docs, out, settings, timeout=120):
-    return subprocess.Popen([sys.executable, "-m", "jobs.cli", "batch", str(docs), "--out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "cli", "batch", str(docs), "--out", str(out),
                              "--redis-url", url, "--json", "--timeout", str(timeout)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=env_for(settings))

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from jobs.client import Client
-from jobs.embedded_redis import free_port
+from cli.embedded_redis import free_port
 from jobs.settings import Settings
 from reliability.conftest import real_settings
 

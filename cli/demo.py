@@ -9,6 +9,7 @@ end, also on Ctrl-C.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -22,7 +23,11 @@ from typing import Any, TextIO
 
 import redis
 
+from cli.display import ProgressDisplay, Row
+from cli.options import SharedOptions
 from jobs.connection import queue_connection
+from jobs.deadline import Deadline
+from jobs.progress import BatchProgress
 from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
 
 DEMO_DIR = SHIPPED_MODELS / "demo"
@@ -80,12 +85,12 @@ class WorkerProcesses:
                     start_new_session=True))
 
     def wait_ready(self, conn: redis.Redis, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while not all(conn.exists(f"rq:worker:{n}") for n in self.names):
             for proc, log in zip(self.procs, self.logs):
                 if proc.poll() is not None:
                     raise RuntimeError(f"a worker exited at start:\n{log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
+            if deadline.expired:
                 raise RuntimeError(f"workers not ready after {timeout}s")
             time.sleep(0.1)
 
@@ -103,58 +108,65 @@ class WorkerProcesses:
 
 def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out: TextIO,
                timeout: float) -> dict[str, Any]:
-    from jobs.client import JobFailed
-
     asked = [d for d in docs if round_no in d.questions]
     specs = [dict(DEMO_OPTIONS, draft_model=model, text=f"{d.text} {d.questions[round_no]}")
              for d in asked]
-    names = [d.id for d in asked]
     print(f"\nround {round_no}: {len(specs)} documents, each with a new question", file=out)
     t0 = time.perf_counter()
     batch = client.submit_many(specs)
+    with ProgressDisplay(out) as display:
+        _follow_round(batch, [d.id for d in asked], display, t0, timeout)
+    return _round_summary(batch.result(timeout=30), asked, round_no, time.perf_counter() - t0)
+
+
+def _follow_round(batch: Any, names: list[str], display: ProgressDisplay, t0: float,
+                  timeout: float) -> None:
+    """Live progress of one round: a line per finished document, a row per running one."""
     shown: set[str] = set()
     finished_tokens = 0
-    tty, last_line = out.isatty(), ""
     for view in batch.events(poll_s=0.25, timeout=timeout):
+        running = []
         for name, jid in zip(names, batch.job_ids):
             ev = view.last_events.get(jid)
-            if jid in shown or ev is None or not ev.terminal:
+            if jid in shown or ev is None:
                 continue
-            shown.add(jid)
-            d = ev.data
-            finished_tokens += int(d.get("total", 0))
-            line = (f"  {name}: {ev.kind}" if ev.kind != "done" else
-                    f"  {name}: kept {d['kept']}/{d['total']} ({100 * d['ratio']:.0f}%), "
-                    f"{d['cached_tokens']} tokens from the block store, {d['elapsed_s']:.2f}s")
-            print(("\r\033[K" if tty else "") + line, file=out, flush=True)
-        running = [f"{n} {100 * ev.data['processed'] / max(1, ev.data['total']):.0f}%"
-                   for n, jid in zip(names, batch.job_ids)
-                   if (ev := view.last_events.get(jid)) is not None and ev.kind == "scoring"
-                   and jid not in shown]
-        frac = view.finished / max(1, view.total)
-        bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
-        line = (f"  [{bar}] {view.finished}/{view.total} done, {view.running} running, "
-                f"{view.rates_text(finished_tokens, time.perf_counter() - t0)}"
-                + (f" | {', '.join(running[:3])}" if running else ""))
-        if tty:
-            print("\r\033[K" + line[:150], end="", file=out, flush=True)
-        elif line != last_line:
-            print(line, file=out, flush=True)
-        last_line = line
-    if tty:
-        print("\r\033[K", end="", file=out)
-    results = batch.result(timeout=30)
+            if ev.terminal:
+                shown.add(jid)
+                finished_tokens += int(ev.data.get("total", 0))
+                display.line(_finished_line(name, ev))
+            elif ev.kind == "scoring":
+                running.append(Row(name, "scoring", ev.data["processed"], ev.data["total"]))
+        display.show(running, _total_row(view, finished_tokens, time.perf_counter() - t0))
+
+
+def _finished_line(name: str, ev: Any) -> str:
+    d = ev.data
+    if ev.kind != "done":
+        return f"  {name}: {ev.kind}"
+    return (f"  {name}: kept {d['kept']}/{d['total']} ({100 * d['ratio']:.0f}%), "
+            f"{d['cached_tokens']} tokens from the block store, {d['elapsed_s']:.2f}s")
+
+
+def _total_row(view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
+    return Row("total", "", view.finished, view.total,
+               f"{view.running} running, {view.rates_text(finished_tokens, elapsed_s)}")
+
+
+def _round_summary(results: list[Any], asked: list[DemoDoc], round_no: int,
+                   wall_s: float) -> dict[str, Any]:
+    from jobs.client import JobFailed
+
     ok = [r for r in results if not isinstance(r, JobFailed)]
     spans = [(d.needle_span(round_no), r) for d, r in zip(asked, results) if not isinstance(r, JobFailed)]
     return {
-        "round": round_no, "documents": len(specs), "failed": len(results) - len(ok),
+        "round": round_no, "documents": len(asked), "failed": len(results) - len(ok),
         "needles": sum(span is not None for span, _ in spans),
         "needles_kept": sum(span is not None and _covered(span, r.kept_ranges) for span, r in spans),
         "prompt_tokens": sum(r.total for r in ok), "kept": sum(r.kept for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "memo_hits": sum(r.memo_hit for r in ok),
         "score_s": sum(r.timings.get("total", 0.0) for r in ok),
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall_s,
     }
 
 
@@ -188,8 +200,8 @@ def _summary(rounds: list[dict[str, Any]], out: TextIO) -> None:
 
 def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     """Run the demo (see the module docstring); returns the exit status."""
+    from cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
-    from jobs.embedded_redis import EmbeddedRedis
 
     model = args.model or settings.draft_model
     if not (Path(model).exists() or "/" in model and not model.startswith((".", "/"))):
@@ -226,3 +238,16 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
             workers.stop()
         if server is not None:
             server.cleanup()
+
+
+def register(sub: Any, shared: SharedOptions) -> None:
+    p = sub.add_parser("demo", parents=[shared.common], help="run the shipped demo end to end")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--documents", type=int, default=None, help="use only the first N documents")
+    p.add_argument("--model", help="draft model (default: the shipped draft-tiny)")
+    p.add_argument("--timeout", type=float, default=600)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    return run_demo(args, settings)

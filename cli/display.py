@@ -1,0 +1,113 @@
+"""The one progress renderer of ``watch``, ``batch`` and the demo.
+
+On a terminal it is one rich live display: a row per running job or document (a bar, its
+phase and rate) plus a total row, redrawn in place at the terminal's width, with finished
+items and other events printed as lines above it. Anywhere else (a pipe, a log file) it
+writes plain lines: each event, and the rows whenever they change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+NAME_WIDTH = 28
+BAR_WIDTH = 24
+WIDE = 80  # narrower terminals get a shorter name and bar
+PLAIN_ROWS = 4  # running rows a plain line names besides the total
+
+
+@dataclass(frozen=True)
+class Row:
+    """One live row: ``done`` of ``total`` in ``phase`` (e.g. scoring), with a short note."""
+
+    name: str
+    phase: str
+    done: float
+    total: float
+    note: str = ""
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * min(1.0, self.done / self.total) if self.total > 0 else 0.0
+
+    def plain(self) -> str:
+        head = " ".join(part for part in (self.name, self.phase) if part)
+        text = f"{head} {self.percent:.0f}% ({int(self.done)}/{int(self.total)})"
+        return f"{text}, {self.note}" if self.note else text
+
+
+class ProgressDisplay:
+    """Rows redrawn in place (rich) on a terminal, plain lines elsewhere; silent without ``out``.
+
+    ``live`` forces the mode (default: ``out.isatty()``); ``console`` replaces the one made
+    for ``out`` (tests give a fixed width).
+    """
+
+    def __init__(self, out: TextIO | None, *, live: bool | None = None,
+                 console: Console | None = None) -> None:
+        self.out = out
+        self._last_plain = ""
+        self._live: Live | None = None
+        if out is not None and (out.isatty() if live is None else live):
+            self._live = Live(console=console or Console(file=out), auto_refresh=False,
+                              redirect_stdout=False, redirect_stderr=False)  # other output keeps its stream
+            self._live.start()
+
+    @property
+    def live(self) -> bool:
+        return self._live is not None
+
+    def __enter__(self) -> "ProgressDisplay":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def line(self, text: str) -> None:
+        """A line that stays (an event, a finished document)."""
+        if self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            self._live.refresh()
+        elif self.out is not None:
+            print(text, file=self.out, flush=True)
+
+    def show(self, rows: Sequence[Row], total: Row | None = None) -> None:
+        """The live rows now: the running ones, then the total."""
+        if self._live is not None:
+            table = _table([*rows, *([total] if total is not None else [])], self._live.console.width)
+            self._live.update(table, refresh=True)
+        elif self.out is not None:
+            self._show_plain(rows, total)
+
+    def _show_plain(self, rows: Sequence[Row], total: Row | None) -> None:
+        parts = [total.plain()] if total is not None else []
+        parts += [r.plain() for r in rows[:PLAIN_ROWS]]
+        text = " | ".join(parts)
+        if text and text != self._last_plain:
+            print(text, file=self.out, flush=True)
+        self._last_plain = text
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+def _table(rows: Sequence[Row], width: int) -> Table:
+    """One line per row at the console's ``width``: name, phase, bar, percent, note (cut to fit)."""
+    narrow = width < WIDE
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column(no_wrap=True, overflow="ellipsis", max_width=NAME_WIDTH // (2 if narrow else 1))
+    table.add_column(no_wrap=True)
+    table.add_column(width=BAR_WIDTH // (3 if narrow else 1))
+    table.add_column(justify="right", no_wrap=True)
+    table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)  # what is left, cut to fit
+    for r in rows:
+        table.add_row(r.name, r.phase, ProgressBar(total=max(r.total, 1e-9), completed=r.done),
+                      f"{r.percent:3.0f}%", r.note)
+    return table

@@ -1,0 +1,80 @@
+"""``specprefill generate``: the whole TTFT pipeline for one prompt, the text printed or streamed.
+
+``--seed`` of a generate job seeds both the draft's lookahead and the sampling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from cli.options import (SharedOptions, add_generate_options, add_prompt_options, add_selection_options,
+                         connect, generate_options, prompt_fields, selection_fields)
+from cli.submit import print_failed, print_submitted
+from jobs.deadline import Deadline
+from jobs.settings import Settings
+
+
+def summary_line(data: dict[str, Any]) -> str:
+    rate = data.get("tokens_per_s", {}).get("decode")
+    return (f"{data['job_id']}: {data['generated_tokens']} tokens ({data['finish_reason']}), "
+            f"TTFT {data['ttft_s']:.3f}s, kept {data['kept']}/{data['total']} "
+            f"({100 * data['ratio']:.1f}%)" + (" [full prefill]" if data.get("full_prefill") else "")
+            + (f", decode {rate:.1f} tok/s" if rate else ""))
+
+
+def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:
+    """Print the text as it comes; the result JSON. After a retry that generated other
+    text, the final text is printed on its own line."""
+    from jobs.client import StreamDiverged
+
+    try:
+        for delta in handle.stream_text(timeout=deadline.left()):
+            print(delta, end="", file=out, flush=True)
+        diverged = False
+    except StreamDiverged as exc:  # a retry sampled other text: show the final one
+        print(file=out, flush=True)
+        print(f"[{exc}]", file=sys.stderr, flush=True)
+        diverged = True
+    data = handle.result(timeout=deadline.left()).to_json()
+    print(data["text"] if diverged else "", file=out, flush=True)
+    return data
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.client import Client, JobFailed
+
+    client = Client(connect(args, settings), settings)
+    fields = {**selection_fields(args), **prompt_fields(args), **generate_options(args)}
+    handle = client.submit(client.generate_spec(**fields))
+    if not (args.wait or args.stream):
+        print_submitted(handle, args.json)
+        return 0
+    deadline = Deadline(args.timeout)  # one --timeout for the stream and the result together
+    try:
+        if args.stream:
+            data = stream(handle, deadline, sys.stderr if args.json else sys.stdout)
+        else:
+            data = handle.result(timeout=deadline.left()).to_json()
+    except JobFailed as exc:
+        return print_failed(handle, exc, args.json)
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    if not args.stream:
+        print(data["text"])
+    print(summary_line(data), file=sys.stderr)
+    return 0
+
+
+def register(sub: Any, shared: SharedOptions) -> None:
+    p = sub.add_parser("generate", parents=[shared.common], help="generate text (SpecPrefill TTFT)")
+    add_prompt_options(p)
+    add_selection_options(p, seed_help="seeds the draft's lookahead and the sampling")
+    add_generate_options(p)
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--wait", action="store_true", help="block until the job ends, print the text")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--timeout", type=float)
+    p.set_defaults(func=run)

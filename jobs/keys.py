@@ -1,0 +1,30 @@
+"""Every Redis key and channel name the queue's side writes (jobs and worker), in one place.
+
+RQ owns its own keys (``rq:job:<id>``, ...; see :func:`job_key`); the block store and the
+selection memo own theirs (:mod:`cache_store.keys`). Everything here starts with the
+deployment's namespace, so deployments sharing a Redis never read each other's keys.
+"""
+from __future__ import annotations
+
+from rq.job import Job
+
+
+def cancel_key(namespace: str, job_id: str) -> str:
+    """Set by ``JobHandle.cancel()``; a worker that has just taken the job checks it before
+    running it (closing the gap between reading "queued" and cancelling)."""
+    return f"{namespace}:cancel:{job_id}"
+
+
+def stream_key(namespace: str, job_id: str) -> str:
+    """The job's capped, expiring progress stream (replayable)."""
+    return f"{namespace}:progress:{job_id}"
+
+
+def channel_name(namespace: str, job_id: str) -> str:
+    """The job's progress pub/sub channel (live, at most once)."""
+    return f"{namespace}:progress-channel:{job_id}"
+
+
+def job_key(job_id: str) -> str:
+    """RQ's hash of one job (status, result, ...)."""
+    return Job.key_for(job_id)

@@ -1,0 +1,57 @@
+"""The progress event: what a job reports, as it travels on Redis (JSON)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from cache_store.replies import hash_field
+
+EVENT_KINDS = (
+    "queued", "loading_model", "cache_lookup", "scoring", "lookahead", "importance",
+    "selection", "cache_store", "retrying", "done", "failed", "stopped",
+    # generate jobs: target prefill (processed/total), decode (tokens so far, tokens/s) and
+    # the generated text as ``text`` deltas (``offset`` = characters before ``delta``)
+    "target_prefill", "decode", "text",
+)
+TERMINAL_KINDS = frozenset({"done", "failed", "stopped"})
+STREAM_FIELD = "e"  # the one field of a stream entry: the event's JSON
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One event of one job. ``seq`` counts from 1 per job run."""
+
+    job_id: str
+    seq: int
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+    ts: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL_KINDS
+
+    def to_json(self) -> str:
+        return json.dumps({"job_id": self.job_id, "seq": self.seq, "kind": self.kind,
+                           "ts": self.ts, "data": self.data}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "ProgressEvent":
+        d = json.loads(raw)
+        return cls(d["job_id"], int(d["seq"]), d["kind"], d.get("data") or {}, float(d.get("ts", 0)))
+
+    @classmethod
+    def from_entry(cls, fields: Mapping) -> "ProgressEvent":
+        """The event of one stream entry's fields."""
+        return cls.from_json(hash_field(fields, STREAM_FIELD))
+
+
+def check_kind(kind: str) -> None:
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"kind: {kind!r} is not one of {', '.join(EVENT_KINDS)}")
+
+
+def parse_stream_events(entries: Iterable[tuple[Any, Mapping]]) -> list[ProgressEvent]:
+    """Decode raw XRANGE entries (for tools and tests)."""
+    return [ProgressEvent.from_entry(f) for _, f in entries]

@@ -1,0 +1,146 @@
+"""Publishing a job's progress: XADD to its capped, expiring stream + PUBLISH, batched."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import redis
+
+from jobs.connection import REDIS_DOWN
+from jobs.keys import channel_name, stream_key
+from jobs.progress.events import STREAM_FIELD, TERMINAL_KINDS, ProgressEvent, check_kind
+from jobs.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Throttle:
+    """At most one go per ``interval_s``: :meth:`due` asks, :meth:`mark` records a go.
+
+    The one throttle of progress reporting: the publisher sends at most one batch per
+    interval, and rate events (scoring, target prefill, decode) are thinned to the sends.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self._last = float("-inf")
+
+    def due(self) -> bool:
+        return self.clock() - self._last >= self.interval_s
+
+    def mark(self) -> None:
+        self._last = self.clock()
+
+
+class ProgressPublisher:
+    """Publishes one job's events: XADD (capped, expiring) + PUBLISH, pipelined.
+
+    Events are numbered as they are sent, in batches: the first event goes out at once,
+    later ones at most every ``min_interval_s`` in one round trip, and a terminal event
+    flushes everything at once. Rate events (:meth:`progress`) are thinned to one per
+    send (the last of a phase always counts). That keeps publishing to a few round trips
+    per job. Storage faults never reach the job: a failed flush is logged and its events
+    counted in ``dropped``. ``publish_seconds`` is the time spent publishing.
+    """
+
+    def __init__(self, client: redis.Redis, job_id: str, *, namespace: str = Settings.namespace,
+                 maxlen: int = Settings.progress_stream_maxlen, ttl_s: int = Settings.progress_ttl_s,
+                 min_interval_s: float = Settings.progress_interval_s, start_seq: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.namespace = namespace
+        self.maxlen = maxlen
+        self.ttl_s = ttl_s
+        self.throttle = Throttle(min_interval_s, clock)
+        self.seq = start_seq
+        self.finished = False
+        self.dropped = 0
+        self.publish_seconds = 0.0
+        self._pending: list[tuple[str, dict[str, Any]]] = []
+
+    @classmethod
+    def resume(cls, client: redis.Redis, job_id: str, **kwargs: Any) -> "ProgressPublisher":
+        """A publisher that continues the sequence already in the job's stream (retries)."""
+        namespace = kwargs.get("namespace", Settings.namespace)
+        start = 0
+        try:
+            last = client.xrevrange(stream_key(namespace, job_id), count=1)
+            if last:
+                start = ProgressEvent.from_entry(last[0][1]).seq
+        except REDIS_DOWN as exc:
+            log.warning("progress: cannot read last event of %s: %s", job_id, exc)
+        return cls(client, job_id, start_seq=start, **kwargs)
+
+    def add_to_pipeline(self, pipe: Any, kind: str, **data: Any) -> ProgressEvent:
+        """Queue one event's XADD/EXPIRE/PUBLISH on ``pipe`` (the caller executes it)."""
+        check_kind(kind)
+        self.seq += 1
+        event = ProgressEvent(self.job_id, self.seq, kind, data, time.time())
+        raw = event.to_json()
+        key = stream_key(self.namespace, self.job_id)
+        pipe.xadd(key, {STREAM_FIELD: raw}, maxlen=self.maxlen, approximate=True)
+        pipe.expire(key, self.ttl_s)
+        pipe.publish(channel_name(self.namespace, self.job_id), raw)
+        if event.terminal:
+            self.finished = True
+        return event
+
+    def due(self) -> bool:
+        """Whether the next event would be sent at once (the interval since the last send passed)."""
+        return self.throttle.due()
+
+    def publish(self, kind: str, **data: Any) -> ProgressEvent | None:
+        """Record one event; returns it, or None if dropped (after terminal, or a fault).
+
+        The event is sent now if it is terminal or the last send is ``min_interval_s`` old,
+        else with the next send.
+        """
+        check_kind(kind)
+        if self.finished:
+            return None
+        self._pending.append((kind, data))
+        if kind in TERMINAL_KINDS or self.due():
+            sent = self.flush()
+            return sent[-1] if sent else None
+        return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time())
+
+    def progress(self, kind: str, processed: int, total: int, **data: Any) -> bool:
+        """A rate event (``processed`` of ``total``): recorded only when a send is due or it
+        is the last one (``processed >= total``). Returns True if it was recorded."""
+        if processed < total and not self.due():
+            return False
+        return self.publish(kind, processed=processed, total=total, **data) is not None
+
+    def flush(self) -> list[ProgressEvent]:
+        """Send every pending event in one round trip; returns them ([] on a fault)."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        self.throttle.mark()
+        t0 = time.perf_counter()
+        seq, finished = self.seq, self.finished
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                events = [self.add_to_pipeline(pipe, kind, **data) for kind, data in pending]
+                pipe.execute()
+            return events
+        except REDIS_DOWN as exc:
+            self.seq, self.finished = seq, finished or any(k in TERMINAL_KINDS for k, _ in pending)
+            self.dropped += len(pending)
+            log.warning("progress: dropped %d events of %s: %s", len(pending), self.job_id, exc)
+            return []
+        finally:
+            self.publish_seconds += time.perf_counter() - t0
+
+
+def publisher_for(client: redis.Redis, job_id: str, settings: Settings, *,
+                  start_seq: int | None = None) -> ProgressPublisher:
+    """The job's publisher with the deployment's stream settings (the one place that reads
+    them). It continues the sequence in the job's stream unless ``start_seq`` is given."""
+    kwargs = dict(namespace=settings.namespace, maxlen=settings.progress_stream_maxlen,
+                  ttl_s=settings.progress_ttl_s, min_interval_s=settings.progress_interval_s)
+    if start_seq is None:
+        return ProgressPublisher.resume(client, job_id, **kwargs)
+    return ProgressPublisher(client, job_id, start_seq=start_seq, **kwargs)

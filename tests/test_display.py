@@ -1,0 +1,94 @@
+"""The one progress renderer (watch, batch, demo): rich rows at the terminal's width, plain
+lines elsewhere, and no hand-written line redraw anywhere else."""
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from cli.display import ProgressDisplay, Row
+
+ROOT = Path(__file__).resolve().parents[1]
+ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+LONG = "a-document-with-a-very-long-name-indeed.txt"
+
+
+def rows(*pct):
+    return [Row(f"doc-{i}", "scoring", p, 100, f"{300 + i} tok/s, eta 2.0s") for i, p in enumerate(pct)]
+
+
+TOTAL = Row("overall", "", 1, 3, "done 1 failed 0 running 2 queued 0 | 5000 tok/s (812 tok/s now) eta 3s")
+
+
+def live_display(width):
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=width, color_system=None)
+    return buf, ProgressDisplay(buf, live=True, console=console)
+
+
+def last_frame(text, n_rows):
+    """The lines of the last redraw (rich moves the cursor up over the previous frame)."""
+    lines = [ESCAPE.sub("", part) for part in re.split(r"\r|\n", text)]
+    return [line for line in lines if line.strip()][-n_rows:]
+
+
+@pytest.mark.parametrize("width", [40, 72, 140])
+def test_live_rows_fit_the_terminal_and_the_total_comes_last(width):
+    buf, display = live_display(width)
+    with display:
+        display.show([Row(LONG, "scoring", 70, 100, "300 tok/s"), *rows(20)], TOTAL)
+    frame = last_frame(buf.getvalue(), 3)
+    assert all(len(line) <= width for line in frame), frame
+    assert frame[-1].startswith("overall") and frame[1].startswith("doc-0")
+    assert all("%" in line for line in frame)  # the percentage survives a narrow terminal
+    if width >= 80:
+        assert "70%" in frame[0] and "done 1 failed 0" in frame[2]
+
+
+def test_live_rows_that_end_leave_and_lines_stay_above():
+    buf, display = live_display(100)
+    with display:
+        display.show(rows(10, 20), TOTAL)
+        display.line("  doc-0: kept 3/10")
+        before = len(buf.getvalue())
+        display.show(rows(10, 90)[1:], TOTAL)
+        assert "doc-0 " not in ESCAPE.sub("", buf.getvalue()[before:])  # its row left
+    text = ESCAPE.sub("", buf.getvalue())
+    assert text.count("doc-0: kept 3/10") == 1  # printed once, above the rows
+    frame = last_frame(buf.getvalue(), 2)
+    assert frame[0].startswith("doc-1") and "90%" in frame[0] and frame[1].startswith("overall")
+
+
+def test_plain_lines_when_not_a_terminal_and_only_on_change():
+    out = io.StringIO()
+    with ProgressDisplay(out) as display:  # StringIO is not a TTY
+        assert not display.live
+        display.show(rows(10, 20), TOTAL)
+        display.show(rows(10, 20), TOTAL)  # nothing changed: nothing written
+        display.line("  doc-0: kept 3/10")
+        display.show([Row("job-1", "decode", 5, 8, "12.0 tok/s")])
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "overall 33% (1/3), done 1 failed 0 running 2 queued 0 | 5000 tok/s (812 tok/s now) eta 3s"
+        " | doc-0 scoring 10% (10/100), 300 tok/s, eta 2.0s | doc-1 scoring 20% (20/100), 301 tok/s, eta 2.0s",
+        "  doc-0: kept 3/10",
+        "job-1 decode 62% (5/8), 12.0 tok/s",
+    ]
+    assert "\x1b" not in out.getvalue()
+
+
+def test_no_output_is_silent():
+    with ProgressDisplay(None) as display:
+        display.show(rows(10), TOTAL)
+        display.line("nothing")
+    assert not display.live
+
+
+def test_the_line_redraw_escape_is_nowhere_else():
+    pattern = re.compile(r"\\r\\033\[K|\\033\[K|\\x1b\[K|\\x1b\[2K|chr\(27\)")
+    offenders = [str(p.relative_to(ROOT)) for package in ("cli", "jobs", "worker")
+                 for p in sorted((ROOT / package).rglob("*.py")) if pattern.search(p.read_text())]
+    assert offenders == []

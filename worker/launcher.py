@@ -1,0 +1,57 @@
+"""Starting a worker process: its options, and the launch that both ``python -m worker``
+and ``specprefill worker`` run (the worker never goes through the client's CLI)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from jobs.connection import RedisUnreachable, checked_connection
+from jobs.settings import Settings
+from worker.boot import preload_blas
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    """The options of a worker process (``--redis-url`` is the caller's)."""
+    p.add_argument("--queue", action="append", help="queue to work (repeatable)")
+    p.add_argument("--preload", action="append", help="draft model to load at start (repeatable)")
+    p.add_argument("--name")
+    p.add_argument("--burst", action="store_true", help="quit when the queues are empty")
+    p.add_argument("--max-jobs", type=int)
+    p.add_argument("--log-level", default="INFO")
+
+
+def launch(args: argparse.Namespace, settings: Settings) -> int:
+    """Connect, preload models and work the queues until stopped (exit status 0).
+
+    Raises ``ValueError`` (no URL, bad settings) and :class:`RedisUnreachable`."""
+    from worker.rq_worker import run_worker
+    from worker.runtime import WorkerRuntime
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.preload:  # one source of truth: the allow-list admits what the worker preloads
+        settings = settings.replace(preload_models=tuple(args.preload))
+    conn = checked_connection(args.redis_url, settings)
+    runtime = WorkerRuntime.from_settings(settings, conn)
+    run_worker(runtime, args.queue or settings.queues, preload=settings.preload_models,
+               name=args.name, burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m worker [options]``: the same statuses as ``specprefill worker`` (2: bad
+    settings or Redis unreachable at start, 130: interrupted)."""
+    preload_blas()
+    p = argparse.ArgumentParser(prog="python -m worker", description="Run a SpecPrefill RQ worker.")
+    p.add_argument("--redis-url", default=None,
+                   help="redis://[:password@]host:port/db or rediss:// (default: REDIS_URL)")
+    add_worker_options(p)
+    args = p.parse_args(argv)
+    try:
+        return launch(args, Settings.from_env())
+    except (ValueError, RedisUnreachable) as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,106 @@
+"""The one progress reporter of a job, for both kinds (prefill and generate).
+
+Pipelines hand :class:`JobReporter` to specprefill as the ``progress(processed, total,
+phase)`` callback of every scoring, prefill and decode call: it runs the stop check first
+(the points where a job may stop) and turns the phases into events. Rate events are
+thinned by the publisher's one throttle; the generated text goes out as ``text`` deltas at
+the publisher's sends, so no character is dropped by throttling.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from worker.context import JobContext
+from worker.detokenize import TextStream
+
+PHASE_EVENTS = ("lookahead", "importance")  # one event when the phase starts
+
+
+def _per_s(count: float, since: float) -> float:
+    elapsed = time.perf_counter() - since
+    return count / elapsed if elapsed > 0 else 0.0
+
+
+class JobReporter:
+    """Stop checks and progress events of one job."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx, self.pub = ctx, ctx.publisher
+        self.restored_tokens = 0  # prompt tokens the draft's block store supplied
+        self._t0 = time.perf_counter()
+        self._phase: str | None = None
+        self.stream: TextStream | None = None
+        self.tokens = 0
+        self.max_tokens = 0
+        self.decode_started: float | None = None
+
+    def begin(self) -> "JobReporter":
+        """Start timing one scoring or prefill call; returns the callback to give it."""
+        self._t0, self._phase = time.perf_counter(), None
+        return self
+
+    def __call__(self, processed: int, total: int, phase: str) -> None:
+        self.ctx.check_stop()
+        if phase == "prefill":  # the draft's prefill while scoring
+            rate = _per_s(max(0, processed - self.restored_tokens), self._t0)
+            eta = (total - processed) / rate if rate > 0 else None
+            self.pub.progress("scoring", processed, total, tokens_per_s=round(rate, 1),
+                              eta_s=None if eta is None else round(eta, 3))
+        elif phase == "target_prefill":
+            self.pub.progress("target_prefill", processed, total,
+                              tokens_per_s=round(_per_s(processed, self._t0), 1))
+        elif phase in PHASE_EVENTS and phase != self._phase:
+            self.pub.publish(phase, processed=processed, total=total)
+        self._phase = phase
+
+    def publish(self, kind: str, **data: Any) -> None:
+        self.pub.publish(kind, **data)
+
+    # ---- decoding ----
+
+    def begin_decode(self, stream: TextStream, max_tokens: int) -> None:
+        self.stream, self.max_tokens = stream, max_tokens
+        self.decode_started = time.perf_counter()
+
+    def token(self, token: int) -> None:
+        """One generated token: into the text; text and decode events at the next send."""
+        self.tokens += 1
+        self.stream.add(token)
+        if self.pub.due():
+            self._send()
+
+    def finish_decode(self) -> None:
+        self.stream.finish()
+        self._send()
+
+    def _send(self) -> None:
+        offset, delta = self.stream.take()
+        if delta:
+            self.pub.publish("text", offset=offset, delta=delta)
+        self.pub.publish("decode", tokens=self.tokens, max_tokens=self.max_tokens,
+                         tokens_per_s=round(_per_s(self.tokens, self.decode_started), 1))
+
+
+class ReportingDraftCache:
+    """Wraps a DraftCache: publishes cache_lookup / cache_store events and times them."""
+
+    def __init__(self, inner: Any, reporter: JobReporter) -> None:
+        self.inner, self.reporter = inner, reporter
+        self.blocks_written = 0
+        self.timings: dict[str, float] = {}
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
+        t0 = time.perf_counter()
+        cache, n = self.inner.fetch(tokens)
+        self.timings["cache_fetch"] = time.perf_counter() - t0
+        self.reporter.restored_tokens = n
+        self.reporter.publish("cache_lookup", hit_tokens=n, total=len(tokens))
+        return cache, n
+
+    def store(self, tokens: Sequence[int], cache: list) -> int:
+        t0 = time.perf_counter()
+        self.blocks_written = self.inner.store(tokens, cache)
+        self.timings["cache_store"] = time.perf_counter() - t0
+        self.reporter.publish("cache_store", blocks=self.blocks_written)
+        return self.blocks_written

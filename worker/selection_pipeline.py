@@ -1,0 +1,123 @@
+"""The selection pipeline: a prompt's kept chunks, through the memo or by draft scoring.
+
+It is the whole of a prefill job and the first half of a generate job: load the draft,
+tokenize, look the selection up in the memo, else score with the block store (restore the
+prefix it holds, store the new blocks) and select, then remember the selection.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.results import KeptSpan, PrefillResult, rates
+from jobs.spec import JobSpec
+from worker.context import JobContext
+from worker.models import LoadedModel
+from worker.prompt import check_prompt, tokenize
+from worker.reporting import JobReporter, ReportingDraftCache
+
+
+@dataclass
+class _Selected:
+    """A selection and what it took (``score`` is None on a memo hit)."""
+
+    ranges: list[tuple[int, int]]
+    kept: int
+    reason: str | None
+    score: Any = None
+    blocks_written: int = 0
+    importance: list[float] | None = None
+
+
+def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
+    """A prefill job: score ``spec``'s prompt with its draft model, return the selection (JSON)."""
+    return select_prompt(spec, ctx)[0].to_json()
+
+
+def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
+    """A model from the worker's pool, announced as ``loading_model``; with the seconds taken."""
+    ctx.publisher.publish("loading_model", model=name, **({"role": role} if role else {}))
+    t = time.perf_counter()
+    loaded = ctx.runtime.models.get(name, field=f"{role or 'draft'}_model")
+    ctx.check_stop()
+    return loaded, time.perf_counter() - t
+
+
+def select_prompt(spec: JobSpec, ctx: JobContext,
+                  draft: LoadedModel | None = None) -> tuple[PrefillResult, list[int]]:
+    """Tokenize, then select through the memo or by draft scoring: the result and the tokens.
+
+    ``draft`` is the draft model when the caller has loaded it already (generate jobs do)."""
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    if draft is None:
+        draft, timings["load_model"] = load_model(ctx, spec.draft_model)
+    t = time.perf_counter()
+    tokens, protected_prefix = tokenize(spec, draft.tokenizer)
+    check_prompt(tokens, draft, ctx.settings)
+    timings["tokenize"] = time.perf_counter() - t
+    backend = ctx.runtime.backend
+    # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
+    options = dict(spec.selection_options(), protected_prefix=protected_prefix,
+                   selection_rule=backend.selection_rule)
+    memo = backend.memo(ctx.runtime.cache_client, draft.fingerprint, ctx.settings)
+    ranges = None if spec.return_importance else memo.get(tokens, options)
+    if ranges is not None:
+        selected = _remembered(spec, ctx, ranges, len(tokens), protected_prefix)
+    else:
+        selected = _score_and_select(spec, ctx, draft, tokens, protected_prefix, timings)
+        memo.put(tokens, options, selected.ranges)
+    ctx.publisher.publish("selection", kept=selected.kept, total=len(tokens))
+    timings["total"] = time.perf_counter() - t0
+    return _result(spec, ctx, draft, tokens, protected_prefix, selected, timings), tokens
+
+
+def _remembered(spec: JobSpec, ctx: JobContext, ranges: list[tuple[int, int]], total: int,
+                protected_prefix: int) -> _Selected:
+    """A memo hit: the remembered ranges (and the admission reason when it kept everything)."""
+    ctx.publisher.publish("cache_lookup", hit_tokens=total, total=total, memo=True)
+    kept = sum(e - s for s, e in ranges)
+    reason = (ctx.runtime.backend.admission_reason(total, threshold=spec.threshold,
+                                                   protected_prefix=protected_prefix)
+              if kept == total else None)
+    return _Selected(ranges, kept, reason)
+
+
+def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
+                      protected_prefix: int, timings: dict[str, float]) -> _Selected:
+    """Score with the block store, then select the kept chunks."""
+    backend, settings = ctx.runtime.backend, ctx.settings
+    reporter = JobReporter(ctx)
+    store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
+    score = backend.score_with_cache(draft.model, tokens, store, progress=reporter.begin(),
+                                     prefill_step=settings.prefill_step, **spec.scoring_options())
+    timings.update(score.timings)
+    timings.update(store.timings)
+    ctx.check_stop()
+    t = time.perf_counter()
+    # The full system block stays protected even when the draft store had it cached:
+    # the target prefills from these indices and has no copy of the draft's KV.
+    selection = backend.plan_selection(
+        score.importance, keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+        protected_prefix=protected_prefix, threshold=spec.threshold)
+    ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
+    timings["selection"] = time.perf_counter() - t
+    importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None
+    return _Selected(ranges, int(selection.kept), selection.reason, score, store.blocks_written,
+                     importance)
+
+
+def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
+            protected_prefix: int, selected: _Selected, timings: dict[str, float]) -> PrefillResult:
+    total = len(tokens)
+    cached = selected.score.cached_tokens if selected.score is not None else 0  # a memo hit scores nothing
+    phase_tokens = {"prefill": total - cached, "lookahead": spec.n_lookahead, "importance": total}
+    spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
+             if spec.return_spans else None)
+    return PrefillResult(
+        job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
+        reason=selected.reason, protected_prefix=protected_prefix, cached_tokens=cached,
+        blocks_written=selected.blocks_written, memo_hit=selected.score is None,
+        model=draft.identity, timings={k: round(v, 6) for k, v in timings.items()},
+        tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)
