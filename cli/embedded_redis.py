@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from jobs.deadline import Deadline
+
 
 def find_redis_server() -> str:
     """Path of a ``redis-server`` binary, or a clear error saying how to get one."""
@@ -92,8 +94,8 @@ class EmbeddedRedis:
         stderr_path = self.data_dir / "stderr.log"
         with open(stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = Deadline(timeout)
+        while not deadline.expired:
             if self.process.poll() is not None:
                 err = stderr_path.read_text(errors="replace")
                 log = (self.data_dir / "redis.log")
