@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from cli.display import ProgressDisplay, Row
+from cli.display import ProgressDisplay, Row, running_rows
 from cli.documents import Document, generate_documents, iter_documents
 from cli.options import (CliError, SharedOptions, add_generate_options, connect, generate_options,
                          result_json, spec_fields)
@@ -57,6 +57,7 @@ class BatchRun:
         for h, (doc_id, _) in zip(self.batch.handles, todo):
             self.by_job.setdefault(h.id, []).append(doc_id)
         self.pending = dict.fromkeys(self.by_job)  # in batch order
+        self.names = {job_id: docs[0] for job_id, docs in self.by_job.items()}
         self.unfinished: list[str] = []
 
     def follow(self, out: TextIO, deadline: Deadline, poll_s: float) -> None:
@@ -65,7 +66,7 @@ class BatchRun:
             try:
                 view = self.batch.progress()
                 self.record_ended(view, out)
-                self.display.show(self.running_rows(view), self.total_row(view))
+                self.display.show(running_rows(view, self.names), self.total_row(view))
             except REDIS_DOWN as exc:  # the client's retries gave up: Redis is restarting
                 self.display.line(f"batch: Redis unavailable ({exc}); waiting for it")
                 wait_for_redis(self.client.connection, deadline, pause_s=poll_s)
@@ -104,10 +105,6 @@ class BatchRun:
         for doc_id in docs:
             out.write(json.dumps({"id": doc_id, **rec}) + "\n")
         out.flush()
-
-    def running_rows(self, view: BatchProgress) -> list[Row]:
-        return [Row(self.by_job.get(jid, [jid])[0], "scoring", ev.data["processed"], ev.data["total"])
-                for jid, ev in view.last_events.items() if ev.kind == "scoring" and not ev.terminal]
 
     def total_row(self, view: BatchProgress) -> Row:
         eta = f" eta {view.eta_s:.0f}s" if view.eta_s else ""

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import redis
 
-from cli.display import ProgressDisplay, Row
+from cli.display import ProgressDisplay, Row, running_rows
 from cli.options import SharedOptions
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
@@ -122,21 +122,16 @@ def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out:
 def _follow_round(batch: Any, names: list[str], display: ProgressDisplay, t0: float,
                   timeout: float) -> None:
     """Live progress of one round: a line per finished document, a row per running one."""
+    name_of = dict(zip(batch.job_ids, names))
     shown: set[str] = set()
     finished_tokens = 0
     for view in batch.events(poll_s=0.25, timeout=timeout):
-        running = []
-        for name, jid in zip(names, batch.job_ids):
-            ev = view.last_events.get(jid)
-            if jid in shown or ev is None:
-                continue
-            if ev.terminal:
+        for jid, ev in view.last_events.items():
+            if jid not in shown and ev.terminal:
                 shown.add(jid)
                 finished_tokens += int(ev.data.get("total", 0))
-                display.line(_finished_line(name, ev))
-            elif ev.kind == "scoring":
-                running.append(Row(name, "scoring", ev.data["processed"], ev.data["total"]))
-        display.show(running, _total_row(view, finished_tokens, time.perf_counter() - t0))
+                display.line(_finished_line(name_of[jid], ev))
+        display.show(running_rows(view, name_of), _total_row(view, finished_tokens, time.perf_counter() - t0))
 
 
 def _finished_line(name: str, ev: Any) -> str:

@@ -8,12 +8,14 @@ writes plain lines: each event, and the rows whenever they change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, TextIO
+from typing import Mapping, Sequence, TextIO
 
 from rich.console import Console
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+
+from jobs.progress import BatchProgress, ProgressEvent
 
 NAME_WIDTH = 28
 BAR_WIDTH = 24
@@ -40,6 +42,49 @@ class Row:
         text = f"{head} {self.percent:.0f}% ({int(self.done)}/{int(self.total)})"
         return f"{text}, {self.note}" if self.note else text
 
+
+# ---- what the commands show of progress events ----
+
+def event_row(ev: ProgressEvent, name: str) -> Row | None:
+    """The live row of a rate event (scoring, target prefill, decode), else None."""
+    d = ev.data
+    if ev.kind == "scoring":
+        eta = f", eta {d['eta_s']:.1f}s" if d.get("eta_s") is not None else ""
+        return Row(name, "scoring", d["processed"], d["total"], f"{d.get('tokens_per_s', 0):.0f} tok/s{eta}")
+    if ev.kind == "target_prefill":
+        return Row(name, "target prefill", d["processed"], d["total"], f"{d.get('tokens_per_s', 0):.0f} tok/s")
+    if ev.kind == "decode":
+        return Row(name, "decode", d["tokens"], d["max_tokens"], f"{d.get('tokens_per_s', 0):.1f} tok/s")
+    return None
+
+
+def describe(ev: ProgressEvent) -> str:
+    """One line for an event that is not a rate event."""
+    d = ev.data
+    if ev.kind == "cache_lookup":
+        return f"cache lookup: {d.get('hit_tokens', 0)}/{d.get('total', '?')} tokens cached" + \
+               (" (memo)" if d.get("memo") else "")
+    if ev.kind == "selection":
+        return f"selection: kept {d['kept']}/{d['total']}"
+    if ev.kind == "text":
+        return f"text: {d.get('delta', '')!r}"
+    if ev.kind == "failed":
+        return f"failed: {d.get('error', '')}"
+    extra = ", ".join(f"{k}={v}" for k, v in d.items())
+    return f"{ev.kind}" + (f" ({extra})" if extra else "")
+
+
+def running_rows(view: BatchProgress, names: Mapping[str, str]) -> list[Row]:
+    """A row per running job of a batch (named by ``names[job_id]``) that reported progress."""
+    rows = []
+    for job_id, ev in view.last_events.items():
+        row = None if ev.terminal else event_row(ev, names.get(job_id, job_id))
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+# ---- the renderer ----
 
 class ProgressDisplay:
     """Rows redrawn in place (rich) on a terminal, plain lines elsewhere; silent without ``out``.

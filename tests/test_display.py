@@ -92,3 +92,21 @@ def test_the_line_redraw_escape_is_nowhere_else():
     offenders = [str(p.relative_to(ROOT)) for package in ("cli", "jobs", "worker")
                  for p in sorted((ROOT / package).rglob("*.py")) if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_running_rows_show_every_rate_event_of_running_jobs():
+    from cli.display import running_rows
+    from jobs.progress import BatchProgress, ProgressEvent
+
+    events = {
+        "a": ProgressEvent("a", 3, "scoring", {"processed": 50, "total": 200, "tokens_per_s": 812.4, "eta_s": 1.25}),
+        "b": ProgressEvent("b", 9, "decode", {"tokens": 4, "max_tokens": 16, "tokens_per_s": 20.0}),
+        "c": ProgressEvent("c", 5, "target_prefill", {"processed": 10, "total": 40, "tokens_per_s": 99.0}),
+        "d": ProgressEvent("d", 2, "cache_lookup", {"hit_tokens": 0, "total": 9}),
+        "e": ProgressEvent("e", 7, "done", {"kept": 1, "total": 2}),
+    }
+    view = BatchProgress(total=5, running=4, done=1, last_events=events)
+    rows = running_rows(view, {"a": "doc-a", "b": "doc-b"})
+    assert [r.plain() for r in rows] == ["doc-a scoring 25% (50/200), 812 tok/s, eta 1.2s",
+                                         "doc-b decode 25% (4/16), 20.0 tok/s",
+                                         "c target prefill 25% (10/40), 99 tok/s"]
