@@ -3,7 +3,8 @@
 On a terminal it is one rich live display: a row per running job or document (a bar, its
 phase and rate) plus a total row, redrawn in place at the terminal's width, with finished
 items and other events printed as lines above it. Anywhere else (a pipe, a log file) it
-writes plain lines: each event, and the rows whenever they change.
+writes plain lines: each event, and the rows whenever they change. :func:`event_row` and
+:func:`describe` say what each progress event shows, for every command alike.
 """
 from __future__ import annotations
 
