@@ -19,6 +19,7 @@ from jobs.progress import ProgressPublisher
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.settings import Settings
 from jobs.spec import JobSpec, JobSpecError, spec_from_payload
+from specprefill.options import ScoringOptions, SelectionOptions
 from worker import runtime as runtime_mod
 from worker.models import LoadedModel
 from worker.runtime import JobStopped, WorkerRuntime
@@ -192,17 +193,17 @@ def select_prompt(spec: JobSpec, ctx: JobContext,
     else:
         reporting = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, loaded, settings), pub)
         score = backend.score_with_cache(
-            loaded.model, tokens, reporting, progress=_progress_callback(ctx, reporting),
-            prefill_step=settings.prefill_step, **spec.scoring_options())
+            loaded.profile, tokens, reporting, progress=_progress_callback(ctx, reporting),
+            options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
         timings.update(score.timings)
         timings.update(reporting.timings)
         ctx.check_stop()
         t = time.perf_counter()
         # The full system block stays protected even when the draft store had it cached:
         # the target prefills from these indices and has no copy of the draft's KV.
-        selection = backend.plan_selection(
-            score.importance, keep=spec.keep, chunk_size=spec.chunk_size,
-            tail_tokens=spec.tail_tokens, protected_prefix=system_end, threshold=spec.threshold)
+        selection = backend.plan_selection(score.importance, SelectionOptions(
+            keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+            threshold=spec.threshold), protected_prefix=system_end)
         ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
         kept, reason = int(selection.kept), selection.reason
         timings["selection"] = time.perf_counter() - t
