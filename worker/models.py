@@ -16,7 +16,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
+    from specprefill.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class LoadedModel:
     fingerprint: str  # names its stored KV blocks (weights identity + profile description)
     vocab_size: int | None
     load_seconds: float
-    profile: Any = None  # specprefill.profile.ModelProfile: attention sites, cache layout
+    profile: ModelProfile | None = None  # attention sites, cache layout (None: a test's fake model)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -98,13 +101,13 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
-def _default_profile(model: Any) -> Any:
+def _default_profile(model: Any) -> ModelProfile:
     from specprefill.profile import profile_model
 
     return profile_model(model)
 
 
-def _default_fingerprint(profile: Any, identity: str, block_size: int) -> str:
+def _default_fingerprint(profile: ModelProfile, identity: str, block_size: int) -> str:
     from cache_store import model_fingerprint
 
     return model_fingerprint(profile.description, identity, block_size=block_size)
