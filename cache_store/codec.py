@@ -64,7 +64,7 @@ class RawArray(NamedTuple):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.bits.shape)
+        return self.bits.shape
 
 
 Layer = Mapping[str, RawArray]  # one layer's named arrays
@@ -75,16 +75,12 @@ BlockLayout = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...]
 def layer_arrays(layer: Mapping[str, Sequence]) -> list[RawArray]:
     """The arrays of one layer in payload order, as :class:`RawArray`; ``ValueError`` if the
     layer does not hold exactly the :data:`LAYER_ARRAYS`."""
-    if not isinstance(layer, Mapping) or layer.keys() != _LAYER_NAMES:
-        names = sorted(layer) if isinstance(layer, Mapping) else type(layer).__name__
+    keys = getattr(layer, "keys", None)
+    if keys is None or keys() != _LAYER_NAMES:
+        names = sorted(keys()) if keys is not None else type(layer).__name__
         raise ValueError(f"layers: each layer holds exactly {', '.join(LAYER_ARRAYS)}, got {names}")
-    return [RawArray(*layer[name]) for name in LAYER_ARRAYS]
-
-
-def layout_of(layers: Sequence[Sequence[RawArray]]) -> BlockLayout:
-    """The comparable layout of layers given as arrays in :data:`LAYER_ARRAYS` order."""
-    return tuple(tuple((name, a.dtype, a.shape) for name, a in zip(LAYER_ARRAYS, arrays))
-                 for arrays in layers)
+    arrays = [layer[name] for name in LAYER_ARRAYS]
+    return [a if type(a) is RawArray else RawArray(*a) for a in arrays]
 
 
 def payload_checksum(payload: memoryview) -> int:
@@ -98,16 +94,19 @@ def payload_checksum(payload: memoryview) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _aligned_prefix(fingerprint: str, n_tokens: int, layout: tuple, payload_size: int) -> bytes:
+def _aligned_prefix(fingerprint: str, n_tokens: int, specs: tuple, payload_size: int) -> bytes:
     """``fixarray(3)``, the header and the payload's bin32 marker, padded so the payload is aligned.
 
-    Cached: every block of one store has the same header.
+    ``specs``: ``(dtype, shape)`` of every array in payload order. Cached: every block of one
+    store has the same header.
     """
+    n = len(LAYER_ARRAYS)
     header = {
         "version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "tokens": n_tokens,
-        "layers": [[x for _, dtype, shape in layer for x in (dtype, list(shape))] for layer in layout],
+        "layers": [[x for dtype, shape in specs[i:i + n] for x in (dtype, list(shape))]
+                   for i in range(0, len(specs), n)],
     }
 
     def prefix(pad: int) -> bytes:
@@ -127,14 +126,14 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer]) -> me
     Copies each array once, straight into the value buffer (so a slice of a big
     cache does not pin it). Returns a read-only memoryview redis-py sends as is.
     """
-    per_layer = [layer_arrays(layer) for layer in layers]
-    arrays = [a for layer in per_layer for a in layer]
+    arrays = [a for layer in layers for a in layer_arrays(layer)]
     if not arrays:
         raise ValueError("layers: a block needs at least one layer")
     payload_size = sum(a.bits.nbytes for a in arrays)
     if payload_size >= 1 << 32:
         raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
-    prefix = _aligned_prefix(fingerprint, n_tokens, layout_of(per_layer), payload_size)
+    specs = tuple((a.dtype, a.bits.shape) for a in arrays)
+    prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
     start = len(prefix)
     end = start + payload_size
     # np.empty, not bytearray: no zero-fill pass over memory that is overwritten next.
