@@ -87,9 +87,12 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     client = connect(redis_url)
+    # The wait blocks in Redis for up to 120 s: its socket timeout must be longer (a loaded
+    # machine takes more than connect()'s 5 s to start a writer).
+    waiter = redis.Redis.from_url(redis_url, socket_timeout=150, socket_connect_timeout=2)
     try:
         for _ in procs:
-            assert client.blpop("ready", timeout=120), "writer did not start"
+            assert waiter.blpop("ready", timeout=120), "writer did not start"
         client.rpush("go", 1, 1)  # release both writers at once
         results = []
         for p in procs:
