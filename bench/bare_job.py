@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-_model: Any = None
+_profile: Any = None
 
 
 def bare_score(model_dir: str, tokens: list) -> int:
-    """Score ``tokens`` with the draft in ``model_dir`` (loaded once per worker process)."""
-    global _model
-    if _model is None:
+    """Score ``tokens`` with the draft in ``model_dir`` (loaded and profiled once per worker process)."""
+    global _profile
+    if _profile is None:
         from jobs.settings import Settings
         from specprefill.blas import preload_openblas
 
@@ -22,7 +22,9 @@ def bare_score(model_dir: str, tokens: list) -> int:
         preload_openblas(settings.openblas, settings.openblas_path or None)
         import mlx_lm
 
-        _model = mlx_lm.load(model_dir)[0]
+        from specprefill.profile import profile_model
+
+        _profile = profile_model(mlx_lm.load(model_dir)[0])
     from specprefill.reuse import score_with_cache
 
-    return int(score_with_cache(_model, tokens, None).prompt_tokens)
+    return int(score_with_cache(_profile, tokens, None).prompt_tokens)

@@ -5,9 +5,9 @@
    of the same arrays out of MLX into one bytes buffer and back (no framing, no
    checksum). A single memcpy of the value and the candidate checksums are shown
    for context.
-2. Transport: a 64-block chain fetched through ``RedisBlockStore.fetch`` (GETs,
-   validation, rebuilt ``KVCache`` objects) against raw redis-py pipelined GETs of
-   the same keys.
+2. Transport: a 64-block chain fetched through the worker's draft cache
+   (``RedisBlockStore.fetch`` behind ``BlockDraftCache``: GETs, validation, rebuilt
+   ``KVCache`` objects) against raw redis-py pipelined GETs of the same keys.
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
@@ -33,16 +33,19 @@ import redis  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
-from cache_store.codec import (RawArray, decode_block, encode_block, payload_checksum,  # noqa: E402
-                               raw_bits_many, to_mlx_many)
+from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum  # noqa: E402
 from cli.embedded_redis import EmbeddedRedis  # noqa: E402
+from specprefill.draft_cache import BlockDraftCache  # noqa: E402
+from specprefill.kv_arrays import block_layout, kv_arrays, to_mlx_many  # noqa: E402
+from specprefill.options import SelectionOptions  # noqa: E402
+from specprefill.profile import profile_model  # noqa: E402
 from specprefill.reuse import score_with_cache  # noqa: E402
 from specprefill.selection import plan_selection, to_ranges  # noqa: E402
 
 GB = 1e9
 BLOCK = 256
 FP = hashlib.sha256(b"bench/cache_store").hexdigest()
-SELECT = dict(keep=0.2, chunk_size=32, tail_tokens=512, protected_prefix=0, threshold=0)
+SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
 GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02}
 
 
@@ -81,19 +84,17 @@ def best_rate(n_bytes: int, fn, *, inner: int, rounds: int = 7) -> float:
 
 
 def bench_codec() -> dict[str, float]:
-    cache = random_cache(4 * BLOCK)
-    raws = raw_bits_many([a for c in cache for a in (c.keys, c.values)])
-    layers = list(zip(raws[0::2], raws[1::2]))
+    layers = kv_arrays(random_cache(4 * BLOCK))
     span = slice(BLOCK, 2 * BLOCK)  # a block from the middle: a strided slice, as in store()
-    block = [(RawArray(k.dtype, k.bits[:, :, span]), RawArray(v.dtype, v.bits[:, :, span])) for k, v in layers]
-    arrays = [a for pair in block for a in pair]
+    block = [{name: RawArray(dtype, bits[:, :, span]) for name, (dtype, bits) in layer.items()} for layer in layers]
+    arrays = [a for layer in block for a in layer.values()]
     n_bytes = sum(a.bits.nbytes for a in arrays)
     value = bytes(encode_block(FP, BLOCK, block))
 
     def codec_round_trip():
         encoded = encode_block(FP, BLOCK, block)
         decoded = decode_block(encoded, fingerprint=FP, n_tokens=BLOCK)
-        to_mlx_many([a for pair in decoded.layers for a in pair])
+        to_mlx_many([a for layer in decoded.layers for a in layer.values()])
 
     def plain_round_trip():
         # The same copies with no framing and no checksum, written as tightly as the codec's.
@@ -121,9 +122,9 @@ def bench_codec() -> dict[str, float]:
 def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
     n_tokens = n_blocks * BLOCK
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
-    store = RedisBlockStore(client, FP, block_size=BLOCK)
+    store = BlockDraftCache(RedisBlockStore(client, FP, block_size=BLOCK))
     assert store.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
-    keys = store.block_keys(tokens[:-1])
+    keys = store.raw_store.block_keys(tokens[:-1])
     n_bytes = sum(client.strlen(k) for k in keys)
 
     def raw_gets():
@@ -149,34 +150,38 @@ def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 5) -
             "raw_median": statistics.median(raw), "store_median": statistics.median(fetched)}
 
 
-def bench_end_to_end(client: redis.Redis, model, tokens: list[int], repeats: int) -> dict[str, float]:
+def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: int) -> dict[str, float]:
     """Cold scoring (no store) vs warm (first 90% stored) vs the memo, in seconds (best of repeats)."""
-    store = RedisBlockStore(client, FP, block_size=BLOCK, namespace=f"e2e{len(tokens)}")
+    raw_store = RedisBlockStore(client, FP, block_size=BLOCK, namespace=f"e2e{len(tokens)}",
+                                layout=block_layout(profile.kv_layout))
+    store = BlockDraftCache(raw_store)  # as the worker wires it
     memo = SelectionMemo(client, FP, namespace=f"e2e{len(tokens)}")
-    settings = dict(SELECT, n_lookahead=8, seed=0, include_last_query=True)
+    settings = dict(keep=SELECT.keep, chunk_size=SELECT.chunk_size, tail_tokens=SELECT.tail_tokens,
+                    protected_prefix=0, threshold=SELECT.threshold, n_lookahead=8, seed=0,
+                    include_last_query=True)
     stored = int(0.9 * len(tokens))
-    keys = store.block_keys(tokens)
+    keys = raw_store.block_keys(tokens)
     cold, warm, memo_s = [], [], []
     cached, phases = 0, {}
     for _ in range(repeats):
         start = time.perf_counter()
-        result = score_with_cache(model, tokens, None)
+        result = score_with_cache(profile, tokens, None)
         cold.append(time.perf_counter() - start)
-        selection = plan_selection(result.importance, **SELECT)
+        selection = plan_selection(result.importance, SELECT)
         ranges = [(int(s), int(e)) for s, e in to_ranges(selection.indices)]
 
         # Keep exactly the blocks of the first 90% stored, as a returning prompt would find them.
         client.delete(*keys)
-        store.store(tokens[:stored], result.cache)
+        store.store(tokens[:stored], result.kv_cache)
         del result
         start = time.perf_counter()
-        warm_result = score_with_cache(model, tokens, store)
+        warm_result = score_with_cache(profile, tokens, store)
         warm.append(time.perf_counter() - start)
         if warm[-1] == min(warm):
             phases = dict(warm_result.timings)
         cached = warm_result.cached_tokens
         warm_ranges = [(int(s), int(e)) for s, e in
-                       to_ranges(plan_selection(warm_result.importance, **SELECT).indices)]
+                       to_ranges(plan_selection(warm_result.importance, SELECT).indices)]
         assert warm_ranges == ranges, "warm and cold selections differ"
         del warm_result
 
@@ -222,10 +227,10 @@ def main() -> int:
         client.flushall()
 
         scoring = _scoring_bench()
-        model = scoring.draft_model()
-        score_with_cache(model, scoring.prompt_of(256), None)  # warm-up
+        profile = profile_model(scoring.draft_model())
+        score_with_cache(profile, scoring.prompt_of(256), None)  # warm-up
         for length in opts.lengths:
-            e = bench_end_to_end(client, model, scoring.prompt_of(length), opts.repeats)
+            e = bench_end_to_end(client, profile, scoring.prompt_of(length), opts.repeats)
             rows.append((f"end to end {length}: warm ({e['cached']} tokens restored)",
                          f"{e['warm']:.3f} s", f"cold {e['cold']:.3f} s", f"{e['warm'] / e['cold']:.3f}"))
             p = e["phases"]

@@ -24,6 +24,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
+from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
+from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.selection import select_chunks, tail_chunk_count  # noqa: E402
 from tools import recall_task as task  # noqa: E402
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         from specprefill import sparse
     except ImportError as e:  # the target half needs the sparse prefill
         sparse, sparse_error = None, str(e)
-    draft, _ = load(args.draft)
+    draft = profile_model(load(args.draft)[0])  # verified once, as the worker does at load
     if sparse is not None and not (Path(args.target) / "config.json").exists():
         sparse, sparse_error = None, f"no target model at {args.target}"
     target_model = load(args.target)[0] if sparse is not None else None
@@ -128,14 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     # The draft prefill is shared: later settings restore all but the last prompt
                     # token from the first one's cache (warm scoring equals cold scoring).
-                    scored = score_tokens(draft, prompt, include_last_query=setting[0], n_lookahead=setting[1],
-                                          seed=args.seed + i, cache=cache)
+                    options = ScoringOptions(include_last_query=setting[0], n_lookahead=setting[1],
+                                             seed=args.seed + i)
+                    scored = score_tokens(draft, prompt, options, kv_cache=cache)
                     scoring_seconds += time.perf_counter() - t0
-                    cache = scored.cache
+                    cache = scored.kv_cache
                     for layer_cache in cache:
                         layer_cache.trim(1)
                     for keep in keeps:
-                        indices = select_chunks(scored.importance, keep, args.chunk_size, args.tail_tokens)
+                        selection = SelectionOptions(keep=keep, chunk_size=args.chunk_size,
+                                                     tail_tokens=args.tail_tokens)
+                        indices = select_chunks(scored.importance, selection)
                         key = (length, n_needles, keep, setting)
                         kept_counts[key] = kept_counts.get(key, 0) + kept(indices, ex.needle_span)
                         if setting == SETTINGS[0]:

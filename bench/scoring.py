@@ -31,6 +31,7 @@ from mlx.utils import tree_map  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
+from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 
 RATIO_GOAL = 1.15
@@ -94,9 +95,10 @@ def main() -> int:
 
     print(f"BLAS: {blas_in_use()}; model: qwen2 4 layers, hidden 256, 4 heads / 2 KV heads")
     model = draft_model()
+    profile = profile_model(model)  # once per model, as the worker does when it loads one
     warm = prompt_of(256)
     plain_prefill(model, warm)
-    score_tokens(model, warm)
+    score_tokens(profile, warm)
 
     rows = []
     for length in opts.lengths:
@@ -105,7 +107,7 @@ def main() -> int:
         for _ in range(opts.repeats):
             plain.append(measured(lambda: plain_prefill(model, tokens)))
             holder = {}
-            scored.append(measured(lambda: holder.setdefault("r", score_tokens(model, tokens))))
+            scored.append(measured(lambda: holder.setdefault("r", score_tokens(profile, tokens))))
             timings = holder["r"].timings
             if phases is None or sum(timings.values()) < sum(phases.values()):
                 phases = timings

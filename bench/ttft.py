@@ -20,6 +20,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models import qwen2  # noqa: E402
 
+from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
+from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.selection import select_chunks  # noqa: E402
 from specprefill.sparse import full_prefill, sparse_session  # noqa: E402
@@ -43,25 +45,26 @@ def build(arch: dict, seed: int):
 
 def time_full(target, tokens, step):
     start = time.perf_counter()
-    logits, cache, state = full_prefill(target, tokens, prefill_step=step)
+    logits, kv_cache, state = full_prefill(target, tokens, prefill_step=step)
     int(mx.argmax(logits).item())
     ttft = time.perf_counter() - start
-    del cache
+    del kv_cache
     mx.clear_cache()
     return dict(ttft=ttft, scoring=0.0, target=state.seconds, kept=state.kept_tokens)
 
 
 def time_sparse(draft, target, tokens, keep, step):
+    """``draft`` is the draft's profile (``profile_model``, once, as a worker does at load)."""
     start = time.perf_counter()
-    scored = score_tokens(draft, tokens, prefill_step=step)
+    scored = score_tokens(draft, tokens, ScoringOptions(prefill_step=step))
     scoring = time.perf_counter() - start
-    indices = select_chunks(scored.importance, keep, chunk_size=32, tail_tokens=512)
+    indices = select_chunks(scored.importance, SelectionOptions(keep=keep, chunk_size=32, tail_tokens=512))
     del scored  # the draft cache is not needed past scoring
     with sparse_session(target) as session:
-        logits, cache, state = session.prefill(tokens, indices, prefill_step=step)
+        logits, kv_cache, state = session.prefill(tokens, indices, prefill_step=step)
         int(mx.argmax(logits).item())
     ttft = time.perf_counter() - start
-    del cache
+    del kv_cache
     mx.clear_cache()
     return dict(ttft=ttft, scoring=scoring, target=state.seconds, kept=state.kept_tokens)
 
@@ -77,7 +80,7 @@ def main() -> None:
     if args.rounds < 1:
         raise ValueError(f"--rounds: must be >= 1, got {args.rounds}")
 
-    draft, target = build(DRAFT, seed=0), build(TARGET, seed=1)
+    draft, target = profile_model(build(DRAFT, seed=0)), build(TARGET, seed=1)
     tokens = np.random.RandomState(0).randint(0, VOCAB, args.tokens).astype(np.int32)
     print(f"BLAS: {blas_in_use()}")
     print(f"draft  qwen2 {DRAFT['num_hidden_layers']} layers x hidden {DRAFT['hidden_size']}; "

@@ -1,44 +1,29 @@
-"""Draft KV caches and selections shared through Redis (pure storage: no queue code).
+"""Draft KV caches and selections shared through Redis (pure storage: no mlx, no queue code).
 
-- :func:`model_fingerprint` names a model's KV layout; :class:`RedisBlockStore`
-  stores and restores prompt-prefix KV blocks under it (a ``DraftCache``).
+- :func:`model_fingerprint` names a model (described to it as data) and its block format;
+  :class:`RedisBlockStore` stores and restores prompt-prefix blocks of per-layer named raw
+  arrays under it (``specprefill.draft_cache.BlockDraftCache`` makes it a ``DraftCache``).
 - :class:`SelectionMemo` remembers final selections of identical requests.
 """
-import importlib
-from typing import Any
-
-# Exported names -> their module, imported on first use: the layers above import
-# ``cache_store.replies`` without paying for numpy, mlx and the codec.
-_EXPORTS = {
-    "codec": ("FORMAT_VERSION", "CorruptBlockError", "decode_block", "encode_block"),
-    "keys": ("UnsupportedCacheError", "block_digests", "cache_layout", "check_storable",
-             "model_fingerprint", "prompt_digest", "unstorable_reason"),
-    "memo": ("SelectionMemo",),
-    "store": ("LOCAL_COUNTERS", "REDIS_COUNTERS", "RedisBlockStore"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-
+from .codec import FORMAT_VERSION, LAYER_ARRAYS, CorruptBlockError, RawArray, decode_block, encode_block
+from .keys import MAX_TOKEN_ID, block_digests, check_namespace, model_fingerprint, prompt_digest
+from .memo import SelectionMemo
+from .store import LOCAL_COUNTERS, REDIS_COUNTERS, RedisBlockStore
 
 __all__ = [
     "FORMAT_VERSION",
+    "LAYER_ARRAYS",
     "CorruptBlockError",
     "LOCAL_COUNTERS",
+    "MAX_TOKEN_ID",
     "REDIS_COUNTERS",
+    "RawArray",
     "RedisBlockStore",
     "SelectionMemo",
-    "UnsupportedCacheError",
     "block_digests",
-    "cache_layout",
-    "check_storable",
+    "check_namespace",
     "decode_block",
     "encode_block",
     "model_fingerprint",
     "prompt_digest",
-    "unstorable_reason",
 ]

@@ -1,6 +1,8 @@
-"""One KV block as one msgpack value: raw buffers in, raw buffers out.
+"""One KV block as one msgpack value: per layer, named raw arrays in, the same out.
 
-A value is the msgpack array ``[header, payload, checksum]``:
+A block holds, for every layer, the arrays named :data:`LAYER_ARRAYS` (``keys`` then
+``values``), each as raw little-endian bits with a dtype name and a 4-D shape whose axis 2
+is the block's tokens. A value is the msgpack array ``[header, payload, checksum]``:
 
 - ``header``: a map with ``version``, ``fingerprint``, ``tokens`` (tokens in the
   block) and ``layers``, one ``[keys_dtype, keys_shape, values_dtype,
@@ -10,9 +12,11 @@ A value is the msgpack array ``[header, payload, checksum]``:
   the value so readers can view it in place.
 - ``checksum``: the payload's 64-bit XXH3 (see :func:`payload_checksum`).
 
-Any msgpack reader can read a value; :func:`decode_block` reads it without
-copying the payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so
-float32, float16 and bfloat16 round-trip bit-exactly.
+Any msgpack reader can read a value; :func:`decode_block` reads it without copying the
+payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so float32, float16 and
+bfloat16 round-trip bit-exactly. Other per-layer array kinds (recurrent state snapshots,
+quantized K/V parts) would be new names in a new format version; the store handles layers
+as named arrays already.
 """
 from __future__ import annotations
 
@@ -21,23 +25,24 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, NamedTuple, Sequence
 
-import mlx.core as mx
 import msgpack
 import numpy as np
 import xxhash
 
 FORMAT_VERSION = 1
 
-# dtype name -> (mlx dtype, numpy dtype of the same width that carries the bits)
-DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
-    "float32": (mx.float32, np.dtype("<u4")),
-    "float16": (mx.float16, np.dtype("<u2")),
-    "bfloat16": (mx.bfloat16, np.dtype("<u2")),
+# The named arrays of every layer of a version-1 block, in payload order.
+LAYER_ARRAYS = ("keys", "values")
+_LAYER_NAMES = frozenset(LAYER_ARRAYS)
+
+# dtype name -> numpy dtype of the same width that carries the bits
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<u4"),
+    "float16": np.dtype("<u2"),
+    "bfloat16": np.dtype("<u2"),
 }
-_MX_TO_NAME = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
-_NUMPY_FLOATS = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
 _ALIGN = 16
 _BIN32 = 0xC6
@@ -48,49 +53,34 @@ class CorruptBlockError(ValueError):
     """A stored value that is not a valid block for this store (bad, stale or foreign)."""
 
 
-@dataclass(frozen=True)
-class RawArray:
-    """An array as raw bits: ``bits`` is a numpy unsigned-int view with the logical shape."""
+class RawArray(NamedTuple):
+    """An array as raw bits: ``bits`` is a numpy unsigned-int view with the logical shape.
+
+    A plain ``(dtype name, bits)`` pair is one too: storage takes any such pair.
+    """
 
     dtype: str
     bits: np.ndarray
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.bits.shape)
+        return self.bits.shape
 
 
-def dtype_name(dtype: mx.Dtype) -> str:
-    """The codec's name for an mlx dtype; ``ValueError`` for dtypes a KV block cannot hold."""
-    try:
-        return _MX_TO_NAME[dtype]
-    except KeyError:
-        raise ValueError(f"dtype: {dtype} not storable; allowed: {', '.join(DTYPES)}") from None
+Layer = Mapping[str, RawArray]  # one layer's named arrays
+# Per layer, per named array (in LAYER_ARRAYS order): (name, dtype, shape). Comparable.
+BlockLayout = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...]
 
 
-def raw_bits_many(arrays: Sequence[mx.array]) -> list[RawArray]:
-    """Zero-copy numpy views of mlx arrays' bits, evaluating all of them at once.
-
-    A view may be strided (a slice of a bigger cache buffer); encoding copies it.
-    """
-    names = [dtype_name(a.dtype) for a in arrays]
-    # float32/float16 are numpy dtypes too; only bfloat16 needs an mlx-side bit view.
-    carriers = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
-    mx.eval(carriers)
-    return [RawArray(name, np.asarray(c).view(DTYPES[name][1])) for name, c in zip(names, carriers)]
-
-
-def to_mlx_many(raws: Sequence[RawArray]) -> list[mx.array]:
-    """mlx arrays (their own copies) from raw bits, evaluated together."""
-    out = []
-    for raw in raws:
-        numpy_float = _NUMPY_FLOATS.get(raw.dtype)
-        if numpy_float is None:  # bfloat16: numpy has no such type, view the bits in mlx
-            out.append(mx.array(raw.bits).view(DTYPES[raw.dtype][0]))
-        else:
-            out.append(mx.array(raw.bits.view(numpy_float)))
-    mx.eval(out)
-    return out
+def layer_arrays(layer: Mapping[str, Sequence]) -> list[RawArray]:
+    """The arrays of one layer in payload order, as :class:`RawArray`; ``ValueError`` if the
+    layer does not hold exactly the :data:`LAYER_ARRAYS`."""
+    keys = getattr(layer, "keys", None)
+    if keys is None or keys() != _LAYER_NAMES:
+        names = sorted(keys()) if keys is not None else type(layer).__name__
+        raise ValueError(f"layers: each layer holds exactly {', '.join(LAYER_ARRAYS)}, got {names}")
+    arrays = [layer[name] for name in LAYER_ARRAYS]
+    return [a if type(a) is RawArray else RawArray(*a) for a in arrays]
 
 
 def payload_checksum(payload: memoryview) -> int:
@@ -104,16 +94,19 @@ def payload_checksum(payload: memoryview) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _aligned_prefix(fingerprint: str, n_tokens: int, layout: tuple, payload_size: int) -> bytes:
+def _aligned_prefix(fingerprint: str, n_tokens: int, specs: tuple, payload_size: int) -> bytes:
     """``fixarray(3)``, the header and the payload's bin32 marker, padded so the payload is aligned.
 
-    Cached: every block of one store has the same header.
+    ``specs``: ``(dtype, shape)`` of every array in payload order. Cached: every block of one
+    store has the same header.
     """
+    n = len(LAYER_ARRAYS)
     header = {
         "version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "tokens": n_tokens,
-        "layers": [[kd, list(ks), vd, list(vs)] for kd, ks, vd, vs in layout],
+        "layers": [[x for dtype, shape in specs[i:i + n] for x in (dtype, list(shape))]
+                   for i in range(0, len(specs), n)],
     }
 
     def prefix(pad: int) -> bytes:
@@ -127,22 +120,20 @@ def _aligned_prefix(fingerprint: str, n_tokens: int, layout: tuple, payload_size
     return out
 
 
-def encode_block(fingerprint: str, n_tokens: int,
-                 layers: Sequence[tuple[RawArray, RawArray]]) -> memoryview:
-    """Serialise one block (per layer: keys and values as raw bits) into one value.
+def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer]) -> memoryview:
+    """Serialise one block (per layer: its named arrays as raw bits) into one value.
 
     Copies each array once, straight into the value buffer (so a slice of a big
     cache does not pin it). Returns a read-only memoryview redis-py sends as is.
     """
-    arrays = [a for pair in layers for a in pair]
+    arrays = [a for layer in layers for a in layer_arrays(layer)]
     if not arrays:
         raise ValueError("layers: a block needs at least one layer")
-    sizes = [a.bits.nbytes for a in arrays]
-    payload_size = sum(sizes)
+    payload_size = sum(a.bits.nbytes for a in arrays)
     if payload_size >= 1 << 32:
         raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
-    layout = tuple((k.dtype, k.shape, v.dtype, v.shape) for k, v in layers)
-    prefix = _aligned_prefix(fingerprint, n_tokens, layout, payload_size)
+    specs = tuple((a.dtype, a.bits.shape) for a in arrays)
+    prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
     start = len(prefix)
     end = start + payload_size
     # np.empty, not bytearray: no zero-fill pass over memory that is overwritten next.
@@ -169,11 +160,8 @@ class DecodedBlock:
     """A validated block; arrays are views into the stored value (no copy yet)."""
 
     n_tokens: int
-    layers: list[tuple[RawArray, RawArray]]
-
-    @property
-    def layout(self) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]:
-        return [(k.dtype, k.shape, v.dtype, v.shape) for k, v in self.layers]
+    layers: list[dict[str, RawArray]]  # per layer, its LAYER_ARRAYS by name
+    layout: BlockLayout
 
 
 def _payload_span(value: memoryview, at: int) -> tuple[int, int]:
@@ -199,7 +187,7 @@ def _array_spec(dtype: object, shape: object, n_tokens: int) -> tuple[str, np.dt
         raise CorruptBlockError(f"layer shape: {shape!r} is not 4 positive ints")
     if shape[2] != n_tokens:
         raise CorruptBlockError(f"layer shape: {shape!r} does not hold {n_tokens} tokens")
-    bits_dtype = DTYPES[dtype][1]
+    bits_dtype = DTYPES[dtype]
     return dtype, bits_dtype, tuple(shape), bits_dtype.itemsize * math.prod(shape)
 
 
@@ -251,7 +239,8 @@ class _Format:
 
     prefix: bytes
     header: dict
-    specs: list
+    specs: list  # (dtype name, bits dtype, shape, bytes) of every array, in payload order
+    layout: BlockLayout
     payload_start: int
     payload_length: int
 
@@ -305,9 +294,15 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
     specs = _layer_specs(layer_specs, n_tokens)
     if sum(size for _, _, _, size in specs) != length:
         raise CorruptBlockError(f"payload: {length} bytes, layers describe {sum(s for *_, s in specs)}")
-    fmt = _Format(bytes(view[:start]), header, specs, start, length)
+    fmt = _Format(bytes(view[:start]), header, specs, _spec_layout(specs), start, length)
     _remember_format(fmt)
     return fmt
+
+
+def _spec_layout(specs: list) -> BlockLayout:
+    n = len(LAYER_ARRAYS)
+    return tuple(tuple((name, dtype, shape) for name, (dtype, _, shape, _) in zip(LAYER_ARRAYS, specs[i:i + n]))
+                 for i in range(0, len(specs), n))
 
 
 def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int) -> DecodedBlock:
@@ -335,14 +330,20 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int) 
     if payload_checksum(payload) != stored:
         raise CorruptBlockError("checksum: payload does not match")
 
-    data = np.frombuffer(payload, dtype=np.uint8)
+    arrays = _payload_arrays(np.frombuffer(payload, dtype=np.uint8), specs)
+    n = len(LAYER_ARRAYS)
+    layers = [dict(zip(LAYER_ARRAYS, arrays[i:i + n])) for i in range(0, len(arrays), n)]
+    return DecodedBlock(n_tokens, layers, fmt.layout)
+
+
+def _payload_arrays(data: np.ndarray, specs: list) -> list[RawArray]:
+    """Views of every array in the payload bytes ``data``, in payload order."""
     if specs.count(specs[0]) == len(specs):  # the usual block: one view, indexed per array
         name, bits_dtype, shape, _ = specs[0]
         stacked = data.view(bits_dtype).reshape((len(specs),) + shape)
-        arrays = [RawArray(name, stacked[i]) for i in range(len(specs))]
-    else:
-        arrays, pos = [], 0
-        for name, bits_dtype, shape, size in specs:
-            arrays.append(RawArray(name, data[pos:pos + size].view(bits_dtype).reshape(shape)))
-            pos += size
-    return DecodedBlock(n_tokens, list(zip(arrays[0::2], arrays[1::2])))
+        return [RawArray(name, stacked[i]) for i in range(len(specs))]
+    arrays, pos = [], 0
+    for name, bits_dtype, shape, size in specs:
+        arrays.append(RawArray(name, data[pos:pos + size].view(bits_dtype).reshape(shape)))
+        pos += size
+    return arrays

@@ -2,58 +2,44 @@
 
 Everything here is SHA-256 over canonical bytes (little-endian int32 token ids,
 sorted-key JSON), never Python's ``hash()``, so every process, machine and Python
-version derives the same keys for the same model and prompt.
+version derives the same keys for the same model and prompt. The model is described to
+this module as data (``specprefill.profile.ModelProfile.description``); nothing here
+loads or runs a model.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import json
+import re
 from typing import Any, Mapping, Sequence
 
-import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .codec import FORMAT_VERSION, DTYPES
+from .codec import FORMAT_VERSION
 
-MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1  # token ids are stored and hashed as int32
 MAX_BLOCK_SIZE = 1 << 16
-
-
-class UnsupportedCacheError(ValueError):
-    """The model's cache layout cannot be stored as blocks (e.g. sliding-window layers)."""
+# Every key is "<namespace>:...": without ':' in a namespace, two namespaces can never
+# produce the same key or match each other's SCAN patterns.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Keys the fingerprint adds to a model's description itself.
+_FINGERPRINT_FIELDS = ("format_version", "identity", "block_size")
 
 
 def canonical_json(obj: Any) -> str:
-    """Sorted-key, whitespace-free JSON: the same text for the same data everywhere."""
-    return json.dumps(_plain(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False)
+    """Sorted-key, whitespace-free JSON: the same text for the same data everywhere.
+
+    ``ValueError`` for anything that is not JSON data (NaN and infinities included).
+    """
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"not JSON data: {exc}") from None
 
 
-def _plain(obj: Any) -> Any:
-    """JSON-ready data; unknown objects become their type name (never a memory address)."""
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, enum.Enum):
-        return _plain(obj.value)
-    if isinstance(obj, mx.Dtype):
-        return next((name for name, (d, _) in DTYPES.items() if d == obj), str(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return type(obj).__qualname__
-
-
-def token_bytes(tokens: Sequence[int] | np.ndarray | mx.array) -> bytes:
-    """Token ids as little-endian int32 bytes; ``ValueError`` for ids outside [0, 2**31-1]."""
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes; ``ValueError`` for ids outside [0, MAX_TOKEN_ID]."""
     ids = np.asarray(tokens)
     if ids.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence of ids, got shape {ids.shape}")
@@ -64,76 +50,26 @@ def token_bytes(tokens: Sequence[int] | np.ndarray | mx.array) -> bytes:
     return ids.astype("<i4").tobytes()
 
 
-def cache_layout(model) -> list[dict[str, Any]]:
-    """Per layer: cache class, window settings and the KV heads, head dim and dtype it holds.
-
-    Found by running one token through a fresh cache (``make_prompt_cache``), so it
-    reports what the model really writes whatever its attribute names.
-    """
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]], dtype=mx.int32), cache=cache)
-    mx.eval([c.state for c in cache])
-    layout = []
-    for c in cache:
-        entry: dict[str, Any] = {"cache": type(c).__name__}
-        for attr in ("max_size", "keep", "chunk_size", "group_size", "bits"):
-            value = getattr(c, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                entry[attr] = value
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if isinstance(keys, mx.array) and isinstance(values, mx.array):
-            entry["keys"] = [_plain(keys.dtype), keys.shape[1], keys.shape[-1]]
-            entry["values"] = [_plain(values.dtype), values.shape[1], values.shape[-1]]
-        else:
-            entry["state"] = [[_plain(a.dtype), list(a.shape)]
-                              for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
-        layout.append(entry)
-    return layout
-
-
-def unstorable_reason(cache: Sequence[Any]) -> str | None:
-    """Why a list of cache objects cannot be stored as blocks, or None if it can.
-
-    Only plain full-attention ``KVCache`` layers are storable: a sliding-window
-    ``RotatingKVCache`` no longer holds the early tokens of a long prompt, so a
-    prefix could not be rebuilt exactly, and recurrent/quantized caches have no
-    per-token blocks. Such models are never stored and always miss.
-    """
-    if not cache:
-        return "cache: no layers"
-    for i, c in enumerate(cache):
-        if type(c) is not KVCache:
-            return f"cache layer {i}: {type(c).__name__} is not storable (only KVCache layers are)"
-    return None
-
-
-def check_storable(model) -> None:
-    """Raise :class:`UnsupportedCacheError` if the model's cache cannot be stored as blocks."""
-    reason = unstorable_reason(make_prompt_cache(model))
-    if reason:
-        raise UnsupportedCacheError(reason)
-
-
-def model_fingerprint(model, identity: str, *, block_size: int) -> str:
+def model_fingerprint(description: Mapping[str, Any], identity: str, *, block_size: int) -> str:
     """Hex SHA-256 of everything that changes stored KV values or their layout.
 
-    Covers ``identity`` (a weights digest, or repo id + revision), the model's
-    architecture arguments, its per-layer cache layout (class, KV heads, head dim,
-    dtype, window), its parameter dtypes, ``block_size`` and the block format version.
+    ``description`` is the model as JSON data (its architecture arguments, per-layer cache
+    layout, parameter dtypes: ``specprefill.profile.ModelProfile.description``); it is
+    hashed with ``identity`` (a weights digest, or repo id + revision), ``block_size`` and
+    the block format version.
     """
     if not isinstance(identity, str) or not identity:
         raise ValueError("identity: expected a non-empty string (weights digest or repo@revision)")
     check_block_size(block_size)
-    description = {
-        "format_version": FORMAT_VERSION,
-        "identity": identity,
-        "block_size": block_size,
-        "model_type": type(model).__module__ + "." + type(model).__qualname__,
-        "args": _plain(getattr(model, "args", None)),
-        "param_dtypes": sorted({_plain(p.dtype) for _, p in tree_flatten(model.parameters())}),
-        "layers": cache_layout(model),
-    }
-    return hashlib.sha256(canonical_json(description).encode()).hexdigest()
+    if not isinstance(description, Mapping) or any(k in description for k in _FINGERPRINT_FIELDS):
+        raise ValueError("description: expected a mapping describing the model, without "
+                         f"{', '.join(_FINGERPRINT_FIELDS)}")
+    try:
+        text = canonical_json({**description, "format_version": FORMAT_VERSION, "identity": identity,
+                               "block_size": block_size})
+    except ValueError as exc:
+        raise ValueError(f"description: {exc}") from None
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_block_size(block_size: int) -> int:
@@ -159,9 +95,9 @@ def check_fingerprint(fingerprint: str) -> str:
 
 
 def check_namespace(namespace: str) -> str:
-    """``namespace`` if it is a non-empty string without whitespace, else ``ValueError``."""
-    if not isinstance(namespace, str) or not namespace or any(ch.isspace() for ch in namespace):
-        raise ValueError(f"namespace: {namespace!r}; expected a non-empty string without whitespace")
+    """``namespace`` if it is 1-64 letters, digits, '_', '.' or '-', else ``ValueError``."""
+    if not isinstance(namespace, str) or not NAMESPACE_PATTERN.fullmatch(namespace):
+        raise ValueError(f"namespace: {namespace!r}; allowed 1-64 letters, digits, '_', '.' or '-'")
     return namespace
 
 

@@ -1,8 +1,11 @@
-"""The draft-KV block store on Redis: implements ``specprefill.draft_cache.DraftCache``.
+"""The draft-KV block store on Redis: per-layer named raw arrays in content-addressed blocks.
 
 One Redis string per full block of ``block_size`` tokens, named by a chained
-digest of the prompt (see :mod:`cache_store.keys`) and holding the block's K/V of
-every layer (see :mod:`cache_store.codec`). Storage faults never reach the caller:
+digest of the prompt (see :mod:`cache_store.keys`) and holding the block's arrays of
+every layer (see :mod:`cache_store.codec`). It knows no mlx: arrays come and go as raw
+bits (``(dtype name, bits)`` pairs, tokens on axis 2), so it is a
+``specprefill.draft_cache.RawBlockStore``; ``specprefill.draft_cache.BlockDraftCache``
+turns a model's KV cache into such arrays and back. Storage faults never reach the caller:
 a Redis error makes ``fetch`` a miss and ``store`` a no-op, logged and counted in
 this process; a bad value is deleted, counted in Redis and treated as a miss.
 """
@@ -13,12 +16,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import redis
-from mlx_lm.models.cache import KVCache
 
-from .codec import (CorruptBlockError, DecodedBlock, RawArray, decode_block, encode_block, raw_bits_many,
-                    to_mlx_many)
+from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
+                    encode_block, layer_arrays)
 from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace, check_ttl,
-                   stats_key, unstorable_reason)
+                   stats_key)
 from .memo import MEMO_COUNTERS
 from .replies import as_int, as_text
 
@@ -38,37 +40,39 @@ REDIS_COUNTERS = (
     *MEMO_COUNTERS,    # SelectionMemo lookups, hits, writes and bad entries deleted
 )
 # Counters of this process only (Redis may be the thing that is down).
-LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors", "unsupported_stores")
+LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors")
 
 _BATCH_BLOCKS = 64  # blocks per pipelined round trip; bounds the memory of one batch
 
 
-def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> list[tuple]:
-    """A full block's expected ``DecodedBlock.layout`` from a :func:`cache_layout` description."""
+def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> BlockLayout:
+    """A full block's expected ``DecodedBlock.layout`` from per-layer ``{name: [dtype, heads, dim]}``."""
     if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
-        raise ValueError("layout: expected a non-empty list of per-layer entries (from cache_layout)")
-    expected = []
-    for i, entry in enumerate(layout):
-        try:
-            (k_dtype, k_heads, k_dim), (v_dtype, v_heads, v_dim) = entry["keys"], entry["values"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"layout[{i}]: expected 'keys' and 'values' as [dtype, kv_heads, head_dim] "
-                             "(from cache_layout)") from None
-        expected.append((k_dtype, (1, k_heads, block_size, k_dim), v_dtype, (1, v_heads, block_size, v_dim)))
-    return expected
+        raise ValueError("layout: expected a non-empty list of per-layer entries")
+    return tuple(_expected_layer(i, entry, block_size) for i, entry in enumerate(layout))
+
+
+def _expected_layer(i: int, entry: Any, block_size: int) -> tuple:
+    try:
+        if not isinstance(entry, Mapping) or entry.keys() != set(LAYER_ARRAYS):
+            raise ValueError
+        return tuple((name, dtype, (1, heads, block_size, dim))
+                     for name in LAYER_ARRAYS for dtype, heads, dim in [entry[name]])
+    except (TypeError, ValueError):
+        raise ValueError(f"layout[{i}]: expected exactly {', '.join(LAYER_ARRAYS)}, each as "
+                         "[dtype, kv_heads, head_dim]") from None
 
 
 class RedisBlockStore:
-    """Stores and restores a draft model's KV cache as content-addressed blocks in Redis.
+    """Stores and restores a model's per-layer arrays as content-addressed blocks in Redis.
 
     ``fingerprint`` comes from :func:`cache_store.keys.model_fingerprint` with the
-    same ``block_size``. Only caches whose layers are all plain ``KVCache`` are
-    stored; for others (sliding-window ``RotatingKVCache`` layers, quantized or
-    recurrent caches) ``store`` writes nothing, so ``fetch`` always misses. Give
-    ``client`` a ``socket_timeout`` so a hung Redis cannot hang a job. ``layout``
-    (:func:`cache_store.keys.cache_layout` of the model) makes ``fetch`` reject, as
-    corrupt, well-formed blocks that do not hold this model's layers (count, KV heads,
-    head dim, dtype); without it only the chain's own consistency is checked.
+    same ``block_size``. Give ``client`` a ``socket_timeout`` so a hung Redis cannot
+    hang a job. ``layout`` (per layer, each of ``keys`` and ``values`` as ``[dtype,
+    kv_heads, head_dim]``: ``specprefill.kv_arrays.block_layout`` of the model) makes
+    ``fetch`` reject, as corrupt, well-formed blocks that do not hold this model's layers;
+    without it every block must match the chain's first one. Either way each block's
+    layout is compared once.
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
@@ -90,31 +94,23 @@ class RedisBlockStore:
 
     # -- fetch ---------------------------------------------------------------
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[dict[str, RawArray]] | None, int]:
         """Restore the longest valid stored prefix of ``tokens`` (never its last token).
 
-        Returns ``(cache, n_tokens)`` with fresh ``KVCache`` objects holding the first
-        ``n_tokens`` tokens, or ``(None, 0)``. Stops at the first missing, corrupt
-        or mismatched block; corrupt ones are deleted and counted. A Redis error
-        ends the lookup there: the blocks validated before it are still returned.
+        Returns ``(layers, n_tokens)``: per layer its named arrays holding the first
+        ``n_tokens`` tokens (new arrays, the stored bytes are not pinned), or ``(None, 0)``.
+        Stops at the first missing, corrupt or mismatched block; corrupt ones are deleted
+        and counted. A Redis error ends the lookup there: the blocks validated before it
+        are still returned.
         """
-        ids = np.asarray(tokens)
-        keys = self.block_keys(ids[:-1])
+        keys = self.block_keys(np.asarray(tokens)[:-1])
         blocks: list[DecodedBlock] = []
         corrupt: list[str] = []
         bytes_read = 0
         try:
             for start in range(0, max(len(keys), 1), _BATCH_BLOCKS):
-                batch = keys[start:start + _BATCH_BLOCKS]
-                pipe = self.client.pipeline(transaction=False)
-                for key in batch:
-                    pipe.get(key)
-                if start == 0:
-                    pipe.hincrby(self._stats_key, "lookups", 1)
-                results = pipe.execute(raise_on_error=False)
-                values = results[:len(batch)]
-                self._count_stats_failures(results[len(batch):])
-                complete, n_read = self._take_valid(batch, values, blocks, corrupt)
+                complete, n_read = self._fetch_batch(keys[start:start + _BATCH_BLOCKS], start == 0,
+                                                     blocks, corrupt)
                 bytes_read += n_read
                 if not complete:
                     break
@@ -125,21 +121,24 @@ class RedisBlockStore:
                 return None, 0
             # The blocks already validated are a correct prefix: use them.
             log.warning("block store: fetch failed after %d blocks, using those: %s", len(blocks), exc)
-
-        cache = None
-        if blocks:
-            try:
-                cache = self._rebuild(blocks)
-            except Exception as exc:  # never raise out of fetch; the blocks passed validation,
-                # so the failure is this process's (memory, say): a miss, and other workers
-                # keep the blocks.
-                self.local_counters["fetch_errors"] += 1
-                log.warning("block store: could not rebuild %d blocks here, treating as a miss: %s: %s",
-                            len(blocks), type(exc).__name__, exc)
-                blocks = []
+        layers = self._joined(blocks) if blocks else None
+        if layers is None:
+            blocks = []
         n_tokens = len(blocks) * self.block_size
         self._record_fetch(keys[:len(blocks)], len(keys) - len(blocks), n_tokens, bytes_read, corrupt)
-        return cache, n_tokens
+        return layers, n_tokens
+
+    def _fetch_batch(self, batch: list[str], first: bool, blocks: list[DecodedBlock],
+                     corrupt: list[str]) -> tuple[bool, int]:
+        """GET one batch of keys (and count the lookup with the first); take its valid blocks."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in batch:
+            pipe.get(key)
+        if first:
+            pipe.hincrby(self._stats_key, "lookups", 1)
+        results = pipe.execute(raise_on_error=False)
+        self._count_stats_failures(results[len(batch):])
+        return self._take_valid(batch, results[:len(batch)], blocks, corrupt)
 
     def _take_valid(self, batch: list[str], values: list[Any], blocks: list[DecodedBlock],
                     corrupt: list[str]) -> tuple[bool, int]:
@@ -154,12 +153,7 @@ class RedisBlockStore:
                 return False, n_read
             n_read += len(value)
             try:
-                block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size)
-                if self._expected is not None and block.layout != self._expected:
-                    raise CorruptBlockError("layers: block does not hold this model's layers "
-                                            f"({len(block.layers)} layers, expected {len(self._expected)})")
-                if blocks and block.layout != blocks[0].layout:
-                    raise CorruptBlockError("layers: layout differs from the chain's first block")
+                block = self._decode(value, blocks)
             except MemoryError:  # this process's trouble, not the block's
                 self.local_counters["fetch_errors"] += 1
                 log.warning("block store: out of memory decoding %s, treating as a miss", key)
@@ -171,20 +165,28 @@ class RedisBlockStore:
             blocks.append(block)
         return True, n_read
 
-    def _rebuild(self, blocks: list[DecodedBlock]) -> list[KVCache]:
-        """One ``KVCache`` per layer holding the blocks' tokens (the stored bytes are not pinned)."""
-        n_tokens = len(blocks) * self.block_size
-        raws = []
-        for i, (k0, v0) in enumerate(blocks[0].layers):
-            raws.append(RawArray(k0.dtype, np.concatenate([b.layers[i][0].bits for b in blocks], axis=2)))
-            raws.append(RawArray(v0.dtype, np.concatenate([b.layers[i][1].bits for b in blocks], axis=2)))
-        arrays = to_mlx_many(raws)
-        cache = []
-        for keys, values in zip(arrays[0::2], arrays[1::2]):
-            layer = KVCache()
-            layer.state = (keys, values, n_tokens)
-            cache.append(layer)
-        return cache
+    def _decode(self, value: bytes, blocks: list[DecodedBlock]) -> DecodedBlock:
+        """The validated block in ``value``, laid out as this model's (or, without a layout, the chain's first)."""
+        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size)
+        expected = self._expected if self._expected is not None else blocks[0].layout if blocks else block.layout
+        if block.layout != expected:
+            raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(block.layers)} "
+                                    f"layers, expected {len(expected)}, or other dtypes or shapes)")
+        return block
+
+    def _joined(self, blocks: list[DecodedBlock]) -> list[dict[str, RawArray]] | None:
+        """Per layer, each array of the blocks joined along the tokens; None (a miss) if that fails here."""
+        try:
+            return [{name: RawArray(first.dtype, np.concatenate([b.layers[i][name].bits for b in blocks], axis=2))
+                     for name, first in layer.items()}
+                    for i, layer in enumerate(blocks[0].layers)]
+        except Exception as exc:  # never raise out of fetch; the blocks passed validation,
+            # so the failure is this process's (memory, say): a miss, and other workers
+            # keep the blocks.
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: could not join %d blocks here, treating as a miss: %s: %s",
+                        len(blocks), type(exc).__name__, exc)
+            return None
 
     def _record_fetch(self, hit_keys: list[str], missed: int, n_tokens: int, bytes_read: int,
                       corrupt: list[str]) -> None:
@@ -207,22 +209,21 @@ class RedisBlockStore:
 
     # -- store ---------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int], cache: list[Any]) -> int:
-        """Write the full blocks of ``cache`` (describing ``tokens``) that are not stored yet.
+    def store(self, tokens: Sequence[int], layers: Sequence[Layer]) -> int:
+        """Write the full blocks of ``layers`` (describing ``tokens``) that are not stored yet.
 
-        One pipelined EXPIRE (which refreshes the TTL of the blocks already stored and
-        tells which are missing), then one pipeline of ``SET NX EX ttl`` for the missing
-        blocks (so concurrent writers leave one intact copy). Returns blocks written.
+        ``layers``: per layer its named arrays as ``(dtype name, bits)`` pairs, tokens on
+        axis 2 (the shortest array bounds what is stored). One pipelined EXPIRE (which
+        refreshes the TTL of the blocks already stored and tells which are missing), then
+        one pipeline of ``SET NX EX ttl`` for the missing blocks (so concurrent writers
+        leave one intact copy). Returns blocks written.
         """
-        reason = unstorable_reason(cache)
-        if reason:
-            if not self.local_counters["unsupported_stores"]:
-                log.warning("block store: not storing this model's cache: %s", reason)
-            self.local_counters["unsupported_stores"] += 1
+        per_layer = [layer_arrays(layer) for layer in layers]
+        if not per_layer:
             return 0
+        n_held = min(a.bits.shape[2] for arrays in per_layer for a in arrays)
         ids = np.asarray(tokens)
-        n_cached = min(c.offset for c in cache)
-        keys = self.block_keys(ids[:min(len(ids), n_cached)])
+        keys = self.block_keys(ids[:min(len(ids), n_held)])
         if not keys:
             return 0
         written = n_bytes = 0
@@ -234,11 +235,8 @@ class RedisBlockStore:
             missing = [i for i, present in enumerate(pipe.execute()) if not present]
             if not missing:
                 return 0
-            # Evaluate once, on this thread, before any bytes are read.
-            raws = raw_bits_many([a for c in cache for a in (c.keys, c.values)])
-            layers = list(zip(raws[0::2], raws[1::2]))
             for start in range(0, len(missing), _BATCH_BLOCKS):
-                w, b = self._write_blocks(keys, missing[start:start + _BATCH_BLOCKS], layers)
+                w, b = self._write_blocks(keys, missing[start:start + _BATCH_BLOCKS], per_layer)
                 written += w
                 n_bytes += b
         except redis.RedisError as exc:
@@ -262,15 +260,15 @@ class RedisBlockStore:
             log.warning("block store: could not record store statistics: %s", exc)
 
     def _write_blocks(self, keys: list[str], indices: list[int],
-                      layers: list[tuple[RawArray, RawArray]]) -> tuple[int, int]:
+                      per_layer: list[list[RawArray]]) -> tuple[int, int]:
         bs = self.block_size
         pipe = self.client.pipeline(transaction=False)
         sizes = []
         for i in indices:
             span = slice(i * bs, (i + 1) * bs)
             value = encode_block(self.fingerprint, bs, [
-                (RawArray(k.dtype, k.bits[:, :, span]), RawArray(v.dtype, v.bits[:, :, span]))
-                for k, v in layers])
+                {name: RawArray(a.dtype, a.bits[:, :, span]) for name, a in zip(LAYER_ARRAYS, arrays)}
+                for arrays in per_layer])
             pipe.set(keys[i], value, nx=True, ex=self.ttl_s)
             sizes.append(len(value))
         written = n_bytes = 0

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
+
+from cache_store.keys import check_namespace
+from specprefill.options import ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -45,16 +47,16 @@ class Settings:
     allowed_models: tuple[str, ...] = ()
 
     # SpecPrefill defaults (per job overridable).
-    keep: float = 0.2
-    chunk_size: int = 32
-    tail_tokens: int = 512
-    threshold: int = 8192
-    n_lookahead: int = 8
-    temperature: float = 0.6
-    top_p: float = 0.95
-    pool_kernel: int = 13
-    prefill_step: int = 2048
-    include_last_query: bool = True
+    keep: float = SelectionOptions.keep
+    chunk_size: int = SelectionOptions.chunk_size
+    tail_tokens: int = SelectionOptions.tail_tokens
+    threshold: int = SelectionOptions.threshold
+    n_lookahead: int = ScoringOptions.n_lookahead
+    temperature: float = ScoringOptions.temperature
+    top_p: float = ScoringOptions.top_p
+    pool_kernel: int = ScoringOptions.pool_kernel
+    prefill_step: int = ScoringOptions.prefill_step
+    include_last_query: bool = ScoringOptions.include_last_query
 
     # Block store.
     block_size: int = 256
@@ -108,11 +110,7 @@ class Settings:
         return cls(**values)
 
     def __post_init__(self) -> None:
-        # Every key is "<namespace>:...": without ':' in a namespace, two namespaces can never
-        # produce the same key or match each other's SCAN patterns.
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.namespace):
-            raise ValueError(f"namespace: {self.namespace!r}; allowed 1-64 letters, digits, "
-                             "'_', '.' or '-'")
+        check_namespace(self.namespace)
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

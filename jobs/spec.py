@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from cache_store.keys import MAX_TOKEN_ID
 from jobs.settings import Settings
 
 # 2: the draft's lookahead sampling fields are lookahead_temperature / _top_p / _seed.
@@ -25,7 +26,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 MAX_MODEL_NAME_CHARS = 1024
 MAX_CHAT_MESSAGES = 10_000
-MAX_TOKEN_ID = 2**31 - 1
 # Text is checked in characters at enqueue (tokens are only known to the worker, which
 # checks max_prompt_tokens again after tokenizing); no tokenizer emits fewer than one
 # token per this many characters on real text.

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from specprefill.attention import attend
 from specprefill.wrapping import Wrapper, unwrap_rope
 
 # A short probe: prefill PROBE_TOKENS tokens, then one decode step (the lookahead regime).
@@ -193,77 +194,91 @@ def _tolerance(dtype: mx.Dtype) -> float:
 
 
 def check_attention(model: nn.Module) -> list[AttentionSite]:
-    """Find and verify every layer's attention; returns the sites or raises UnsupportedModelError."""
+    """Find and verify every layer's attention; returns the sites or raises UnsupportedModelError.
+
+    Runs the probe (a short prefill and one decode step) once: call it when a model is
+    loaded (:func:`specprefill.profile.profile_model` does), not per request.
+    """
     sites = attention_sites(model)
-    cache = make_prompt_cache(model)
-    if len(cache) != len(sites):
+    kv_cache = make_prompt_cache(model)
+    if len(kv_cache) != len(sites):
         raise UnsupportedModelError(
-            f"model makes {len(cache)} cache entries for {len(sites)} layers; expected one per layer"
+            f"model makes {len(kv_cache)} cache entries for {len(sites)} layers; expected one per layer"
         )
+    rope_calls, outputs = _run_probe(model, sites, kv_cache)
+    for site, calls, out, layer_cache in zip(sites, rope_calls, outputs, kv_cache):
+        _verify_site(site, calls, out, layer_cache)
+    return sites
+
+
+def _run_probe(model: nn.Module, sites: list[AttentionSite],
+               kv_cache: list) -> tuple[list[list[mx.array]], list[list[Any]]]:
+    """Prefill PROBE_TOKENS tokens, then decode one; per layer the rope outputs of both
+    passes and the attention module's output of the decode step."""
     prompt = mx.arange(PROBE_TOKENS, dtype=mx.int32)[None]
     step = mx.array([[PROBE_TOKENS]], dtype=mx.int32)
     with capture_queries(sites) as capture:
         with capture.recording():
-            mx.eval(model(prompt, cache=cache))
+            mx.eval(model(prompt, cache=kv_cache))
             with _capture_outputs(sites) as outputs:
-                mx.eval(model(step, cache=cache))
-
-    for site, calls, out, layer_cache in zip(sites, capture.calls, outputs, cache):
-        where = f"layer {site.layer} ({type(site.module).__name__})"
-        if len(calls) != 4:
-            raise UnsupportedModelError(
-                f"{where}: `rope` was called {len(calls)} times in two forward passes; "
-                "expected twice per pass (queries, then keys)"
-            )
-        if len(out) != 1 or not isinstance(out[0], mx.array):
-            raise UnsupportedModelError(f"{where}: attention did not return one array per call")
-        keys = getattr(layer_cache, "keys", None)
-        values = getattr(layer_cache, "values", None)
-        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-            raise UnsupportedModelError(
-                f"{where}: cache {type(layer_cache).__name__} holds no `keys`/`values` arrays"
-            )
-        n = PROBE_TOKENS + 1
-        if getattr(layer_cache, "offset", None) != n or keys.shape[2] < n:
-            raise UnsupportedModelError(f"{where}: cache does not hold the {n} probe tokens in order")
-        query, key = calls[2], calls[3]
-        keys, values = keys[..., :n, :], values[..., :n, :]
-        if query.ndim != 4 or key.ndim != 4 or query.shape[1] % key.shape[1]:
-            raise UnsupportedModelError(
-                f"{where}: rope outputs shaped {query.shape} and {key.shape}; expected "
-                "(batch, heads, tokens, head_dim) with query heads a multiple of key heads"
-            )
-        if key.shape != keys[..., -1:, :].shape or _relative_error(key, keys[..., -1:, :]) > 0:
-            raise UnsupportedModelError(f"{where}: the second `rope` output is not the key the cache stored")
-
-        attended = _attend(query, keys, values, site.module.scale)
-        flat = attended.transpose(0, 2, 1, 3).reshape(1, 1, -1).astype(values.dtype)
-        errors = []
-        for name, child in _children(site.module):
-            if not isinstance(child, nn.Module) or child is unwrap_rope(site.module.rope):
-                continue
-            try:
-                candidate = child(flat)
-                if candidate.shape == out[0].shape:
-                    errors.append(_relative_error(candidate, out[0]))
-            except Exception:  # a sub-module that cannot take this input is not the projection
-                continue
-        if not errors or min(errors) > _tolerance(values.dtype):
-            detail = f"best relative error {min(errors):.3g}" if errors else "no output projection found"
-            raise UnsupportedModelError(
-                f"{where}: softmax(q·Kᵀ·scale)·V from the captured query, the cached keys/values and "
-                f"`scale` does not reproduce the layer's output ({detail}); attention variants such as "
-                "logit soft-capping, sinks or extra query scaling are not supported"
-            )
-    return sites
+                mx.eval(model(step, cache=kv_cache))
+    return capture.calls, outputs
 
 
-def _attend(query: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-    """Plain float32 attention of ``query`` over all of ``keys`` (GQA-aware)."""
-    b, n_heads, lq, d = query.shape
-    n_kv = keys.shape[1]
-    q = query.astype(mx.float32).reshape(b, n_kv, n_heads // n_kv, lq, d)
-    k = keys.astype(mx.float32)[:, :, None]
-    v = values.astype(mx.float32)[:, :, None]
-    weights = mx.softmax((q * scale) @ k.swapaxes(-1, -2), axis=-1)
-    return (weights @ v).reshape(b, n_heads, lq, -1)
+def _verify_site(site: AttentionSite, calls: list[mx.array], out: list[Any], layer_cache: Any) -> None:
+    """The probe's evidence for one layer: rope order, cached keys, reproduced output."""
+    where = f"layer {site.layer} ({type(site.module).__name__})"
+    if len(calls) != 4:
+        raise UnsupportedModelError(
+            f"{where}: `rope` was called {len(calls)} times in two forward passes; "
+            "expected twice per pass (queries, then keys)"
+        )
+    if len(out) != 1 or not isinstance(out[0], mx.array):
+        raise UnsupportedModelError(f"{where}: attention did not return one array per call")
+    keys, values = _probe_keys_values(where, layer_cache)
+    query, key = calls[2], calls[3]
+    if query.ndim != 4 or key.ndim != 4 or query.shape[1] % key.shape[1]:
+        raise UnsupportedModelError(
+            f"{where}: rope outputs shaped {query.shape} and {key.shape}; expected "
+            "(batch, heads, tokens, head_dim) with query heads a multiple of key heads"
+        )
+    if key.shape != keys[..., -1:, :].shape or _relative_error(key, keys[..., -1:, :]) > 0:
+        raise UnsupportedModelError(f"{where}: the second `rope` output is not the key the cache stored")
+    attended = attend(query, keys, values, site.module.scale)
+    _check_reproduces_output(where, site, attended.astype(values.dtype), out[0])
+
+
+def _probe_keys_values(where: str, layer_cache: Any) -> tuple[mx.array, mx.array]:
+    """The keys and values of the probe's tokens, in order, as the layer's cache holds them."""
+    keys = getattr(layer_cache, "keys", None)
+    values = getattr(layer_cache, "values", None)
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        raise UnsupportedModelError(
+            f"{where}: cache {type(layer_cache).__name__} holds no `keys`/`values` arrays"
+        )
+    n = PROBE_TOKENS + 1
+    if getattr(layer_cache, "offset", None) != n or keys.shape[2] < n:
+        raise UnsupportedModelError(f"{where}: cache does not hold the {n} probe tokens in order")
+    return keys[..., :n, :], values[..., :n, :]
+
+
+def _check_reproduces_output(where: str, site: AttentionSite, attended: mx.array, out: mx.array) -> None:
+    """Some sub-module of the attention (its output projection) must map ``attended`` to ``out``."""
+    flat = attended.transpose(0, 2, 1, 3).reshape(1, 1, -1)
+    errors = []
+    for _, child in _children(site.module):
+        if not isinstance(child, nn.Module) or child is unwrap_rope(site.module.rope):
+            continue
+        try:
+            candidate = child(flat)
+            if candidate.shape == out.shape:
+                errors.append(_relative_error(candidate, out))
+        except Exception:  # a sub-module that cannot take this input is not the projection
+            continue
+    if not errors or min(errors) > _tolerance(attended.dtype):
+        detail = f"best relative error {min(errors):.3g}" if errors else "no output projection found"
+        raise UnsupportedModelError(
+            f"{where}: softmax(q·Kᵀ·scale)·V from the captured query, the cached keys/values and "
+            f"`scale` does not reproduce the layer's output ({detail}); attention variants such as "
+            "logit soft-capping, sinks or extra query scaling are not supported"
+        )

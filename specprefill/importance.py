@@ -11,6 +11,8 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 
+from specprefill.attention import attention_weights
+
 
 def average_pool(x: mx.array, kernel: int) -> mx.array:
     """Centred moving average along the last axis, over the positions inside it.
@@ -38,20 +40,13 @@ def layer_scores(queries: mx.array, keys: mx.array, scale: float, pool_kernel: i
 
     ``queries`` (1, n_heads, n_queries, d); ``keys`` (1, n_kv_heads, T, d), post-RoPE.
     """
-    _, n_heads, n_queries, dim = queries.shape
-    n_kv = keys.shape[1]
-    if n_heads % n_kv:
-        raise ValueError(f"query heads ({n_heads}) must be a multiple of key heads ({n_kv})")
-    q = queries.astype(mx.float32).reshape(n_kv, n_heads // n_kv, n_queries, dim)
-    k = keys.astype(mx.float32).reshape(n_kv, 1, -1, dim)
-    weights = mx.softmax((q * scale) @ k.swapaxes(-1, -2), axis=-1, precise=True)
-    pooled = average_pool(weights, pool_kernel)
-    return pooled.max(axis=(0, 1))
+    pooled = average_pool(attention_weights(queries, keys, scale), pool_kernel)
+    return pooled.max(axis=(0, 1, 2))
 
 
 def token_importance(
     layers: Iterable[tuple[mx.array, mx.array, float]],
-    pool_kernel: int = 13,
+    pool_kernel: int,
     on_layer: Callable[[int], None] | None = None,
 ) -> mx.array:
     """Importance (T,) float32 from per-layer ``(queries, keys, scale)``; evaluates layer by layer.

@@ -9,13 +9,13 @@ the chat-template closers) is always kept and is paid for out of the keep budget
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
 from specprefill.checks import check_int
+from specprefill.options import SelectionOptions
 
 # Bumped whenever the same importance and options select other tokens, so that stored
 # selections (the service's memo) made under the old rule are not reused.
@@ -24,12 +24,6 @@ SELECTION_RULE = 2
 
 # ceil(n_chunks * keep) must not round 10 * 0.3 = 3.0000000000000004 up to 4.
 _CEIL_SLACK = 1e-9
-
-
-def _check_keep(keep: Any) -> float:
-    if isinstance(keep, bool) or not isinstance(keep, numbers.Real) or not (0.0 < keep <= 1.0):
-        raise ValueError(f"keep must be a fraction in (0, 1], got {keep!r}")
-    return float(keep)
 
 
 def _as_importance(importance: Any) -> np.ndarray:
@@ -58,14 +52,8 @@ def tail_chunk_count(region_tokens: int, chunk_size: int, tail_tokens: int) -> i
     return math.ceil(region_tokens / chunk_size) - first_tail_token // chunk_size
 
 
-def select_chunks(
-    importance: Any,
-    keep: float,
-    chunk_size: int = 32,
-    tail_tokens: int = 512,
-    protected_prefix: int = 0,
-) -> np.ndarray:
-    """Sorted unique int32 indices of the tokens to keep.
+def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: int = 0) -> np.ndarray:
+    """Sorted unique int32 indices of the tokens to keep (``options.threshold`` is not used).
 
     The ranked region ``[protected_prefix, T)`` is cut into ``n_chunks`` chunks of
     ``chunk_size`` from its start (the last one may be short). ``max(1, ceil(n_chunks *
@@ -74,9 +62,7 @@ def select_chunks(
     rest by mean importance, ties going to the earlier chunk. ``keep == 1`` keeps everything.
     """
     scores = _as_importance(importance)
-    keep = _check_keep(keep)
-    chunk_size = check_int("chunk_size", chunk_size, 1)
-    tail_tokens = check_int("tail_tokens", tail_tokens, 0)
+    keep, chunk_size, tail_tokens = options.keep, options.chunk_size, options.tail_tokens
     protected_prefix = check_int("protected_prefix", protected_prefix, 0)
 
     total = scores.size
@@ -104,7 +90,7 @@ def select_chunks(
     return np.concatenate(pieces).astype(np.int32)
 
 
-def admission_reason(n_tokens: int, *, threshold: int = 8192, protected_prefix: int = 0) -> str | None:
+def admission_reason(n_tokens: int, *, threshold: int, protected_prefix: int = 0) -> str | None:
     """Why a prompt of ``n_tokens`` is prefilled in full, or ``None`` to sparsify it.
 
     A prompt is sparsified only when it is strictly longer than ``threshold`` and the
@@ -142,28 +128,17 @@ class Selection:
         return self.kept / self.total if self.total else 1.0
 
 
-def plan_selection(
-    importance: Any,
-    *,
-    keep: float,
-    chunk_size: int = 32,
-    tail_tokens: int = 512,
-    protected_prefix: int = 0,
-    threshold: int = 8192,
-) -> Selection:
+def plan_selection(importance: Any, options: SelectionOptions, protected_prefix: int = 0) -> Selection:
     """Admission policy, then :func:`select_chunks`: always a usable answer for a caller."""
     scores = _as_importance(importance)
     total = scores.size
-    # Validate everything up front so bad settings fail the same way on short prompts.
-    _check_keep(keep)
-    check_int("chunk_size", chunk_size, 1)
-    check_int("tail_tokens", tail_tokens, 0)
-    reason = admission_reason(total, threshold=threshold, protected_prefix=protected_prefix)
+    reason = admission_reason(total, threshold=options.threshold, protected_prefix=protected_prefix)
     if reason is not None:
         return Selection(np.arange(total, dtype=np.int32), total, reason)
-    indices = select_chunks(scores, keep, chunk_size, tail_tokens, protected_prefix)
+    indices = select_chunks(scores, options, protected_prefix)
     if indices.size == total:
-        reason = f"keep all: the selection (keep={keep}, tail_tokens={tail_tokens}) covers every token"
+        reason = (f"keep all: the selection (keep={options.keep}, tail_tokens={options.tail_tokens}) "
+                  "covers every token")
     return Selection(indices, total, reason)
 
 
@@ -181,21 +156,3 @@ def to_ranges(indices: Iterable[int]) -> list[tuple[int, int]]:
     starts = np.concatenate([[values[0]], values[breaks + 1]])
     ends = np.concatenate([values[breaks], [values[-1]]]) + 1
     return [(int(s), int(e)) for s, e in zip(starts, ends)]
-
-
-def from_ranges(ranges: Iterable[Sequence[int]]) -> np.ndarray:
-    """Sorted int32 indices from half-open ``[start, end)`` runs (ascending, non-overlapping)."""
-    pieces = []
-    previous_end = 0
-    for item in ranges:
-        if len(item) != 2:
-            raise ValueError(f"ranges must hold (start, end) pairs, got {item!r}")
-        start = check_int("range start", item[0], 0)
-        end = check_int("range end", item[1], start + 1)
-        if start < previous_end:
-            raise ValueError(f"ranges must be ascending and non-overlapping: ({start}, {end}) starts before {previous_end}")
-        pieces.append(np.arange(start, end, dtype=np.int64))
-        previous_end = end
-    if not pieces:
-        return np.zeros(0, dtype=np.int32)
-    return np.concatenate(pieces).astype(np.int32)

@@ -38,14 +38,36 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 def raw_bits(array: mx.array):
-    """One array's raw bits through the codec's batch form."""
-    from cache_store.codec import raw_bits_many
+    """One array's raw bits, as the store takes them (a ``RawArray``)."""
+    from cache_store import RawArray
+    from specprefill.kv_arrays import raw_bits_many
 
-    return raw_bits_many([array])[0]
+    return RawArray(*raw_bits_many([array])[0])
 
 
 def to_mlx(raw) -> mx.array:
-    """One raw array back to mlx through the codec's batch form."""
-    from cache_store.codec import to_mlx_many
+    """One raw array back to mlx through the conversion's batch form."""
+    from specprefill.kv_arrays import to_mlx_many
 
     return to_mlx_many([raw])[0]
+
+
+def kv_layer(keys: mx.array, values: mx.array) -> dict:
+    """One layer of a block: its keys and values as named raw arrays."""
+    return {"keys": raw_bits(keys), "values": raw_bits(values)}
+
+
+def fingerprint(model, identity: str, *, block_size: int) -> str:
+    """A tiny model's block-store fingerprint, derived as the worker derives it (from its profile)."""
+    from cache_store import model_fingerprint
+    from specprefill.profile import profile_model
+
+    return model_fingerprint(profile_model(model).description, identity, block_size=block_size)
+
+
+def draft_store(client, fp: str, **kwargs):
+    """The worker's composition: a ``RedisBlockStore`` behind the KV-cache adapter."""
+    from cache_store import RedisBlockStore
+    from specprefill.draft_cache import BlockDraftCache
+
+    return BlockDraftCache(RedisBlockStore(client, fp, **kwargs))

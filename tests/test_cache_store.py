@@ -1,4 +1,5 @@
-"""RedisBlockStore logic against fakeredis: hits, partial hits, holes, bad values, faults, stats."""
+"""The worker's draft cache (RedisBlockStore behind BlockDraftCache) against fakeredis: hits,
+partial hits, holes, bad values, faults, stats."""
 import fakeredis
 import mlx.core as mx
 import msgpack
@@ -6,9 +7,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from cache_store import RedisBlockStore, model_fingerprint
+from cache_store import RedisBlockStore
 from cache_store.codec import encode_block
-from kv_blocks import continue_prefill, prefilled, raw_bits, same_bits
+from kv_blocks import continue_prefill, draft_store, fingerprint, kv_layer, prefilled, same_bits
+from specprefill.kv_arrays import block_layout
+from specprefill.profile import profile_model
 from tiny_models import make_model
 
 BS = 16
@@ -21,7 +24,7 @@ def prompt(n, seed=0):
 @pytest.fixture(scope="module")
 def llama():
     model = make_model("llama", seed=0)
-    return model, model_fingerprint(model, "tiny-llama", block_size=BS)
+    return model, fingerprint(model, "tiny-llama", block_size=BS)
 
 
 @pytest.fixture
@@ -35,7 +38,11 @@ def client(server):
 
 
 def make_store(client, fp, **kw):
-    return RedisBlockStore(client, fp, block_size=BS, **kw)
+    return draft_store(client, fp, block_size=BS, **kw)
+
+
+def keys_of(store, tokens):
+    return store.raw_store.block_keys(tokens)
 
 
 def assert_prefix_equal(restored, original, n):
@@ -49,7 +56,7 @@ def assert_prefix_equal(restored, original, n):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 def test_round_trip_per_dtype(client, dtype):
     model = make_model("llama", seed=1, dtype=dtype)
-    fp = model_fingerprint(model, "tiny", block_size=BS)
+    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(70)
     cache, _ = prefilled(model, tokens)
     assert cache[0].keys.dtype == dtype
@@ -120,7 +127,7 @@ def test_hole_gives_shorter_hit_and_store_fills_it(client, llama):
     cache, _ = prefilled(model, tokens)
     store = make_store(client, fp)
     assert store.store(tokens, cache) == 6
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     client.delete(keys[2])
     restored, n = store.fetch(tokens)
     assert n == 32
@@ -150,11 +157,11 @@ def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
     cache, _ = prefilled(model, tokens)
     store = make_store(client, fp)
     store.store(tokens, cache)
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     # A block that decodes (right fingerprint) but whose layout disagrees with the chain's.
     other = make_model("llama", seed=0, num_key_value_heads=1)
     oc, _ = prefilled(other, tokens[:16])
-    foreign = bytes(encode_block(fp, BS, [(raw_bits(c.keys[:, :, :16]), raw_bits(c.values[:, :, :16])) for c in oc]))
+    foreign = bytes(encode_block(fp, BS, [kv_layer(c.keys[:, :, :16], c.values[:, :, :16]) for c in oc]))
     client.set(keys[3], bad_values(client.get(keys[3]), foreign)[kind])
     restored, n = store.fetch(tokens)
     assert n == 48
@@ -172,7 +179,7 @@ def test_first_block_corrupt_is_a_full_miss(client, llama):
     tokens = prompt(40, seed=9)
     store = make_store(client, fp)
     store.store(tokens, prefilled(model, tokens)[0])
-    client.set(store.block_keys(tokens)[0], b"junk")
+    client.set(keys_of(store, tokens)[0], b"junk")
     assert store.fetch(tokens) == (None, 0)
     assert store.stats()["corrupt_blocks"] == 1
 
@@ -181,14 +188,14 @@ def test_other_fingerprint_sees_nothing(client, llama):
     model, fp = llama
     tokens = prompt(40, seed=10)
     make_store(client, fp).store(tokens, prefilled(model, tokens)[0])
-    other_fp = model_fingerprint(model, "another-revision", block_size=BS)
+    other_fp = fingerprint(model, "another-revision", block_size=BS)
     assert make_store(client, other_fp).fetch(tokens) == (None, 0)
     assert make_store(client, fp, namespace="elsewhere").fetch(tokens) == (None, 0)
 
 
 def test_sliding_window_model_stores_nothing_and_misses(client):
     model = make_model("gemma3_text")
-    fp = model_fingerprint(model, "tiny-gemma", block_size=BS)
+    fp = fingerprint(model, "tiny-gemma", block_size=BS)
     tokens = prompt(60, seed=11)
     cache, _ = prefilled(model, tokens)
     store = make_store(client, fp)
@@ -220,7 +227,7 @@ def test_blocks_get_the_ttl_and_fetch_refreshes_it(client, llama):
     tokens = prompt(40, seed=13)
     store = make_store(client, fp, ttl_s=1000)
     store.store(tokens, prefilled(model, tokens)[0])
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     assert all(0 < client.ttl(k) <= 1000 for k in keys)
     client.expire(keys[0], 10)
     store.fetch(tokens)
@@ -235,7 +242,7 @@ def test_stats_count_everything(client, llama):
     store.fetch(tokens)                  # miss: 4 blocks missed
     store.store(tokens, cache)           # 4 written
     _, n = store.fetch(tokens)           # 4 hit
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     sizes = [client.strlen(k) for k in keys]
     stats = store.stats()
     assert n == 64
@@ -249,10 +256,10 @@ def test_stats_count_everything(client, llama):
 
 def test_many_blocks_span_several_pipelines(client):
     model = make_model("llama", seed=2)
-    fp = model_fingerprint(model, "tiny", block_size=2)
+    fp = fingerprint(model, "tiny", block_size=2)
     tokens = prompt(301, seed=15)
     cache, _ = prefilled(model, tokens)
-    store = RedisBlockStore(client, fp, block_size=2)
+    store = draft_store(client, fp, block_size=2)
     assert store.store(tokens, cache) == 150
     restored, n = store.fetch(tokens)
     assert n == 300
@@ -264,6 +271,7 @@ def test_many_blocks_span_several_pipelines(client):
     ({"block_size": 0}, "block_size"),
     ({"ttl_s": 0}, "ttl_s"),
     ({"namespace": ""}, "namespace"),
+    ({"namespace": "a:b"}, "namespace"),
 ])
 def test_bad_arguments_name_the_field(client, kwargs, field):
     args = {"fingerprint": "ab" * 32, **kwargs}
@@ -285,7 +293,7 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
     tokens = prompt(40, seed=17)
     store = make_store(client, fp)
     store.store(tokens, prefilled(model, tokens)[0])
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     header, payload, checksum = msgpack.unpackb(client.get(keys[1]))
     header["layers"] = [[[e[0]], e[1], e[2], e[3]] for e in header["layers"]]
     client.set(keys[1], msgpack.packb([header, payload, checksum]))
@@ -303,6 +311,7 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
 def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatch, where, error,
                                                        is_corrupt):
     import cache_store.store as store_mod
+    import specprefill.kv_arrays as kv_mod
 
     model, fp = llama
     tokens = prompt(40, seed=18)
@@ -313,12 +322,14 @@ def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatc
         raise error("unexpected")
 
     with monkeypatch.context() as m:
-        m.setattr(store_mod, where, broken)
+        m.setattr(store_mod if where == "decode_block" else kv_mod, where, broken)
         assert store.fetch(tokens) == (None, 0)
     stats = store.stats()
     assert (stats["corrupt_blocks"] >= 1) == is_corrupt
-    assert stats["fetch_errors"] == (0 if is_corrupt else 1)
-    assert client.exists(store.block_keys(tokens)[0]) == (0 if is_corrupt else 1)
+    # The store counts what failed in it; the adapter what failed converting to mlx.
+    counter = "fetch_errors" if where == "decode_block" else "rebuild_errors"
+    assert stats[counter] == (0 if is_corrupt else 1)
+    assert client.exists(keys_of(store, tokens)[0]) == (0 if is_corrupt else 1)
     if not is_corrupt:  # another worker (or this one, recovered) still gets the blocks
         assert store.fetch(tokens)[1] == 32
 
@@ -327,27 +338,25 @@ def test_failing_stats_writes_leave_fetch_and_store_working(client, llama):
     model, fp = llama
     tokens = prompt(40, seed=19)
     store = make_store(client, fp)
-    client.set(store._stats_key, b"not a hash")  # every HINCRBY fails with WRONGTYPE
+    client.set(store.raw_store._stats_key, b"not a hash")  # every HINCRBY fails with WRONGTYPE
     assert store.store(tokens, prefilled(model, tokens)[0]) == 2
     assert store.fetch(tokens)[1] == 32
-    counters = store.local_counters
+    counters = store.raw_store.local_counters
     assert counters["store_errors"] == 0 and counters["fetch_errors"] == 0
     assert counters["stats_errors"] >= 2
 
 
 def _write_foreign_chain(client, store, tokens, cache):
-    for i, key in enumerate(store.block_keys(tokens)):
+    for i, key in enumerate(keys_of(store, tokens)):
         span = slice(i * BS, (i + 1) * BS)
-        value = encode_block(store.fingerprint, BS, [(raw_bits(c.keys[:, :, span]), raw_bits(c.values[:, :, span]))
-                                                    for c in cache])
+        value = encode_block(store.raw_store.fingerprint, BS, [kv_layer(c.keys[:, :, span], c.values[:, :, span])
+                                                              for c in cache])
         client.set(key, bytes(value))
 
 
 @pytest.mark.parametrize("foreign", ["one_layer", "other_kv_heads", "other_dtype"])
 def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, foreign):
     """Well-formed blocks under the right fingerprint, but not this model's layout."""
-    from cache_store import cache_layout
-
     model, fp = llama
     tokens = prompt(40, seed=20)
     if foreign == "one_layer":
@@ -356,11 +365,11 @@ def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, fore
         cache = prefilled(make_model("llama", seed=0, num_key_value_heads=1), tokens)[0]
     else:
         cache = prefilled(make_model("llama", seed=0, dtype=mx.float16), tokens)[0]
-    store = make_store(client, fp, layout=cache_layout(model))
+    store = make_store(client, fp, layout=block_layout(profile_model(model).kv_layout))
     _write_foreign_chain(client, store, tokens, cache)
     assert store.fetch(tokens) == (None, 0)
     assert store.stats()["corrupt_blocks"] == 1
-    assert client.exists(store.block_keys(tokens)[0]) == 0
+    assert client.exists(keys_of(store, tokens)[0]) == 0
     # The model's own blocks are accepted; each fetch drops the next foreign one.
     own = prefilled(model, tokens)[0]
     assert store.store(tokens, own) == 1
@@ -374,16 +383,20 @@ def test_layout_must_describe_kv_layers(client, llama):
         make_store(client, llama[1], layout=[{"cache": "KVCache"}])
     with pytest.raises(ValueError, match="layout"):
         make_store(client, llama[1], layout=[])
+    with pytest.raises(ValueError, match="layout"):
+        make_store(client, llama[1], layout=[{"keys": ["float32", 2, 16]}])
+    with pytest.raises(ValueError, match="kv_layout"):
+        block_layout([{"cache": "ArraysCache", "state": []}])
 
 
 def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeypatch):
     import redis
 
     model = make_model("llama", seed=2)
-    fp = model_fingerprint(model, "tiny", block_size=2)
+    fp = fingerprint(model, "tiny", block_size=2)
     tokens = prompt(301, seed=21)
     cache, _ = prefilled(model, tokens)
-    store = RedisBlockStore(client, fp, block_size=2)
+    store = draft_store(client, fp, block_size=2)
     assert store.store(tokens, cache) == 150
     real_pipeline, calls = client.pipeline, []
 
@@ -404,7 +417,7 @@ def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeyp
     restored, n = store.fetch(tokens)
     assert n == 128
     assert_prefix_equal(restored, cache, 128)
-    assert store.local_counters["fetch_errors"] == 1
+    assert store.raw_store.local_counters["fetch_errors"] == 1
 
 
 def test_store_refreshes_the_ttl_of_blocks_already_stored(client, llama):
@@ -413,7 +426,7 @@ def test_store_refreshes_the_ttl_of_blocks_already_stored(client, llama):
     cache = prefilled(model, tokens)[0]
     store = make_store(client, fp, ttl_s=1000)
     store.store(tokens, cache)
-    keys = store.block_keys(tokens)
+    keys = keys_of(store, tokens)
     client.expire(keys[0], 10)
     client.delete(keys[1])
     assert store.store(tokens, cache) == 1

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from cache_store.codec import (FORMAT_VERSION, CorruptBlockError, RawArray, decode_block,
-                               encode_block, payload_checksum, raw_bits_many)
+                               encode_block, payload_checksum)
 from kv_blocks import raw_bits, same_bits, to_mlx
+from specprefill.kv_arrays import raw_bits_many
 
 FP = "0f" * 32
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
@@ -23,7 +24,7 @@ def random_cache_array(dtype, tokens=40, heads=2, head_dim=8, seed=0):
 
 
 def block_of(arrays, start, end):
-    return [(RawArray(k.dtype, k.bits[:, :, start:end]), RawArray(v.dtype, v.bits[:, :, start:end]))
+    return [{"keys": RawArray(k.dtype, k.bits[:, :, start:end]), "values": RawArray(v.dtype, v.bits[:, :, start:end])}
             for k, v in arrays]
 
 
@@ -34,9 +35,11 @@ def test_round_trip_is_bit_exact(dtype):
     value = encode_block(FP, 16, block_of(raws, 16, 32))
     block = decode_block(bytes(value), fingerprint=FP, n_tokens=16)
     assert len(block.layers) == 3
-    for (k, v), (dk, dv) in zip(full, block.layers):
-        assert same_bits(to_mlx(dk), k[:, :, 16:32])
-        assert same_bits(to_mlx(dv), v[:, :, 16:32])
+    for (k, v), layer in zip(full, block.layers):
+        assert same_bits(to_mlx(layer["keys"]), k[:, :, 16:32])
+        assert same_bits(to_mlx(layer["values"]), v[:, :, 16:32])
+    assert block.layout == tuple((("keys", str(dtype).split(".")[-1], (1, 2, 16, 8)),
+                                  ("values", str(dtype).split(".")[-1], (1, 2, 16, 8))) for _ in range(3))
 
 
 def test_value_is_plain_msgpack_with_aligned_payload():
@@ -54,7 +57,7 @@ def test_value_is_plain_msgpack_with_aligned_payload():
 def test_decoded_arrays_do_not_depend_on_the_value_buffer():
     k = random_cache_array(mx.float32)
     value = bytearray(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
-    restored = to_mlx(decode_block(value, fingerprint=FP, n_tokens=8).layers[0][0])
+    restored = to_mlx(decode_block(value, fingerprint=FP, n_tokens=8).layers[0]["keys"])
     value[:] = bytes(len(value))  # scribble over the stored bytes
     assert same_bits(restored, k[:, :, 0:8])
 
@@ -129,14 +132,31 @@ def test_repacked_good_value_still_decodes():
     value = good_value(mx.bfloat16)
     again = repack(value, lambda h, p, c: (h, p, c))
     assert again != value
-    a = decode_block(value, fingerprint=FP, n_tokens=8).layers[0][0]
-    b = decode_block(again, fingerprint=FP, n_tokens=8).layers[0][0]
+    a = decode_block(value, fingerprint=FP, n_tokens=8).layers[0]["keys"]
+    b = decode_block(again, fingerprint=FP, n_tokens=8).layers[0]["keys"]
     assert np.array_equal(a.bits, b.bits)
 
 
 def test_unsupported_dtype_is_a_value_error():
     with pytest.raises(ValueError, match="dtype"):
         raw_bits_many([mx.zeros((1, 1, 2, 2), dtype=mx.int32)])
+
+
+@pytest.mark.parametrize("layer", [{"keys": None}, {"keys": None, "values": None, "state": None}, ()],
+                         ids=["values_missing", "unknown_array", "not_a_mapping"])
+def test_a_layer_must_hold_exactly_the_named_arrays(layer):
+    k = RawArray("float32", np.zeros((1, 1, 8, 4), dtype="<u4"))
+    named = {name: k for name in layer} if isinstance(layer, dict) else layer
+    with pytest.raises(ValueError, match="keys, values"):
+        encode_block(FP, 8, [named])
+
+
+def test_plain_pairs_are_raw_arrays():
+    """What the KV conversion hands the store, (dtype name, bits) pairs, encodes like RawArrays."""
+    bits = np.arange(32, dtype="<u4").reshape(1, 1, 8, 4)
+    pairs = bytes(encode_block(FP, 8, [{"keys": ("float32", bits), "values": ("float32", bits)}]))
+    raws = bytes(encode_block(FP, 8, [{"keys": RawArray("float32", bits), "values": RawArray("float32", bits)}]))
+    assert pairs == raws
 
 
 def _edit_layers(edit):
@@ -169,7 +189,7 @@ def test_malformed_header_types_are_corrupt_not_type_errors(kind):
 def test_reviewer_header_is_corrupt():
     """The reported case: a list where the keys' dtype belongs, valid checksum."""
     k = RawArray("float32", np.zeros((1, 1, 16, 4), dtype="<u4"))
-    good = bytes(encode_block(FP, 16, [(k, k)]))
+    good = bytes(encode_block(FP, 16, [{"keys": k, "values": k}]))
     header, payload, checksum = msgpack.unpackb(good)
     header["layers"] = [[["float32"], [1, 1, 16, 4], "float32", [1, 1, 16, 4]]]
     with pytest.raises(CorruptBlockError):
@@ -186,7 +206,7 @@ def test_parsed_header_cache_is_bounded_and_thread_safe():
     values = []
     for heads in range(1, 25):  # 24 formats, more than the cache keeps
         k = RawArray("float32", np.full((1, heads, 8, 4), heads, dtype="<u4"))
-        values.append((heads, bytes(encode_block(FP, 8, [(k, k)]))))
+        values.append((heads, bytes(encode_block(FP, 8, [{"keys": k, "values": k}]))))
     errors = []
 
     def work(offset):
@@ -194,7 +214,7 @@ def test_parsed_header_cache_is_bounded_and_thread_safe():
             for i in range(300):
                 heads, value = values[(i + offset) % len(values)]
                 block = decode_block(value, fingerprint=FP, n_tokens=8)
-                assert block.layers[0][0].shape == (1, heads, 8, 4)
+                assert block.layers[0]["keys"].shape == (1, heads, 8, 4)
         except Exception as exc:  # reported below
             errors.append(exc)
 

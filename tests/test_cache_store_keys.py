@@ -10,9 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cache_store.keys import (UnsupportedCacheError, block_digests, block_key, canonical_json,
-                              check_storable, memo_key, model_fingerprint, prompt_digest,
-                              token_bytes)
+from mlx_lm.models.cache import make_prompt_cache
+
+from cache_store.keys import (block_digests, block_key, canonical_json, check_namespace, memo_key,
+                              model_fingerprint, prompt_digest, token_bytes)
+from kv_blocks import fingerprint
+from specprefill.kv_arrays import unstorable_reason
 from tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,42 +57,71 @@ def test_bad_token_ids_are_value_errors(bad):
 
 def test_fingerprint_is_stable_and_covers_what_changes_kv():
     base = make_model("llama", seed=0)
-    fp = model_fingerprint(base, "repo@rev", block_size=256)
-    assert len(fp) == 64 and fp == model_fingerprint(base, "repo@rev", block_size=256)
-    assert fp == model_fingerprint(make_model("llama", seed=0), "repo@rev", block_size=256)
+    fp = fingerprint(base, "repo@rev", block_size=256)
+    assert len(fp) == 64 and fp == fingerprint(base, "repo@rev", block_size=256)
+    assert fp == fingerprint(make_model("llama", seed=0), "repo@rev", block_size=256)
     different = {
-        "identity": model_fingerprint(base, "repo@rev2", block_size=256),
-        "block_size": model_fingerprint(base, "repo@rev", block_size=128),
-        "dtype": model_fingerprint(make_model("llama", dtype=mx.bfloat16), "repo@rev", block_size=256),
-        "kv_heads": model_fingerprint(make_model("llama", num_key_value_heads=1), "repo@rev", block_size=256),
-        "layers": model_fingerprint(make_model("llama", num_hidden_layers=3), "repo@rev", block_size=256),
-        "family": model_fingerprint(make_model("qwen2"), "repo@rev", block_size=256),
-        "rope": model_fingerprint(make_model("llama", rope_theta=5e5), "repo@rev", block_size=256),
+        "identity": fingerprint(base, "repo@rev2", block_size=256),
+        "block_size": fingerprint(base, "repo@rev", block_size=128),
+        "dtype": fingerprint(make_model("llama", dtype=mx.bfloat16), "repo@rev", block_size=256),
+        "kv_heads": fingerprint(make_model("llama", num_key_value_heads=1), "repo@rev", block_size=256),
+        "layers": fingerprint(make_model("llama", num_hidden_layers=3), "repo@rev", block_size=256),
+        "family": fingerprint(make_model("qwen2"), "repo@rev", block_size=256),
+        "rope": fingerprint(make_model("llama", rope_theta=5e5), "repo@rev", block_size=256),
     }
     assert len(set(different.values()) | {fp}) == len(different) + 1
 
 
-def test_sliding_window_models_are_refused_by_check_storable():
-    check_storable(make_model("llama"))
-    with pytest.raises(UnsupportedCacheError, match="RotatingKVCache"):
-        check_storable(make_model("gemma3_text"))
+def test_fingerprint_hashes_the_description_it_is_given():
+    description = {"model_type": "m", "args": {"hidden_size": 64, "rope_theta": 1e4}, "layers": [{"cache": "KVCache"}]}
+    fp = model_fingerprint(description, "repo@rev", block_size=16)
+    expected = {**description, "format_version": 1, "identity": "repo@rev", "block_size": 16}
+    assert fp == hashlib.sha256(canonical_json(expected).encode()).hexdigest()
+    # Pinned: a change here renames every stored block (bump FORMAT_VERSION instead).
+    assert fp == "8fe0758ed29273c3eed1db20b16ff5d1d4145f5df27a9fdb3208f26371e450be"
+    assert fp == model_fingerprint(dict(reversed(list(description.items()))), "repo@rev", block_size=16)
+    assert fp != model_fingerprint({**description, "args": {"hidden_size": 65, "rope_theta": 1e4}},
+                                   "repo@rev", block_size=16)
 
 
-def test_bad_arguments_are_value_errors():
-    model = make_model("llama")
-    with pytest.raises(ValueError, match="block_size"):
-        model_fingerprint(model, "x", block_size=0)
-    with pytest.raises(ValueError, match="identity"):
-        model_fingerprint(model, "", block_size=16)
+def test_sliding_window_models_are_not_storable():
+    assert unstorable_reason(make_prompt_cache(make_model("llama"))) is None
+    assert "RotatingKVCache" in unstorable_reason(make_prompt_cache(make_model("gemma3_text")))
+    assert unstorable_reason([]) == "cache: no layers"
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: model_fingerprint({"m": 1}, "x", block_size=0), "block_size"),
+    (lambda: model_fingerprint({"m": 1}, "", block_size=16), "identity"),
+    (lambda: model_fingerprint(["m"], "x", block_size=16), "description"),
+    (lambda: model_fingerprint({"identity": "y"}, "x", block_size=16), "description"),
+    (lambda: model_fingerprint({"m": object()}, "x", block_size=16), "description"),
+    (lambda: model_fingerprint({"m": float("nan")}, "x", block_size=16), "description"),
+])
+def test_bad_arguments_are_value_errors(call, field):
+    with pytest.raises(ValueError, match=field):
+        call()
+
+
+@pytest.mark.parametrize("namespace", ["", "a:b", "a b", "x" * 65, None, "ns\n"])
+def test_namespace_rule(namespace):
+    with pytest.raises(ValueError, match="namespace"):
+        check_namespace(namespace)
+
+
+def test_good_namespaces_pass():
+    for namespace in ("specprefill", "team-a.prod_2", "x" * 64):
+        assert check_namespace(namespace) == namespace
 
 
 CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from specprefill.blas import preload_openblas; preload_openblas()
-from cache_store.keys import block_digests, block_key, memo_key, model_fingerprint, prompt_digest
+from cache_store.keys import block_digests, block_key, memo_key, prompt_digest
+from kv_blocks import fingerprint
 from tiny_models import make_model
-fp = model_fingerprint(make_model("llama", seed=3), "repo@rev", block_size=16)
+fp = fingerprint(make_model("llama", seed=3), "repo@rev", block_size=16)
 tokens = list(range(7, 7 + 50))
 print(json.dumps({{
     "fp": fp,
@@ -101,7 +133,7 @@ print(json.dumps({{
 
 
 def test_keys_are_identical_in_another_process():
-    fp = model_fingerprint(make_model("llama", seed=3), "repo@rev", block_size=16)
+    fp = fingerprint(make_model("llama", seed=3), "repo@rev", block_size=16)
     tokens = list(range(7, 7 + 50))
     here = {
         "fp": fp,

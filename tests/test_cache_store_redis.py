@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import redis
 
-from cache_store import RedisBlockStore, model_fingerprint
 from cli.embedded_redis import EmbeddedRedis
-from kv_blocks import prefilled, same_bits
+from kv_blocks import draft_store, fingerprint, prefilled, same_bits
 from tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,10 +30,10 @@ def connect(url):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 def test_round_trip_per_dtype_on_real_redis(redis_url, dtype):
     model = make_model("llama", seed=1, dtype=dtype)
-    fp = model_fingerprint(model, "tiny", block_size=BS)
+    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(75)
     cache, _ = prefilled(model, tokens)
-    store = RedisBlockStore(connect(redis_url), fp, block_size=BS)
+    store = draft_store(connect(redis_url), fp, block_size=BS)
     assert store.store(tokens, cache) == 4
     restored, n = store.fetch(tokens)
     assert n == 64
@@ -45,12 +44,12 @@ def test_round_trip_per_dtype_on_real_redis(redis_url, dtype):
 @pytest.mark.parametrize("bad", [b"", b"\x93\x01\x02", b"x" * 1000])
 def test_bad_values_on_real_redis_are_deleted_misses(redis_url, bad):
     model = make_model("llama", seed=1)
-    fp = model_fingerprint(model, "tiny", block_size=BS)
+    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(60, seed=2)
     client = connect(redis_url)
-    store = RedisBlockStore(client, fp, block_size=BS)
+    store = draft_store(client, fp, block_size=BS)
     store.store(tokens, prefilled(model, tokens)[0])
-    key = store.block_keys(tokens)[1]
+    key = store.raw_store.block_keys(tokens)[1]
     client.set(key, bad)
     assert store.fetch(tokens)[1] == 16
     assert not client.exists(key)
@@ -62,22 +61,19 @@ import hashlib, json, sys
 sys.path.insert(0, {tests!r})
 from specprefill.blas import preload_openblas; preload_openblas()
 import redis
-from cache_store import RedisBlockStore, model_fingerprint
-from cache_store.codec import RawArray, encode_block
-from kv_blocks import prefilled, raw_bits
+from cache_store.codec import encode_block
+from kv_blocks import draft_store, fingerprint, kv_layer, prefilled
 from tiny_models import make_model
 model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
-fp = model_fingerprint(model, "tiny", block_size={bs})
+fp = fingerprint(model, "tiny", block_size={bs})
 tokens = {tokens!r}
 cache, _ = prefilled(model, tokens)
 client = redis.Redis.from_url({url!r})
-store = RedisBlockStore(client, fp, block_size={bs})
-layers = [(raw_bits(c.keys), raw_bits(c.values)) for c in cache]
+store = draft_store(client, fp, block_size={bs})
 hashes = []
 for i in range(len(tokens) // {bs}):
     s = slice(i * {bs}, (i + 1) * {bs})
-    value = encode_block(fp, {bs}, [(RawArray(k.dtype, k.bits[:, :, s]), RawArray(v.dtype, v.bits[:, :, s]))
-                                    for k, v in layers])
+    value = encode_block(fp, {bs}, [kv_layer(c.keys[:, :, s], c.values[:, :, s]) for c in cache])
     hashes.append(hashlib.sha256(value).hexdigest())
 client.rpush("ready", 1)
 client.blpop("go")
@@ -91,9 +87,12 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     client = connect(redis_url)
+    # The wait blocks in Redis for up to 120 s: its socket timeout must be longer (a loaded
+    # machine takes more than connect()'s 5 s to start a writer).
+    waiter = redis.Redis.from_url(redis_url, socket_timeout=150, socket_connect_timeout=2)
     try:
         for _ in procs:
-            assert client.blpop("ready", timeout=120), "writer did not start"
+            assert waiter.blpop("ready", timeout=120), "writer did not start"
         client.rpush("go", 1, 1)  # release both writers at once
         results = []
         for p in procs:
@@ -106,8 +105,8 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
                 p.kill()
     assert sum(r["written"] for r in results) == 40  # each block written exactly once
     model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
-    store = RedisBlockStore(client, model_fingerprint(model, "tiny", block_size=BS), block_size=BS)
-    for i, key in enumerate(store.block_keys(tokens)):
+    store = draft_store(client, fingerprint(model, "tiny", block_size=BS), block_size=BS)
+    for i, key in enumerate(store.raw_store.block_keys(tokens)):
         stored = hashlib.sha256(client.get(key)).hexdigest()
         assert stored in (results[0]["hashes"][i], results[1]["hashes"][i])
     restored, n = store.fetch(tokens)
@@ -116,20 +115,20 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
 
 def test_eviction_under_small_maxmemory_gives_shorter_hits_never_errors():
     model = make_model("llama", seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
-    fp = model_fingerprint(model, "tiny", block_size=BS)  # blocks of 64 KiB
+    fp = fingerprint(model, "tiny", block_size=BS)  # blocks of 64 KiB
     prompts = [prompt(512, seed=10 + i) for i in range(4)]  # 2 MiB of blocks each
     caches = [prefilled(model, p)[0] for p in prompts]
     args = ["--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru", "--lazyfree-lazy-eviction", "yes"]
     with EmbeddedRedis(extra_args=args) as server:
         client = connect(server.url)
-        store = RedisBlockStore(client, fp, block_size=BS)
+        store = draft_store(client, fp, block_size=BS)
         for p, c in zip(prompts, caches):
             store.store(p, c)
         assert int(client.info("stats")["evicted_keys"]) > 0
         hits = []
         for p, c in zip(prompts, caches):
             surviving = 0
-            for present in [client.exists(k) for k in store.block_keys(p[:-1])]:
+            for present in [client.exists(k) for k in store.raw_store.block_keys(p[:-1])]:
                 if not present:
                     break
                 surviving += 1
@@ -147,11 +146,11 @@ def test_eviction_under_small_maxmemory_gives_shorter_hits_never_errors():
 
 def test_noeviction_oom_writes_what_fits_and_never_raises():
     model = make_model("llama", seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
-    fp = model_fingerprint(model, "tiny", block_size=BS)
+    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(512, seed=20)
     cache, _ = prefilled(model, tokens)
     with EmbeddedRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]) as server:
-        store = RedisBlockStore(connect(server.url), fp, block_size=BS)
+        store = draft_store(connect(server.url), fp, block_size=BS)
         written = store.store(tokens, cache)
         restored, n = store.fetch(tokens)
         stats = store.stats()
@@ -162,12 +161,12 @@ def test_noeviction_oom_writes_what_fits_and_never_raises():
 
 def test_redis_down_is_a_miss_and_a_no_op():
     model = make_model("llama", seed=1)
-    fp = model_fingerprint(model, "tiny", block_size=BS)
+    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(60, seed=4)
     cache, _ = prefilled(model, tokens)
     server = EmbeddedRedis().start()
     try:
-        store = RedisBlockStore(connect(server.url), fp, block_size=BS)
+        store = draft_store(connect(server.url), fp, block_size=BS)
         assert store.store(tokens, cache) == 3
         server.kill()
         started = time.monotonic()

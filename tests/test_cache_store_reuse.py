@@ -4,12 +4,15 @@ import numpy as np
 import pytest
 import redis
 
-from cache_store import RedisBlockStore, model_fingerprint
+from kv_blocks import draft_store, fingerprint
+from specprefill.kv_arrays import block_layout
+from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
 from specprefill.selection import plan_selection
 from tiny_models import make_model
 
-SELECT = dict(keep=0.3, chunk_size=8, tail_tokens=16, protected_prefix=0, threshold=0)
+SELECT = SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=16, threshold=0)
 
 
 def prompt(n, seed):
@@ -18,19 +21,19 @@ def prompt(n, seed):
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model("llama", seed=11)
+    return profile_model(make_model("llama", seed=11))
 
 
-def run(model, tokens, store, **options):
-    result = score_with_cache(model, tokens, store, seed=3, n_lookahead=4, **options)
-    return result, plan_selection(result.importance, **SELECT)
+def run(profile, tokens, store, **options):
+    result = score_with_cache(profile, tokens, store, ScoringOptions(seed=3, n_lookahead=4, **options))
+    return result, plan_selection(result.importance, SELECT)
 
 
 @pytest.mark.parametrize("block_size, prefill_step", [(32, 32), (32, 128)],
                          ids=["blocks-on-chunk-bounds", "blocks-inside-chunks"])
 def test_warm_equals_cold_selection(model, block_size, prefill_step):
-    fp = model_fingerprint(model, "tiny", block_size=block_size)
-    store = RedisBlockStore(fakeredis.FakeRedis(), fp, block_size=block_size)
+    fp = fingerprint(model.model, "tiny", block_size=block_size)
+    store = draft_store(fakeredis.FakeRedis(), fp, block_size=block_size, layout=block_layout(model.kv_layout))
     tokens = prompt(300, seed=1)
     cold, cold_sel = run(model, tokens, store, prefill_step=prefill_step)
     warm, warm_sel = run(model, tokens, store, prefill_step=prefill_step)
@@ -42,8 +45,8 @@ def test_warm_equals_cold_selection(model, block_size, prefill_step):
 
 
 def test_shared_prefix_on_real_redis_selects_like_a_cold_run(model, redis_url):
-    fp = model_fingerprint(model, "tiny", block_size=32)
-    store = RedisBlockStore(redis.Redis.from_url(redis_url), fp, block_size=32)
+    fp = fingerprint(model.model, "tiny", block_size=32)
+    store = draft_store(redis.Redis.from_url(redis_url), fp, block_size=32)
     system = prompt(200, seed=2)
     run(model, system + prompt(50, seed=3), store, prefill_step=32)
     other = system + prompt(90, seed=4)

@@ -10,8 +10,10 @@ from specprefill.capture import (
     capture_queries,
     check_attention,
 )
+from specprefill.options import ScoringOptions
+from specprefill.profile import profile_model
+from specprefill.scoring import UnsupportedModelError, score_tokens
 from specprefill.wrapping import unwrap_rope
-from specprefill.scoring import UnsupportedModelError, check_scorable, score_tokens
 from tiny_models import FAMILIES, make_model
 
 
@@ -27,7 +29,7 @@ def test_every_family_is_recognised_and_verified(family):
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
 def test_half_precision_models_pass_the_probe(family):
-    check_scorable(make_model(family, dtype=mx.bfloat16))
+    profile_model(make_model(family, dtype=mx.bfloat16))
 
 
 def test_captured_queries_are_the_post_rope_queries():
@@ -58,11 +60,12 @@ def test_taps_are_removed_on_error_and_delegate_attributes():
 
 def test_a_stale_tap_is_unwrapped_not_wrapped_again():
     model = make_model("llama")
-    reference = score_tokens(model, list(range(40)), n_lookahead=2)
+    profile = profile_model(model)
+    reference = score_tokens(profile, list(range(40)), ScoringOptions(n_lookahead=2))
     attn = model.layers[1].self_attn
     rope = attn.rope
     attn.rope = _Tap(rope, [], type("On", (), {"on": True})())  # left behind by an aborted request
-    result = score_tokens(model, list(range(40)), n_lookahead=2)
+    result = score_tokens(profile, list(range(40)), ScoringOptions(n_lookahead=2))
     assert attn.rope is rope  # restored to the genuine module, stale tap gone
     assert mx.array_equal(result.importance, reference.importance).item()
 
@@ -72,14 +75,14 @@ def test_model_without_layers_is_unsupported():
         pass
 
     with pytest.raises(UnsupportedModelError, match="layers"):
-        check_scorable(NoLayers())
+        profile_model(NoLayers())
 
 
 def test_layer_without_recognisable_attention_is_unsupported():
     model = make_model("llama")
     del model.layers[1].self_attn.scale
     with pytest.raises(UnsupportedModelError, match="layer 1: found 0 attention modules"):
-        check_scorable(model)
+        profile_model(model)
 
 
 def test_wrong_scale_is_caught_by_the_probe():
@@ -87,7 +90,7 @@ def test_wrong_scale_is_caught_by_the_probe():
     model.layers[0].self_attn.scale *= 3.0  # the module no longer says how it scales
     model.layers[0].self_attn.__class__ = _ThreeTimesSharper
     with pytest.raises(UnsupportedModelError, match="does not reproduce"):
-        check_scorable(model)
+        profile_model(model)
 
 
 class _ThreeTimesSharper(llama.Attention):
@@ -123,7 +126,7 @@ def test_unexpected_rope_order_is_unsupported():
     model = make_model("llama")
     model.layers[1].self_attn.__class__ = _KeysFirst
     with pytest.raises(UnsupportedModelError, match="layer 1"):
-        check_scorable(model)
+        profile_model(model)
     with pytest.raises(UnsupportedModelError):
-        score_tokens(model, [1, 2, 3])
+        profile_model(model)
     assert not any(isinstance(layer.self_attn.rope, _Tap) for layer in model.layers)

@@ -39,7 +39,7 @@ def pool_with_target(seed=1):
             targets[name] = make_model("llama", seed=seed + len(targets))
         return targets[name], TargetTokenizer()
 
-    pool = ModelPool(2, loader=load, check=lambda m: None, fingerprint=lambda m, i, bs: "fp-" + i,
+    pool = ModelPool(2, loader=load, profile=lambda m: None, fingerprint=lambda m, i, bs: "fp-" + i,
                      identify=lambda name: "fake:" + name, warm=lambda m: None)
     return pool, targets
 
@@ -293,7 +293,7 @@ def test_unsupported_target_is_named():
         if type(model).__name__ != "FakeModel":
             raise ValueError("layer 0: attention variants such as soft-capping are not supported")
 
-    rt.models._check = check
+    rt.models._profile = check
     with pytest.raises(ValueError, match="^target_model: 'tiny-target': layer 0: attention variants"):
         run(rt)
 

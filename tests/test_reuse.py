@@ -3,6 +3,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from specprefill.options import ScoringOptions
+from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
 from specprefill.scoring import score_tokens
 from tiny_models import make_model
@@ -51,18 +53,19 @@ class WrongLength(DictDraftCache):
 
 @pytest.fixture(scope="module")
 def model():
-    return make_model("llama", seed=9)
+    """The profiled model (``profile_model``, once, as the worker does when it loads one)."""
+    return profile_model(make_model("llama", seed=9))
 
 
 def test_second_call_restores_and_matches_cold(model):
     store = DictDraftCache()
-    cold = score_with_cache(model, PROMPT, store, seed=4, prefill_step=16)
+    cold = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4, prefill_step=16))
     assert cold.cached_tokens == 0 and len(store.blocks) == 4  # 70 tokens -> 4 full blocks
-    warm = score_with_cache(model, PROMPT, store, seed=4, prefill_step=16)
+    warm = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4, prefill_step=16))
     assert warm.cached_tokens == 64 and len(store.blocks) == 4
     assert warm.lookahead_tokens == cold.lookahead_tokens
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    assert all(c.offset == len(PROMPT) for c in warm.cache)
+    assert all(c.offset == len(PROMPT) for c in warm.kv_cache)
 
 
 def test_shared_prefix_is_reused_and_new_blocks_stored(model):
@@ -70,9 +73,9 @@ def test_shared_prefix_is_reused_and_new_blocks_stored(model):
     score_with_cache(model, PROMPT[:40], store)
     assert len(store.blocks) == 2
     other = PROMPT[:40] + [1, 2, 3] * 10
-    result = score_with_cache(model, other, store, n_lookahead=2)
+    result = score_with_cache(model, other, store, ScoringOptions(n_lookahead=2))
     assert result.cached_tokens == 32 and len(store.blocks) == 4
-    reference = score_tokens(model, other, n_lookahead=2)
+    reference = score_tokens(model, other, ScoringOptions(n_lookahead=2))
     np.testing.assert_allclose(np.array(result.importance), np.array(reference.importance), rtol=1e-5, atol=0)
 
 
@@ -84,20 +87,20 @@ def test_exact_block_multiple_prompt_recomputes_the_last_token(model):
 
 
 def test_no_draft_cache_scores_cold(model):
-    result = score_with_cache(model, PROMPT, None, n_lookahead=1)
+    result = score_with_cache(model, PROMPT, None, ScoringOptions(n_lookahead=1))
     assert result.cached_tokens == 0 and result.prompt_tokens == len(PROMPT)
 
 
 def test_a_restore_of_the_wrong_length_is_ignored(model):
     store = WrongLength()
     score_with_cache(model, PROMPT, store)
-    result = score_with_cache(model, PROMPT, store, n_lookahead=1)
+    result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=1))
     assert result.cached_tokens == 0 and store.fetches == 2
 
 
 def test_cache_option_is_rejected(model):
-    with pytest.raises(ValueError, match="cache"):
-        score_with_cache(model, PROMPT, DictDraftCache(), cache=[])
+    with pytest.raises(TypeError, match="kv_cache"):
+        score_with_cache(model, PROMPT, DictDraftCache(), kv_cache=[])
 
 
 class WrongLayout(DictDraftCache):
@@ -135,8 +138,41 @@ def _other_dtype(cache):
                          ids=["fewer_layers", "more_layers", "other_kv_heads", "other_dtype"])
 def test_a_restore_that_does_not_fit_the_model_scores_cold(model, edit, caplog):
     store = WrongLayout(edit)
-    cold = score_with_cache(model, PROMPT, store, n_lookahead=1)
-    result = score_with_cache(model, PROMPT, store, n_lookahead=1)
+    cold = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=1))
+    result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=1))
     assert result.cached_tokens == 0 and store.fetches == 2
     np.testing.assert_array_equal(np.array(result.importance), np.array(cold.importance))
     assert "does not fit" in caplog.text
+
+
+class CountingCalls:
+    """Counts the forward passes of a model (its class's ``__call__``) while active."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __enter__(self):
+        genuine = type(self.model)
+        counter = self
+
+        class Counting(genuine):
+            def __call__(self, *args, **kwargs):
+                counter.calls += 1
+                return genuine.__call__(self, *args, **kwargs)
+
+        self.genuine, self.model.__class__ = genuine, Counting
+        return self
+
+    def __exit__(self, *exc):
+        self.model.__class__ = self.genuine
+
+
+def test_scoring_runs_only_its_own_forward_passes(model):
+    """No probe per call and no forward pass per restore: the profile already verified the model."""
+    store = DictDraftCache()
+    with CountingCalls(model.model) as cold:
+        score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3, prefill_step=16))
+    assert cold.calls == 5 + 1 + 3  # prefill of 69 tokens in steps of 16, the last token, lookahead
+    with CountingCalls(model.model) as warm:
+        result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3, prefill_step=16))
+    assert result.cached_tokens == 64 and warm.calls == 1 + 1 + 3  # tokens 64..68, the last, lookahead

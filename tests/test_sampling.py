@@ -2,13 +2,14 @@
 import mlx.core as mx
 import pytest
 
+from specprefill.options import Sampling, ScoringOptions
 from specprefill.sampling import sample
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
 
 def draws(logits, n, **options):
-    return {int(sample(logits, mx.random.key(s), **options).item()) for s in range(n)}
+    return {int(sample(logits, mx.random.key(s), Sampling(**options)).item()) for s in range(n)}
 
 
 def test_temperature_is_applied_before_top_p():
@@ -28,15 +29,28 @@ def test_greedy_and_temperature_zero_take_the_argmax():
 
 def test_same_key_same_draw_and_batched_logits():
     logits = mx.random.normal((1, 50), key=mx.random.key(0))
-    a = sample(logits, mx.random.key(7), temperature=1.0, top_p=0.9)
-    b = sample(logits, mx.random.key(7), temperature=1.0, top_p=0.9)
+    hot = Sampling(temperature=1.0, top_p=0.9)
+    a = sample(logits, mx.random.key(7), hot)
+    b = sample(logits, mx.random.key(7), hot)
     assert a.shape == (1,) and a.item() == b.item()
-    assert sample(logits[0], mx.random.key(7), temperature=1.0, top_p=0.9).shape == ()
+    assert sample(logits[0], mx.random.key(7), hot).shape == ()
 
 
-@pytest.mark.parametrize("options, field", [({"temperature": -1.0, "top_p": 1.0}, "temperature"),
-                                            ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
-                                            ({"temperature": 1.0, "top_p": 1.5}, "top_p")])
+BAD_SAMPLING = [({"temperature": -1.0, "top_p": 1.0}, "temperature"),
+                ({"temperature": float("nan")}, "temperature"),
+                ({"temperature": float("inf")}, "temperature"),
+                ({"temperature": True}, "temperature"),
+                ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+                ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+                ({"seed": -1}, "seed"),
+                ({"seed": 2**63}, "seed"),
+                ({"seed": 1.5}, "seed")]
+
+
+@pytest.mark.parametrize("options, field", BAD_SAMPLING)
 def test_bad_settings_name_the_field(options, field):
+    """One validation for the lookahead (scoring) and the target's decoding alike."""
     with pytest.raises(ValueError, match=field):
-        sample(mx.zeros((4,)), mx.random.key(0), **options)
+        Sampling(**options)
+    with pytest.raises(ValueError, match=field):
+        ScoringOptions(**options)

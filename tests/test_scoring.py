@@ -8,11 +8,19 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from model_state import model_state
 from specprefill.importance import average_pool, layer_scores, token_importance
+from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.profile import profile_model
 from specprefill.scoring import ScoreResult, score_tokens
 from specprefill.selection import plan_selection
 from tiny_models import FAMILIES, make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 70)]
+
+
+def score(model, tokens, *, kv_cache=None, progress=None, **options):
+    """``score_tokens`` as a direct library caller uses it: profile the model, options as one object."""
+    return score_tokens(profile_model(model), tokens, ScoringOptions(**options), kv_cache=kv_cache,
+                        progress=progress)
 
 
 # --- an independent float64 oracle ---------------------------------------------------------
@@ -114,7 +122,7 @@ def oracle_importance(model, family, prompt, lookahead, pool_kernel=13, include_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_importance_matches_float64_oracle(family):
     model = make_model(family, seed=3)
-    result = score_tokens(model, PROMPT, prefill_step=16, seed=5)
+    result = score(model, PROMPT, prefill_step=16, seed=5)
     expected = oracle_importance(model, family, PROMPT, result.lookahead_tokens)
     assert result.importance.dtype == mx.float32 and result.importance.shape == (len(PROMPT),)
     np.testing.assert_allclose(np.array(result.importance), expected, rtol=1e-4, atol=0)
@@ -123,7 +131,7 @@ def test_importance_matches_float64_oracle(family):
 @pytest.mark.parametrize("pool_kernel, include_last", [(0, False), (4, True)])
 def test_oracle_options(pool_kernel, include_last):
     model = make_model("qwen2", seed=4)
-    result = score_tokens(model, PROMPT, pool_kernel=pool_kernel, include_last_query=include_last, n_lookahead=3)
+    result = score(model, PROMPT, pool_kernel=pool_kernel, include_last_query=include_last, n_lookahead=3)
     assert len(result.lookahead_tokens) == 3
     expected = oracle_importance(model, "qwen2", PROMPT, result.lookahead_tokens, pool_kernel, include_last)
     np.testing.assert_allclose(np.array(result.importance), expected, rtol=1e-4, atol=0)
@@ -131,7 +139,7 @@ def test_oracle_options(pool_kernel, include_last):
 
 def test_last_query_only():
     model = make_model("llama")
-    result = score_tokens(model, PROMPT, n_lookahead=0)
+    result = score(model, PROMPT, n_lookahead=0)
     assert result.lookahead_tokens == []
     np.testing.assert_allclose(np.array(result.importance), oracle_importance(model, "llama", PROMPT, []),
                                rtol=1e-4, atol=0)
@@ -151,47 +159,47 @@ def _prefix_cache(cache, n):
 @pytest.mark.parametrize("family, n_cached", [("llama", 32), ("qwen3", 69), ("phi3", 1)])
 def test_warm_equals_cold(family, n_cached):
     model = make_model(family, seed=1)
-    cold = score_tokens(model, PROMPT, prefill_step=16, seed=11)
-    warm = score_tokens(model, PROMPT, prefill_step=16, seed=11, cache=_prefix_cache(cold.cache, n_cached))
+    cold = score(model, PROMPT, prefill_step=16, seed=11)
+    warm = score(model, PROMPT, prefill_step=16, seed=11, kv_cache=_prefix_cache(cold.kv_cache, n_cached))
     assert cold.cached_tokens == 0 and warm.cached_tokens == n_cached
     assert warm.prompt_tokens == cold.prompt_tokens == len(PROMPT)
     assert warm.lookahead_tokens == cold.lookahead_tokens
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    plan = dict(keep=0.3, chunk_size=8, tail_tokens=8, protected_prefix=0, threshold=0)
-    assert plan_selection(warm.importance, **plan).indices.tolist() == \
-        plan_selection(cold.importance, **plan).indices.tolist()
+    plan = SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0)
+    assert plan_selection(warm.importance, plan).indices.tolist() == \
+        plan_selection(cold.importance, plan).indices.tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_returned_cache_holds_exactly_the_prompt(family):
     model = make_model(family, seed=2)
-    result = score_tokens(model, PROMPT, prefill_step=16)
-    assert all(c.offset == len(PROMPT) for c in result.cache)
+    result = score(model, PROMPT, prefill_step=16)
+    assert all(c.offset == len(PROMPT) for c in result.kv_cache)
     reference = make_prompt_cache(model)
     model(mx.array([PROMPT]), cache=reference)
-    for ours, theirs in zip(result.cache, reference):
+    for ours, theirs in zip(result.kv_cache, reference):
         if getattr(ours, "max_size", None) is None:
             assert ours.state[0].shape[2] == len(PROMPT)  # no stale lookahead keys behind offset
             assert mx.allclose(ours.state[0], theirs.keys[..., : len(PROMPT), :], atol=1e-5).item()
     # Decoding on from the returned cache behaves like decoding from a plain prefill.
     step = mx.array([[5, 9]])
     for token in step[0]:
-        ours = model(token.reshape(1, 1), cache=result.cache)
+        ours = model(token.reshape(1, 1), cache=result.kv_cache)
         theirs = model(token.reshape(1, 1), cache=reference)
         assert mx.allclose(ours, theirs, atol=1e-4).item()
 
 
 def test_restored_cache_must_be_shorter_than_the_prompt():
     model = make_model("llama")
-    full = score_tokens(model, PROMPT, n_lookahead=1).cache
+    full = score(model, PROMPT, n_lookahead=1).kv_cache
     with pytest.raises(ValueError, match=f"fewer than the prompt's {len(PROMPT)}"):
-        score_tokens(model, PROMPT, cache=full)
+        score(model, PROMPT, kv_cache=full)
     with pytest.raises(ValueError, match="cache must be a list of 2"):
-        score_tokens(model, PROMPT, cache=full[:1])
+        score(model, PROMPT, kv_cache=full[:1])
     mixed = _prefix_cache(full, 10)
     mixed[1].trim(1)
     with pytest.raises(ValueError, match="same number of tokens"):
-        score_tokens(model, PROMPT, cache=mixed)
+        score(model, PROMPT, kv_cache=mixed)
 
 
 # --- the model is left as found ---------------------------------------------------------------
@@ -200,7 +208,7 @@ def test_restored_cache_must_be_shorter_than_the_prompt():
 def test_model_left_unchanged(family):
     model = make_model(family)
     before = model_state(model)
-    score_tokens(model, PROMPT[:30], n_lookahead=2)
+    score(model, PROMPT[:30], n_lookahead=2)
     assert model_state(model) == before
 
 
@@ -212,23 +220,23 @@ class Stop(Exception):
 def test_abort_from_progress_leaves_model_unchanged(phase):
     model = make_model("gemma3_text")
     before = model_state(model)
-    reference = score_tokens(model, PROMPT, prefill_step=16)
+    reference = score(model, PROMPT, prefill_step=16)
 
     def progress(processed, total, name):
         if name == phase and processed > 0:
             raise Stop(name)
 
     with pytest.raises(Stop, match=phase):
-        score_tokens(model, PROMPT, prefill_step=16, progress=progress)
+        score(model, PROMPT, prefill_step=16, progress=progress)
     assert model_state(model) == before
-    again = score_tokens(model, PROMPT, prefill_step=16)
+    again = score(model, PROMPT, prefill_step=16)
     assert again.lookahead_tokens == reference.lookahead_tokens
     assert mx.array_equal(again.importance, reference.importance).item()
 
 
 def test_progress_reports_chunks_and_phases():
     calls = []
-    result = score_tokens(make_model("llama"), PROMPT, prefill_step=16, n_lookahead=2,
+    result = score(make_model("llama"), PROMPT, prefill_step=16, n_lookahead=2,
                           progress=lambda *a: calls.append(a))
     assert calls == [(0, 70, "prefill"), (16, 70, "prefill"), (32, 70, "prefill"), (48, 70, "prefill"),
                      (64, 70, "prefill"), (69, 70, "prefill"), (70, 70, "prefill"),
@@ -242,9 +250,9 @@ def test_progress_reports_chunks_and_phases():
 
 def test_seeded_sampling_is_deterministic():
     model = make_model("qwen2")
-    a = score_tokens(model, PROMPT, seed=1)
-    b = score_tokens(model, PROMPT, seed=1)
-    c = score_tokens(model, PROMPT, seed=2)
+    a = score(model, PROMPT, seed=1)
+    b = score(model, PROMPT, seed=1)
+    c = score(model, PROMPT, seed=2)
     assert a.lookahead_tokens == b.lookahead_tokens
     assert mx.array_equal(a.importance, b.importance).item()
     assert a.lookahead_tokens != c.lookahead_tokens
@@ -252,8 +260,8 @@ def test_seeded_sampling_is_deterministic():
 
 def test_greedy_follows_the_argmax():
     model = make_model("qwen2")
-    g1 = score_tokens(model, PROMPT, greedy=True, seed=1, n_lookahead=3)
-    g2 = score_tokens(model, PROMPT, temperature=0.0, seed=2, n_lookahead=3)
+    g1 = score(model, PROMPT, greedy=True, seed=1, n_lookahead=3)
+    g2 = score(model, PROMPT, temperature=0.0, seed=2, n_lookahead=3)
     assert g1.lookahead_tokens == g2.lookahead_tokens
     tokens = list(PROMPT)
     for expected in g1.lookahead_tokens:
@@ -264,9 +272,9 @@ def test_greedy_follows_the_argmax():
 def test_lookahead_top_p_limits_sampling_to_the_nucleus():
     """With a tiny nucleus the sampled lookahead is the greedy one (the shared sampler's top-p)."""
     model = make_model("llama", seed=0)
-    greedy = score_tokens(model, PROMPT, greedy=True, n_lookahead=4).lookahead_tokens
+    greedy = score(model, PROMPT, greedy=True, n_lookahead=4).lookahead_tokens
     for seed in range(3):
-        assert score_tokens(model, PROMPT, temperature=1.5, top_p=1e-6, seed=seed,
+        assert score(model, PROMPT, temperature=1.5, top_p=1e-6, seed=seed,
                             n_lookahead=4).lookahead_tokens == greedy
 
 
@@ -278,10 +286,10 @@ def test_sliding_only_model_scores_short_prompts_and_rejects_long_ones():
     def windowed():  # every layer a 16-token sliding window
         return [RotatingKVCache(max_size=16) for _ in model.layers]
 
-    short = score_tokens(model, PROMPT[:8], n_lookahead=8, cache=windowed())  # 16 tokens fit
-    assert short.importance.shape == (8,) and all(c.offset == 8 for c in short.cache)
+    short = score(model, PROMPT[:8], n_lookahead=8, kv_cache=windowed())  # 16 tokens fit
+    assert short.importance.shape == (8,) and all(c.offset == 8 for c in short.kv_cache)
     with pytest.raises(ValueError, match=r"tokens: a prompt of 40 tokens .* attention window \[16\]"):
-        score_tokens(model, PROMPT[:40], cache=windowed())
+        score(model, PROMPT[:40], kv_cache=windowed())
 
 
 @pytest.mark.parametrize(
@@ -307,8 +315,9 @@ def test_sliding_only_model_scores_short_prompts_and_rejects_long_ones():
 def test_bad_input_names_the_field(kwargs, field):
     args = dict(tokens=PROMPT[:10])
     args.update(kwargs)
+    profile = profile_model(make_model("llama"))
     with pytest.raises(ValueError, match=field):
-        score_tokens(make_model("llama"), args.pop("tokens"), **args)
+        score_tokens(profile, args.pop("tokens"), ScoringOptions(**args))
 
 
 # --- importance building blocks -------------------------------------------------------------------
@@ -338,9 +347,9 @@ def test_importance_folds_layers_one_at_a_time():
     token_importance(layers(), 3, on_layer=lambda n: events.append(f"folded {n}"))
     assert events == ["pull 0", "folded 1", "pull 1", "folded 2", "pull 2", "folded 3"]
     with pytest.raises(ValueError, match="no attention layer"):
-        token_importance(iter([]))
+        token_importance(iter([]), 13)
 
 
 def test_result_type():
-    result = score_tokens(make_model("llama"), PROMPT[:20], n_lookahead=1)
+    result = score(make_model("llama"), PROMPT[:20], n_lookahead=1)
     assert isinstance(result, ScoreResult) and isinstance(result.lookahead_tokens[0], int)

@@ -291,12 +291,12 @@ def test_cached_prefix_is_reused():
         expected, _, _ = session.prefill(tokens, keep, prefill_step=16)
     _, prefix_cache, _ = full_prefill(model, tokens[:16])
     with sparse_session(model) as session:
-        logits, cache, state = session.prefill(tokens, keep, cache=prefix_cache, prefill_step=16)
+        logits, cache, state = session.prefill(tokens, keep, kv_cache=prefix_cache, prefill_step=16)
     assert state.cached_tokens == 16 and cache[0].offset == len(keep)
     assert rel_close(logits, expected, 1e-5)
     _, prefix_cache, _ = full_prefill(model, tokens[:20])
     with sparse_session(model) as session, pytest.raises(ValueError, match="cache"):
-        session.prefill(tokens, keep, cache=prefix_cache)
+        session.prefill(tokens, keep, kv_cache=prefix_cache)
 
 
 def test_progress_reports_protected_prefix_step_first():

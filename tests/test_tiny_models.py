@@ -73,14 +73,16 @@ def test_shipped_model_answers_recall_on_512_token_documents(folder, draft):
 
 
 def test_draft_keeps_the_needle_chunk_at_keep_0_2(draft):
+    from specprefill.options import ScoringOptions, SelectionOptions
+    from specprefill.profile import profile_model
     from specprefill.scoring import score_tokens
     from specprefill.selection import select_chunks
 
-    model, _ = draft
+    profile = profile_model(draft[0])
     kept = 0
     for i, ex in enumerate(documents_512()):
-        result = score_tokens(model, ex.tokens[:ex.prompt_len], seed=i)
-        indices = select_chunks(result.importance, 0.2, chunk_size=32, tail_tokens=32)
+        result = score_tokens(profile, ex.tokens[:ex.prompt_len], ScoringOptions(seed=i))
+        indices = select_chunks(result.importance, SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=32))
         s, e = ex.needle_span
         kept += bool(np.isin(np.arange(s, e), indices).all())
     # Random selection keeps a 1-chunk needle with probability 3/15 here.

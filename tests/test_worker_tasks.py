@@ -48,14 +48,14 @@ class FakeModel:
 
 def fake_pool(capacity=2):
     return ModelPool(capacity, loader=lambda name: (FakeModel(), FakeTokenizer()),
-                     check=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
+                     profile=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
                      identify=lambda name: "fake:" + name, warm=lambda m: None)
 
 
 @dataclass
 class FakeScore:
     importance: np.ndarray
-    cache: list
+    kv_cache: list
     lookahead_tokens: list
     timings: dict
     cached_tokens: int
@@ -93,7 +93,7 @@ class FakeMemo:
 
 
 def make_fake_score(chunk_delay_s=0.0, step=16):
-    def score_with_cache(model, tokens, draft_cache, *, progress=None, prefill_step=2048, **opts):
+    def score_with_cache(profile, tokens, draft_cache, options, *, progress=None):
         cache, n = draft_cache.fetch(tokens) if draft_cache is not None else (None, 0)
         t0 = time.perf_counter()
         for p in range(n, len(tokens), step):
@@ -106,7 +106,7 @@ def make_fake_score(chunk_delay_s=0.0, step=16):
         importance = np.array([(t * 7919) % 101 for t in tokens], dtype=np.float32)
         if draft_cache is not None:
             draft_cache.store(tokens, ["kv"])
-        return FakeScore(importance, ["kv"], [1] * opts.get("n_lookahead", 8),
+        return FakeScore(importance, ["kv"], [1] * options.n_lookahead,
                          {"prefill": time.perf_counter() - t0, "lookahead": 0.001, "importance": 0.001},
                          n, len(tokens))
     return score_with_cache

@@ -1,9 +1,11 @@
-"""Draft models for the worker: loaded once, warmed up, kept in a bounded LRU.
+"""The worker's models (drafts and targets alike): loaded once, profiled, warmed up, kept in a bounded LRU.
 
-A model's *identity* roots its block-store keys, so two workers that load the same
-weights share KV blocks and different weights never do: a local folder is identified by
-a SHA-256 of its config and weight files, a hub id by the repo id plus the resolved
-snapshot revision.
+Each model is verified and described once, when it is loaded
+(``specprefill.profile.profile_model``): jobs take its attention sites and cache layout
+from the :class:`LoadedModel` and never probe it again. A model's *identity* roots its
+block-store keys, so two workers that load the same weights share KV blocks and different
+weights never do: a local folder is identified by a SHA-256 of its config and weight files,
+a hub id by the repo id plus the resolved snapshot revision.
 """
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
+    from specprefill.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 
 _HASH_CHUNK = 1 << 22
-_identity_cache: dict[tuple, str] = {}
+_identities: dict[tuple, str] = {}  # (folder, file stamps) -> identity, so a folder is hashed once
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -35,15 +40,15 @@ def local_identity(folder: str | Path) -> str:
         raise ValueError(f"{folder} holds no config.json or *.safetensors")
     stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     key = (str(folder), stamp)
-    if key not in _identity_cache:
+    if key not in _identities:
         h = hashlib.sha256()
         for f in files:
             h.update(f.name.encode() + b"\0")
             with open(f, "rb") as fh:
                 while chunk := fh.read(_HASH_CHUNK):
                     h.update(chunk)
-        _identity_cache[key] = f"local:{h.hexdigest()}"
-    return _identity_cache[key]
+        _identities[key] = f"local:{h.hexdigest()}"
+    return _identities[key]
 
 
 def hub_identity(repo_id: str) -> str:
@@ -59,22 +64,22 @@ def hub_identity(repo_id: str) -> str:
 
 
 def model_identity(name: str) -> str:
-    """Identity of a draft model named by a local folder or a hub id."""
+    """Identity of a model named by a local folder or a hub id."""
     return local_identity(name) if Path(name).expanduser().is_dir() else hub_identity(name)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadedModel:
-    """A loaded draft model with what jobs need besides the weights."""
+    """A loaded model (a draft or a target) with what jobs need besides the weights."""
 
     name: str
     model: Any
     tokenizer: Any
     identity: str
-    fingerprint: str
+    fingerprint: str  # names its stored KV blocks (weights identity + profile description)
     vocab_size: int | None
     load_seconds: float
-    cache_layout: list | None = None  # filled by the block store factory on first use
+    profile: ModelProfile | None = None  # attention sites, cache layout (None: a test's fake model)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -96,16 +101,16 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
-def _default_check(model: Any) -> None:
-    from specprefill.scoring import check_scorable
+def _default_profile(model: Any) -> ModelProfile:
+    from specprefill.profile import profile_model
 
-    check_scorable(model)
+    return profile_model(model)
 
 
-def _default_fingerprint(model: Any, identity: str, block_size: int) -> str:
+def _default_fingerprint(profile: ModelProfile, identity: str, block_size: int) -> str:
     from cache_store import model_fingerprint
 
-    return model_fingerprint(model, identity, block_size=block_size)
+    return model_fingerprint(profile.description, identity, block_size=block_size)
 
 
 def release_cached_buffers() -> None:
@@ -124,15 +129,17 @@ def release_cached_buffers() -> None:
 
 
 class ModelPool:
-    """At most ``capacity`` loaded draft models, least recently used evicted first.
+    """At most ``capacity`` loaded models, least recently used evicted first.
 
-    The seams (``loader``, ``check``, ``fingerprint``, ``identify``) default to mlx-lm,
-    ``specprefill.scoring.check_scorable`` and ``cache_store.model_fingerprint``.
+    The seams (``loader``, ``profile``, ``fingerprint``, ``identify``, ``warm``) default to
+    mlx-lm, ``specprefill.profile.profile_model`` (verifies the model: it raises
+    ``UnsupportedModelError`` saying why it cannot be scored), ``cache_store.model_fingerprint``
+    of the profile's description, the weights' identity and a tiny warm-up pass.
     """
 
     def __init__(self, capacity: int = 2, *, block_size: int = 256,
                  loader: Callable[[str], tuple[Any, Any]] = _default_loader,
-                 check: Callable[[Any], None] = _default_check,
+                 profile: Callable[[Any], Any] = _default_profile,
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
                  identify: Callable[[str], str] = model_identity,
                  warm: Callable[[Any], None] = warm_up) -> None:
@@ -140,7 +147,7 @@ class ModelPool:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
         self.block_size = block_size
-        self._loader, self._check, self._fingerprint = loader, check, fingerprint
+        self._loader, self._profile, self._fingerprint = loader, profile, fingerprint
         self._identify, self._warm = identify, warm
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loads = 0
@@ -169,21 +176,17 @@ class ModelPool:
             self._evict()
         try:
             model, tokenizer = self._loader(name)
-            self._check(model)  # UnsupportedModelError (a ValueError) names the reason
+            profile = self._profile(model)  # UnsupportedModelError (a ValueError) names the reason
         except ValueError as exc:  # mlx-lm's "model type not supported" is one too
             raise ValueError(f"{field}: {name[:200]!r}: {exc}") from None
         self._warm(model)
         loaded = LoadedModel(name, model, tokenizer, identity,
-                             self._fingerprint(model, identity, self.block_size),
-                             _vocab_size(model), time.perf_counter() - t0)
+                             self._fingerprint(profile, identity, self.block_size),
+                             _vocab_size(model), time.perf_counter() - t0, profile)
         self.loads += 1
         log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
         self._models[name] = loaded
         return loaded
-
-    def preload(self, names: list[str] | tuple[str, ...]) -> None:
-        for name in names:
-            self.get(name)
 
     def _evict(self) -> None:
         name, _ = self._models.popitem(last=False)

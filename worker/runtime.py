@@ -32,7 +32,7 @@ class SelectionBackend:
 
     @classmethod
     def default(cls) -> "SelectionBackend":
-        from cache_store import RedisBlockStore, SelectionMemo
+        from cache_store import SelectionMemo
         from specprefill.reuse import score_with_cache
         from specprefill.selection import SELECTION_RULE, admission_reason, plan_selection, to_ranges
 
@@ -47,13 +47,15 @@ class SelectionBackend:
 
 
 def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
-    """The draft model's block store; it rejects blocks of another cache layout as corrupt."""
-    from cache_store import RedisBlockStore, cache_layout
+    """The draft model's ``DraftCache``: the Redis block store (which rejects blocks of another
+    cache layout than the model's profile as corrupt) behind the KV-cache ↔ raw-arrays adapter."""
+    from cache_store import RedisBlockStore
+    from specprefill.draft_cache import BlockDraftCache
+    from specprefill.kv_arrays import block_layout
 
-    if loaded.cache_layout is None:  # one probe token, once per loaded model
-        loaded.cache_layout = cache_layout(loaded.model)
-    return RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                           ttl_s=s.block_ttl_s, layout=loaded.cache_layout)
+    raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
+                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout))
+    return BlockDraftCache(raw_store)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
+from specprefill.options import ScoringOptions, SelectionOptions
 from worker.context import JobContext
 from worker.models import LoadedModel
 from worker.prompt import check_prompt, tokenize
@@ -90,17 +91,18 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
     store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
-    score = backend.score_with_cache(draft.model, tokens, store, progress=reporter.begin(),
-                                     prefill_step=settings.prefill_step, **spec.scoring_options())
+    score = backend.score_with_cache(
+        draft.profile, tokens, store, progress=reporter.begin(),
+        options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
     timings.update(score.timings)
     timings.update(store.timings)
     ctx.check_stop()
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
     # the target prefills from these indices and has no copy of the draft's KV.
-    selection = backend.plan_selection(
-        score.importance, keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
-        protected_prefix=protected_prefix, threshold=spec.threshold)
+    selection = backend.plan_selection(score.importance, SelectionOptions(
+        keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+        threshold=spec.threshold), protected_prefix=protected_prefix)
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
     importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None

@@ -35,10 +35,11 @@ def fingerprint(model_dir) -> str:
     import mlx_lm
 
     from cache_store import model_fingerprint
+    from specprefill.profile import profile_model
     from worker.models import local_identity
 
     model, _ = mlx_lm.load(model_dir)
-    return model_fingerprint(model, local_identity(model_dir), block_size=BLOCK)
+    return model_fingerprint(profile_model(model).description, local_identity(model_dir), block_size=BLOCK)
 
 
 def run_again(c: Client, tokens, **fields):

@@ -55,7 +55,7 @@ def main() -> None:
     settings = Settings.from_env(redis_url=url)
     known = settings.draft_model
     pool = ModelPool(settings.model_lru_size, loader=lambda n: (FakeModel(), FakeTokenizer()),
-                     check=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
+                     profile=lambda m: None, fingerprint=lambda m, ident, bs: "fp-" + ident,
                      identify=lambda n: "fake:" + n if n == known else model_identity(n),
                      warm=lambda m: None)
     backend = fake_backend(delay)
