@@ -37,11 +37,11 @@ def test_no_upward_import(package, forbidden):
     assert bad == {}
 
 
-def test_jobs_uses_only_the_reply_decoding_of_cache_store():
+def test_jobs_uses_only_the_reply_decoding_and_key_rules_of_cache_store():
     text = "\n".join((ROOT / p).read_text() for p, pkgs in imported_packages("jobs").items()
                      if "cache_store" in pkgs)
     imports = {line.split()[1] for line in text.splitlines() if line.startswith(("from cache_store", "import cache_store"))}
-    assert imports <= {"cache_store.replies"}
+    assert imports <= {"cache_store.replies", "cache_store.keys"}
 
 
 def test_python_m_worker_has_its_own_small_parser():
