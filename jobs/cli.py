@@ -426,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_batch)
 
     register_generate(sub, common)
+    from server.cli import register as register_serve  # the HTTP server (package server)
+    register_serve(sub, common)
 
     c = sub.add_parser("cache", parents=[common], help="block store information")
     c.add_argument("action", choices=["stats"])

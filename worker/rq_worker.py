@@ -20,7 +20,7 @@ from rq import Queue, SimpleWorker, worker_registration
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from worker import runtime as runtime_mod
+from worker import hooks, runtime as runtime_mod
 from worker.models import release_cached_buffers
 from worker.runtime import WorkerRuntime
 
@@ -93,6 +93,7 @@ class PrefillWorker(SimpleWorker):
             beat.stop()
             self.runtime.stop_event.clear()
             release_cached_buffers()
+            hooks.on_job_end(self, job)
 
     # -- surviving a Redis outage ---------------------------------------------
     # RQ's dequeue loop already waits out a lost Redis with backoff, but an error anywhere
@@ -209,4 +210,5 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
         runtime.models.get(model)
     w = PrefillWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
+    hooks.on_start(w)
     return w.work(burst=burst, logging_level=logging_level, max_jobs=max_jobs)
