@@ -28,6 +28,7 @@ from jobs.cli_args import (Deadline, add_prompt_options, add_selection_options, 
 from jobs.cli_generate import add_generate_options, register as register_generate  # noqa: E402
 from jobs.client import EnqueueConflict  # noqa: E402
 from jobs.connection import queue_connection  # noqa: E402
+from server.cli import register as register_serve  # noqa: E402 - the HTTP server's commands
 
 
 class CliError(Exception):
@@ -322,6 +323,11 @@ def cmd_batch(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client
 
     client = Client(_connect(args, settings), settings)
+    if args.openai:  # an OpenAI Batch API file (package server)
+        from server.offline_batch import cmd_openai_batch
+        return cmd_openai_batch(client, args, defaults=_spec_fields(args))
+    if not args.paths:
+        raise CliError("give text or .jsonl files to run, or --openai REQUESTS.jsonl")
     docs = list(iter_documents(args.paths))
     if args.generate or args.question is not None or any("question" in f for _, f in docs):
         docs = generate_documents(docs, question=args.question,
@@ -415,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     wa.set_defaults(func=cmd_watch)
 
     b = sub.add_parser("batch", parents=[common, spec], help="run many documents")
-    b.add_argument("paths", nargs="+", help="text files or .jsonl files")
+    b.add_argument("paths", nargs="*", help="text files or .jsonl files")
     b.add_argument("--out", required=True, help="results JSONL (appended; done documents skipped)")
     b.add_argument("--json", action="store_true", help="print the summary as JSON")
     b.add_argument("--timeout", type=float)
@@ -426,8 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_batch)
 
     register_generate(sub, common)
-    from server.cli import register as register_serve  # the HTTP server (package server)
-    register_serve(sub, common)
+    register_serve(sub, common, batch=b)  # serve, and batch --openai (package server)
 
     c = sub.add_parser("cache", parents=[common], help="block store information")
     c.add_argument("action", choices=["stats"])

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from jobs.results import GenerateResult
 from jobs.spec import JobSpec, JobSpecError
 from server.convert import endpoint
-from server.errors import APIError, bad_request, from_job_failure
+from server.errors import APIError, bad_request, from_job_failure, from_spec_error
 from server.openai_types import parse
 
 
@@ -56,11 +56,11 @@ def _read_line(entry: BatchLine, raw: str, seen: set[str], batch_url: str | None
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise bad_request(f"line {n}: custom_id: expected a non-empty string", "custom_id")
-    if custom_id in seen:  # the first line with this id keeps it; this one is an error line
-        raise bad_request(f"line {n}: custom_id: {custom_id!r:.80} is used by an earlier line",
+    entry.custom_id, entry.url = custom_id, obj.get("url")
+    if custom_id in seen:  # the first line with this id runs; this one is an error line
+        raise bad_request(f"custom_id: {custom_id!r:.80} is used by an earlier line (line {n})",
                           "custom_id")
     seen.add(custom_id)
-    entry.custom_id, entry.url = custom_id, obj.get("url")
     if obj.get("method", "POST") != "POST":
         raise bad_request("method: only POST", "method")
     if batch_url is not None and entry.url != batch_url:
@@ -94,7 +94,7 @@ def plan_lines(content: str, build_spec: Callable[..., JobSpec], namespace: str,
             entry.error = _refusal(exc)
             continue
         except JobSpecError as exc:
-            entry.error = _refusal(bad_request(str(exc)))
+            entry.error = _refusal(from_spec_error(exc))
             continue
         entry.job_id = spec.job_id(namespace)
         specs.append(spec)

@@ -3,13 +3,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any, Sequence
 
 from jobs.settings import Settings
 
 
-def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` command to the CLI's subparsers."""
+def register(sub: Any, common: argparse.ArgumentParser,
+             batch: argparse.ArgumentParser | None = None) -> None:
+    """Add the ``serve`` command to the CLI's subparsers (and ``--openai`` to ``batch``)."""
+    if batch is not None:
+        from server.offline_batch import add_arguments
+
+        add_arguments(batch)
     p = sub.add_parser("serve", parents=[common], help="run the OpenAI-compatible HTTP server",
                        description="Serve the OpenAI-compatible API, /metrics and the web page.")
     p.add_argument("--host", help="address to listen on (default: settings http_host, 127.0.0.1)")
@@ -49,8 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return cmd_serve(args, Settings.from_env())
     except ValueError as exc:
-        print(f"serve: {exc}")
+        print(f"serve: {exc}", file=sys.stderr)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"serve: cannot reach Redis: {exc}")
+        print(f"serve: cannot reach Redis: {exc}", file=sys.stderr)
         return 3

@@ -19,6 +19,7 @@ from server.runner import ClientGone
 from server.state import ServerState, read_json, state
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+JOB_HEADER = "x-specprefill-job-id"  # which job answered (for the web page and the logs)
 
 
 def sse(obj: Any) -> str:
@@ -57,7 +58,8 @@ async def _answer(request: Request, url: str) -> Response:
                            model=req.model, created=created)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(svc, handle, maker, include_usage, url, started)
-        return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, JOB_HEADER: handle.id})
     try:
         result = await svc.runner.result(handle, request)
     except ClientGone:
@@ -65,7 +67,7 @@ async def _answer(request: Request, url: str) -> Response:
     except (JobFailed, StreamDiverged) as exc:
         raise _failure(exc) from None
     svc.metrics.answered(url, result, started)
-    return JSONResponse(respond(result, model=req.model, created=created))
+    return JSONResponse(respond(result, model=req.model, created=created), headers={JOB_HEADER: handle.id})
 
 
 async def _stream(svc: ServerState, handle: JobHandle, maker: ChunkMaker, include_usage: bool,

@@ -44,13 +44,22 @@ def field_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+# Job spec fields under the name an OpenAI request gives them.
+REQUEST_NAMES = {"target_model": "model", "text": "prompt", "tokens": "prompt"}
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     """400 naming ``param`` (or the field the message starts with)."""
     return APIError(400, message, param=param or field_of(message))
 
 
 def from_spec_error(exc: JobSpecError | ValueError) -> APIError:
-    return bad_request(str(exc))
+    """400 for a spec error, naming the field as the request named it."""
+    message = str(exc)
+    name = field_of(message)
+    if name in REQUEST_NAMES:
+        message = REQUEST_NAMES[name] + message[len(name):]
+    return bad_request(message)
 
 
 def not_found(what: str, ident: str, param: str | None = None) -> APIError:
@@ -67,7 +76,7 @@ def from_job_failure(status: str, error: str) -> APIError:
     m = _WORKER_ERROR.match(error or "")
     # A JobSpecError is bad input; a ValueError is when it names a field (model errors do).
     if status == "failed" and m and (m.group(1) == "JobSpecError" or field_of(m.group(2))):
-        return bad_request(m.group(2))
+        return from_spec_error(JobSpecError(m.group(2)))
     if status in ("stopped", "canceled"):
         return APIError(500, f"the job was {status} before it answered", type="server_error",
                         code="job_stopped")

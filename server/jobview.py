@@ -82,6 +82,36 @@ def segments(total: int, kept_ranges: Sequence[Sequence[int]], *, spans: Sequenc
     return out, aligned
 
 
+def bands(total: int, kept_ranges: Sequence[Sequence[int]], protected_prefix: int = 0,
+          tail_start: int | None = None) -> list[tuple[str, int, int]]:
+    """``[0, total)`` as exact token bands: ``prefix`` and ``tail`` (kept, by rule),
+    ``kept`` (chosen by importance) and ``dropped``, in order (the page's strip)."""
+    cuts = {0, total, min(protected_prefix, total)}
+    if tail_start is not None:
+        cuts.add(min(max(tail_start, 0), total))
+    for s, e in kept_ranges:
+        cuts.update((int(s), int(e)))
+    points = sorted(c for c in cuts if 0 <= c <= total)
+    kept = sorted((int(s), int(e)) for s, e in kept_ranges)
+    out: list[tuple[str, int, int]] = []
+    for a, b in zip(points, points[1:]):
+        if a == b:
+            continue
+        if not any(s <= a and b <= e for s, e in kept):
+            kind = "dropped"
+        elif a < protected_prefix:
+            kind = "prefix"
+        elif tail_start is not None and a >= tail_start:
+            kind = "tail"
+        else:
+            kind = "kept"
+        if out and out[-1][0] == kind and out[-1][2] == a:
+            out[-1] = (kind, out[-1][1], b)
+        else:
+            out.append((kind, a, b))
+    return out
+
+
 def document_text(spec: Any) -> str | None:
     """The text a span search runs over: the prompt text, or the messages' contents."""
     if spec.text is not None:

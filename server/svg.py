@@ -44,7 +44,7 @@ def importance_svg(importance: Sequence[float], kept_ranges: Sequence[Sequence[i
     x = lambda pos: PAD_L + plot_w * pos / max(total, 1)  # noqa: E731
     ys = _bins(importance, plot_w)
     top = max(ys, default=0.0) or 1.0
-    per_bin = max(1, -(-total // max(len(ys), 1)))
+    lo, hi = total // max(len(ys), 1), -(-total // max(len(ys), 1))
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
              f'class="importance" data-tokens="{total}" role="img">',
              f'<title>draft importance over {total} token positions</title>']
@@ -69,7 +69,8 @@ def importance_svg(importance: Sequence[float], kept_ranges: Sequence[Sequence[i
         parts.append(f'<text class="tick" x="{x(t):.1f}" y="{HEIGHT - 10}" text-anchor="middle">{t}</text>')
     parts.append(f'<text class="tick" x="{PAD_L - 4}" y="{PAD_T + 8}" text-anchor="end">{top:.2g}</text>')
     parts.append(f'<text class="tick" x="{PAD_L - 4}" y="{PAD_T + plot_h}" text-anchor="end">0</text>')
-    caption = "importance per token" if per_bin == 1 else f"max importance per {per_bin} tokens"
+    caption = ("importance per token" if hi <= 1 else
+               f"max importance per {lo} tokens" if lo == hi else f"max importance per {lo}-{hi} tokens")
     parts.append(f'<text class="caption" x="{WIDTH - 8}" y="{PAD_T + 10}" text-anchor="end">{caption}</text>')
     parts.append("</svg>")
     return "\n".join(parts)

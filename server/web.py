@@ -13,6 +13,7 @@ from starlette.staticfiles import StaticFiles
 
 from server.batch_store import TERMINAL
 from server.completions import SSE_HEADERS, sse
+from server.errors import not_found
 from server.state import ServerState, state
 from server.svg import importance_svg
 from server.web_data import importance_source, job_view, overview
@@ -72,9 +73,9 @@ async def api_job(request: Request) -> Response:
 async def job_events(request: Request) -> Response:
     """The job's progress events as they are published (replayed from the start)."""
     svc = state(request)
-    job_id = request.path_params["job_id"]
-    view = await svc.runner.call(job_view, svc, job_id)  # 404 for an unknown job
-    handle = svc.client.handle(view["job_id"])
+    handle = svc.client.handle(request.path_params["job_id"])
+    if await svc.runner.call(handle.status) == "missing":
+        raise not_found("job", handle.id, "job_id")
 
     async def body() -> AsyncIterator[str]:
         async for ev in svc.runner.iterate(handle.events):

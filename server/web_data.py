@@ -17,7 +17,7 @@ from jobs.inspect import JobRecord, job_record, job_statuses, queue_stats, recen
 from jobs.results import GenerateResult, PrefillResult
 from jobs.spec import JobSpec
 from server.errors import APIError, not_found
-from server.jobview import document_text, segments
+from server.jobview import bands, document_text, segments
 from server.state import ServerState
 from specprefill.selection import tail_chunk_count
 
@@ -131,6 +131,8 @@ def job_view(svc: ServerState, job_id: str) -> dict[str, Any]:
     segs, aligned = segments(total, result.kept_ranges, spans=spans, document=document_text(spec),
                              protected_prefix=prefix, tail_start=tail)
     view.update(segments=[s.to_json() for s in segs], aligned=aligned, tail_start=tail,
+                bands=[{"kind": k, "start": a, "end": b}
+                       for k, a, b in bands(total, result.kept_ranges, prefix, tail)],
                 importance=source is not None and source.importance is not None)
     return view
 

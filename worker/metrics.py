@@ -96,7 +96,7 @@ def observe_job(job: Any, models_loaded: int) -> None:
     if _metrics is None:
         return
     try:
-        status = job.get_status(refresh=False) or "unknown"
+        status = getattr(job.get_status(refresh=False), "value", None) or "unknown"  # a JobStatus
         payload = job.args[0] if job.args and isinstance(job.args[0], Mapping) else {}
         started = job.started_at or datetime.now(timezone.utc)
         seconds = max(0.0, (datetime.now(timezone.utc) - started).total_seconds())

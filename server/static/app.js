@@ -75,6 +75,7 @@ async function follow(path, onData) {
   }
 }
 
+function show(...nodes) { main.replaceChildren(...nodes.flat(Infinity).filter((n) => n !== null && n !== undefined)); }
 function pct(done, total) { return total > 0 ? Math.min(100, 100 * done / total) : 0; }
 function bar(fraction, cls) {
   return el("span", { class: "bar " + (cls || "") }, el("span", { style: `width:${fraction.toFixed(1)}%` }));
@@ -106,7 +107,7 @@ function renderOverview(data) {
       el("td", { text: `${c.completed} done, ${c.failed} failed of ${c.total}` }), el("td", { text: ago(b.created_at) }));
   });
   const jobs = data.recent_jobs.map((j) => el("tr", {}, el("td", {}, jobLink(j.job_id)), el("td", {}, status(j.status))));
-  main.replaceChildren(
+  show(
     el("h2", { text: "Workers" }), table(["name", "state", "job", "done / failed", "busy", "loaded models"], workers),
     el("h2", { text: "Queues" }), table(["queue", "waiting", "running", "finished", "failed", "canceled"], queues),
     el("h2", { text: "Batches" }), table(["batch", "status", "progress", "requests", "created"], batches),
@@ -135,7 +136,7 @@ function renderBatch(snap) {
       el("td", {}, status(r.status)), el("td", {}, jobLink(r.job_id)),
       el("td", {}, r.error ? el("span", { class: "muted", text: r.error }) : [bar(fraction), " ", phase]));
   });
-  main.replaceChildren(
+  show(
     el("h2", {}, "Batch ", el("span", { class: "mono", text: b.id }), " ", status(b.status)),
     el("div", { id: "batch-progress", "data-done": c.completed, "data-failed": c.failed, "data-total": c.total,
                 "data-status": b.status }, bar(pct(c.completed + c.failed, c.total), "big")),
@@ -170,8 +171,9 @@ function segmentNode(s) {
 function strip(view) {
   const total = view.result.total || 1;
   return el("div", { id: "job-strip", title: "token positions: kept, dropped, protected prefix, tail" },
-    view.segments.map((s) => el("div", { class: s.kind === "kept" ? ["kept", ...s.marks].join(" ") : "dropped",
-                                         style: `width:${(100 * (s.end - s.start) / total).toFixed(3)}%` })));
+    view.bands.map((b) => el("div", { class: b.kind, "data-start": b.start, "data-end": b.end,
+                                      title: `${b.kind} tokens [${b.start}, ${b.end})`,
+                                      style: `width:${(100 * (b.end - b.start) / total).toFixed(3)}%` })));
 }
 
 function summary(view) {
@@ -191,7 +193,7 @@ async function renderJob(id) {
   const parts = [el("h2", {}, "Job ", el("span", { class: "mono", text: view.job_id })), summary(view)];
   if (view.status !== "finished") {
     const line = el("p", { id: "job-progress", text: "waiting for events…" });
-    main.replaceChildren(...parts, line);
+    show(...parts, line);
     await follow(`/api/jobs/${encodeURIComponent(id)}/events`, (ev) => {
       const [phase, fraction] = eventProgress(ev);
       line.textContent = `${ev.kind}${phase && phase !== ev.kind ? " — " + phase : ""} ${fraction ? fraction.toFixed(0) + "%" : ""}`;
@@ -202,8 +204,9 @@ async function renderJob(id) {
   if (view.result.text !== undefined) parts.push(el("h2", { text: "Answer" }), el("div", { class: "answer", text: view.result.text }));
   parts.push(el("h2", { text: "What SpecPrefill kept" }),
     el("p", { class: "legend" }, el("span", { class: "seg kept", text: "kept chunk" }),
-       el("span", { class: "seg kept prefix", text: "protected prefix" }), el("span", { class: "seg kept tail", text: "tail" }),
-       el("span", { class: "seg dropped", text: "dropped" })),
+       el("span", { class: "seg kept prefix", text: "holds the protected prefix" }),
+       el("span", { class: "seg kept tail", text: "holds the tail" }), el("span", { class: "seg dropped", text: "dropped" }),
+       el("span", { class: "muted", text: "(the strip and the curve mark their exact token positions)" })),
     strip(view));
   if (ex.note) parts.push(el("p", { class: "note", text: ex.note }));
   if (!view.aligned && ex.status === "finished" && ex.matches) {
@@ -213,7 +216,7 @@ async function renderJob(id) {
   parts.push(el("div", { id: "job-doc" }, view.segments.map(segmentNode)));
   const curve = el("div", { id: "job-curve" });
   parts.push(el("h2", { text: "Importance over token positions" }), curve);
-  main.replaceChildren(...parts);
+  show(...parts);
   if (view.importance) {
     curve.innerHTML = await api(`/api/jobs/${encodeURIComponent(id)}/importance.svg`, true);  // our own SVG
   } else if (ex.job_id && !["finished", "failed", "stopped", "canceled", "none"].includes(ex.status)) {
@@ -242,7 +245,7 @@ async function route() {
       await follow("/api/overview/events", renderOverview);
     }
   } catch (e) {
-    if (e.name !== "AbortError") main.replaceChildren(el("p", { class: "note", text: "error: " + e.message }));
+    if (e.name !== "AbortError") show(el("p", { class: "note", text: "error: " + e.message }));
   }
 }
 
