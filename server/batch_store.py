@@ -110,8 +110,11 @@ class BatchStore:
         self.r.srem(self._key("batches-active"), batch_id)
 
     @contextmanager
-    def lock(self, batch_id: str, ttl_s: int = 300) -> Iterator[bool]:
-        """Yields whether this process holds the batch's lock (several servers may run)."""
+    def lock(self, batch_id: str, ttl_s: int = 15) -> Iterator[bool]:
+        """Yields whether this process holds the batch's lock (several servers may run).
+
+        Short-lived: a server killed while holding it delays the batch by ``ttl_s`` at most
+        (every step is safe to repeat, so an expired lock costs at most a repeated step)."""
         key, token = self._key("batch-lock", batch_id), secrets.token_hex(8)
         held = bool(self.r.set(key, token, nx=True, ex=ttl_s))
         try:

@@ -27,6 +27,7 @@ def register(sub: Any, common: argparse.ArgumentParser,
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import redis
     import uvicorn
 
     from server.app import create_app
@@ -34,7 +35,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = settings.replace(redis_url=args.redis_url or settings.redis_url)
     app = create_app(settings)
-    app.state.svc.client.connection.ping()  # an unreachable Redis fails here, not at the first request
+    try:
+        app.state.svc.client.connection.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # answer 503 until it is up
+        logging.getLogger("server").warning("the queue's Redis is unreachable (%s); requests get "
+                                            "503 until it answers", exc)
     host, port = args.host or settings.http_host, args.port or settings.http_port
     config = uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
                             access_log=args.access_log, lifespan="on", timeout_graceful_shutdown=5)

@@ -75,9 +75,9 @@ class DeploymentCollector(Collector):
 
     def _workers(self) -> list[Any]:
         count = GaugeMetricFamily("specprefill_workers", "Registered workers by state", labels=["state"])
-        busy = CounterMetricFamily("specprefill_worker_busy_seconds", "Seconds each worker spent on "
+        busy = CounterMetricFamily("specprefill_rq_worker_busy_seconds", "Seconds each worker spent on "
                                    "jobs (RQ's total working time)", labels=["worker"])
-        done = CounterMetricFamily("specprefill_worker_jobs", "Jobs each worker ended (RQ's counts)",
+        done = CounterMetricFamily("specprefill_rq_worker_jobs", "Jobs each worker ended (RQ's counts)",
                                    labels=["worker", "outcome"])
         states: dict[str, int] = {}
         for w in workers(self.connection, self.settings):

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
@@ -44,12 +45,52 @@ def give_up(handle: JobHandle) -> None:
         log.warning("could not cancel job %s: %s", handle.id, exc)
 
 
+class DaemonPool(Executor):
+    """Up to ``size`` daemon threads, started as needed. A thread waiting on a job that
+    never ends (no worker) must not keep a stopping server alive, as the standard
+    library's pool threads would (they are joined at exit)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size, self.name = size, name
+        self.tasks: "queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None]" = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        with self.lock:
+            if self.idle == 0 and len(self.threads) < self.size:
+                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self.threads)}", daemon=True)
+                self.threads.append(t)
+                t.start()
+            else:
+                self.idle -= 1
+        self.tasks.put((future, partial(fn, *args, **kwargs)))
+        return future
+
+    def _work(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            future, call = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:
+                    future.set_exception(exc)
+            with self.lock:
+                self.idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+
+
 class JobRunner:
     """Submits and follows jobs for the HTTP handlers without blocking the event loop."""
 
     def __init__(self, client: Client, threads: int) -> None:
         self.client = client
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="http-jobs")
+        self.pool = DaemonPool(threads, "http-jobs")
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in the pool (a Redis call, a wait on a job)."""
@@ -79,6 +120,9 @@ class JobRunner:
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping: its clients are gone too
+            self.cancel(handle)
+            raise
         finally:
             gone.cancel()
         if waiting in done:
@@ -131,4 +175,4 @@ class JobRunner:
         self.pool.submit(give_up, handle)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False)

@@ -124,9 +124,10 @@ def stack(http_redis, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def idle(http_redis, tmp_path_factory):
-    """A server whose queue no worker reads, refusing new jobs once one waits."""
+    """A server whose queue no worker reads, refusing new jobs once one waits (and uploads
+    over 4 KiB)."""
     server = Server.start(http_redis.url, tmp_path_factory.mktemp("http-idle") / "server.log",
-                          namespace="idle", max_queue_depth="1", **SELECTION)
+                          namespace="idle", max_queue_depth="1", max_upload_bytes="4096", **SELECTION)
     yield server
     server.stop()
 

@@ -190,7 +190,7 @@ def test_metrics_after_a_job(openai_client, stack):
     assert finished and finished[0] >= 1
     assert any(s.value >= 1 for s in server["specprefill_block_store_lookups"])
     assert [s.value for s in server["specprefill_http_ttft_seconds"] if s.name.endswith("_count")][0] >= 1
-    assert any(s.value > 0 for s in server["specprefill_worker_busy_seconds"])
+    assert any(s.value > 0 for s in server["specprefill_rq_worker_busy_seconds"])
 
     worker = wait_for(lambda: scrape(stack.worker_metrics_url), 10, what="worker metrics")
     jobs = {(s.labels["kind"], s.labels["status"]): s.value for s in worker["specprefill_worker_jobs"]

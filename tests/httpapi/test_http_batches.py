@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from openai import BadRequestError, OpenAI
+from openai import APIStatusError, BadRequestError, OpenAI
 
 from httpapi.conftest import API_KEY, ROOT, TARGET, Server, clean_env, words
 
@@ -85,6 +85,19 @@ def test_batch_cancel(idle, stack):
     assert all(e["response"]["body"]["error"]["code"] == "job_stopped" for e in errors)
     with pytest.raises(BadRequestError):
         client.batches.cancel(b.id)
+
+
+def test_upload_limits(idle):
+    client = OpenAI(base_url=idle.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(APIStatusError) as err:
+        upload(client, ["x" * 5000])
+    assert err.value.status_code == 413 and err.value.body["param"] == "file"
+    with pytest.raises(BadRequestError) as err:
+        client.files.create(file=("r.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+    assert err.value.body["param"] == "purpose"
+    with pytest.raises(BadRequestError) as err:
+        client.files.create(file=("r.jsonl", io.BytesIO(b"\xff\xfe")), purpose="batch")
+    assert err.value.body["param"] == "file"
 
 
 def test_batch_outlives_its_server(stack, tmp_path):
