@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 import redis  # noqa: E402
 
 ROOT = benchlib.ROOT
-REPS = 20
-PROMPT_WORDS, MAX_TOKENS = 320, 8  # about 100 ms of work on the tiny models here
+REPS = 30
+PROMPT_WORDS, MAX_TOKENS = 200, 6  # about 100 ms of work on the tiny models here
 STREAM_WORDS, STREAM_TOKENS = 600, 64
 SELECTION = {"threshold": 0, "tail_tokens": 32, "keep": 0.25}
 

@@ -143,3 +143,39 @@ def test_importance_svg_keeps_peaks():
     svg = importance_svg(values, [(0, 100), (4900, 5000)], protected_prefix=50, tail_start=4968)
     assert svg.count('class="kept"') == 2 and 'class="prefix"' in svg and 'class="tail"' in svg
     assert "max importance per" in svg and 'data-tokens="5000"' in svg
+
+
+def test_worker_metrics_count_what_results_report():
+    from prometheus_client import CollectorRegistry
+
+    from worker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    m = WorkerMetrics(registry)
+    m.job_ended("generate", "finished", 0.5, {"total": 1000, "cached_tokens": 256, "kept": 300,
+                                              "generated_tokens": 7, "ttft_s": 0.2, "blocks_written": 2})
+    m.job_ended("prefill", "finished", 0.1, {"total": 500, "cached_tokens": 500, "memo_hit": True})
+    m.job_ended("generate", "failed", 0.05, None)
+    value = registry.get_sample_value
+    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "finished"}) == 1
+    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "failed"}) == 1
+    assert value("specprefill_worker_draft_tokens_prefilled_total") == 744  # the memo hit computed none
+    assert value("specprefill_worker_target_tokens_prefilled_total") == 300
+    assert value("specprefill_worker_block_store_hit_tokens_total") == 756
+    assert value("specprefill_worker_memo_hits_total") == 1
+    assert value("specprefill_worker_ttft_seconds_count") == 1
+    assert value("specprefill_worker_busy_seconds_total") == pytest.approx(0.65)
+
+
+def test_served_models_lists_defaults_preloads_and_loaded():
+    from types import SimpleNamespace
+
+    from worker.advertise import served_models
+
+    settings = Settings(draft_model="d", target_model="t", preload_models=("p",), allowed_models=("a",))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"]))
+    assert served_models(runtime) == [
+        {"name": "t", "roles": ["default_target"], "loaded": True},
+        {"name": "d", "roles": ["default_draft"], "loaded": False},
+        {"name": "p", "roles": [], "loaded": False}, {"name": "a", "roles": [], "loaded": False},
+        {"name": "x", "roles": [], "loaded": True}]
