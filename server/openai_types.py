@@ -129,12 +129,18 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+# Names pydantic puts in an error's location for the member of a union it tried.
+_UNION_TAGS = ("str", "int", "float", "bool", "none")
+_UNION_TAG_PREFIXES = ("list[", "dict[", "tuple[", "function-")
+
+
 def _loc(loc: tuple) -> str:
+    """A field path as a request names it: ``messages[0].content``."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "str", "list[", "dict[", "int", "float", "bool")):
+        elif i == 0 or not (part in _UNION_TAGS or str(part).startswith(_UNION_TAG_PREFIXES)):
             out += ("." if out else "") + str(part)
     return out
 

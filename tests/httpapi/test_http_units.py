@@ -50,7 +50,7 @@ def test_unsupported_request_fields_are_refused_by_name():
                         ({"presence_penalty": 0.5}, "presence_penalty"),
                         ({"response_format": {"type": "json_object"}}, "response_format"),
                         ({"stream_options": {"include_usage": True}}, "stream_options"),
-                        ({"temperature": "warm"}, "temperature")]:
+                        ({"temperature": "warm"}, "temperature"), ({"stream": 5}, "stream")]:
         with pytest.raises(APIError) as err:
             parse(ChatCompletionRequest, {"model": "m", "messages": [], **body})
         assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
