@@ -117,8 +117,9 @@ def stack(http_redis, tmp_path_factory):
     except BaseException:
         worker.stop()
         raise
-    yield Stack(http_redis.url, server, worker, f"http://127.0.0.1:{metrics_port}/metrics", settings)
-    server.stop()
+    stack = Stack(http_redis.url, server, worker, f"http://127.0.0.1:{metrics_port}/metrics", settings)
+    yield stack
+    stack.server.stop()  # a test may have replaced the server (restarts)
     worker.stop()
 
 
