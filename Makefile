@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/queue.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/ttft.py
+	$(BIN)/python bench/http.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

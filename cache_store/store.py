@@ -20,7 +20,7 @@ import redis
 from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
                     encode_block, layer_arrays)
 from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace, check_ttl,
-                   stats_key)
+                   key_patterns, stats_key)
 from .memo import MEMO_COUNTERS
 from .replies import as_int, as_text
 
@@ -300,3 +300,14 @@ class RedisBlockStore:
             self.local_counters["stats_errors"] += 1
             log.warning("block store: could not read statistics: %s", exc)
         return {**counters, **self.local_counters}
+
+
+def counters_by_model(client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
+    """Every model's shared counters under ``namespace`` (fingerprint -> counters), pipelined."""
+    keys = list(client.scan_iter(match=key_patterns(namespace)["stats"], count=500))
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.hgetall(key)
+        hashes = pipe.execute()
+    return {as_text(key).rsplit(":", 1)[1]: {as_text(f): as_int(v) for f, v in counters.items()}
+            for key, counters in zip(keys, hashes)}

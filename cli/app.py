@@ -10,14 +10,14 @@ import argparse
 import sys
 from typing import Sequence
 
-from cli import batch, cache, demo, generate, submit, watch, worker
+from cli import batch, cache, demo, generate, serve, submit, watch, worker
 from cli.options import shared_options
 from jobs.client import EnqueueConflict
 from jobs.connection import REDIS_DOWN, RedisUnreachable
 from jobs.settings import Settings
 
-COMMANDS = (worker, submit, watch, batch, generate, cache, demo)  # in --help order
-DESCRIPTION = "The specprefill command: worker, submit, generate, watch, batch, cache stats, demo."
+COMMANDS = (worker, submit, watch, batch, generate, cache, serve, demo)  # in --help order
+DESCRIPTION = "The specprefill command: worker, submit, generate, watch, batch, cache stats, serve, demo."
 
 BAD_INPUT, REDIS_LOST, TIMED_OUT, INTERRUPTED = 2, 3, 4, 130
 

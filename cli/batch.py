@@ -147,6 +147,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client
 
     client = Client(connect(args, settings), settings)
+    if args.openai:  # an OpenAI Batch API file (package server)
+        from server.offline_batch import cmd_openai_batch
+
+        return cmd_openai_batch(client, args, defaults=spec_fields(args))
+    if not args.paths:
+        raise CliError("give text or .jsonl files to run, or --openai REQUESTS.jsonl")
     docs = list(iter_documents(args.paths))
     if args.generate or args.question is not None or any("question" in f for _, f in docs):
         docs = generate_documents(docs, question=args.question,
@@ -162,7 +168,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 def register(sub: Any, shared: SharedOptions) -> None:
     p = sub.add_parser("batch", parents=[shared.common, shared.spec], help="run many documents")
-    p.add_argument("paths", nargs="+", help="text files or .jsonl files")
+    p.add_argument("paths", nargs="*", help="text files or .jsonl files")
+    p.add_argument("--openai", metavar="REQUESTS.jsonl",
+                   help="an OpenAI Batch API input file; --out gets the Batch API's output lines")
     p.add_argument("--out", required=True, help="results JSONL (appended; done documents skipped)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout", type=float)

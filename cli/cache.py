@@ -7,7 +7,6 @@ from typing import Any
 
 import redis
 
-from cache_store.replies import as_int, as_text
 from cli.options import SharedOptions
 from jobs.connection import checked_connection
 from jobs.settings import Settings
@@ -22,13 +21,11 @@ def _count(client: redis.Redis, pattern: str) -> int:
 
 def cache_stats(client: redis.Redis, namespace: str) -> dict[str, Any]:
     """Block-store counters per model fingerprint and in total, plus key counts."""
-    from cache_store.keys import key_patterns  # on use: it imports mlx, which no command line needs first
+    from cache_store.keys import key_patterns
+    from cache_store.store import counters_by_model
 
     patterns = key_patterns(namespace)
-    per_model: dict[str, dict[str, int]] = {}
-    for key in client.scan_iter(match=patterns["stats"], count=500):
-        fingerprint = as_text(key).rsplit(":", 1)[1]
-        per_model[fingerprint] = {as_text(f): as_int(v) for f, v in client.hgetall(key).items()}
+    per_model = counters_by_model(client, namespace)
     totals: dict[str, int] = {}
     for counters in per_model.values():
         for f, v in counters.items():

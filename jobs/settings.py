@@ -95,6 +95,19 @@ class Settings:
     openblas: bool = True
     openblas_path: str = ""
 
+    # HTTP front door (`specprefill serve`, package `server`) and metrics.
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    # Bearer keys a request must carry (Authorization: Bearer KEY). Empty: no auth.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Refuse new requests with 429 while this many jobs wait in the queue. 0: no limit.
+    max_queue_depth: int = 0
+    max_upload_bytes: int = 100 * 1024 * 1024  # one Batch API input file
+    http_threads: int = 256  # threads that wait on jobs (one per open request)
+    batch_poll_s: float = 1.0  # how often the server advances its running batches
+    worker_metrics_port: int = 0  # a worker's Prometheus port; 0: no metrics endpoint
+    worker_metrics_host: str = "127.0.0.1"  # its bind address (0.0.0.0 for a remote Prometheus)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
         """Build settings from ``SPECPREFILL_*`` variables, then explicit overrides."""

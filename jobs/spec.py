@@ -32,9 +32,10 @@ MAX_CHAT_MESSAGES = 10_000
 CHARS_PER_TOKEN_BOUND = 32
 # Generate jobs carry their options in ``extra`` (see :class:`GenerateOptions`).
 GENERATE_OPTIONS = ("target_model", "max_tokens", "temperature", "top_p", "seed", "greedy",
-                    "stop", "full_prefill")
+                    "stop", "full_prefill", "tools")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TOOLS = 128
 
 
 class JobSpecError(ValueError):
@@ -91,10 +92,16 @@ class GenerateOptions:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     full_prefill: bool = False
+    # OpenAI-style tool definitions for the chat template; carried with the job (and in its
+    # id), not rendered yet: the worker's template call does not pass them on.
+    tools: tuple[Mapping[str, Any], ...] = ()
 
     def to_extra(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in GENERATE_OPTIONS}
         d["stop"] = list(self.stop)
+        d["tools"] = [dict(t) for t in self.tools]
+        if not self.tools:
+            del d["tools"]  # jobs without tools keep the ids they had before tools existed
         return d
 
 
@@ -131,7 +138,8 @@ class JobSpec:
         """The generate options of a validated ``kind="generate"`` spec."""
         if self.kind != "generate":
             raise ValueError(f"kind: {self.kind!r} job has no generate options")
-        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ()))})
+        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ())),
+                                  "tools": tuple(self.extra.get("tools", ()))})
 
     @property
     def input_kind(self) -> str:
@@ -289,6 +297,20 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _tools(value: Any) -> tuple[Mapping[str, Any], ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise JobSpecError("tools: expected a list of tool objects")
+    if len(value) > MAX_TOOLS:
+        raise JobSpecError(f"tools: {len(value)} tools, allowed 0..{MAX_TOOLS}")
+    for i, tool in enumerate(value):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function" \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise JobSpecError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"parameters\": ...}}")
+    return tuple(dict(t) for t in value)
+
+
 def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptions:
     unknown = sorted(set(extra) - set(GENERATE_OPTIONS))
     if unknown:
@@ -311,6 +333,7 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
         greedy=_bool("greedy", extra.get("greedy", d.greedy)),
         stop=_stop_strings(extra.get("stop", d.stop)),
         full_prefill=_bool("full_prefill", extra.get("full_prefill", d.full_prefill)),
+        tools=_tools(extra.get("tools", d.tools)),
     )
 
 

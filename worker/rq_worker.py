@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
-from worker import runtime as runtime_mod
+from worker import hooks, runtime as runtime_mod
 from worker.models import release_cached_buffers
 from worker.runtime import WorkerRuntime
 
@@ -91,6 +91,7 @@ class InProcessWorker(SimpleWorker):
             beat.stop()
             self.runtime.stop_event.clear()
             release_cached_buffers()
+            hooks.on_job_end(self, job)
 
     # -- surviving a Redis outage ---------------------------------------------
     # Waiting for Redis is RQ's own: its dequeue loop backs off until Redis answers. But
@@ -204,4 +205,5 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
         runtime.models.get(model)
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
+    hooks.on_start(w)
     return w.work(burst=burst, logging_level=logging_level, max_jobs=max_jobs)

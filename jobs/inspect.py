@@ -1,0 +1,181 @@
+"""Read-only views of the queue for operators: queues, workers, a job's spec and times,
+and the model names workers advertise.
+
+The HTTP front door and its metrics read the queue through these functions, so only
+``jobs`` and ``worker`` know RQ's keys. Every function is a few round trips and writes
+nothing (registry counts skip RQ's clean-up).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import redis
+from rq import Queue, Worker
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from cache_store.replies import as_text
+from jobs.settings import Settings
+from jobs.spec import JobSpec, spec_from_payload
+
+REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "canceled")
+
+
+def advertised_models_key(namespace: str, worker_name: str) -> str:
+    """Where a worker lists the model names it serves (written by ``worker.advertise``)."""
+    return f"{namespace}:worker-models:{worker_name}"
+
+
+def _ts(value: datetime | None) -> float | None:
+    return value.timestamp() if value is not None else None
+
+
+@dataclass
+class QueueStats:
+    """Jobs of one queue by state: ``queued`` waits in the list, the rest are RQ's registries."""
+
+    name: str
+    queued: int
+    started: int = 0
+    finished: int = 0
+    failed: int = 0
+    deferred: int = 0
+    scheduled: int = 0
+    canceled: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def queue_stats(connection: redis.Redis, settings: Settings) -> list[QueueStats]:
+    """Counts for every queue of the deployment, in one pipelined round trip."""
+    queues = [Queue(name, connection=connection, serializer=JSONSerializer) for name in settings.queues]
+    with connection.pipeline(transaction=False) as pipe:
+        for q in queues:
+            pipe.llen(q.key)
+            for reg in REGISTRIES:
+                pipe.zcard(getattr(q, f"{reg}_job_registry").key)
+        replies = pipe.execute()
+    out, width = [], 1 + len(REGISTRIES)
+    for i, q in enumerate(queues):
+        counts = replies[i * width:(i + 1) * width]
+        out.append(QueueStats(q.name, int(counts[0]), **{r: int(c) for r, c in zip(REGISTRIES, counts[1:])}))
+    return out
+
+
+def queue_depth(connection: redis.Redis, queue_name: str) -> int:
+    """Jobs waiting in one queue (one LLEN)."""
+    return int(connection.llen(Queue(queue_name, connection=connection).key))
+
+
+@dataclass
+class WorkerInfo:
+    """One registered RQ worker and the models it advertises."""
+
+    name: str
+    state: str
+    queues: list[str]
+    current_job: str | None
+    successful_jobs: int
+    failed_jobs: int
+    busy_seconds: float
+    hostname: str | None
+    pid: int | None
+    birth: float | None
+    last_heartbeat: float | None
+    models: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def workers(connection: redis.Redis, settings: Settings) -> list[WorkerInfo]:
+    """The workers registered on the deployment's queues, with their advertised models."""
+    seen: dict[str, Worker] = {}
+    for name in settings.queues:
+        for w in Worker.all(queue=Queue(name, connection=connection), serializer=JSONSerializer):
+            seen.setdefault(w.name, w)
+    names = sorted(seen)
+    with connection.pipeline(transaction=False) as pipe:
+        for n in names:
+            pipe.get(advertised_models_key(settings.namespace, n))
+        adverts = pipe.execute()
+    out = []
+    for n, raw in zip(names, adverts):
+        w = seen[n]
+        models = _decode_advert(raw)
+        out.append(WorkerInfo(
+            name=n, state=w.get_state(), queues=w.queue_names(), current_job=w.get_current_job_id(),
+            successful_jobs=w.successful_job_count, failed_jobs=w.failed_job_count,
+            busy_seconds=round(w.total_working_time, 3), hostname=w.hostname, pid=w.pid,
+            birth=_ts(w.birth_date), last_heartbeat=_ts(w.last_heartbeat), models=models))
+    return out
+
+
+def _decode_advert(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    try:
+        models = json.loads(raw).get("models", [])
+    except (ValueError, AttributeError):
+        return []  # a garbled advert lists nothing rather than failing the listing
+    return [m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)]
+
+
+@dataclass
+class JobRecord:
+    """What the queue holds about one job: its spec and its times (seconds since the epoch)."""
+
+    job_id: str
+    status: str
+    spec: JobSpec
+    enqueued_at: float | None
+    started_at: float | None
+    ended_at: float | None
+    worker: str | None
+
+
+def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobRecord | None:
+    """The job's spec and times, or None if the queue holds no such job."""
+    try:
+        job = Job.fetch(job_id, connection=connection, serializer=JSONSerializer)
+    except Exception as exc:  # rq raises NoSuchJobError, or a decode error for a foreign hash
+        if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            raise
+        return None
+    if not job.args:
+        return None
+    return JobRecord(job_id, job.get_status(refresh=False) or "missing",
+                     spec_from_payload(job.args[0], settings),
+                     _ts(job.enqueued_at), _ts(job.started_at), _ts(job.ended_at), job.worker_name)
+
+
+def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) -> list[str]:
+    """Ids of the most recently finished and failed jobs, newest first."""
+    out: list[tuple[float, str]] = []
+    for name in settings.queues:
+        q = Queue(name, connection=connection, serializer=JSONSerializer)
+        for reg in (q.finished_job_registry, q.failed_job_registry):
+            for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):
+                out.append((score, as_text(jid)))
+    return [jid for _, jid in sorted(out, reverse=True)[:limit]]
+
+
+def block_store_counters(cache_client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
+    """The block store's shared counters per model fingerprint (lookups, hits, misses, bytes,
+    corrupt blocks, memo counters)."""
+    from cache_store.store import counters_by_model
+
+    return counters_by_model(cache_client, namespace)
+
+
+def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
+    """RQ status of each job ('missing' when the queue holds no such job), one round trip."""
+    with connection.pipeline(transaction=False) as pipe:
+        for jid in job_ids:
+            pipe.hget(Job.key_for(jid), "status")
+        replies = pipe.execute()
+    return {jid: as_text(s) or "missing" for jid, s in zip(job_ids, replies)}

@@ -1,0 +1,53 @@
+"""A worker lists the model names it serves, so the HTTP front door can answer
+``GET /v1/models`` with the names jobs use (never the server's own paths).
+
+The list goes to one Redis key per worker (``jobs.inspect.advertised_models_key``), written
+when the worker starts and after every job (its loaded models change); a reader keeps only
+workers RQ still has registered, so a dead worker's list is ignored and later expires.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+
+from jobs.inspect import advertised_models_key
+from worker.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def served_models(runtime: WorkerRuntime) -> list[dict[str, Any]]:
+    """``[{name, roles, loaded}]``: the defaults, the preloads, the allow-list, the loaded."""
+    s = runtime.settings
+    roles: dict[str, list[str]] = {}
+    for name, role in ((s.target_model, "default_target"), (s.draft_model, "default_draft")):
+        roles.setdefault(name, []).append(role)
+    for name in (*s.preload_models, *s.allowed_models, *runtime.models.names()):
+        roles.setdefault(name, [])
+    loaded = set(runtime.models.names())
+    return [{"name": n, "roles": r, "loaded": n in loaded} for n, r in roles.items()]
+
+
+REFRESH_S = 60.0  # an unchanged list is written again this often (Redis may have lost it)
+_last: dict[str, tuple[list, float]] = {}  # worker name -> (list written, when)
+
+
+def advertise(runtime: WorkerRuntime, worker_name: str) -> None:
+    """Write this worker's model list if it changed or is a minute old (a Redis fault is
+    logged: jobs never depend on it)."""
+    s = runtime.settings
+    models = served_models(runtime)
+    written, at = _last.get(worker_name, (None, 0.0))
+    if models == written and time.monotonic() - at < REFRESH_S:
+        return
+    body = json.dumps({"models": models, "ts": time.time()})
+    try:
+        runtime.connection.set(advertised_models_key(s.namespace, worker_name), body,
+                               ex=max(60, s.result_ttl_s))
+        _last[worker_name] = (models, time.monotonic())
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        log.warning("could not advertise the models of worker %s: %s", worker_name, exc)

@@ -1,0 +1,110 @@
+"""The worker's Prometheus metrics, served on ``worker_metrics_port`` (0: off).
+
+Everything here is this process's own view, counted when a job ends: jobs by kind and
+status, durations, TTFT, tokens the draft and the target prefilled, tokens restored from
+the block store, memo hits and busy time. The block store's shared counters (bytes,
+misses, corrupt blocks) live in Redis and are exported by the HTTP server's ``/metrics``,
+once for the whole deployment.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from jobs.settings import Settings
+from jobs.spec import JOB_KINDS
+
+log = logging.getLogger(__name__)
+
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
+
+
+class WorkerMetrics:
+    """The worker's series on ``registry``; :meth:`job_ended` counts one job."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        p = "specprefill_worker_"
+        self.jobs = Counter(p + "jobs", "Jobs ended by this worker", ("kind", "status"), registry=registry)
+        self.duration = Histogram(p + "job_duration_seconds", "Job run time on the worker", ("kind",),
+                                  buckets=DURATION_BUCKETS, registry=registry)
+        self.ttft = Histogram(p + "ttft_seconds", "Generate jobs: job start to first token",
+                              buckets=DURATION_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished jobs", ("kind",),
+                                     registry=registry)
+        self.draft_tokens = Counter(p + "draft_tokens_prefilled", "Prompt tokens the draft computed "
+                                    "(not restored from the block store, not memo hits)", registry=registry)
+        self.target_tokens = Counter(p + "target_tokens_prefilled", "Prompt tokens the target prefilled",
+                                     registry=registry)
+        self.generated_tokens = Counter(p + "generated_tokens", "Tokens generated", registry=registry)
+        self.cached_tokens = Counter(p + "block_store_hit_tokens", "Draft prompt tokens restored from "
+                                     "the block store", registry=registry)
+        self.blocks_written = Counter(p + "block_store_blocks_written", "Blocks this worker stored",
+                                      registry=registry)
+        self.memo_hits = Counter(p + "memo_hits", "Jobs answered from the selection memo", registry=registry)
+        self.busy = Counter(p + "busy_seconds", "Seconds spent running jobs", registry=registry)
+        self.models_loaded = Gauge(p + "models_loaded", "Models in this worker's pool", registry=registry)
+
+    def job_ended(self, kind: str, status: str, seconds: float, result: Mapping[str, Any] | None) -> None:
+        """Count one job: its status and time, and for a finished job what its result reports."""
+        self.jobs.labels(kind, status).inc()
+        self.duration.labels(kind).observe(seconds)
+        self.busy.inc(seconds)
+        if result is None:
+            return
+        total, cached = int(result.get("total", 0)), int(result.get("cached_tokens", 0))
+        self.prompt_tokens.labels(kind).inc(total)
+        self.cached_tokens.inc(cached)
+        self.blocks_written.inc(int(result.get("blocks_written", 0)))
+        if result.get("memo_hit"):
+            self.memo_hits.inc()
+        elif not result.get("full_prefill"):
+            self.draft_tokens.inc(max(0, total - cached))
+        if kind == "generate":
+            self.target_tokens.inc(int(result.get("kept", 0)))
+            self.generated_tokens.inc(int(result.get("generated_tokens", 0)))
+            self.ttft.observe(float(result.get("ttft_s", 0.0)))
+
+
+_metrics: WorkerMetrics | None = None
+
+
+def start(settings: Settings) -> WorkerMetrics | None:
+    """Serve the metrics on ``worker_metrics_port`` (once per process); None when off.
+
+    A port already in use is logged and metrics stay off: the worker still works jobs."""
+    global _metrics
+    if settings.worker_metrics_port <= 0:
+        return None
+    if _metrics is None:
+        try:
+            start_http_server(settings.worker_metrics_port, addr=settings.worker_metrics_host)
+        except OSError as exc:
+            log.warning("worker metrics: cannot listen on %s:%d (%s); metrics are off",
+                        settings.worker_metrics_host, settings.worker_metrics_port, exc)
+            return None
+        _metrics = WorkerMetrics()
+        log.info("worker metrics on http://%s:%d/metrics", settings.worker_metrics_host,
+                 settings.worker_metrics_port)
+    return _metrics
+
+
+def observe_job(job: Any, models_loaded: int) -> None:
+    """Count an RQ job that just ended on this worker (a no-op when metrics are off)."""
+    if _metrics is None:
+        return
+    try:
+        status = getattr(job.get_status(refresh=False), "value", None) or "unknown"  # a JobStatus
+        payload = job.args[0] if job.args and isinstance(job.args[0], Mapping) else {}
+        started = job.started_at or datetime.now(timezone.utc)
+        seconds = max(0.0, (datetime.now(timezone.utc) - started).total_seconds())
+        result = job.return_value() if status == "finished" else None
+        kind = payload.get("kind", "prefill")
+        kind = kind if kind in JOB_KINDS else "invalid"  # a hostile payload adds no series
+        _metrics.job_ended(kind, status, seconds,
+                           result if isinstance(result, Mapping) else None)
+        _metrics.models_loaded.set(models_loaded)
+    except Exception as exc:  # metrics must never fail a worker (Redis down, odd payload)
+        log.warning("worker metrics: could not count job %s: %s", getattr(job, "id", "?"), exc)
