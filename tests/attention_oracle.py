@@ -73,6 +73,8 @@ def _mask_logits(logits: np.ndarray, mask) -> np.ndarray:
         allowed = np.arange(keys - length, keys)[:, None] >= np.arange(keys)[None]
         return np.where(allowed, logits, -np.inf)
     m = _np(mask) if mask.dtype != mx.bool_ else np.array(mask)
+    while m.ndim > 3:  # drop the batch axis (one sequence)
+        m = m[0]
     if m.dtype == np.bool_:
         return np.where(m, logits, -np.inf)
     return logits + np.where(m <= np.finfo(np.float32).min / 2, -np.inf, m)
@@ -210,12 +212,52 @@ class OracleResult:
     computations: int       # attention computations recorded in the forward
 
 
+def _forward_records(model: nn.Module, tokens: list[int], n_scored: int, cache: list | None,
+                     prefill_step: int | None, softmax: bool) -> list[list[Record]]:
+    """Records of the scored positions, grouped per attention computation (layer), in forward order.
+
+    Uncached (``prefill_step`` None): one forward over all tokens, every record spans all rows.
+    Otherwise the prompt before the scored tokens is prefilled in ``prefill_step`` chunks and
+    each scored token runs alone, as the scorer feeds them (bfloat16 rounding depends on it).
+    """
+    if prefill_step is None:
+        with _recording(softmax) as records:
+            mx.eval(model(mx.array([tokens]), cache=cache))
+        return [[r] for r in records]
+    cache = make_prompt_cache(model) if cache is None else cache
+    head = len(tokens) - n_scored
+    for start in range(0, head, prefill_step):
+        mx.eval(model(mx.array([tokens[start:min(start + prefill_step, head)]]), cache=cache))
+    steps = []
+    for token in tokens[head:]:
+        with _recording(softmax) as records:
+            mx.eval(model(mx.array([[token]]), cache=cache))
+        steps.append(records)
+    if len({len(s) for s in steps}) != 1:
+        raise AssertionError("oracle: scored steps made different numbers of attention computations")
+    return [list(group) for group in zip(*steps)]
+
+
+def _join(group: list[Record], first_row: int, n_prompt: int) -> Record:
+    """The scored steps of one layer as one record: rows in order, keys cut to the prompt.
+
+    Step i must have seen every token so far (``first_row + 1 + i`` keys); a window that let
+    some go makes the layer a non-voter (all logits −∞).
+    """
+    seen = [r.logits.shape[-1] for r in group]
+    if seen != [first_row + 1 + i for i in range(len(group))]:
+        return Record(np.full((group[0].logits.shape[0], len(group), n_prompt), -np.inf), None)
+    return Record(np.concatenate([r.logits[:, :, :n_prompt] for r in group], axis=1), group[-1].sinks)
+
+
 def oracle(model: nn.Module, prompt: list[int], lookahead: list[int], *, pool_kernel: int = 13,
            include_last: bool = True, kv_bits: int | None = None, kv_group_size: int = 64,
-           float64: bool | None = None) -> OracleResult:
+           float64: bool | None = None, prefill_step: int | None = None) -> OracleResult:
     """Importance of ``prompt`` under ``model`` for the given lookahead tokens, in float64.
 
     ``float64`` None: upcast float32 models (not with ``kv_bits``), keep bfloat16 ones as they are.
+    ``prefill_step``: feed tokens as the scorer does instead of one uncached forward (see
+    :func:`_forward_records`); needed where a model's rounding depends on how it is fed.
     """
     tokens = list(prompt) + list(lookahead)
     n_prompt = len(prompt)
@@ -226,11 +268,13 @@ def oracle(model: nn.Module, prompt: list[int], lookahead: list[int], *, pool_ke
     softmax = type(model).__module__ in HAND_WRITTEN_SOFTMAX or any(
         type(m).__module__ in HAND_WRITTEN_SOFTMAX for _, m in model.named_modules())
     cache = None if kv_bits is None else _quantized_cache(model, kv_bits, kv_group_size)
-    with _float64(model, float64), _recording(softmax) as records:
-        mx.eval(model(mx.array([tokens]), cache=cache))
+    with _float64(model, float64):
+        groups = _forward_records(model, tokens, len(rows), cache, prefill_step, softmax)
+    local_rows = rows if prefill_step is None else list(range(len(rows)))
     best, voting = None, []
-    for i, record in enumerate(records):
-        probs = prompt_probabilities(record, rows, n_prompt)
+    for i, group in enumerate(groups):
+        joined = _join(group, rows[0], n_prompt) if prefill_step is not None else group[0]
+        probs = prompt_probabilities(joined, local_rows, n_prompt)
         if probs is None:
             continue
         voting.append(i)
@@ -238,7 +282,7 @@ def oracle(model: nn.Module, prompt: list[int], lookahead: list[int], *, pool_ke
         best = layer if best is None else np.maximum(best, layer)
     if best is None:
         raise ValueError("oracle: no attention computation sees the whole prompt")
-    return OracleResult(best.mean(axis=0), voting, len(records))
+    return OracleResult(best.mean(axis=0), voting, len(groups))
 
 
 def oracle_importance(model: nn.Module, prompt: list[int], lookahead: list[int], **options) -> np.ndarray:
