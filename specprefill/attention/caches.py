@@ -198,3 +198,63 @@ def assemble(meta: dict[str, Any], blocks: Sequence[dict[str, mx.array]], n_toke
         arrays[name] = joined[..., -meta["max_size"]:, :] if meta["class"] == "RotatingKVCache" else joined
     restored = {**meta, "offset": n_tokens} if "offset" in meta else meta
     return layer_from_arrays(restored, arrays)
+
+
+def _window_arrays(meta: dict[str, Any], arrays: dict[str, mx.array], prefix: str = "") -> list[str]:
+    """Names of the token arrays that live in a sliding window (they must be kept as they arrive)."""
+    if meta["class"] == "CacheList":
+        return [n for i, m in enumerate(meta["members"])
+                for n in _window_arrays(m, _members(arrays, f"{i}."), f"{prefix}{i}.")]
+    if meta["class"] == "RotatingKVCache":
+        return [prefix + n for n in arrays if is_token_array(n)]
+    return []
+
+
+class BlockRecorder:
+    """A scorer ``on_step`` hook that keeps, per block, what exists only during the prefill.
+
+    At each block end it keeps every layer's state arrays (recurrent state after the block's
+    last token), and while the prefill runs it keeps each sliding window's newest tokens
+    (the window lets them go later). The K/V of unbounded layers are sliced from the final
+    cache instead (:meth:`blocks`), so holding nothing here pins a KV buffer being written.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.states: dict[int, list[dict[str, mx.array]]] = {}  # block end -> per layer
+        self._pieces: dict[tuple[int, str], list[mx.array]] = {}
+
+    def __call__(self, start: int, end: int, cache: list) -> None:
+        layers = [layer_arrays(entry) for entry in cache]
+        for i, (meta, arrays) in enumerate(layers):
+            for name in _window_arrays(meta, arrays):
+                a = arrays[name]
+                lo = start - _token_origin(meta, name, a.shape[2])
+                self._pieces.setdefault((i, name), []).append(mx.array(a[..., lo:lo + end - start, :]))
+        if end % self.block_size:
+            return
+        kept = []
+        for i, (meta, arrays) in enumerate(layers):
+            layer = {n: a for n, a in arrays.items() if not is_token_array(n)}
+            for name in _window_arrays(meta, arrays):
+                layer[name] = mx.concatenate(self._pieces.pop((i, name)), axis=2)
+            kept.append(layer)
+        mx.eval(kept)
+        self.states[end] = kept
+
+    def blocks(self, cache: list, n_tokens: int) -> list[tuple[int, list[dict[str, mx.array]]]]:
+        """``(end, per-layer arrays)`` of every full block recorded, K/V taken from ``cache``."""
+        layers = [layer_arrays(entry) for entry in cache]
+        out = []
+        for end in sorted(e for e in self.states if e <= n_tokens):
+            per_layer = []
+            for (meta, arrays), recorded in zip(layers, self.states[end]):
+                kv = {n: a for n, a in arrays.items() if is_token_array(n) and n not in recorded}
+                per_layer.append({**block_arrays(meta, kv, end - self.block_size, end), **recorded})
+            out.append((end, per_layer))
+        return out
+
+
+def layer_metas(cache: list) -> list[dict[str, Any]]:
+    """Every layer's ``meta`` (what :func:`assemble` needs besides the blocks)."""
+    return [layer_arrays(entry)[0] for entry in cache]

@@ -196,6 +196,7 @@ def _role(where: str, index: int, counts: list[int], cache: Any, stray: bool) ->
 
 
 def _run_probe(model: nn.Module, cache: list, n_tokens: int):
+    kinds = sorted({_cache_name(c) for c in cache})
     vocab = getattr(getattr(model, "args", None), "vocab_size", 256) or 256
     steps: list[list[KernelCall]] = []
     with kernel_capture(model, watch_softmax=True) as capture:
@@ -205,7 +206,8 @@ def _run_probe(model: nn.Module, cache: list, n_tokens: int):
             try:
                 logits = model(mx.array([[(7 * t + 3) % vocab]], dtype=mx.int32), cache=cache)
             except Exception as exc:  # the model cannot run with this cache at all
-                raise UnsupportedModelError(f"model fails to run with its cache ({type(exc).__name__}: {exc})") from exc
+                raise UnsupportedModelError(f"{type(model).__module__} does not run with its cache {kinds} "
+                                            f"({type(exc).__name__}: {exc})") from exc
             mx.eval(logits, capture.pending_arrays(start))
             steps.append(capture.calls[start:])
     return capture, steps

@@ -8,9 +8,11 @@ prompt token, seeded lookahead, importance, the cache rewound to exactly the pro
 * queries, keys, scale, masks and sinks taken from the kernel (:mod:`.kernel`), so variants
   need no modelling; quantized caches are dequantised for the importance only;
 * every cache type rewound after the lookahead (:mod:`.caches`);
-* optional block boundaries: prefill steps also end at each multiple of ``block_size`` and
-  ``on_boundary(end, cache)`` runs there, when recurrent state after token ``end - 1`` exists
-  (it exists nowhere else: a recurrent layer cannot be rewound to an earlier token).
+* optional block boundaries: prefill steps also end at each multiple of ``block_size``, and
+  ``on_step(start, end, cache)`` runs after every step over tokens ``[start, end)`` (the last
+  prompt token's included), so a recorder (:class:`~specprefill.attention.caches.BlockRecorder`)
+  can keep what exists only then: recurrent state after a block's last token (a recurrent
+  layer cannot be rewound to an earlier token) and a sliding window's newest tokens.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from specprefill.sampling import sample
 from specprefill.scoring import ScoreResult
 
 Progress = Callable[[int, int, str], None]
-Boundary = Callable[[int, list], None]
+StepHook = Callable[[int, int, list], None]
 
 
 def prefill_ends(start: int, stop: int, step: int, block_size: int | None) -> list[int]:
@@ -102,12 +104,12 @@ def _importance(profile: AttentionProfile, steps: list[list[KernelCall]], key_co
 
 
 def _prefill(model: nn.Module, prompt: list[int], cache: list, start: int, step: int,
-             block_size: int | None, on_boundary: Boundary | None, report: Progress) -> None:
-    for end in prefill_ends(start, len(prompt) - 1, step, block_size if on_boundary else None):
+             block_size: int | None, on_step: StepHook | None, report: Progress) -> None:
+    for end in prefill_ends(start, len(prompt) - 1, step, block_size):
         model(mx.array([prompt[start:end]], dtype=mx.int32), cache=cache)
         mx.eval([c.state for c in cache])
-        if on_boundary is not None and end % block_size == 0:
-            on_boundary(end, cache)
+        if on_step is not None:
+            on_step(start, end, cache)
         start = end
         report(end, len(prompt), "prefill")
 
@@ -116,7 +118,7 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
                  n_lookahead: int = 8, temperature: float = 0.6, top_p: float = 0.95,
                  greedy: bool = False, seed: int = 0, pool_kernel: int = 13, prefill_step: int = 2048,
                  include_last_query: bool = True, cache: list | None = None,
-                 block_size: int | None = None, on_boundary: Boundary | None = None,
+                 block_size: int | None = None, on_step: StepHook | None = None,
                  progress: Progress | None = None) -> ScoreResult:
     """Importance of every prompt token under the verified draft ``model`` (see the module docstring).
 
@@ -128,8 +130,6 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
     n_prompt = len(prompt)
     if n_prompt == 0 or (n_lookahead == 0 and not include_last_query):
         raise ValueError("tokens: need at least one token and one scored query")
-    if on_boundary is not None and not block_size:
-        raise ValueError("block_size: required with on_boundary")
     report = progress or (lambda *_: None)
     timings, started = {}, time.perf_counter()
     if cache is None:
@@ -137,12 +137,12 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
     else:
         cached = cached_length(cache, n_prompt)
     report(cached, n_prompt, "prefill")
-    _prefill(model, prompt, cache, cached, prefill_step, block_size, on_boundary, report)
+    _prefill(model, prompt, cache, cached, prefill_step, block_size, on_step, report)
     with kernel_capture(model) as capture:
         steps, lookahead, points = _score_steps(model, prompt, cache, capture, profile, n_lookahead,
                                                 include_last_query, dict(temperature=temperature, top_p=top_p,
                                                                          greedy=greedy), seed,
-                                                block_size, on_boundary, report, timings, started)
+                                                on_step, report, timings, started)
     started = time.perf_counter()
     key_counts = ([n_prompt] if include_last_query else []) + [n_prompt + 1 + i for i in range(n_lookahead)]
     importance = _importance(profile, steps, key_counts, n_prompt, pool_kernel, report)
@@ -154,15 +154,15 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
 
 
 def _score_steps(model, prompt, cache, capture, profile, n_lookahead, include_last, sampling, seed,
-                 block_size, on_boundary, report, timings, started):
+                 on_step, report, timings, started):
     """The last prompt token, then the seeded lookahead; returns the scored steps' calls."""
     n_prompt, steps, lookahead = len(prompt), [], []
     logits, calls = _forward(model, prompt[-1], cache, capture, scored=include_last,
                              last=n_lookahead == 0, profile=profile, step="the last prompt token")
     if include_last:
         steps.append(calls)
-    if on_boundary is not None and n_prompt % block_size == 0:
-        on_boundary(n_prompt, cache)
+    if on_step is not None:
+        on_step(n_prompt - 1, n_prompt, cache)
     points = [rewind_point(c) for c in cache]
     report(n_prompt, n_prompt, "prefill")
     timings["prefill"], started = time.perf_counter() - started, time.perf_counter()
