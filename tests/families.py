@@ -114,6 +114,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("gemma2", "gemma2", "variant", "attention logit soft-cap 5 (hand-written softmax)",
        dict(_WIDTH, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
             attn_logit_softcapping=5.0, final_logit_softcapping=30.0), weight_scale=0.3),
+    _f("gemma2_cap50", "gemma2", "variant", "gemma2's real soft-cap 50: in bfloat16 today's probe passes it",
+       dict(_WIDTH, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0), weight_scale=0.3),
     _f("ministral3", "ministral3", "variant",
        "query scale 1 + β·log(1 + ⌊pos/16⌋) after yarn RoPE, one sliding layer", _MINISTRAL,
        thresholds=(16, 24, 32, 48, 64)),
@@ -208,6 +211,25 @@ def _model_args(family: Family, overrides: dict[str, Any]):
     if "text_config" in args:
         args["text_config"] = dict(args["text_config"])
     return module, module.ModelArgs.from_dict(args)
+
+
+def for_kv_quantization(name: str) -> dict[str, Any]:
+    """Overrides giving family ``name`` heads of 32 dims, so mlx's smallest quantization group fits."""
+    args = FAMILIES[name].args
+    if "text_config" in args:
+        inner = args["text_config"]
+        return {"text_config": dict(inner, **_head_dims_32(inner))}
+    return _head_dims_32(args)
+
+
+def _head_dims_32(args: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64 / 2 heads
+    if "head_dim" in args:
+        out["head_dim"] = 32
+    for key, value in (("query_pre_attn_scalar", 32), ("global_head_dim", 64)):
+        if key in args:
+            out[key] = value
+    return out
 
 
 def _scale_for(name: str, family: Family) -> float | None:

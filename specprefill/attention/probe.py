@@ -120,9 +120,9 @@ def _tolerance(dtype: mx.Dtype, largest_logit: float = 0.0) -> float:
     return max(floor, 4 * _ROUNDOFF.get(dtype, 2.0**-8) * largest_logit)
 
 
-def reference_output(call: KernelCall, queries: mx.array) -> tuple[mx.array, float]:
+def reference_output(call: KernelCall, queries: mx.array) -> tuple[mx.array, float, mx.array]:
     """float32 softmax(scale·q·Kᵀ + mask, sinks)·V over all of the call's keys, for (1, Hq, L, D)
-    queries, and the largest |logit|."""
+    queries; the largest |logit|; the values."""
     keys = prompt_keys(call, call.n_keys).astype(mx.float32)
     if call.quantized is None:
         values = call.values.astype(mx.float32)
@@ -146,12 +146,14 @@ def reference_output(call: KernelCall, queries: mx.array) -> tuple[mx.array, flo
         weights = mx.softmax(logits, axis=-1, precise=True)
     v = values.reshape(n_kv, 1, call.n_keys, -1)
     out = weights.reshape(n_kv, n_heads // n_kv, n_rows, call.n_keys) @ v
-    return out.reshape(1, n_heads, n_rows, -1), largest
+    return out.reshape(1, n_heads, n_rows, -1), largest, values
 
 
-def _relative_error(a: mx.array, b: mx.array) -> float:
+def _relative_error(a: mx.array, b: mx.array, scale: mx.array | None = None) -> float:
+    """max |a - b| relative to max |scale| (default ``b``)."""
     a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-6)).item()
+    reference = b if scale is None else scale.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.maximum(mx.abs(reference).max(), 1e-6)).item()
 
 
 def _check_semantics(where: str, call: KernelCall, cache: Any) -> None:
@@ -167,8 +169,9 @@ def _check_semantics(where: str, call: KernelCall, cache: Any) -> None:
         genuine = call.output if amplification == 1.0 else base.scaled_dot_product_attention(
             mx.array(queries), call.keys, call.values, cache=cache, scale=call.scale, mask=call.mask,
             sinks=call.sinks)
-        ours, largest = reference_output(call, queries)
-        error = _relative_error(ours, genuine)
+        ours, largest, values = reference_output(call, queries)
+        # Relative to the values: an output averages them, so its own size can cancel away.
+        error = _relative_error(ours, genuine, values)
         if error > _tolerance(call.queries.dtype, largest):
             raise UnsupportedModelError(
                 f"{where}: softmax(scale·q·Kᵀ + mask, sinks)·V recomputed from the recorded kernel inputs "
