@@ -196,7 +196,7 @@ def _check_key_order(where: str, steps: Sequence[KernelCall]) -> None:
                                         "in order, so key j is not token j")
 
 
-def _role(where: str, index: int, counts: list[int], cache: Any, stray: bool) -> str:
+def _role(where: str, counts: list[int], cache: Any, stray: bool) -> str:
     if stray:
         raise UnsupportedModelError(f"{where}: an attention-shaped softmax runs outside a recognised kernel")
     if all(c == 1 for c in counts):
@@ -240,7 +240,7 @@ def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size
         where = f"layer {index} ({type(layer).__name__} in {family})"
         per_step = [[c for c in step if c.layer == index] for step in steps]
         layer_cache = capture.layer_caches.get(index)
-        role = _role(where, index, [len(s) for s in per_step], layer_cache, index in stray)
+        role = _role(where, [len(s) for s in per_step], layer_cache, index in stray)
         kernel = None
         if role == "attention":
             calls = [s[0] for s in per_step]

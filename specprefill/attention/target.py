@@ -286,7 +286,3 @@ def _restore_ropes(owners: list[nn.Module], genuine: list[nn.Module]) -> None:
     for owner, rope in zip(owners, genuine):
         owner.rope = rope
 
-
-def has_positions(model: nn.Module) -> bool:
-    """Whether any layer of ``model`` caches keys (a pure SSM has no positions at all)."""
-    return any(holds_keys(c) for c in make_cache(model))
