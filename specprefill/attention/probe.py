@@ -1,0 +1,269 @@
+"""Verify a model once at load: which layers attend, which are recurrent, or why it is refused.
+
+The probe feeds a few tokens one at a time through the model with its real cache (quantized
+if asked) while :mod:`.kernel` records every attention computation, then checks:
+
+* **one kernel per attention layer per forward pass**: a layer with two computations (e.g.
+  differential attention) or one sometimes is refused; a layer with none must hold no keys
+  (a recurrent ``ArraysCache`` layer, an MLP-only block): a layer that caches keys but attends
+  outside a recognised kernel, or runs an attention-shaped softmax beside it, is refused;
+* **keys in token order**: while a layer's kernel sees every token, step t's keys start with
+  step t−1's keys unchanged, so key j is token j's (what "over the prompt keys" relies on);
+* **kernel semantics**: :func:`reference_output` recomputes the kernel's output in float32 from
+  what was recorded (scale applied once, mask, sinks in the denominator, dequantised keys) and
+  must match the genuine kernel, with the queries as given and also scaled by 0 (uniform
+  logits: sinks change the output most) and by 8 (peaked logits), within a dtype-aware
+  tolerance.
+
+Position thresholds (ministral3's query scale, yarn's) need no probe here: whatever the layer
+does to its queries at any position is inside the recorded queries. What can change with the
+prompt is caught per request instead: the scorer checks each scored step against the profile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+
+from specprefill.attention.importance import prompt_keys
+from specprefill.attention.kernel import KernelCall, kernel_capture
+from specprefill.capture import UnsupportedModelError
+
+PROBE_TOKENS = 8
+AMPLIFICATIONS = (1.0, 0.0, 8.0)
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one decoder layer is, as the probe saw it."""
+
+    index: int
+    role: str          # "attention", "recurrent" or "none" (no state: an MLP-only block)
+    kernel: str | None  # "sdpa" or "softmax" for attention layers
+    cache: str         # the cache the layer is given (class name; "-" for none)
+
+
+@dataclass(frozen=True)
+class AttentionProfile:
+    """A verified model: its layers' roles and the KV quantization it was verified with."""
+
+    family: str
+    layers: tuple[LayerRole, ...]
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [r.index for r in self.layers if r.role == "attention"]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [r.index for r in self.layers if r.role == "recurrent"]
+
+    def describe(self) -> str:
+        kinds = "".join({"attention": "A", "recurrent": "R", "none": "-"}[r.role] for r in self.layers)
+        return f"{self.family}: layers {kinds} ({len(self.attention_layers)} attention)"
+
+
+def _cache_name(cache: Any) -> str:
+    if cache is None:
+        return "-"
+    if isinstance(cache, CacheList):
+        return "CacheList[" + ",".join(_cache_name(c) for c in cache.caches) + "]"
+    return type(cache).__name__
+
+
+def holds_keys(cache: Any) -> bool:
+    """Whether a layer cache stores keys (any KV cache, or a CacheList containing one)."""
+    if isinstance(cache, CacheList):
+        return any(holds_keys(c) for c in cache.caches)
+    return hasattr(cache, "update_and_fetch")
+
+
+def quantize_cache(cache: list, bits: int, group_size: int) -> list:
+    """``cache`` with each plain ``KVCache`` (also inside a ``CacheList``) replaced by an empty quantized one."""
+    def convert(c: Any) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*(convert(s) for s in c.caches))
+        if type(c) is KVCache:
+            if c.offset:
+                raise ValueError("kv_bits: only an empty cache is quantized here")
+            return QuantizedKVCache(group_size=group_size, bits=bits)
+        if getattr(c, "max_size", None) is not None:
+            raise UnsupportedModelError(
+                f"kv_bits: mlx-lm cannot quantize {type(c).__name__} (sliding-window layers); "
+                "serve this model with kv_bits unset")
+        return c
+    return [convert(c) for c in cache]
+
+
+def make_cache(model: nn.Module, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """The model's own fresh cache, quantized when ``kv_bits`` is set."""
+    cache = make_prompt_cache(model)
+    return cache if kv_bits is None else quantize_cache(cache, kv_bits, kv_group_size)
+
+
+_ROUNDOFF = {mx.float64: 2.0**-53, mx.float32: 2.0**-24, mx.bfloat16: 2.0**-8, mx.float16: 2.0**-11}
+
+
+def _tolerance(dtype: mx.Dtype, largest_logit: float = 0.0) -> float:
+    """Relative output tolerance for a kernel computing in ``dtype``.
+
+    A low-precision kernel rounds its logits (the CPU fallback, mlx-lm's quantized kernel), so
+    the output may move by about the roundoff times the largest logit; float32 gets a fixed floor.
+    """
+    floor = 1e-4 if dtype in (mx.float32, mx.float64) else 3e-2
+    return max(floor, 4 * _ROUNDOFF.get(dtype, 2.0**-8) * largest_logit)
+
+
+def reference_output(call: KernelCall, queries: mx.array) -> tuple[mx.array, float, mx.array]:
+    """float32 softmax(scale·q·Kᵀ + mask, sinks)·V over all of the call's keys, for (1, Hq, L, D)
+    queries; the largest |logit|; the values."""
+    keys = prompt_keys(call, call.n_keys).astype(mx.float32)
+    if call.quantized is None:
+        values = call.values.astype(mx.float32)
+    else:
+        group_size, bits = call.quantized
+        values = mx.dequantize(*call.values, group_size=group_size, bits=bits).astype(mx.float32)
+    _, n_heads, n_rows, dim = queries.shape
+    n_kv = keys.shape[1]
+    q = queries.astype(mx.float32).reshape(n_kv, n_heads // n_kv, n_rows, dim)
+    logits = (q @ keys.reshape(n_kv, 1, call.n_keys, -1).swapaxes(-1, -2)) * call.scale
+    logits = logits.reshape(n_heads, n_rows, call.n_keys)
+    largest = mx.abs(logits).max().item()
+    if isinstance(call.mask, mx.array):
+        m = call.mask.reshape((1,) * (4 - call.mask.ndim) + tuple(call.mask.shape))
+        m = mx.broadcast_to(m, (m.shape[0], n_heads, n_rows, call.n_keys))[0]
+        logits = mx.where(m, logits, -mx.inf) if m.dtype == mx.bool_ else logits + m.astype(mx.float32)
+    if call.sinks is not None:
+        sink = mx.broadcast_to(call.sinks.astype(mx.float32).reshape(-1, 1, 1), (n_heads, n_rows, 1))
+        weights = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
+    else:
+        weights = mx.softmax(logits, axis=-1, precise=True)
+    v = values.reshape(n_kv, 1, call.n_keys, -1)
+    out = weights.reshape(n_kv, n_heads // n_kv, n_rows, call.n_keys) @ v
+    return out.reshape(1, n_heads, n_rows, -1), largest, values
+
+
+def _relative_error(a: mx.array, b: mx.array, scale: mx.array | None = None) -> float:
+    """max |a - b| relative to max |scale| (default ``b``)."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    reference = b if scale is None else scale.astype(mx.float32)
+    return (mx.abs(a - b).max() / mx.maximum(mx.abs(reference).max(), 1e-6)).item()
+
+
+def _check_semantics(where: str, call: KernelCall, cache: Any) -> None:
+    """Our recomputation of the kernel equals the genuine kernel, at several logit scales."""
+    if call.kind == "softmax":
+        ours = mx.softmax(call.logits.astype(mx.float32), axis=-1, precise=True)
+        error = _relative_error(ours, call.output)
+        if error > _tolerance(call.logits.dtype):
+            raise UnsupportedModelError(f"{where}: softmax of the recorded logits differs from the layer's ({error:.3g})")
+        return
+    for amplification in AMPLIFICATIONS:
+        queries = call.queries * amplification
+        genuine = call.output if amplification == 1.0 else base.scaled_dot_product_attention(
+            mx.array(queries), call.keys, call.values, cache=cache, scale=call.scale, mask=call.mask,
+            sinks=call.sinks)
+        ours, largest, values = reference_output(call, queries)
+        # Relative to the values: an output averages them, so its own size can cancel away.
+        error = _relative_error(ours, genuine, values)
+        if error > _tolerance(call.queries.dtype, largest):
+            raise UnsupportedModelError(
+                f"{where}: softmax(scale·q·Kᵀ + mask, sinks)·V recomputed from the recorded kernel inputs "
+                f"differs from the kernel's output by {error:.3g} (queries ×{amplification:g}); this "
+                "kernel's semantics are not modelled")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)):
+        return all(_same(x, y) for x, y in zip(a, b))
+    return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+def _check_key_order(where: str, steps: Sequence[KernelCall]) -> None:
+    for t in range(1, len(steps)):
+        before, now = steps[t - 1], steps[t]
+        if now.n_keys != t + 1 or now.keys is None:
+            break  # a window narrower than the probe: it never votes beyond here
+        prefix = tuple(a[..., :t, :] for a in now.keys) if now.quantized else now.keys[..., :t, :]
+        if not _same(prefix, before.keys):
+            raise UnsupportedModelError(f"{where}: the keys of step {t} do not extend those of step {t - 1} "
+                                        "in order, so key j is not token j")
+
+
+def _role(where: str, counts: list[int], cache: Any, stray: bool) -> str:
+    if stray:
+        raise UnsupportedModelError(f"{where}: an attention-shaped softmax runs outside a recognised kernel")
+    if all(c == 1 for c in counts):
+        return "attention"
+    if any(counts):
+        raise UnsupportedModelError(f"{where}: made {counts} attention computations in {len(counts)} forward "
+                                    "passes; exactly one per pass is modelled")
+    if holds_keys(cache):
+        raise UnsupportedModelError(f"{where}: caches keys ({_cache_name(cache)}) but computes its attention "
+                                    "outside a recognised kernel")
+    return "none" if cache is None else "recurrent"
+
+
+def _run_probe(model: nn.Module, cache: list, n_tokens: int):
+    kinds = sorted({_cache_name(c) for c in cache})
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 256) or 256
+    steps: list[list[KernelCall]] = []
+    with kernel_capture(model, watch_softmax=True) as capture:
+        capture.recording = capture.keep_keys = capture.probe = True
+        for t in range(n_tokens):
+            start = len(capture.calls)
+            try:
+                logits = model(mx.array([[(7 * t + 3) % vocab]], dtype=mx.int32), cache=cache)
+            except Exception as exc:  # the model cannot run with this cache at all
+                raise UnsupportedModelError(f"{type(model).__module__} does not run with its cache {kinds} "
+                                            f"({type(exc).__name__}: {exc})") from exc
+            mx.eval(logits, capture.pending_arrays(start))
+            steps.append(capture.calls[start:])
+    return capture, steps
+
+
+def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
+                  probe_tokens: int = PROBE_TOKENS) -> AttentionProfile:
+    """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why."""
+    cache = make_cache(model, kv_bits, kv_group_size)
+    capture, steps = _run_probe(model, cache, probe_tokens)
+    family = type(model).__module__
+    stray = {layer for layer, _ in capture.softmax_outside}
+    roles = []
+    for index, layer in enumerate(model.layers):
+        where = f"layer {index} ({type(layer).__name__} in {family})"
+        per_step = [[c for c in step if c.layer == index] for step in steps]
+        layer_cache = capture.layer_caches.get(index)
+        role = _role(where, [len(s) for s in per_step], layer_cache, index in stray)
+        kernel = None
+        if role == "attention":
+            calls = [s[0] for s in per_step]
+            kernel = calls[0].kind
+            if kernel == "sdpa":
+                _check_key_order(where, calls)
+            for call in calls:
+                _check_semantics(where, call, _attention_cache(layer_cache))
+        roles.append(LayerRole(index, role, kernel, _cache_name(layer_cache)))
+    return AttentionProfile(family, tuple(roles), kv_bits, kv_group_size)
+
+
+def _attention_cache(cache: Any) -> Any:
+    """The KV part of a layer's cache (falcon-h1's CacheList holds Mamba state and KV)."""
+    if isinstance(cache, CacheList):
+        return next((c for c in cache.caches if holds_keys(c)), None)
+    return cache
+
+
+def require_draft(profile: AttentionProfile) -> None:
+    """A draft ranks tokens by attention: refuse a model without any attention layer."""
+    if not profile.attention_layers:
+        kinds = sorted({r.cache for r in profile.layers})
+        raise UnsupportedModelError(
+            f"{profile.family}: no full-attention layer (all {len(profile.layers)} layers are recurrent or "
+            f"stateless, caches {kinds}); a draft needs attention over the prompt to rank its tokens")

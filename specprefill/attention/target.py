@@ -1,0 +1,288 @@
+"""What sparse prefill at original positions needs, per family, and a prototype session doing it.
+
+A target needs none of the draft's probe: only that every position-dependent part of the model
+can be driven by original positions instead of the cache index. In mlx-lm 0.32 that is:
+
+* **rotary embeddings**: every ``rope`` module must accept per-token offsets. Besides the ones
+  :mod:`specprefill.positions` supports, hunyuan's ``DynamicNTKAlphaRoPE`` (fixed frequencies)
+  does, and smollm3's ``NoPE`` is the identity. ``DynamicNTKScalingRoPE`` (and internlm3's own)
+  changes its base with ``offset + length``: refused. Layers without rope (llama4's NoPE layers,
+  nemotron-h, Granite-4.0-H) need nothing; cohere2/exaone4 keep a rope they never call.
+* **position-dependent factors outside the rope**: ministral3 (and mistral3 wrapping it) scale
+  queries by ``1 + β·log(1 + ⌊pos/original_max_position_embeddings⌋)`` computed from
+  ``cache[0].offset``; its function is replaced, for the session, by one reading the
+  position map (:data:`POSITION_FACTORS`).
+* **offsets as arrays**: gemma4 passes ``mx.array(cache.offset)`` to its ropes; the session's
+  rope wrapper accepts 0-d arrays.
+* **sliding windows**: a windowed layer must see what a full prefill would. Its mask is made
+  from original positions during the sparse prefill (:class:`PositionedRotatingKVCache`), and
+  the last ``window`` prompt tokens must be kept (omlx does the same), so decoding continues
+  with the exact window. :func:`required_tail` says how many; a keep set without them is refused.
+* **recurrent layers** consume the kept tokens in order; they have no positions. Their state
+  after a sparse prefill is the state of the kept sequence, not of the prompt (an
+  approximation of the prompt's state that keep-all makes exact).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import rope_utils
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+
+from specprefill.attention.kernel import family_modules
+from specprefill.attention.probe import holds_keys, make_cache
+from specprefill.capture import UnsupportedModelError
+from specprefill.positions import SUPPORTED_ROPES, PositionMap, rope_at_positions
+from specprefill.sparse import PrefillState
+from specprefill.wrapping import Wrapper, unwrap_rope
+
+# Module-level functions that compute a position-dependent factor from the cache offset,
+# by module: replaced for the session by the same formula at original positions.
+POSITION_FACTORS = {"mlx_lm.models.ministral3": "_get_llama_4_attn_scale"}
+
+
+def _extra_ropes() -> tuple[type, ...]:
+    found = []
+    for module, name in (("mlx_lm.models.hunyuan_v1_dense", "DynamicNTKAlphaRoPE"), ("mlx_lm.models.smollm3", "NoPE")):
+        __import__(module)
+        found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+POSITIONABLE_ROPES = SUPPORTED_ROPES + _extra_ropes()
+
+
+@dataclass(frozen=True)
+class TargetProfile:
+    """What a sparse prefill of this model installs and requires."""
+
+    family: str
+    ropes: tuple[str, ...]         # rope classes wrapped
+    factors: tuple[str, ...]       # position-dependent functions replaced
+    window: int                    # largest sliding window (0: none): the tail that must be kept
+    caches: tuple[str, ...]        # cache classes
+
+
+def _rope_owners(model: nn.Module) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
+
+
+def target_profile(model: nn.Module) -> TargetProfile:
+    """Check what sparse prefill needs (module docstring); the profile or :class:`UnsupportedModelError`."""
+    family = type(model).__module__
+    ropes = set()
+    for owner in _rope_owners(model):
+        rope = unwrap_rope(owner["rope"])
+        if type(rope) not in POSITIONABLE_ROPES:
+            raise UnsupportedModelError(
+                f"{family}: rope {type(rope).__name__} cannot be driven by original positions (its "
+                f"frequencies depend on the cache offset or it takes no per-token offsets)")
+        ropes.add(type(rope).__name__)
+    factors = tuple(f"{m.__name__}.{POSITION_FACTORS[m.__name__]}" for m in family_modules(model)
+                    if m.__name__ in POSITION_FACTORS)
+    cache = make_cache(model)
+    window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
+                 default=0)
+    if any(isinstance(c, RotatingKVCache) and c.keep for c in _leaves(cache)):
+        raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
+    return TargetProfile(family, tuple(sorted(ropes)), factors, window,
+                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})))
+
+
+def _mask_windows(model: nn.Module) -> list[int]:
+    """Window sizes the model asks its caches for masks with (mistral3 windows plain KV caches)."""
+    seen: list[int] = []
+    cache = make_cache(model)
+    for leaf in _leaves(cache):
+        if hasattr(leaf, "make_mask") and holds_keys(leaf):
+            genuine = leaf.make_mask
+
+            def recording(*args, _genuine=genuine, **kwargs):
+                if kwargs.get("window_size"):
+                    seen.append(int(kwargs["window_size"]))
+                return _genuine(*args, **kwargs)
+            leaf.make_mask = recording
+    mx.eval(model(mx.array([[1, 2]], dtype=mx.int32), cache=cache))
+    return seen
+
+
+def required_tail(profile: TargetProfile) -> int:
+    """Prompt tokens at the end that a sparse prefill must keep (the largest sliding window)."""
+    return profile.window
+
+
+def _leaves(cache: list) -> list:
+    return [m for c in cache for m in (c.caches if isinstance(c, CacheList) else (c,))]
+
+
+def _int_offset(offset: Any) -> int:
+    if isinstance(offset, mx.array) and offset.ndim == 0:
+        return int(offset.item())  # gemma4 wraps cache.offset in an array
+    if isinstance(offset, int):
+        return offset
+    raise ValueError("offset: sparse positions support one sequence (a scalar cache offset) only")
+
+
+class TargetRoPE(Wrapper):
+    """A genuine rope rotating at the original positions of the cache indices it is called with."""
+
+    def __init__(self, genuine: nn.Module, position_map: PositionMap):
+        super().__init__(genuine)
+        self.position_map = position_map
+
+    def __call__(self, x: mx.array, offset: Any = 0, **kwargs) -> mx.array:
+        positions = self.position_map.positions(_int_offset(offset), x.shape[-2])
+        if positions[-1] - positions[0] == len(positions) - 1:
+            return self.genuine(x, offset=int(positions[0]), **kwargs)
+        return rope_at_positions(self.genuine, x, mx.array(positions, dtype=mx.int32))
+
+
+def _positioned_factor(genuine: Callable, position_map: PositionMap) -> Callable:
+    """ministral3's query scale, at the original positions of ``offset .. offset+size-1``."""
+    def factor(size, offset, beta, max_position_embeddings):
+        positions = mx.array(position_map.positions(_int_offset(offset), int(size)), dtype=mx.float32)
+        return (1 + beta * mx.log(1 + mx.floor(positions / max_position_embeddings)))[:, None]
+    factor.genuine = genuine
+    return factor
+
+
+class _PositionedMask:
+    """Masks by original position while the cache is filled with kept tokens (see below)."""
+
+    position_map: PositionMap
+
+    def _prefilling(self, n: int) -> bool:
+        return self.offset + n <= len(self.position_map.kept_positions)
+
+    def _position_mask(self, N: int, held: int, window: int | None) -> mx.array:
+        keys = self.position_map.positions(self.offset - held, held + N)
+        queries = keys[held:]
+        allowed = keys[None, :] <= queries[:, None]
+        if window is not None:
+            allowed &= keys[None, :] > queries[:, None] - window
+        return mx.array(allowed)
+
+
+class PositionedKVCache(_PositionedMask, KVCache):
+    """A ``KVCache`` whose *windowed* masks (mistral3 runs ministral3's sliding layers on plain
+    caches) count original positions during a sparse prefill; causal masks need nothing."""
+
+    def __init__(self, position_map: PositionMap):
+        super().__init__()
+        self.position_map = position_map
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if window_size is None or not self._prefilling(N):
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        return self._position_mask(N, self.offset, window_size)
+
+
+class PositionedRotatingKVCache(_PositionedMask, RotatingKVCache):
+    """A sliding-window cache whose window is measured in original positions during a sparse prefill.
+
+    While it is filled with kept tokens (cache indices below the number kept) it appends in
+    temporal order (never rotating in place) and masks by position: query at p sees keys in
+    ``(p - window, p]``. The keys it holds (the last ``max_size - 1`` plus the new ones) always
+    include those. Decoding afterwards is mlx-lm's own: with the last ``window`` prompt tokens
+    kept, the window it holds is the true one.
+    """
+
+    def __init__(self, max_size: int, position_map: PositionMap):
+        super().__init__(max_size=max_size, keep=0)
+        self.position_map = position_map
+
+    def update_and_fetch(self, keys, values):
+        if self._prefilling(keys.shape[2]):
+            return self._update_concat(keys, values)
+        return super().update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if not self._prefilling(N):
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        return self._position_mask(N, min(self.max_size - 1, self.offset), window_size or self.max_size)
+
+
+def target_cache(model: nn.Module, position_map: PositionMap, kv_bits: int | None = None,
+                 kv_group_size: int = 64) -> list:
+    """The model's cache with each sliding-window layer made position-aware."""
+    def convert(c):
+        if isinstance(c, CacheList):
+            return CacheList(*(convert(m) for m in c.caches))
+        if type(c) is RotatingKVCache:
+            return PositionedRotatingKVCache(c.max_size, position_map)
+        if type(c) is KVCache:
+            return PositionedKVCache(position_map)
+        return c
+    return [convert(c) for c in make_cache(model, kv_bits, kv_group_size)]
+
+
+class TargetSession:
+    """One request's sparse prefill on a model with position-mapped ropes and factors."""
+
+    def __init__(self, model: nn.Module, profile: TargetProfile, position_map: PositionMap):
+        self.model, self.profile, self.position_map = model, profile, position_map
+        self.active = True
+
+    def prefill(self, tokens: Sequence[int], keep_indices: Sequence[int], *, prefill_step: int = 2048,
+                kv_bits: int | None = None, kv_group_size: int = 64) -> tuple[mx.array, list, PrefillState]:
+        """Prefill ``tokens[keep_indices]`` at their original positions; decode with
+        :func:`specprefill.sparse.generate_tokens` inside the session."""
+        prompt = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        keep = _check_keep(keep_indices, len(prompt), required_tail(self.profile))
+        self.position_map.set(keep, len(prompt))
+        cache = target_cache(self.model, self.position_map, kv_bits, kv_group_size)
+        started, kept = time.perf_counter(), mx.array(prompt[keep])
+        for start in range(0, len(keep), prefill_step):
+            logits = self.model(kept[None, start:start + prefill_step], cache=cache)
+            mx.eval(logits, [c.state for c in cache])
+        state = PrefillState(len(prompt), len(keep), 0, time.perf_counter() - started, session=self)
+        return logits[:, -1, :], cache, state
+
+
+def _check_keep(keep_indices: Sequence[int], n: int, tail: int) -> np.ndarray:
+    keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
+    if len(keep) == 0 or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] != n - 1:
+        raise ValueError(f"keep_indices: must be strictly increasing indices in [0, {n}) ending at {n - 1}")
+    missing = np.setdiff1d(np.arange(max(0, n - tail), n), keep)
+    if len(missing):
+        raise ValueError(f"keep_indices: the last {tail} prompt tokens must be kept (sliding-window layers "
+                         f"of that size), {len(missing)} are not")
+    return keep
+
+
+@contextmanager
+def target_session(model: nn.Module, profile: TargetProfile | None = None) -> Iterator[TargetSession]:
+    """Install position-mapped ropes and factors for one request; always restore the genuine ones."""
+    profile = profile or target_profile(model)
+    position_map = PositionMap()
+    session = TargetSession(model, profile, position_map)
+    owners = _rope_owners(model)
+    genuine = [unwrap_rope(o["rope"]) for o in owners]
+    with ExitStack() as stack:
+        for owner, rope in zip(owners, genuine):
+            owner.rope = TargetRoPE(rope, position_map)
+        stack.callback(_restore_ropes, owners, genuine)
+        for module in family_modules(model):
+            name = POSITION_FACTORS.get(module.__name__)
+            if name:
+                original = module.__dict__[name]
+                plain = getattr(original, "genuine", original)
+                setattr(module, name, _positioned_factor(plain, position_map))
+                stack.callback(setattr, module, name, plain)
+        try:
+            yield session
+        finally:
+            session.active = False
+
+
+def _restore_ropes(owners: list[nn.Module], genuine: list[nn.Module]) -> None:
+    for owner, rope in zip(owners, genuine):
+        owner.rope = rope
+
