@@ -65,7 +65,7 @@ def companion_spec(spec: JobSpec) -> JobSpec:
 
 def _options(spec: JobSpec) -> dict[str, Any]:
     opts = {k: getattr(spec, k) for k in ("draft_model", "keep", "chunk_size", "tail_tokens",
-                                          "threshold", "n_lookahead", "seed")}
+                                          "threshold", "n_lookahead", "lookahead_seed")}
     if spec.kind == "generate":
         opts.update({k: spec.extra.get(k) for k in ("target_model", "max_tokens", "temperature",
                                                     "top_p", "full_prefill")})
