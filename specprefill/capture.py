@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from specprefill.attention import attend
+from specprefill.gqa import attend
 from specprefill.wrapping import Wrapper, unwrap_rope
 
 # A short probe: prefill PROBE_TOKENS tokens, then one decode step (the lookahead regime).

@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 
-from specprefill.attention import attention_weights
+from specprefill.gqa import attention_weights
 
 
 def average_pool(x: mx.array, kernel: int) -> mx.array:
