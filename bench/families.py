@@ -37,14 +37,15 @@ from attention_oracle import oracle  # noqa: E402
 from hybrid_blocks import MemoryBlockStore  # noqa: E402
 from true_positions import true_position_logits  # noqa: E402
 
-from cache_store.keys import model_fingerprint  # noqa: E402
-from cache_store.store import RedisBlockStore  # noqa: E402
-from jobs.embedded_redis import EmbeddedRedis  # noqa: E402
+from kv_blocks import draft_store, fingerprint  # noqa: E402
+from cli.embedded_redis import EmbeddedRedis  # noqa: E402
 from specprefill.attention.probe import make_cache, profile_model  # noqa: E402
 from specprefill.attention.scoring import score_prompt  # noqa: E402
 from specprefill.attention.target import required_tail, target_profile, target_session  # noqa: E402
+from specprefill.options import ScoringOptions  # noqa: E402
+from specprefill.profile import profile_model as profile_today  # noqa: E402
 from specprefill.reuse import score_with_cache  # noqa: E402
-from specprefill.scoring import check_scorable, score_tokens  # noqa: E402
+from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.sparse import PrefillState, full_prefill, sparse_session  # noqa: E402
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
@@ -80,7 +81,7 @@ def oracle_feed(dtype: mx.Dtype) -> dict:
 
 
 def draft_today(model, dtype) -> str:
-    result = score_tokens(model, PROMPT, **SCORE)
+    result = score_tokens(profile_today(model), PROMPT, ScoringOptions(**SCORE))
     return importance_verdict(result.importance, oracle(model, PROMPT, result.lookahead_tokens,
                                                        **oracle_feed(dtype)).importance)
 
@@ -102,10 +103,11 @@ def warm_cold(cold, warm) -> str:
 
 
 def store_today(model, client) -> str:
-    fingerprint = model_fingerprint(model, f"bench-{time.monotonic_ns()}", block_size=BLOCK)
-    store = RedisBlockStore(client, fingerprint, block_size=BLOCK)
-    cold = score_with_cache(model, PROMPT, store, **SCORE)
-    return warm_cold(cold, score_with_cache(model, PROMPT, store, **SCORE))
+    profile = profile_today(model)
+    store = draft_store(client, fingerprint(model, f"bench-{time.monotonic_ns()}", block_size=BLOCK),
+                        block_size=BLOCK)
+    cold = score_with_cache(profile, PROMPT, store, ScoringOptions(**SCORE))
+    return warm_cold(cold, score_with_cache(profile, PROMPT, store, ScoringOptions(**SCORE)))
 
 
 def store_prototype(model) -> str:
@@ -113,7 +115,7 @@ def store_prototype(model) -> str:
     store = MemoryBlockStore(BLOCK)
     recorder = store.recorder()
     cold = score_prompt(model, PROMPT, profile, block_size=BLOCK, on_step=recorder, **SCORE)
-    store.store(PROMPT, cold.cache, recorder)
+    store.store(PROMPT, cold.kv_cache, recorder)
     restored, _ = store.fetch(PROMPT)
     return warm_cold(cold, score_prompt(model, PROMPT, profile, cache=restored, block_size=BLOCK, **SCORE))
 
@@ -142,7 +144,7 @@ def target_verdict(keep_all: mx.array, sparse: mx.array, reference: mx.array, pl
 
 
 def target_today(model) -> str:
-    check_scorable(model)  # the worker gates targets with the draft's probe today
+    profile_today(model)  # the worker gates targets with the draft's probe today
     keep = keep_set(0)
     with sparse_session(model) as session:
         keep_all, _, _ = session.prefill(TARGET_TOKENS, np.arange(T), prefill_step=32)

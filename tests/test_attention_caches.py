@@ -17,6 +17,7 @@ from specprefill.attention.caches import (
 )
 from specprefill.attention.probe import make_cache, profile_model
 from specprefill.attention.scoring import score_prompt
+from specprefill.options import SelectionOptions
 from specprefill.selection import plan_selection
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
@@ -44,13 +45,13 @@ def test_returned_cache_equals_a_plain_prefill(name):
     model = F.build(name, seed=2)
     result = score_prompt(model, PROMPT, profile_model(model), prefill_step=16, seed=1)
     reference = plain_cache(model, PROMPT)
-    for ours, theirs in zip(result.cache, reference):
+    for ours, theirs in zip(result.kv_cache, reference):
         meta_ours, arrays_ours = layer_arrays(ours)
         meta_theirs, arrays_theirs = layer_arrays(theirs)
         assert meta_ours == meta_theirs and same_arrays(arrays_ours, arrays_theirs)
     for token in (5, 9):  # and decoding on continues identically
         step = mx.array([[token]])
-        assert mx.array_equal(model(step, cache=result.cache), model(step, cache=reference)).item()
+        assert mx.array_equal(model(step, cache=result.kv_cache), model(step, cache=reference)).item()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5", "falcon_h1"])
@@ -59,7 +60,7 @@ def test_returned_quantized_cache_equals_a_plain_prefill(name):
                  "qwen3_5": dict(text_config=dict(F.FAMILIES["qwen3_5"].args["text_config"], head_dim=32))}
     model = F.build(name, seed=2, **overrides[name])
     result = score_prompt(model, PROMPT, profile_model(model, kv_bits=4, kv_group_size=32), prefill_step=16)
-    for ours, theirs in zip(result.cache, plain_cache(model, PROMPT, kv_bits=4)):
+    for ours, theirs in zip(result.kv_cache, plain_cache(model, PROMPT, kv_bits=4)):
         assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
 
 
@@ -115,16 +116,16 @@ def test_warm_equals_cold_through_blocks(name, block, step):
     store = MemoryBlockStore(block)
     recorder = store.recorder()
     cold = score_prompt(model, PROMPT, profile, block_size=block, on_step=recorder, prefill_step=step, seed=2)
-    assert store.store(PROMPT, cold.cache, recorder) == len(PROMPT) // block
+    assert store.store(PROMPT, cold.kv_cache, recorder) == len(PROMPT) // block
     restored, n = store.fetch(PROMPT)
     assert n == (len(PROMPT) - 1) // block * block > 0
     warm = score_prompt(model, PROMPT, profile, cache=restored, block_size=block, prefill_step=step, seed=2)
     assert warm.cached_tokens == n and warm.lookahead_tokens == cold.lookahead_tokens
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    plan = dict(keep=0.3, chunk_size=8, tail_tokens=8, protected_prefix=0, threshold=0)
+    plan = dict(options=SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0))
     assert (plan_selection(warm.importance, **plan).indices.tolist()
             == plan_selection(cold.importance, **plan).indices.tolist())
-    for ours, theirs in zip(warm.cache, cold.cache):  # the warm cache is the cold one
+    for ours, theirs in zip(warm.kv_cache, cold.kv_cache):  # the warm cache is the cold one
         assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
 
 
@@ -136,7 +137,7 @@ def test_quantized_blocks_hold_a_fifth_of_float32_and_restore_exactly():
         store = MemoryBlockStore(16)
         recorder = store.recorder()
         result = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder)
-        store.store(PROMPT, result.cache, recorder)
+        store.store(PROMPT, result.kv_cache, recorder)
         sizes[bits] = store.bytes_stored
         restored, n = store.fetch(PROMPT)
         warm = score_prompt(model, PROMPT, profile, cache=restored, block_size=16)

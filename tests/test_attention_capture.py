@@ -150,7 +150,7 @@ def test_warm_equals_cold_on_a_restored_prefix_for_hybrids():
         store = MemoryBlockStore(16)
         recorder = store.recorder()
         cold = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder, seed=3, prefill_step=48)
-        assert store.store(PROMPT, cold.cache, recorder) == 4
+        assert store.store(PROMPT, cold.kv_cache, recorder) == 4
         restored, n = store.fetch(PROMPT)
         assert n == 64
         warm = score_prompt(model, PROMPT, profile, cache=restored, block_size=16, seed=3, prefill_step=48)

@@ -27,6 +27,7 @@ from specprefill.attention.importance import fold, layer_probabilities, votes
 from specprefill.attention.kernel import KernelCall, KernelCapture, kernel_capture
 from specprefill.attention.probe import AttentionProfile, holds_keys, make_cache, require_draft
 from specprefill.capture import UnsupportedModelError
+from specprefill.options import Sampling
 from specprefill.sampling import sample
 from specprefill.scoring import ScoreResult
 
@@ -170,7 +171,7 @@ def _score_steps(model, prompt, cache, capture, profile, n_lookahead, include_la
     report(0, n_lookahead, "lookahead")
     for i in range(n_lookahead):
         key, subkey = mx.random.split(key)
-        token = int(sample(logits[0, -1], subkey, **sampling).item())
+        token = int(sample(logits[0, -1], subkey, Sampling(**sampling, seed=seed)).item())
         lookahead.append(token)
         logits, calls = _forward(model, token, cache, capture, scored=True, last=i == n_lookahead - 1,
                                  profile=profile, step=f"lookahead step {i + 1}")
