@@ -4,6 +4,9 @@ Job ids are derived from the spec (content + settings), so submitting the same w
 returns the existing job instead of running it twice; only jobs that ended failed, stopped
 or canceled are enqueued afresh. A batch is checked in one pipelined round trip and
 enqueued (jobs + their ``queued`` events) in another.
+
+Shared work, private control (:mod:`jobs.holders`): every handle holds the job with its own
+token, and ``cancel()`` stops the job only when no other submitter holds it any more.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from rq.serializers import JSONSerializer
 
 from cache_store.replies import as_text
 from jobs.connection import queue_connection
+from jobs import holders
 from jobs.deadline import Deadline
 from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
@@ -53,10 +57,15 @@ class JobFailed(RuntimeError):
 
 
 class JobHandle:
-    """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``."""
+    """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``.
 
-    def __init__(self, client: "Client", job_id: str, *, created: bool = False) -> None:
-        self.client, self.id, self.created = client, job_id, created
+    ``holder`` is this handle's token in the job's holder set (None: a handle made from a
+    bare job id, which holds nothing).
+    """
+
+    def __init__(self, client: "Client", job_id: str, *, created: bool = False,
+                 holder: str | None = None) -> None:
+        self.client, self.id, self.created, self.holder = client, job_id, created, holder
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
@@ -107,23 +116,36 @@ class JobHandle:
                 time.sleep(poll_s)
                 poll_s = min(poll_s * 1.5, 0.5)
 
-    def cancel(self) -> str:
-        """Cancel a queued job, or ask the worker to stop a running one. Returns the status seen.
+    def cancel(self, *, force: bool = False) -> str:
+        """Give up this handle's hold on the job; stop the job if nobody else holds it.
 
-        The cancel flag is set before the status is read: a worker that took the job in
-        between either had already marked it started (then it is asked to stop) or finds
-        the flag when it starts the job (then the job ends ``stopped`` without running).
+        Returns what happened: ``"released"`` (other submitters still hold the job; it
+        runs on for them), ``"canceled"`` (it was waiting and will not run), ``"stopping"``
+        (the worker was asked to stop it; it ends ``stopped``), or the status the job had
+        already reached (``finished``, ``failed``, ``stopped``, ``canceled``, ``missing``).
+        A handle made from a bare id holds nothing: it stops the job only when nobody
+        holds it. ``force=True`` stops the job whoever holds it (an operator's cancel).
+
+        The flag is set before the status is read: a worker that took the job in between
+        either had already marked it started (then it is asked to stop) or finds the flag
+        when it starts the job (then the job ends ``stopped`` without running).
         """
         conn = self.client.connection
-        s = self.client.settings
-        conn.set(cancel_key(s.namespace, self.id), 1, ex=max(60, s.job_timeout_s))
+        if holders.release(conn, self.client.settings, self.id, self.holder, force=force):
+            return "released"
         status = self.status()
         if status in ("queued", "deferred", "scheduled"):
             self._job().cancel()
             self.client._publisher(self.id).publish("stopped", reason="canceled before start")
-        elif status == "started":
+            return "canceled"
+        if status == "started":
             send_stop_job_command(conn, self.id, serializer=JSONSerializer)
+            return "stopping"
         return status
+
+    def holders(self) -> int:
+        """How many submitters hold the job now (a cancel stops it only at zero)."""
+        return holders.holder_count(self.client.connection, self.client.settings, self.id)
 
     def events(self, timeout: float | None = None, after_seq: int = 0,
                poll_s: float = 1.0) -> Iterator[ProgressEvent]:
@@ -234,6 +256,7 @@ class BatchHandle:
 class _Plan:
     spec: JobSpec
     job_id: str
+    holder: str
 
 
 class Client:
@@ -275,19 +298,27 @@ class Client:
         follows the text, ``handle.result()`` returns a :class:`GenerateResult`."""
         return self.submit(self.generate_spec(**fields))
 
-    def handle(self, job_id: str) -> JobHandle:
-        return JobHandle(self, job_id)
+    def handle(self, job_id: str, holder: str | None = None) -> JobHandle:
+        """A handle on an existing job; ``holder`` names the hold it cancels (see
+        :meth:`submit`), None a handle that holds nothing."""
+        return JobHandle(self, job_id, holder=holder)
 
-    def submit(self, spec: JobSpec | None = None, **fields: Any) -> JobHandle:
-        """Enqueue one job (``spec``, or spec fields such as ``text=...``)."""
+    def submit(self, spec: JobSpec | None = None, *, holder: str | None = None,
+               **fields: Any) -> JobHandle:
+        """Enqueue one job (``spec``, or spec fields such as ``text=...``).
+
+        The handle holds the job with a fresh token, or with ``holder`` (a name another
+        process can pass to :meth:`handle` to cancel this submission's hold).
+        """
         spec = spec or self.spec(**fields)
-        return self._enqueue([spec])[0]
+        return self._enqueue([spec], holder)[0]
 
-    def submit_many(self, documents: Iterable[JobSpec | Mapping[str, Any] | str],
-                    **common: Any) -> BatchHandle:
+    def submit_many(self, documents: Iterable[JobSpec | Mapping[str, Any] | str], *,
+                    holder: str | None = None, **common: Any) -> BatchHandle:
         """Enqueue a batch: each document is a spec, a dict of spec fields, or a text.
 
-        ``common`` fields apply to every document built here. Identical documents share one job.
+        ``common`` fields apply to every document built here. Identical documents share one
+        job. Each handle holds its job with its own token, or all with ``holder``.
         """
         specs = []
         for doc in documents:
@@ -298,27 +329,45 @@ class Client:
             else:
                 specs.append(self.spec(**{**common, **doc}))
         check_batch_size(len(specs), Limits.from_settings(self.settings))
-        return BatchHandle(self, self._enqueue(specs))
+        return BatchHandle(self, self._enqueue(specs, holder))
 
-    def _enqueue(self, specs: list[JobSpec]) -> list[JobHandle]:
-        s, conn, q = self.settings, self.connection, self.queue
-        plans = [_Plan(spec, spec.job_id(s.namespace)) for spec in specs]
-        unique = list(dict.fromkeys(p.job_id for p in plans))
+    def _enqueue(self, specs: list[JobSpec], holder: str | None = None) -> list[JobHandle]:
+        s = self.settings
+        plans = [_Plan(spec, spec.job_id(s.namespace), holder or holders.new_token()) for spec in specs]
         first: dict[str, JobSpec] = {}
+        tokens: dict[str, list[str]] = {}
         for p in plans:
             first.setdefault(p.job_id, p.spec)
-        q.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+            tokens.setdefault(p.job_id, []).append(p.holder)
+        self.queue.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+        created: set[str] = set()
+        pending, deadline = list(first), Deadline(s.stop_wait_s)
+        while pending:
+            new = self._enqueue_missing(pending, first, tokens)
+            created |= new
+            # The others exist: join them. One whose last holder just let go is being
+            # stopped; wait for it to end, then enqueue it afresh.
+            doomed = holders.join(self.connection, s, {j: tokens[j] for j in pending if j not in new})
+            if doomed:
+                self._wait_ended(doomed, deadline)
+            pending = [j for j in pending if j in doomed]
+        return [JobHandle(self, p.job_id, created=p.job_id in created, holder=p.holder)
+                for p in plans]
+
+    def _enqueue_missing(self, candidates: list[str], first: dict[str, JobSpec],
+                         tokens: dict[str, list[str]]) -> set[str]:
+        """Enqueue those of ``candidates`` that do not exist or ended badly; return them."""
+        conn = self.connection
         # Optimistic check-and-enqueue: read the statuses, WATCH the hashes of the jobs to
         # enqueue, read those again, enqueue them in MULTI. A concurrent submitter of the same
         # job makes EXEC fail, and the next round sees its job and leaves it alone. Jobs seen
         # queued, running or done are not watched: workers write to them all the time.
-        candidates = unique
         for _ in range(_ENQUEUE_ATTEMPTS):
             statuses = self._statuses(candidates)
             todo = [jid for jid in candidates
                     if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
             if not todo:
-                break
+                return set()
             with conn.pipeline() as pipe:
                 try:
                     pipe.watch(*(job_key(jid) for jid in todo))
@@ -326,16 +375,27 @@ class Client:
                     if again != {jid: statuses[jid] for jid in todo}:
                         candidates = todo
                         continue
-                    self._enqueue_watched(pipe, todo, statuses, first)
-                    break
+                    self._enqueue_watched(pipe, todo, statuses, first, tokens)
+                    return set(todo)
                 except redis.WatchError:
                     candidates = todo  # the others are settled: seen running or done
                     continue
-        else:
-            raise EnqueueConflict(f"enqueue: {len(candidates)} of the jobs kept changing while being "
-                                  f"enqueued ({_ENQUEUE_ATTEMPTS} attempts); submit again")
-        created = set(todo)
-        return [JobHandle(self, p.job_id, created=p.job_id in created) for p in plans]
+        raise EnqueueConflict(f"enqueue: {len(candidates)} of the jobs kept changing while being "
+                              f"enqueued ({_ENQUEUE_ATTEMPTS} attempts); submit again")
+
+    def _wait_ended(self, job_ids: set[str], deadline: Deadline) -> None:
+        """Wait for jobs being stopped to end (bounded by ``stop_wait_s``)."""
+        wait_s = 0.02
+        while True:
+            statuses = self._statuses(sorted(job_ids))
+            if all(st is None or st in TERMINAL_STATUSES for st in statuses.values()):
+                return
+            if deadline.expired:
+                raise EnqueueConflict(
+                    f"enqueue: {len(job_ids)} identical job(s) canceled by their last holder did "
+                    f"not stop within stop_wait_s={self.settings.stop_wait_s}; submit again")
+            time.sleep(deadline.cap(wait_s))
+            wait_s = min(wait_s * 2, 0.5)
 
     def _statuses(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.connection.pipeline(transaction=False) as read:  # one round trip
@@ -344,7 +404,7 @@ class Client:
             return dict(zip(job_ids, (as_text(v) for v in read.execute())))
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
-                         first: dict[str, JobSpec]) -> None:
+                         first: dict[str, JobSpec], tokens: dict[str, list[str]]) -> None:
         """Enqueue ``todo`` in one MULTI/EXEC on ``pipe``, which WATCHes their job hashes."""
         s, q = self.settings, self.queue
         pipe.multi()
@@ -355,6 +415,7 @@ class Client:
                 pipe.zrem(q.canceled_job_registry.key, jid)
                 pipe.delete(job_key(jid), Result.get_key(jid))
             pipe.delete(stream_key(s.namespace, jid), cancel_key(s.namespace, jid))
+            holders.add_holders(pipe, s, jid, tokens[jid], fresh=True)
             self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
             spec = first[jid]
             datas.append(Queue.prepare_data(

@@ -10,9 +10,15 @@ from rq.job import Job
 
 
 def cancel_key(namespace: str, job_id: str) -> str:
-    """Set by ``JobHandle.cancel()``; a worker that has just taken the job checks it before
-    running it (closing the gap between reading "queued" and cancelling)."""
+    """Set when the job's last holder cancels it; its value is the ``enqueued_at`` of the
+    attempt it stops, so a requeued attempt (``rq requeue``, an RQ retry) is not stopped by
+    it. A worker that has just taken the job checks it before running it."""
     return f"{namespace}:cancel:{job_id}"
+
+
+def holders_key(namespace: str, job_id: str) -> str:
+    """The set of holder tokens of the submitters that want the job's result."""
+    return f"{namespace}:holders:{job_id}"
 
 
 def stream_key(namespace: str, job_id: str) -> str:

@@ -79,6 +79,9 @@ class Settings:
     result_ttl_s: int = 24 * 3600
     failure_ttl_s: int = 7 * 24 * 3600
     retry_max: int = 3
+    # A submission of work whose last holder just canceled it waits this long for the stop,
+    # then enqueues it afresh (identical submissions share one job; see jobs/holders.py).
+    stop_wait_s: float = 30.0
     progress_stream_maxlen: int = 1000
     progress_ttl_s: int = 24 * 3600
     # Progress is sent at most once per interval (batched; rate events thinned to the sends).

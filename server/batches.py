@@ -69,7 +69,7 @@ class BatchService:
         except ValueError as exc:
             return self._fail(batch, "too_many_requests", str(exc))
         if specs:
-            self.client.submit_many(specs)
+            self.client.submit_many(specs, holder=batch["id"])  # its hold, cancelled by name
         batch.update(status="in_progress", in_progress_at=int(time.time()))
         self.store.put_batch(batch, entries)
         return entries
@@ -150,7 +150,7 @@ class BatchService:
         ids = sorted({e.job_id for e in self.store.lines(batch_id) if e.job_id})
         for jid, status in job_statuses(self.client.connection, ids).items():
             if status not in JOB_ENDED:
-                give_up(self.client.handle(jid))
+                give_up(self.client.handle(jid, holder=batch_id))
         return self.advance(batch_id) or batch
 
     def get(self, batch_id: str) -> dict[str, Any]:

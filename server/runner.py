@@ -37,8 +37,9 @@ async def wait_disconnect(request: Request) -> None:
 
 def give_up(handle: JobHandle) -> None:
     """The one place this server cancels a job it submitted: a client that disconnected,
-    a canceled batch. (Identical requests share one job; the client's ``cancel`` decides
-    what a cancel means for the other submitters.)"""
+    a canceled batch. Identical requests share one job; ``handle.cancel()`` releases only
+    this request's hold (its token, or the batch's id) and stops the job only when no
+    other submitter holds it (:mod:`jobs.holders`)."""
     try:
         handle.cancel()
     except Exception as exc:  # Redis down: the job runs to its end and nobody reads it

@@ -168,7 +168,7 @@ def test_stop_during_decode_then_same_output_as_a_fresh_worker(redis_url, models
         assert not ev.terminal, ev
         if ev.kind == "decode":
             break
-    assert long.cancel() == "started"
+    assert long.cancel() == "stopping"
     with pytest.raises(JobFailed) as info:
         long.result(timeout=30)
     assert info.value.status == "stopped"

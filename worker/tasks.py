@@ -14,7 +14,7 @@ from typing import Any, Callable
 import redis
 
 from jobs.connection import REDIS_DOWN
-from jobs.keys import cancel_key
+from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
 from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
@@ -40,7 +40,7 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
     ``retrying`` when a transient error leaves RQ retries). Raises on failure."""
     t0 = time.perf_counter()
     try:
-        if ctx.runtime.connection.exists(cancel_key(ctx.settings.namespace, ctx.job_id)):
+        if cancel_requested(ctx.runtime.connection, ctx.settings.namespace, ctx.job_id):
             raise JobStopped(f"job {ctx.job_id} canceled before it started")
         spec = spec_from_payload(payload, ctx.settings)
         result = RUNNERS[spec.kind](spec, ctx)

@@ -152,6 +152,29 @@ def test_queue_full_429_and_disconnect_cancels(idle, stack):
     wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
 
 
+def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis):
+    """The server's cancel on disconnect follows the client's rule: another submitter of
+    the same work still holds the job, so the leaving request does not stop it."""
+    from jobs import holders
+    from jobs.settings import Settings
+
+    body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=8)}],
+            "max_tokens": 2, "stream": True}
+    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    resp = conn.getresponse()
+    job_id = resp.getheader("x-specprefill-job-id")
+    assert resp.status == 200 and _status(http_redis.url, job_id) == "queued"
+    r, settings = redis.Redis.from_url(http_redis.url), Settings(namespace="idle")
+    assert holders.join(r, settings, {job_id: ["another-submitter"]}) == set()
+    conn.close()  # the HTTP client leaves; the other submitter does not
+    wait_for(lambda: holders.holder_count(r, settings, job_id) == 1, 10, what="the request's hold released")
+    assert _status(http_redis.url, job_id) == "queued"
+    from jobs.client import Client
+
+    last = Client(r, settings).handle(job_id, holder="another-submitter")
+    assert last.cancel() == "canceled" and _queued(http_redis.url, "idle") == []  # the last one lets go
+
+
 def test_redis_down_is_503(tmp_path):
     from cli.embedded_redis import EmbeddedRedis
     from httpapi.conftest import Server
