@@ -6,12 +6,13 @@ service layers (``jobs``, ``worker``) read settings, and they pass values down.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from cache_store.keys import check_namespace
+from jobs import settings_check
+from jobs.settings_check import SettingsError
 from specprefill.options import ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
@@ -113,8 +114,16 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
-        """Build settings from ``SPECPREFILL_*`` variables, then explicit overrides."""
-        environ = os.environ if environ is None else environ
+        """Build settings from ``SPECPREFILL_*`` variables, then explicit overrides.
+
+        Without ``environ``: the process environment over a ``.env`` file (the working
+        directory's, or ``SPECPREFILL_ENV_FILE``). Every field is checked here (type and
+        range, :class:`SettingsError` naming the field, variable and source); unknown
+        ``SPECPREFILL_*`` variables are logged with the closest valid name.
+        """
+        environ, sources = settings_check.merged_environ(environ, ENV_PREFIX)
+        names = [f.name for f in fields(cls)]
+        settings_check.warn_unknown(environ, names, ENV_PREFIX, sources)
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())
@@ -123,10 +132,18 @@ class Settings:
         if "redis_url" not in values and environ.get("REDIS_URL"):
             values["redis_url"] = environ["REDIS_URL"]
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        try:
+            return cls(**values)
+        except SettingsError as exc:
+            name = str(exc).split(" (", 1)[0].removeprefix("setting ")
+            var = ENV_PREFIX + name.upper()
+            if var in environ and name not in overrides:
+                raise SettingsError(f"{exc} (from {sources.get(var, 'the environment')})") from None
+            raise
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        settings_check.validate(self, ENV_PREFIX)
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -143,7 +160,7 @@ class Settings:
 
 
 def _field_type(f: dataclasses.Field) -> str:
-    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return settings_check.field_type(f)
 
 
 def _parse(name: str, raw: str, type_name: str) -> Any:
@@ -163,6 +180,6 @@ def _parse(name: str, raw: str, type_name: str) -> Any:
             return tuple(p.strip() for p in raw.split(",") if p.strip())
         return raw
     except ValueError:
-        raise ValueError(
+        raise SettingsError(
             f"{ENV_PREFIX}{name.upper()}={raw!r}: expected a {type_name} value"
         ) from None
