@@ -136,10 +136,16 @@ def stats_key(namespace: str, fingerprint: str) -> str:
     return f"{namespace}:kvstats:{fingerprint}"
 
 
+def models_key(namespace: str) -> str:
+    """The hash naming each fingerprint's model as results name it (fingerprint -> JSON)."""
+    return f"{namespace}:kvmodels"
+
+
 def key_patterns(namespace: str) -> dict[str, str]:
-    """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo entries."""
+    """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo
+    entries and the model names (every key of the store matches exactly one)."""
     return {"blocks": f"{namespace}:kv:*", "stats": stats_key(namespace, "*"),
-            "memo": f"{namespace}:memo:*"}
+            "memo": f"{namespace}:memo:*", "models": models_key(namespace)}
 
 
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:

@@ -19,8 +19,8 @@ import redis
 
 from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
                     encode_block, layer_arrays)
-from .keys import (block_digests, block_key, check_block_size, check_fingerprint, check_namespace, check_ttl,
-                   key_patterns, stats_key)
+from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
+                   check_namespace, check_ttl, key_patterns, models_key, stats_key)
 from .memo import MEMO_COUNTERS
 from .replies import as_int, as_text
 
@@ -77,8 +77,12 @@ class RedisBlockStore:
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
                  block_size: int = 256, ttl_s: int = 86400,
-                 layout: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 layout: Sequence[Mapping[str, Any]] | None = None,
+                 model: Mapping[str, str] | None = None) -> None:
         self.client = client
+        # How results name this model ({"model": identity, "name": ...}): recorded next to
+        # the counters so ``cache stats`` shows the names results use, not the fingerprint.
+        self._model_label = None if model is None else canonical_json(dict(model))
         self.fingerprint = check_fingerprint(fingerprint)
         self.namespace = check_namespace(namespace)
         self.block_size = check_block_size(block_size)
@@ -197,6 +201,8 @@ class RedisBlockStore:
                                   ("corrupt_blocks", len(corrupt))):
                 if amount:
                     pipe.hincrby(self._stats_key, field, amount)
+            if self._model_label is not None:
+                pipe.hset(models_key(self.namespace), self.fingerprint, self._model_label)
             for key in hit_keys:  # a prefix in use stays stored: its TTL counts from the last use
                 pipe.expire(key, self.ttl_s)
             if corrupt:

@@ -1,8 +1,10 @@
-"""``specprefill cache stats``: the block store's and the memo's counters in one namespace."""
+"""``specprefill cache stats|clear``: the block store's and the memo's counters, hit rates and
+memory in this deployment's namespace; ``clear`` empties that namespace (``--yes``)."""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import redis
@@ -11,47 +13,89 @@ from cli.options import SharedOptions
 from jobs.connection import checked_connection
 from jobs.settings import Settings
 
-SHOWN_COUNTERS = ("lookups", "hit_blocks", "hit_tokens", "stores", "blocks_written", "bytes_written",
-                  "corrupt_blocks", "memo_lookups", "memo_hits", "memo_writes", "memo_corrupt")
+SHOWN_COUNTERS = ("lookups", "hit_blocks", "missed_blocks", "hit_tokens", "stores", "blocks_written",
+                  "bytes_written", "corrupt_blocks", "memo_lookups", "memo_hits", "memo_writes",
+                  "memo_corrupt")
+BAD_INPUT = 2  # the exit status of a command refused as given (here: clear without --yes)
 
 
-def _count(client: redis.Redis, pattern: str) -> int:
-    return sum(1 for _ in client.scan_iter(match=pattern, count=1000))
+def _rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def cache_stats(client: redis.Redis, namespace: str) -> dict[str, Any]:
-    """Block-store counters per model fingerprint and in total, plus key counts."""
-    from cache_store.keys import key_patterns
-    from cache_store.store import counters_by_model
+    """Counters per model (keyed as results name the model) and in total, hit rates, and
+    the store's own memory (its keys' bytes) next to the whole Redis's."""
+    from cache_store.inventory import hit_rates, labelled_counters, usage
 
-    patterns = key_patterns(namespace)
-    per_model = counters_by_model(client, namespace)
+    per_model = labelled_counters(client, namespace)
     totals: dict[str, int] = {}
     for counters in per_model.values():
         for f, v in counters.items():
-            totals[f] = totals.get(f, 0) + v
-    return {"namespace": namespace, "blocks": _count(client, patterns["blocks"]),
-            "memo_entries": _count(client, patterns["memo"]),
-            "used_memory": int(client.info("memory").get("used_memory", 0)),
-            "totals": totals, "models": per_model}
+            if isinstance(v, int) and not isinstance(v, bool):
+                totals[f] = totals.get(f, 0) + v
+    use = usage(client, namespace)
+    return {"namespace": namespace, "blocks": use["keys"].get("blocks", 0),
+            "memo_entries": use["keys"].get("memo", 0), "store_bytes": use["total_bytes"],
+            "bytes_by_kind": use["bytes"],
+            "redis_used_memory": int(client.info("memory").get("used_memory", 0)),
+            "totals": totals, **hit_rates(totals), "models": per_model}
 
 
-def run(args: argparse.Namespace, settings: Settings) -> int:
-    stats = cache_stats(checked_connection(args.redis_url or settings.block_store_url, settings),
-                        settings.namespace)
-    if args.json:
-        print(json.dumps(stats))
-        return 0
+def _print_stats(stats: dict[str, Any]) -> None:
     print(f"namespace {stats['namespace']}: {stats['blocks']} blocks, {stats['memo_entries']} memo "
-          f"entries, {stats['used_memory'] / 1e6:.1f} MB used")
+          f"entries, {stats['store_bytes'] / 1e6:.1f} MB stored (this Redis uses "
+          f"{stats['redis_used_memory'] / 1e6:.1f} MB in all)")
+    print(f"  block hit rate  {_rate(stats['block_hit_rate'])}   memo hit rate  "
+          f"{_rate(stats['memo_hit_rate'])}")
     for name in SHOWN_COUNTERS:
         if name in stats["totals"]:
             print(f"  {name:<15} {stats['totals'][name]}")
+    for model, c in stats["models"].items():
+        named = f" ({c['name']})" if c.get("name") else ""
+        print(f"  model {model}{named}: {c.get('hit_blocks', 0)} blocks restored, "
+              f"{c.get('blocks_written', 0)} written, block hit rate {_rate(c['block_hit_rate'])}, "
+              f"memo hit rate {_rate(c['memo_hit_rate'])}")
+
+
+def _clear(client: redis.Redis, namespace: str, args: argparse.Namespace) -> int:
+    from cache_store.inventory import clear, usage
+
+    if not args.yes:
+        use = usage(client, namespace)
+        print(f"specprefill cache clear: would delete {sum(use['keys'].values())} keys "
+              f"({use['total_bytes'] / 1e6:.1f} MB) of namespace {namespace!r}: blocks, memo "
+              "entries and counters; other namespaces and queued jobs are untouched. "
+              "Run again with --yes to delete them.", file=sys.stderr)
+        return BAD_INPUT
+    deleted = clear(client, namespace)
+    if args.json:
+        print(json.dumps({"namespace": namespace, "deleted": deleted}))
+    else:
+        print(f"namespace {namespace}: deleted {deleted.get('blocks', 0)} blocks, "
+              f"{deleted.get('memo', 0)} memo entries, {deleted.get('stats', 0)} counter sets")
+    return 0
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    client = checked_connection(args.redis_url or settings.block_store_url, settings)
+    if args.action == "clear":
+        return _clear(client, settings.namespace, args)
+    stats = cache_stats(client, settings.namespace)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        _print_stats(stats)
     return 0
 
 
 def register(sub: Any, shared: SharedOptions) -> None:
-    p = sub.add_parser("cache", parents=[shared.common], help="block store information")
-    p.add_argument("action", choices=["stats"])
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("cache", parents=[shared.common],
+                       help="block store statistics (stats) or emptying this namespace's (clear)")
+    p.add_argument("action", choices=["stats", "clear"],
+                   help="stats: counters, hit rates, memory; clear: delete this namespace's "
+                        "blocks, memo entries and counters")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--yes", action="store_true",
+                   help="clear: really delete (without it, only says what would be deleted)")
     p.set_defaults(func=run)

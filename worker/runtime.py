@@ -54,7 +54,8 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
     from specprefill.kv_arrays import block_layout
 
     raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout))
+                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout),
+                                model={"model": loaded.identity, "name": loaded.name})
     return BlockDraftCache(raw_store)
 
 

@@ -1,0 +1,86 @@
+"""What the store holds under one namespace: per-model counters under the names results
+use, hit rates, the bytes of its own keys, and clearing it (that namespace only)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import redis
+
+from .keys import key_patterns, models_key
+from .replies import as_text
+from .store import counters_by_model
+
+_BATCH = 500  # keys per pipelined round trip
+
+
+def _keys(client: redis.Redis, namespace: str) -> Iterator[tuple[str, bytes]]:
+    """(kind, key) for every key the store wrote under ``namespace``."""
+    for kind, pattern in key_patterns(namespace).items():
+        for key in client.scan_iter(match=pattern, count=1000):
+            yield kind, key
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def hit_rates(counters: dict[str, int]) -> dict[str, float | None]:
+    """Block hit rate (restored / looked-for full blocks) and memo hit rate (hits / lookups)."""
+    hit, missed = counters.get("hit_blocks", 0), counters.get("missed_blocks", 0)
+    return {"block_hit_rate": _ratio(hit, hit + missed),
+            "memo_hit_rate": _ratio(counters.get("memo_hits", 0), counters.get("memo_lookups", 0))}
+
+
+def labelled_counters(client: redis.Redis, namespace: str) -> dict[str, dict[str, Any]]:
+    """Each model's counters and hit rates, keyed by the model name results carry
+    (``local:…``/``hub:…``; the fingerprint when no worker recorded it)."""
+    labels = {as_text(fp): json.loads(as_text(v)) for fp, v in client.hgetall(models_key(namespace)).items()}
+    out: dict[str, dict[str, Any]] = {}
+    for fp, counters in sorted(counters_by_model(client, namespace).items()):
+        label = labels.get(fp, {})
+        key = label.get("model") or f"fingerprint:{fp}"
+        if key in out:  # one model under two block formats: keep both apart
+            key = f"{key} ({fp[:12]})"
+        out[key] = {"fingerprint": fp, "name": label.get("name"), **counters, **hit_rates(counters)}
+    return out
+
+
+def usage(client: redis.Redis, namespace: str) -> dict[str, int]:
+    """Key counts and bytes (Redis ``MEMORY USAGE``) of the store's own keys by kind."""
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    batch: list[tuple[str, bytes]] = []
+
+    def flush() -> None:
+        with client.pipeline(transaction=False) as pipe:
+            for _, key in batch:
+                pipe.memory_usage(key, samples=0)
+            for (kind, _), size in zip(batch, pipe.execute()):
+                sizes[kind] = sizes.get(kind, 0) + int(size or 0)
+        batch.clear()
+
+    for kind, key in _keys(client, namespace):
+        counts[kind] = counts.get(kind, 0) + 1
+        batch.append((kind, key))
+        if len(batch) >= _BATCH:
+            flush()
+    if batch:
+        flush()
+    return {"keys": counts, "bytes": sizes, "total_bytes": sum(sizes.values())}
+
+
+def clear(client: redis.Redis, namespace: str) -> dict[str, int]:
+    """Delete every key the store wrote under ``namespace`` (blocks, memo entries,
+    counters, model names); other namespaces and other data are untouched."""
+    deleted: dict[str, int] = {}
+    batch: list[bytes] = []
+    for kind, key in _keys(client, namespace):
+        deleted[kind] = deleted.get(kind, 0) + 1
+        batch.append(key)
+        if len(batch) >= _BATCH:
+            client.unlink(*batch)
+            batch.clear()
+    if batch:
+        client.unlink(*batch)
+    return deleted
