@@ -29,6 +29,7 @@ from jobs.deadline import Deadline
 from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, publisher_for)
+from jobs.rate import SmoothedRate
 from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
 from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
@@ -208,6 +209,7 @@ class BatchHandle:
 
     def __init__(self, client: "Client", handles: list[JobHandle]) -> None:
         self.client, self.handles = client, handles
+        self._rate = SmoothedRate(client.settings.rate_window_s)
 
     @property
     def job_ids(self) -> list[str]:
@@ -219,8 +221,13 @@ class BatchHandle:
         return sum(h.created for h in self.handles)
 
     def progress(self) -> BatchProgress:
-        return batch_progress(self.client.connection, self.job_ids,
+        """Counts by status, ETA and ``tokens_per_s`` (smoothed over the calls on this
+        handle: prompt tokens got through per second, see :mod:`jobs.rate`). ``print()``
+        shows one line; ``last_events`` holds each job's latest event."""
+        view = batch_progress(self.client.connection, self.job_ids,
                               namespace=self.client.settings.namespace)
+        view.tokens_per_s = self._rate.update(view)
+        return view
 
     def status(self) -> dict[str, Any]:
         return self.progress().to_json()
@@ -240,7 +247,12 @@ class BatchHandle:
         return {h.id: h.cancel() for h in self.handles}
 
     def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
-        """Aggregate snapshots every ``poll_s`` until every job has ended."""
+        """Aggregate snapshots (:meth:`progress`) every ``poll_s`` seconds, the last one when
+        every job has ended; ``TimeoutError`` after ``timeout``. For a live bar::
+
+            for view in batch.events(poll_s=1):
+                print(view)   # "30 jobs: 12 done, 3 running, 15 queued; 5400 tok/s, eta 40 s"
+        """
         deadline = Deadline(timeout)
         while True:
             view = self.progress()

@@ -87,6 +87,8 @@ class Settings:
     progress_ttl_s: int = 24 * 3600
     # Progress is sent at most once per interval (batched; rate events thinned to the sends).
     progress_interval_s: float = 0.25
+    # A batch's tokens/s (BatchHandle.progress()) is smoothed exponentially over this window.
+    rate_window_s: float = 3.0
     heartbeat_interval_s: float = 10.0
     # A started job whose worker sent no heartbeat for this long counts as abandoned (the
     # worker died) and is retried elsewhere; must exceed heartbeat_interval_s comfortably.

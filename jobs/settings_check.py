@@ -31,7 +31,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_generate_tokens": (1, None), "job_timeout_s": (1, None), "result_ttl_s": (1, None),
     "failure_ttl_s": (1, None), "retry_max": (0, 100), "stop_wait_s": (0, None),
     "progress_stream_maxlen": (1, None), "progress_ttl_s": (1, None),
-    "progress_interval_s": (0, None), "heartbeat_interval_s": (0.001, None),
+    "progress_interval_s": (0, None), "rate_window_s": (0.001, None), "heartbeat_interval_s": (0.001, None),
     "heartbeat_ttl_s": (0.001, None), "maintenance_interval_s": (0.001, None),
     "http_port": (1, 65535), "max_queue_depth": (0, None), "max_upload_bytes": (1, None),
     "http_threads": (1, None), "batch_poll_s": (0.001, None), "worker_metrics_port": (0, 65535),

@@ -346,15 +346,18 @@ _FROM_SETTINGS.update(lookahead_temperature="temperature", lookahead_top_p="top_
 # Spellings of payload version 1 (and of older clients), still accepted.
 RENAMED_FIELDS = {"temperature": "lookahead_temperature", "top_p": "lookahead_top_p",
                   "seed": "lookahead_seed"}
+# The CLI's option names (--model, --spans, --importance), accepted from Python too.
+CLI_SPELLINGS = {"model": "draft_model", "spans": "return_spans", "importance": "return_importance"}
 
 
 def _renamed(fields_: Mapping[str, Any]) -> dict[str, Any]:
     """``fields_`` with old spellings under their new names (giving both is an error)."""
     out = dict(fields_)
-    for old, new in RENAMED_FIELDS.items():
+    for old, new in {**RENAMED_FIELDS, **CLI_SPELLINGS}.items():
         if old in out:
             if new in out:
-                raise JobSpecError(f"{old}: the old name of {new}; give only {new}")
+                which = "the CLI's" if old in CLI_SPELLINGS else "the old"
+                raise JobSpecError(f"{old}: {which} name of {new}; give only {new}")
             out[new] = out.pop(old)
     return out
 

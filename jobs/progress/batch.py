@@ -25,7 +25,15 @@ class BatchProgress:
     missing: int = 0          # no job hash (expired or never enqueued)
     tokens_per_s: float = 0.0  # summed over running jobs' latest scoring events
     eta_s: float | None = None
-    last_events: dict[str, ProgressEvent] = field(default_factory=dict)
+    last_events: dict[str, ProgressEvent] = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        """One line: counts, rate and ETA (``last_events`` holds the per-job detail)."""
+        parts = [f"{self.done} done", f"{self.running} running", f"{self.queued} queued"]
+        parts += [f"{n} {k}" for k, n in (("failed", self.failed), ("stopped", self.stopped),
+                                           ("missing", self.missing)) if n]
+        eta = "" if self.eta_s is None else f", eta {self.eta_s:.0f} s"
+        return f"{self.total} jobs: {', '.join(parts)}; {self.tokens_per_s:.0f} tok/s{eta}"
 
     @property
     def finished(self) -> int:
