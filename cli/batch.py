@@ -52,7 +52,7 @@ class BatchRun:
             except ValueError as exc:
                 raise CliError(f"document {doc_id}: {exc}") from None
         self.t0 = time.perf_counter()
-        self.batch = client.submit_many(specs)
+        self.batch = client.submit_many(specs, names=[doc_id for doc_id, _ in todo])
         self.by_job: dict[str, list[str]] = {}
         for h, (doc_id, _) in zip(self.batch.handles, todo):
             self.by_job.setdefault(h.id, []).append(doc_id)

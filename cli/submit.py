@@ -30,7 +30,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
     client = Client(connect(args, settings), settings)
-    handle = client.submit(**prompt_fields(args), **spec_fields(args))
+    handle = client.submit(**prompt_fields(args), **spec_fields(args), name=getattr(args, "file", None))
     if not args.wait:
         print_submitted(handle, args.json)
         return 0

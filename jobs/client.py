@@ -38,6 +38,7 @@ JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
 RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
 _ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps changing
+_MAX_NAME = 120  # characters of a document name kept in the job's description
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
 
 
@@ -264,6 +265,21 @@ class BatchHandle:
             time.sleep(poll_s)
 
 
+def describe(spec: JobSpec, name: str | None = None) -> str:
+    """The job's description in RQ's tools: its kind, the document's name (or the start of
+    its text) and its size, e.g. ``prefill doc-07.txt (text, 18211 characters)``."""
+    if spec.tokens is not None:
+        size = f"tokens, {len(spec.tokens)} tokens"
+    elif spec.text is not None:
+        size = f"text, {len(spec.text)} characters"
+    else:
+        size = f"chat, {len(spec.messages or ())} messages"
+    if name is None:
+        start = (spec.text or "")[:40].split()
+        name = repr(" ".join(start) + "...") if start else "document"
+    return f"{spec.kind} {str(name)[:_MAX_NAME]} ({size})"
+
+
 @dataclass
 class _Plan:
     spec: JobSpec
@@ -316,46 +332,58 @@ class Client:
         return JobHandle(self, job_id, holder=holder)
 
     def submit(self, spec: JobSpec | None = None, *, holder: str | None = None,
-               **fields: Any) -> JobHandle:
+               name: str | None = None, **fields: Any) -> JobHandle:
         """Enqueue one job (``spec``, or spec fields such as ``text=...``).
 
         The handle holds the job with a fresh token, or with ``holder`` (a name another
-        process can pass to :meth:`handle` to cancel this submission's hold).
+        process can pass to :meth:`handle` to cancel this submission's hold). ``name``
+        (a document id or file name) goes into the job's description, which RQ's tools show.
         """
         spec = spec or self.spec(**fields)
-        return self._enqueue([spec], holder)[0]
+        return self._enqueue([spec], holder, [name])[0]
 
     def submit_many(self, documents: Iterable[JobSpec | Mapping[str, Any] | str], *,
-                    holder: str | None = None, **common: Any) -> BatchHandle:
+                    holder: str | None = None, names: Iterable[str | None] | None = None,
+                    **common: Any) -> BatchHandle:
         """Enqueue a batch: each document is a spec, a dict of spec fields, or a text.
 
         ``common`` fields apply to every document built here. Identical documents share one
-        job. Each handle holds its job with its own token, or all with ``holder``.
+        job. Each handle holds its job with its own token, or all with ``holder``. Each
+        document's name (for RQ's tools) is its entry in ``names``, or a dict's ``id``.
         """
-        specs = []
+        specs, doc_names = [], []
         for doc in documents:
             if isinstance(doc, JobSpec):
                 specs.append(doc)
             elif isinstance(doc, str):
                 specs.append(self.spec(**{**common, "text": doc}))
             else:
+                doc = dict(doc)
+                doc_names.append(doc.pop("id", None))
                 specs.append(self.spec(**{**common, **doc}))
+                continue
+            doc_names.append(None)
         check_batch_size(len(specs), Limits.from_settings(self.settings))
-        return BatchHandle(self, self._enqueue(specs, holder))
+        if names is not None:
+            doc_names = [given if given is not None else own for given, own in zip(names, doc_names)]
+        return BatchHandle(self, self._enqueue(specs, holder, doc_names))
 
-    def _enqueue(self, specs: list[JobSpec], holder: str | None = None) -> list[JobHandle]:
+    def _enqueue(self, specs: list[JobSpec], holder: str | None = None,
+                 names: list[str | None] | None = None) -> list[JobHandle]:
         s = self.settings
         plans = [_Plan(spec, spec.job_id(s.namespace), holder or holders.new_token()) for spec in specs]
         first: dict[str, JobSpec] = {}
         tokens: dict[str, list[str]] = {}
-        for p in plans:
+        described: dict[str, str] = {}
+        for p, name in zip(plans, names or [None] * len(plans)):
             first.setdefault(p.job_id, p.spec)
             tokens.setdefault(p.job_id, []).append(p.holder)
+            described.setdefault(p.job_id, describe(p.spec, name))
         self.queue.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
         created: set[str] = set()
         pending, deadline = list(first), Deadline(s.stop_wait_s)
         while pending:
-            new = self._enqueue_missing(pending, first, tokens)
+            new = self._enqueue_missing(pending, first, tokens, described)
             created |= new
             # The others exist: join them. One whose last holder just let go is being
             # stopped; wait for it to end, then enqueue it afresh.
@@ -367,7 +395,7 @@ class Client:
                 for p in plans]
 
     def _enqueue_missing(self, candidates: list[str], first: dict[str, JobSpec],
-                         tokens: dict[str, list[str]]) -> set[str]:
+                         tokens: dict[str, list[str]], described: dict[str, str]) -> set[str]:
         """Enqueue those of ``candidates`` that do not exist or ended badly; return them."""
         conn = self.connection
         # Optimistic check-and-enqueue: read the statuses, WATCH the hashes of the jobs to
@@ -387,7 +415,7 @@ class Client:
                     if again != {jid: statuses[jid] for jid in todo}:
                         candidates = todo
                         continue
-                    self._enqueue_watched(pipe, todo, statuses, first, tokens)
+                    self._enqueue_watched(pipe, todo, statuses, first, tokens, described)
                     return set(todo)
                 except redis.WatchError:
                     candidates = todo  # the others are settled: seen running or done
@@ -416,7 +444,8 @@ class Client:
             return dict(zip(job_ids, (as_text(v) for v in read.execute())))
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
-                         first: dict[str, JobSpec], tokens: dict[str, list[str]]) -> None:
+                         first: dict[str, JobSpec], tokens: dict[str, list[str]],
+                         described: dict[str, str]) -> None:
         """Enqueue ``todo`` in one MULTI/EXEC on ``pipe``, which WATCHes their job hashes."""
         s, q = self.settings, self.queue
         pipe.multi()
@@ -433,7 +462,7 @@ class Client:
             datas.append(Queue.prepare_data(
                 JOB_FUNCTION, args=[spec.to_payload()], job_id=jid,
                 timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
-                failure_ttl=s.failure_ttl_s, description=f"{spec.kind} {spec.input_kind}",
+                failure_ttl=s.failure_ttl_s, description=described[jid],
                 retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
                 on_failure=Callback(FAILURE_CALLBACK)))
         q.enqueue_many(datas, pipeline=pipe)

@@ -20,6 +20,7 @@ from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
 from worker.context import JobContext, JobStopped
 from worker.generate_pipeline import run_generate
+from worker.job_meta import mirror_progress
 from worker.selection_pipeline import run_prefill
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     rt = runtime_mod.current(job.connection if job else None)
     job_id = job.id if job else "direct"
     ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings))
+    if job is not None:
+        mirror_progress(ctx.publisher, job_id)  # RQ's tools (rq info, rq-dashboard) see it
     retries_left = (job.retries_left or 0) if job else 0
     try:
         return execute(payload, ctx, retries_left=retries_left)

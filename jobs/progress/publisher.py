@@ -41,8 +41,12 @@ class ProgressPublisher:
     flushes everything at once. Rate events (:meth:`progress`) are thinned to one per
     send (the last of a phase always counts). That keeps publishing to a few round trips
     per job. Storage faults never reach the job: a failed flush is logged and its events
-    counted in ``dropped``. ``publish_seconds`` is the time spent publishing.
+    counted in ``dropped``. ``publish_seconds`` is the time spent publishing. ``on_flush``,
+    if set, adds its own commands to each send's pipeline (the worker mirrors the latest
+    event into RQ's ``job.meta`` there).
     """
+
+    on_flush: Callable[[Any, list[ProgressEvent]], None] | None = None
 
     def __init__(self, client: redis.Redis, job_id: str, *, namespace: str = Settings.namespace,
                  maxlen: int = Settings.progress_stream_maxlen, ttl_s: int = Settings.progress_ttl_s,
@@ -124,6 +128,8 @@ class ProgressPublisher:
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 events = [self.add_to_pipeline(pipe, kind, **data) for kind, data in pending]
+                if self.on_flush is not None:
+                    self.on_flush(pipe, events)
                 pipe.execute()
             return events
         except REDIS_DOWN as exc:
