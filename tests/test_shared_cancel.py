@@ -86,3 +86,35 @@ def test_rq_requeue_of_a_canceled_job_runs_it(redis_url, start_worker):
     assert out.returncode == 0 and "Requeueing 1 jobs" in out.stdout, out.stdout + out.stderr
     res = h.result(timeout=60)
     assert res.total == len(DOC) and 0 < res.kept < res.total
+
+
+def test_cancel_racing_a_new_submission_never_fails_the_new_one(redis_url):
+    """The last holder cancels while another client submits the same work, again and again:
+    the newcomer's job always ends up waiting to run (joined in time, or enqueued afresh
+    after the stop), never canceled under it."""
+    import threading
+
+    outcomes = []
+    for round_no in range(20):
+        a, b = client_for(redis_url), client_for(redis_url)
+        ha = a.submit(tokens=[9, 8, round_no + 10])
+        barrier, got = threading.Barrier(2), {}
+
+        def cancel():
+            barrier.wait()
+            got["cancel"] = ha.cancel()
+
+        def submit():
+            barrier.wait()
+            got["hb"] = b.submit(tokens=[9, 8, round_no + 10])
+
+        threads = [threading.Thread(target=cancel), threading.Thread(target=submit)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        hb = got["hb"]
+        assert hb.id == ha.id and hb.status() == "queued" and hb.holders() == 1, (round_no, got)
+        outcomes.append(got["cancel"])
+        assert hb.cancel() == "canceled"
+    assert set(outcomes) <= {"released", "canceled"}
