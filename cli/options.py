@@ -42,8 +42,10 @@ def shared_options() -> SharedOptions:
     common.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
     spec = argparse.ArgumentParser(add_help=False)
     add_selection_options(spec)
-    spec.add_argument("--importance", action="store_true", help="return the importance vector")
-    spec.add_argument("--spans", action="store_true", help="return the kept text spans")
+    spec.add_argument("--importance", "--return-importance", action="store_true",
+                      help="return the importance vector (Python: return_importance= or importance=)")
+    spec.add_argument("--spans", "--return-spans", action="store_true",
+                      help="return the kept text spans (Python: return_spans= or spans=)")
     return SharedOptions(common, spec)
 
 
@@ -58,7 +60,9 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
 
 def add_selection_options(p: argparse.ArgumentParser, *, seed_help: str | None = None) -> None:
     """The draft model and the SpecPrefill knobs (unset ones come from the settings)."""
-    p.add_argument("--model", help="draft model: local folder or hub id (default: settings)")
+    p.add_argument("--model", "--draft-model", dest="model",
+                   help="draft model: local folder or hub id (default: settings; Python: "
+                        "draft_model= or model=)")
     p.add_argument("--keep", type=float)
     p.add_argument("--chunk-size", dest="chunk_size", type=int)
     p.add_argument("--tail-tokens", dest="tail_tokens", type=int)

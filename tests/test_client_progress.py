@@ -45,3 +45,35 @@ def test_cli_option_names_are_accepted_from_python(redis_url):
     from jobs.spec import JobSpecError
     with pytest.raises(JobSpecError, match="spans: the CLI's name of return_spans"):
         c.submit(tokens=[3], spans=True, return_spans=False)
+
+
+def test_cli_accepts_the_python_names_too(redis_url, tmp_path):
+    """``--spans``/``--return-spans``, ``--model``/``--draft-model``: one job whichever
+    spelling, the same one Python's ``spans=``/``return_spans=`` builds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import redis
+
+    from jobs.client import Client
+    from jobs.settings import Settings
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_") and k != "REDIS_URL"}
+    base = [str(Path(sys.executable).with_name("specprefill")), "submit", "--redis-url", redis_url,
+            "--tokens", "[3, 4, 5]", "--json"]
+
+    def submit(*opts):
+        out = subprocess.run(base + list(opts), capture_output=True, text=True, env=env,
+                             cwd=tmp_path, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = submit("--spans", "--model", "other-draft", "--importance")
+    again = submit("--return-spans", "--draft-model", "other-draft", "--return-importance")
+    assert first["created"] and again["job_id"] == first["job_id"] and not again["created"]
+    py = Client(redis.Redis.from_url(redis_url), Settings()).submit(
+        tokens=[3, 4, 5], spans=True, model="other-draft", importance=True)
+    assert py.id == first["job_id"]
