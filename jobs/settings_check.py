@@ -86,6 +86,10 @@ def validate(settings: Any, prefix: str) -> None:
         _check_type(f, value, prefix)
         if f.name in RANGES:
             _check_range(f.name, value, prefix)
+    if settings.heartbeat_ttl_s < 2 * settings.heartbeat_interval_s:  # else live jobs look dead
+        raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
+                            f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "
+                            f"{settings.heartbeat_ttl_s}")
     for cls, names in ((SelectionOptions, SELECTION_FIELDS), (ScoringOptions, SCORING_FIELDS)):
         try:
             cls(**{n: getattr(settings, n) for n in names})

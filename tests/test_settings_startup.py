@@ -64,6 +64,7 @@ def test_dotenv_file_is_read_and_the_environment_wins(redis_url, tmp_path):
     ("http_port", 70000, "[1, 65535]"),
     ("job_timeout_s", "60", "expected an integer"),
     ("top_p", 0.0, "top_p (SPECPREFILL_TOP_P)"),
+    ("heartbeat_ttl_s", 15.0, "at least twice heartbeat_interval_s (10.0)"),
 ])
 def test_every_field_is_checked_when_built(field, value, needle):
     with pytest.raises(SettingsError, match=None) as info:
