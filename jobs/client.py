@@ -383,11 +383,13 @@ class Client:
         created: set[str] = set()
         pending, deadline = list(first), Deadline(s.stop_wait_s)
         while pending:
-            new = self._enqueue_missing(pending, first, tokens, described)
+            new, finished = self._enqueue_missing(pending, first, tokens, described)
             created |= new
-            # The others exist: join them. One whose last holder just let go is being
-            # stopped; wait for it to end, then enqueue it afresh.
-            doomed = holders.join(self.connection, s, {j: tokens[j] for j in pending if j not in new})
+            # The others exist: join them (a finished one needs no holders: nothing can stop
+            # it now). One whose last holder just let go is being stopped; wait for it to
+            # end, then enqueue it afresh.
+            doomed = holders.join(self.connection, s, {j: tokens[j] for j in pending
+                                                       if j not in new and j not in finished})
             if doomed:
                 self._wait_ended(doomed, deadline)
             pending = [j for j in pending if j in doomed]
@@ -395,9 +397,11 @@ class Client:
                 for p in plans]
 
     def _enqueue_missing(self, candidates: list[str], first: dict[str, JobSpec],
-                         tokens: dict[str, list[str]], described: dict[str, str]) -> set[str]:
-        """Enqueue those of ``candidates`` that do not exist or ended badly; return them."""
-        conn = self.connection
+                         tokens: dict[str, list[str]], described: dict[str, str]
+                         ) -> tuple[set[str], set[str]]:
+        """Enqueue those of ``candidates`` that do not exist or ended badly; return them,
+        and the candidates seen finished."""
+        conn, finished = self.connection, set()
         # Optimistic check-and-enqueue: read the statuses, WATCH the hashes of the jobs to
         # enqueue, read those again, enqueue them in MULTI. A concurrent submitter of the same
         # job makes EXEC fail, and the next round sees its job and leaves it alone. Jobs seen
@@ -406,8 +410,9 @@ class Client:
             statuses = self._statuses(candidates)
             todo = [jid for jid in candidates
                     if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
+            finished |= {jid for jid in candidates if statuses[jid] == "finished"}
             if not todo:
-                return set()
+                return set(), finished
             with conn.pipeline() as pipe:
                 try:
                     pipe.watch(*(job_key(jid) for jid in todo))
@@ -416,7 +421,7 @@ class Client:
                         candidates = todo
                         continue
                     self._enqueue_watched(pipe, todo, statuses, first, tokens, described)
-                    return set(todo)
+                    return set(todo), finished
                 except redis.WatchError:
                     candidates = todo  # the others are settled: seen running or done
                     continue

@@ -156,3 +156,13 @@ def test_rerunning_a_batch_while_its_jobs_run_is_not_disturbed(redis_url):
         stop.set()
         t.join()
     assert [h.created for h in again] == [True] * 1000 + [False] * 1000
+
+
+def test_each_submission_holds_the_job_until_it_finished(client):
+    first = client.submit(text="held")
+    second = client.submit(text="held")
+    assert first.id == second.id and first.holder != second.holder and first.holders() == 2
+    client.connection.hset(Job.key_for(first.id), "status", "finished")
+    for _ in range(3):  # nothing can stop a finished job: resubmitting it adds no holders
+        client.submit(text="held")
+    assert first.holders() == 2
