@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import redis
 from rq import Queue, Retry
 from rq.command import send_stop_job_command
+from rq.exceptions import InvalidJobOperation
 from rq.job import Callback, Job
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -137,8 +138,13 @@ class JobHandle:
             return "released"
         status = self.status()
         if status in ("queued", "deferred", "scheduled"):
-            self._job().cancel()
+            # The event first: a submitter waiting for this job to end re-enqueues it the
+            # moment it is canceled, and the new run's stream must not get this event.
             self.client._publisher(self.id).publish("stopped", reason="canceled before start")
+            try:
+                self._job().cancel()
+            except InvalidJobOperation:  # canceled meanwhile (a concurrent cancel)
+                pass
             return "canceled"
         if status == "started":
             send_stop_job_command(conn, self.id, serializer=JSONSerializer)
