@@ -126,21 +126,20 @@ class Settings:
         environ, sources = settings_check.merged_environ(environ, ENV_PREFIX)
         names = [f.name for f in fields(cls)]
         settings_check.warn_unknown(environ, names, ENV_PREFIX, sources)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                values[f.name] = _parse(f.name, raw, _field_type(f))
-        if "redis_url" not in values and environ.get("REDIS_URL"):
-            values["redis_url"] = environ["REDIS_URL"]
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        # REDIS_URL names the queue's Redis unless SPECPREFILL_REDIS_URL does.
+        values: dict[str, Any] = {"redis_url": environ["REDIS_URL"]} if environ.get("REDIS_URL") else {}
         try:
+            for f in fields(cls):
+                raw = environ.get(ENV_PREFIX + f.name.upper())
+                if raw is not None:
+                    values[f.name] = _parse(f.name, raw, _field_type(f))
+            values.update({k: v for k, v in overrides.items() if v is not None})
             return cls(**values)
         except SettingsError as exc:
-            name = str(exc).split(" (", 1)[0].removeprefix("setting ")
-            var = ENV_PREFIX + name.upper()
-            if var in environ and name not in overrides:
-                raise SettingsError(f"{exc} (from {sources.get(var, 'the environment')})") from None
+            var = ENV_PREFIX + (exc.field or "").upper()
+            if exc.field and var in environ and exc.field not in overrides:
+                source = sources.get(var, "the environment")
+                raise SettingsError(f"{exc} (from {source})", exc.field) from None
             raise
 
     def __post_init__(self) -> None:
@@ -183,5 +182,5 @@ def _parse(name: str, raw: str, type_name: str) -> Any:
         return raw
     except ValueError:
         raise SettingsError(
-            f"{ENV_PREFIX}{name.upper()}={raw!r}: expected a {type_name} value"
+            f"{ENV_PREFIX}{name.upper()}={raw!r}: expected a {type_name} value", name
         ) from None

@@ -45,7 +45,12 @@ _warned: set[str] = set()
 
 
 class SettingsError(ValueError):
-    """A setting outside its type or range (the message names field, variable and range)."""
+    """A setting outside its type or range (the message names field, variable and range);
+    ``field`` is the setting's name."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def field_type(f: Field) -> str:
@@ -53,7 +58,7 @@ def field_type(f: Field) -> str:
 
 
 def _bad(name: str, prefix: str, what: str, value: Any) -> SettingsError:
-    return SettingsError(f"setting {name} ({prefix}{name.upper()}): {what}, got {value!r:.80}")
+    return SettingsError(f"setting {name} ({prefix}{name.upper()}): {what}, got {value!r:.80}", name)
 
 
 def _check_type(f: Field, value: Any, prefix: str) -> None:
@@ -89,14 +94,14 @@ def validate(settings: Any, prefix: str) -> None:
     if settings.heartbeat_ttl_s < 2 * settings.heartbeat_interval_s:  # else live jobs look dead
         raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
                             f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "
-                            f"{settings.heartbeat_ttl_s}")
+                            f"{settings.heartbeat_ttl_s}", "heartbeat_ttl_s")
     for cls, names in ((SelectionOptions, SELECTION_FIELDS), (ScoringOptions, SCORING_FIELDS)):
         try:
             cls(**{n: getattr(settings, n) for n in names})
         except ValueError as exc:  # "keep: must be a number in (0, 1], got 1.5"
             found = re.match(r"(\w+):?\s+(.*)", str(exc), re.S)
             name, what = found.groups() if found and found.group(1) in names else (names[0], str(exc))
-            raise SettingsError(f"setting {name} ({prefix}{name.upper()}): {what}") from None
+            raise SettingsError(f"setting {name} ({prefix}{name.upper()}): {what}", name) from None
 
 
 def warn_unknown(environ: Mapping[str, str], known: list[str], prefix: str,
