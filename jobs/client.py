@@ -24,8 +24,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from cache_store.replies import as_text
-from jobs.connection import queue_connection
 from jobs import holders
+from jobs.connection import queue_connection
 from jobs.deadline import Deadline
 from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
@@ -371,6 +371,9 @@ class Client:
             doc_names.append(None)
         check_batch_size(len(specs), Limits.from_settings(self.settings))
         if names is not None:
+            names = list(names)
+            if len(names) != len(doc_names):
+                raise ValueError(f"names: {len(names)} names for {len(doc_names)} documents")
             doc_names = [given if given is not None else own for given, own in zip(names, doc_names)]
         return BatchHandle(self, self._enqueue(specs, holder, doc_names))
 
