@@ -164,9 +164,10 @@ class JobHandle:
                         yield attempt[len(shown):]
                         shown = attempt
         if last is None or last.kind != "done":
-            status = self.status()
-            raise JobFailed(self.id, status, self.error() if status == "failed" else
-                            (last.data.get("error") if last is not None else None) or status)
+            # The terminal event can come before RQ marks the job: its kind says how it ended.
+            status = {"failed": "failed", "stopped": "stopped"}.get(getattr(last, "kind", ""), self.status())
+            error = last.data.get("error") if last is not None else None
+            raise JobFailed(self.id, status, error or (self.error() if status == "failed" else status))
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
         self._check_same(shown, text)

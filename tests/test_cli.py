@@ -71,15 +71,17 @@ def test_batch_errors_name_the_file_or_document(redis_url, capsys, tmp_path):
     bad_bytes = tmp_path / "latin1.txt"
     bad_bytes.write_bytes(b"\xff\xfe caf\xe9")
     assert main(["batch", str(bad_bytes), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
-    assert f"{bad_bytes}: cannot read it as UTF-8 text" in capsys.readouterr().err
+    assert f"{bad_bytes}: not UTF-8 text" in capsys.readouterr().err
     docs = tmp_path / "docs.jsonl"
-    docs.write_text('{"text": "fine"}\n{"text": "bad", "keep": 7}\n{"id": "d3", "txt": "typo"}\n')
+    docs.write_text('{"text": "bad", "keep": 7}\n{"id": "d3", "txt": "typo"}\n{"id": "d4", "text": " "}\n')
     assert main(["batch", str(docs), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
-    assert f"document {docs}:2: keep: 7" in capsys.readouterr().err
-    docs.write_text('{"text": "fine"}\n{"id": "d3", "txt": "typo"}\n')
-    assert main(["batch", str(docs), "--out", str(tmp_path / "o.jsonl"), "--redis-url", redis_url]) == 2
-    assert "document d3: txt: unknown field" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"document {docs}:1: keep: 7" in err
+    assert "document d3: no text, tokens or messages (its other fields: txt)" in err
+    assert "document d4: empty text" in err
     assert redis.Redis.from_url(redis_url).keys("rq:job:*") == []  # nothing enqueued
+    lines = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["rejected"] * 4  # each said why, once
 
 
 def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
@@ -121,7 +123,9 @@ def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch,
 
     class FakeClient:
         def __init__(self, *a, **k):
-            pass
+            from types import SimpleNamespace
+
+            self.connection, self.queue = fakeredis.FakeRedis(), SimpleNamespace(name="q")
 
         def generate_spec(self, **fields):
             return fields
@@ -143,7 +147,7 @@ def test_auth_url_is_honoured(capsys):
         assert main(["cache", "stats", "--redis-url", server.url, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["blocks"] == 0
         bad = server.url.replace("pw1", "nope")
-        assert main(["cache", "stats", "--redis-url", bad]) == 2
+        assert main(["cache", "stats", "--redis-url", bad]) == 3  # Redis unreachable
         assert "***" in capsys.readouterr().err
 
 
@@ -172,10 +176,12 @@ def test_submit_and_generate_read_the_prompt_the_same_way(tmp_path):
 
 def test_iter_documents_reads_files_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "t"}\n\n{"tokens": [1, 2]}\n')
-    docs = list(iter_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]))
-    assert docs == [(str(tmp_path / "a.txt"), {"text": "hello"}), ("x", {"text": "t"}),
-                    (f"{tmp_path / 'b.jsonl'}:3", {"tokens": [1, 2]})]
+    (tmp_path / "b.jsonl").write_text('{"id": "x", "text": "t", "n_tokens": 1}\n\n{"tokens": [1, 2]}\n')
+    docs = [(d.id, d.fields, d.meta, d.error)
+            for d in iter_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")])]
+    assert docs == [(str(tmp_path / "a.txt"), {"text": "hello"}, {}, None),
+                    ("x", {"text": "t"}, {"n_tokens": 1}, None),
+                    (f"{tmp_path / 'b.jsonl'}:3", {"tokens": [1, 2]}, {}, None)]
 
 
 def test_demo_documents_have_two_rounds():
