@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from cli.outcome import is_bad_input, split_error
 from jobs.progress import BatchProgress, ProgressEvent
 
 NAME_WIDTH = 28
@@ -84,8 +85,12 @@ def human(key: str, v: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _label(key: str) -> str:
+    return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
+
+
 def _pairs(d: Mapping[str, object], skip: tuple[str, ...] = ()) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {human(k, v)}" for k, v in d.items()
+    return ", ".join(f"{_label(k)} {human(k, v)}" for k, v in d.items()
                      if v is not None and k not in skip)
 
 
@@ -101,7 +106,8 @@ def describe(ev: ProgressEvent) -> str:
         return f"text: {d.get('delta', '')!r}"
     if ev.kind in ("failed", "retrying"):
         left = f" ({d['retries_left']} retries left)" if d.get("retries_left") else ""
-        return f"{ev.kind}: {d.get('error', '')}{left}"
+        error = str(d.get("error", ""))
+        return f"{ev.kind}: {split_error(error)[1] if is_bad_input(error) else error}{left}"
     if ev.kind == "loading_model":
         return f"loading model {d.get('model', '?')}" + (f" as {d['role']}" if d.get("role") else "")
     if ev.kind == "done" and "kept" in d and "total" in d:
