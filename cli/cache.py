@@ -53,5 +53,5 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Any, shared: SharedOptions) -> None:
     p = sub.add_parser("cache", parents=[shared.common], help="block store information")
     p.add_argument("action", choices=["stats"])
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the counters as JSON")
     p.set_defaults(func=run)
