@@ -76,6 +76,7 @@ class Plan:
     skipped: int = 0            # already finished in --out
     duplicates: list[str] = field(default_factory=list)
     rejected: list[tuple[Document, str]] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)  # held in --out with other options: not written
     listed: list[tuple[str, str]] = field(default_factory=list)  # (id, job id) for the .jobs file
 
 
@@ -105,7 +106,7 @@ def plan_batch(client: Any, docs: list[Document], out_lines: list[dict[str, Any]
             continue
         earlier = finished_by_id.get(doc.id)
         if earlier is not None:
-            plan.rejected.append((doc, _changed(doc.id, earlier, spec)))
+            plan.conflicts.append(_changed(doc.id, earlier, spec))
             continue
         seen[key] = doc.id
         plan.todo.append((doc, spec))
@@ -230,12 +231,12 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
     each ends, and return a summary. Re-running skips documents already written."""
     plan = plan_batch(client, docs, read_lines(out_path), common)
     summary: dict[str, Any] = {"documents": len(docs), "skipped": plan.skipped, "finished": 0,
-                               "failed": 0, "bad_input": len(plan.rejected), "cached_tokens": 0,
+                               "failed": 0, "bad_input": len(plan.rejected) + len(plan.conflicts), "cached_tokens": 0,
                                "kept": 0, "total": 0, "elapsed_s": 0.0,
                                "duplicates": plan.duplicates, "unfinished": [d.id for d, _ in plan.rejected]}
     compact(out_path, {d.id for d, _ in plan.todo} | {d.id for d, _ in plan.rejected})
     with ProgressDisplay(progress) as display:
-        for doc, error in plan.rejected:
+        for error in [e for _, e in plan.rejected] + plan.conflicts:
             display.line(f"skipped: {error}")
         with open(out_path, "a") as out:
             write_rejected(out, plan.rejected)
