@@ -247,6 +247,11 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
             _write_jobs(out_path, plan.listed)
             try:
                 run.follow(out, Deadline(timeout), poll_s)
+            except TimeoutError as exc:
+                from cli.jobcmds import no_worker_note
+
+                raise TimeoutError(f"{exc}: run the same command again to collect them, or cancel "
+                                   f"them with `specprefill cancel {out_path}`{no_worker_note(client)}") from None
             except KeyboardInterrupt:
                 raise Interrupted(f"{len(run.pending)} documents are still queued or running on the "
                                   f"workers; run the same command again to collect them (finished "

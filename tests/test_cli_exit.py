@@ -152,3 +152,21 @@ def test_ctrl_c_is_130_and_says_what_still_runs(redis_url, argv):
     assert "interrupted: job " in out and "keeps running" in out and "specprefill cancel " in out
     assert "Traceback" not in out
     _ = signal  # SIGINT is what interrupt() sends
+
+
+def test_timeout_is_4_for_watch_batch_and_result(redis_url, tmp_path):
+    job = cli("submit", "--text", "x", "--redis-url", redis_url).stdout.split()[0]
+    doc = tmp_path / "d.txt"
+    doc.write_text("some words")
+    for argv in (["watch", job], ["result", job, "--wait"],
+                 ["batch", str(doc), "--out", str(tmp_path / "o.jsonl")]):
+        res = cli(*argv, "--timeout", "0.5", "--redis-url", redis_url)
+        assert res.returncode == 4, res
+        assert "keep running" in res.stderr or "keeps running" in res.stderr, res.stderr
+
+
+def test_ctrl_c_on_watch_is_130(redis_url):
+    job = cli("submit", "--text", "x", "--redis-url", redis_url).stdout.split()[0]
+    proc = cli_start("watch", job, "--redis-url", redis_url)
+    status, out, _ = interrupt(proc, after="queued")
+    assert status == 130 and f"job {job} keeps running" in out, out
