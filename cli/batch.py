@@ -28,6 +28,7 @@ from cli.documents import INPUT_FIELDS, Document, generate_documents, iter_docum
 from cli.options import (CliError, SharedOptions, add_generate_options, add_queue_option, add_timeout_option,
                          connect, generate_options, result_json, spec_fields)
 from cli.outcome import BAD_INPUT, DONE, JOB_FAILED, Interrupted, is_bad_input, split_error
+from cli.waiting import no_worker_note
 from jobs.connection import REDIS_DOWN, wait_for_redis
 from jobs.deadline import Deadline
 from jobs.progress import BatchProgress
@@ -248,10 +249,10 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
             try:
                 run.follow(out, Deadline(timeout), poll_s)
             except TimeoutError as exc:
-                from cli.jobcmds import no_worker_note
-
+                note = no_worker_note(client)
                 raise TimeoutError(f"{exc}: run the same command again to collect them, or cancel "
-                                   f"them with `specprefill cancel {out_path}`{no_worker_note(client)}") from None
+                                   f"them with `specprefill cancel {out_path}`"
+                                   + (f"; {note}" if note else "")) from None
             except KeyboardInterrupt:
                 raise Interrupted(f"{len(run.pending)} documents are still queued or running on the "
                                   f"workers; run the same command again to collect them (finished "

@@ -13,6 +13,7 @@ from cli.options import (SharedOptions, add_generate_options, add_prompt_options
                          add_selection_options, add_timeout_option, connect, generate_options, prompt_fields,
                          selection_fields)
 from cli.submit import print_failed, print_submitted, warn_if_no_worker
+from cli.waiting import interrupted, timed_out
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
@@ -44,7 +45,6 @@ def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from cli.jobcmds import interrupted, timed_out
     from jobs.client import Client, JobFailed
 
     client = Client(connect(args, settings), settings, queue_name=args.queue)
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print_submitted(handle, args.json)
         return 0
     deadline = Deadline(args.timeout)  # one --timeout for the stream and the result together
-    warn_if_no_worker(client)
     try:
+        warn_if_no_worker(client)
         if args.stream:
             data = stream(handle, deadline, sys.stderr if args.json else sys.stdout)
         else:
@@ -65,9 +65,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             print(file=sys.stdout, flush=True)  # end a partly streamed line
         return print_failed(handle, exc, args.json)
     except TimeoutError:
-        raise timed_out(client, [handle.id], args.timeout) from None
+        raise timed_out(client, handle.id, args.timeout) from None
     except KeyboardInterrupt:
-        raise interrupted([handle.id]) from None
+        raise interrupted(handle.id) from None
     if args.json:
         print(json.dumps(data))
         return 0

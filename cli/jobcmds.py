@@ -1,9 +1,5 @@
 """``specprefill status | result | cancel | list``: one job by its id, or a whole batch by
-its ``--out`` file (the job ids its ``.jobs`` file lists).
-
-Also what every waiting command says when its wait ends early: a ``--timeout`` (the jobs
-go on; is any worker listening?) or Ctrl-C (what still runs, how to resume or cancel).
-"""
+its ``--out`` file (the job ids its ``.jobs`` file lists)."""
 from __future__ import annotations
 
 import argparse
@@ -13,41 +9,12 @@ from typing import Any
 
 from cli.display import describe
 from cli.options import CliError, SharedOptions, add_timeout_option, connect, result_json
-from cli.outcome import BAD_INPUT, DONE, JOB_FAILED, Interrupted, exc_failure
+from cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
+from cli.waiting import timed_out
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
 TERMINAL = ("finished", "failed", "stopped", "canceled")
-
-
-def no_worker_note(client: Any) -> str:
-    """A sentence when no worker listens on the client's queue (RQ's ``Worker.all``), else ''."""
-    from jobs.inspect import listening_workers
-
-    queue = client.queue.name
-    if listening_workers(client.connection, queue):
-        return ""
-    return (f"; no worker is running on queue {queue!r}: start one with "
-            f"`specprefill worker --queue {queue}` and the jobs run")
-
-
-def timed_out(client: Any, job_ids: list[str], timeout: float | None) -> TimeoutError:
-    """The ``--timeout`` error: what is still pending, that it goes on, how to follow it."""
-    handle = client.handle(job_ids[0])
-    what = f"job {handle.id} is still {handle.status()}" if len(job_ids) == 1 else \
-        f"{len(job_ids)} jobs are still pending"
-    follow = f"`specprefill watch {handle.id}`" if len(job_ids) == 1 else "`specprefill status OUT`"
-    return TimeoutError(f"{what} after {timeout:g}s; it keeps running (follow it with {follow}, "
-                        f"cancel it with `specprefill cancel {handle.id if len(job_ids) == 1 else 'OUT'}`)"
-                        + no_worker_note(client))
-
-
-def interrupted(job_ids: list[str]) -> Interrupted:
-    """Ctrl-C while waiting on ``job_ids``: they go on."""
-    jid = job_ids[0]
-    return Interrupted(f"job {jid} keeps running on the workers; follow it with `specprefill watch "
-                       f"{jid}`, get its result with `specprefill result {jid}`, or cancel it with "
-                       f"`specprefill cancel {jid}`")
 
 
 def targets(client: Any, target: str) -> list[tuple[str | None, str]]:
@@ -120,7 +87,7 @@ def run_result(args: argparse.Namespace, settings: Settings) -> int:
             rec.update(job_id=jid, status=exc.status, error=message)
         except TimeoutError:
             if args.wait:
-                raise timed_out(client, [jid], args.timeout) from None
+                raise timed_out(client, jid, args.timeout) from None
             if doc is None:
                 raise CliError(f"job {jid} is still {client.handle(jid).status()}: no result yet "
                                "(--wait waits for it)") from None

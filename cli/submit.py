@@ -10,6 +10,7 @@ from cli.options import (SharedOptions, add_prompt_options, add_queue_option, ad
                          prompt_fields, result_json, spec_fields)
 from cli.outcome import exc_failure
 from cli.watch import watch_job
+from cli.waiting import interrupted, no_worker_note, timed_out
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
@@ -33,27 +34,23 @@ def print_failed(handle: Any, exc: Any, as_json: bool) -> int:
 
 
 def warn_if_no_worker(client: Any) -> None:
-    from cli.jobcmds import no_worker_note
-
     note = no_worker_note(client)
     if note:
-        print(f"specprefill: note{note}", file=sys.stderr, flush=True)
+        print(f"specprefill: {note} (waiting for one)", file=sys.stderr, flush=True)
 
 
 def wait_for(client: Any, handle: Any, args: argparse.Namespace, show_progress: bool) -> Any:
     """The job's result, watching it on stderr meanwhile; a timeout or Ctrl-C says the job goes on."""
-    from cli.jobcmds import interrupted, timed_out
-
     deadline = Deadline(args.timeout)  # one --timeout for watching and the result together
-    warn_if_no_worker(client)
     try:
+        warn_if_no_worker(client)
         if show_progress:
             watch_job(handle, sys.stderr, as_json=False, timeout=deadline.left())
         return handle.result(timeout=deadline.left())
     except TimeoutError:
-        raise timed_out(client, [handle.id], args.timeout) from None
+        raise timed_out(client, handle.id, args.timeout) from None
     except KeyboardInterrupt:
-        raise interrupted([handle.id]) from None
+        raise interrupted(handle.id) from None
 
 
 def keep_line(data: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any, TextIO
 from cli.display import ProgressDisplay, describe, event_row
 from cli.options import CliError, SharedOptions, add_timeout_option, connect
 from cli.outcome import DONE, failure
+from cli.waiting import interrupted, timed_out
 from jobs.progress import ProgressEvent
 from jobs.settings import Settings
 
@@ -53,7 +54,6 @@ def ended_status(handle: Any) -> tuple[int, str | None]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from cli.jobcmds import timed_out
     from jobs.client import Client
 
     client = Client(connect(args, settings), settings)
@@ -62,11 +62,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         watch_job(handle, sys.stdout, as_json=args.json, timeout=args.timeout)
     except TimeoutError:
-        raise timed_out(client, [handle.id], args.timeout) from None
+        raise timed_out(client, handle.id, args.timeout) from None
     except KeyboardInterrupt:
-        from cli.jobcmds import interrupted
-
-        raise interrupted([handle.id]) from None
+        raise interrupted(handle.id) from None
     status, message = ended_status(handle)
     if message:
         print(message, file=sys.stderr)
