@@ -23,7 +23,8 @@ def summary_line(data: dict[str, Any]) -> str:
     return (f"{data['job_id']}: {data['generated_tokens']} tokens ({data['finish_reason']}), "
             f"TTFT {data['ttft_s']:.3f}s, kept {data['kept']}/{data['total']} "
             f"({100 * data['ratio']:.1f}%)" + (" [full prefill]" if data.get("full_prefill") else "")
-            + (f", decode {rate:.1f} tok/s" if rate else ""))
+            + (f", decode {rate:.1f} tok/s" if rate else "")
+            + (f" - {data['keep_effect']}" if data.get("keep_effect") else ""))
 
 
 def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:
