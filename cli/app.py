@@ -34,18 +34,9 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def _help_settings() -> Settings:
-    """The deployment's settings for the defaults --help shows (class defaults if they are bad:
-    the command itself then reports the bad setting)."""
-    try:
-        return Settings.from_env()
-    except ValueError:
-        return Settings()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    settings = _help_settings()
-    shared = shared_options(settings)
+def build_parser(settings: Settings | None = None) -> argparse.ArgumentParser:
+    """Every command's parser; help texts show ``settings``' defaults (else the class defaults)."""
+    shared = shared_options(settings or Settings())
     p = argparse.ArgumentParser(prog="specprefill", description=DESCRIPTION, epilog=EXIT_STATUS_HELP,
                                 formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"specprefill {version()}",
@@ -61,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command, and map its errors to exit statuses with a message."""
-    args = build_parser().parse_args(argv)
+    try:
+        settings, settings_error = Settings.from_env(), None
+    except ValueError as exc:  # reported once a command runs; --help still works
+        settings, settings_error = None, exc
+    args = build_parser(settings).parse_args(argv)
     if args.command not in ("worker", "serve"):  # they configure their own logging
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -69,8 +64,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"specprefill {args.command}: {message}", file=sys.stderr, flush=True)
         return status
 
+    if settings is None:
+        return fail(BAD_INPUT, str(settings_error))
     try:
-        status = int(args.func(args, Settings.from_env()) or DONE)
+        status = int(args.func(args, settings) or DONE)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
         return status
     except BrokenPipeError:  # `specprefill ... | head`: the reader has all it wanted

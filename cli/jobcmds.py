@@ -40,12 +40,13 @@ def _client(args: argparse.Namespace, settings: Settings) -> Any:
 
 
 def run_status(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.inspect import job_statuses
+
     client = _client(args, settings)
-    rows = []
-    for doc, jid in targets(client, args.target):
-        h = client.handle(jid)
-        last = list(h.client.connection.xrevrange(_stream(client, jid), count=1))
-        rows.append({"id": doc, "job_id": jid, "status": h.status(), "last": _last_event(last)})
+    jobs = targets(client, args.target)
+    ids = [jid for _, jid in jobs]
+    statuses, lasts = job_statuses(client.connection, ids), _last_events(client, ids)
+    rows = [{"id": doc, "job_id": jid, "status": statuses[jid], "last": lasts.get(jid)} for doc, jid in jobs]
     if args.json:
         print(json.dumps(rows if len(rows) > 1 or rows[0]["id"] else rows[0]))
         return DONE
@@ -59,16 +60,17 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
     return DONE
 
 
-def _stream(client: Any, job_id: str) -> str:
+def _last_events(client: Any, job_ids: list[str]) -> dict[str, str]:
+    """Each job's last progress event in words, read in one round trip."""
     from jobs.keys import stream_key
-
-    return stream_key(client.settings.namespace, job_id)
-
-
-def _last_event(entries: list[Any]) -> str | None:
     from jobs.progress import ProgressEvent
 
-    return describe(ProgressEvent.from_entry(entries[0][1])) if entries else None
+    with client.connection.pipeline(transaction=False) as pipe:
+        for jid in job_ids:
+            pipe.xrevrange(stream_key(client.settings.namespace, jid), count=1)
+        replies = pipe.execute()
+    return {jid: describe(ProgressEvent.from_entry(entries[0][1]))
+            for jid, entries in zip(job_ids, replies) if entries}
 
 
 def run_result(args: argparse.Namespace, settings: Settings) -> int:
