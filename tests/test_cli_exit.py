@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -113,6 +114,21 @@ def test_finding5_cache_stats_into_head(redis_url):
                          env=cli_env(), cwd=ROOT, timeout=60)
     assert res.stdout.startswith("namespace ") and res.stdout.count("\n") == 1
     assert "BrokenPipeError" not in res.stderr and "Traceback" not in res.stderr and res.returncode == 0
+
+
+@pytest.mark.parametrize("argv", [["cache", "stats"], ["list"], ["--help"]])
+def test_finding5_a_reader_that_already_left_is_not_an_error(redis_url, argv):
+    """The race of `| head` made certain: stdout is a pipe whose reader has closed."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run([sys.executable, "-m", "cli", *argv, *(["--redis-url", redis_url] if argv != ["--help"] else [])],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT,
+                             timeout=60)
+    finally:
+        os.close(write_end)
+    assert "BrokenPipeError" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 0
 
 
 # ---- finding 12: no worker listening ----
