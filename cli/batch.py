@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from cli.display import ProgressDisplay, Row, running_rows
+from cli.display import ProgressDisplay, Row, running_rows, total_row
 from cli.documents import INPUT_FIELDS, Document, generate_documents, iter_documents
 from cli.options import (CliError, SharedOptions, add_generate_options, add_queue_option, add_timeout_option,
                          connect, generate_options, result_json, spec_fields)
@@ -192,11 +192,7 @@ class BatchRun:
         self.display.line(f"{doc.id}: {rec['status']}: {rec.get('error', '')}")
 
     def total_row(self, view: BatchProgress) -> Row:
-        eta = f" eta {view.eta_s:.0f}s" if view.eta_s else ""
-        rates = view.rates_text(self.summary["total"], time.perf_counter() - self.t0)
-        return Row("overall", "", view.finished, view.total,
-                   f"done {view.done} failed {view.failed} running {view.running} "
-                   f"queued {view.queued} | {rates}{eta}")
+        return total_row("overall", view, self.summary["total"], time.perf_counter() - self.t0)
 
 
 def compact(out_path: Path, redo: set[str]) -> None:

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import redis
 
-from cli.display import ProgressDisplay, Row, running_rows
+from cli.display import ProgressDisplay, Row, running_rows, total_row
 from cli.options import SharedOptions
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
@@ -167,8 +167,7 @@ def _finished_line(name: str, ev: Any) -> str:
 
 
 def _total_row(view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
-    return Row("total", "", view.finished, view.total,
-               f"{view.running} running, {view.rates_text(finished_tokens, elapsed_s)}")
+    return total_row("total", view, finished_tokens, elapsed_s)
 
 
 def _round_summary(results: list[Any], asked: list[DemoDoc], round_no: int,

@@ -120,6 +120,16 @@ def describe(ev: ProgressEvent) -> str:
     return ev.kind.replace("_", " ") + (f": {extra}" if extra else "")
 
 
+def total_row(name: str, view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
+    """The total row of a batch: the finished prompt tokens per wall second (cumulative, so
+    it does not flicker between completions), the counts and the ETA."""
+    eta = f", eta {human_seconds(view.eta_s)}" if view.eta_s else ""
+    overall = finished_tokens / max(elapsed_s, 1e-9)
+    return Row(name, "", view.finished, view.total,
+               f"{overall:.0f} tok/s, done {view.done} failed {view.failed} running {view.running} "
+               f"queued {view.queued}{eta}")
+
+
 def running_rows(view: BatchProgress, names: Mapping[str, str]) -> list[Row]:
     """A row per running job of a batch (named by ``names[job_id]``) that reported progress."""
     rows = []
@@ -171,6 +181,7 @@ class ProgressDisplay:
     def show(self, rows: Sequence[Row], total: Row | None = None) -> None:
         """The live rows now: the running ones, then the total."""
         rows = [self._smoothed(r) for r in rows]
+        total = self._smoothed(total) if total is not None else None
         if self._live is not None:
             table = _table([*rows, *([total] if total is not None else [])], self._live.console.width)
             self._live.update(table, refresh=True)
