@@ -7,11 +7,15 @@ from typing import Any
 from cli.outcome import Interrupted
 
 
-def no_worker_note(client: Any) -> str:
-    """A sentence when no worker listens on the client's queue (RQ's ``Worker.all``), else ''."""
+def no_worker_note(client: Any, job_id: str | None = None) -> str:
+    """A sentence when no worker listens on the job's queue (else the client's), by RQ's
+    ``Worker.all``; else ''."""
+    from cache_store.replies import as_text
     from jobs.inspect import listening_workers
+    from jobs.keys import job_key
 
-    queue = client.queue.name
+    origin = as_text(client.connection.hget(job_key(job_id), "origin")) if job_id else None
+    queue = origin or client.queue.name
     if listening_workers(client.connection, queue):
         return ""
     return (f"no worker is running on queue {queue!r}: start one with "
@@ -23,7 +27,7 @@ def timed_out(client: Any, job_id: str, timeout: float | None) -> TimeoutError:
     status = client.handle(job_id).status()
     return TimeoutError(f"job {job_id} is still {status} after {timeout:g}s; it keeps running (follow "
                         f"it with `specprefill watch {job_id}`, cancel it with `specprefill cancel "
-                        f"{job_id}`)" + _then(no_worker_note(client)))
+                        f"{job_id}`)" + _then(no_worker_note(client, job_id)))
 
 
 def _then(note: str) -> str:

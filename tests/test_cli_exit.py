@@ -186,3 +186,9 @@ def test_ctrl_c_on_watch_is_130(redis_url):
     proc = cli_start("watch", job, "--redis-url", redis_url)
     status, out, _ = interrupt(proc, after="queued")
     assert status == 130 and f"job {job} keeps running" in out, out
+
+
+def test_finding12_the_note_names_the_jobs_own_queue(redis_url):
+    job = cli("submit", "--text", "x", "--queue", "gpu-nodes", "--redis-url", redis_url).stdout.split()[0]
+    res = cli("watch", job, "--timeout", "0.5", "--redis-url", redis_url)
+    assert res.returncode == 4 and "no worker is running on queue 'gpu-nodes'" in res.stderr, res
