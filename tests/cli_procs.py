@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from cli.embedded_redis import EmbeddedRedis, free_port
-from worker_procs import WorkerProcess, wait_for
+from worker_procs import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = str(ROOT / "models" / "draft-tiny")
@@ -86,4 +86,4 @@ def service(tmp_path_factory) -> Iterator[Service]:
         svc.close()
 
 
-__all__ = ["cli", "cli_start", "cli_env", "interrupt", "dead_url", "service", "Service", "wait_for", "DRAFT"]
+__all__ = ["cli", "cli_start", "cli_env", "interrupt", "dead_url", "service", "Service", "DRAFT"]

@@ -1,13 +1,7 @@
-"""CLI pieces in-process, and the demo end to end (embedded Redis, two worker processes)."""
+"""CLI pieces in-process (the demo end to end is in test_cli_demo.py)."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from cli_procs import DRAFT, ROOT, cli, cli_env, cli_start, dead_url, interrupt, service  # noqa: F401
+from cli_procs import ROOT, cli, cli_env, cli_start, dead_url, interrupt, service  # noqa: F401
 
 WORDS = "vibo vimu zupo satu sepa povu labi vifo dape zado".split()
 
