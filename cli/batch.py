@@ -260,9 +260,10 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
 
 
 def _write_jobs(out_path: Path, listed: list[tuple[str, str]]) -> None:
-    tmp = jobs_file(out_path).with_suffix(".tmp")
+    path = jobs_file(out_path)
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps({"id": i, "job_id": j}) + "\n" for i, j in listed))
-    os.replace(tmp, jobs_file(out_path))
+    os.replace(tmp, path)
 
 
 def print_summary(summary: dict[str, Any], out_name: str) -> None:

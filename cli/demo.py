@@ -282,7 +282,8 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
                                     queue_names=())
         conn = queue_connection(where.url, settings)
         workers = WorkerProcesses(where.url, args.workers, model, log_dir, where.namespace)
-        print(f"starting {args.workers} workers with {model}", file=out, flush=True)
+        print(f"starting {args.workers} workers with {model} (logs in {log_dir}, removed at the end)",
+              file=out, flush=True)
         workers.wait_ready(conn, timeout=180)
         client = Client(conn, settings)
         rounds = [_run_round(client, docs, n, model, out, args.timeout, job_ids) for n in (1, 2)]
