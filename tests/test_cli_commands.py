@@ -67,3 +67,56 @@ def test_finding11_submit_queue_version_and_log_level(redis_url):
                    "--queue", "empty-queue").returncode == 0
     bad = cli("worker", "--burst", "--log-level", "chatty", "--redis-url", redis_url)
     assert bad.returncode == 2 and "any case" in bad.stderr
+
+
+def _on_a_terminal(argv, columns, timeout=120):
+    """Run the CLI with stderr on a pseudo-terminal ``columns`` wide; its exit status and
+    the screen lines it drew (escape sequences removed)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import sys
+    import termios
+    import time
+
+    from cli_procs import ROOT, cli_env
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = cli_env(TERM="xterm")
+    env.pop("COLUMNS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *argv], stdout=subprocess.PIPE, stderr=slave,
+                            env=env, cwd=ROOT, text=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode(errors="replace"))
+    return proc.returncode, [line for line in re.split(r"\r|\n", screen) if line.strip()]
+
+
+def test_finding11_batch_progress_fits_the_terminal(service, tmp_path):
+    from cli_procs import ROOT
+
+    out = tmp_path / "out.jsonl"
+    status, lines = _on_a_terminal(["batch", str(ROOT / "models" / "demo" / "documents.jsonl"), "--out",
+                                    str(out), "--threshold", "512", "--redis-url", service.url], columns=64)
+    assert status == 0, lines
+    rows = [line for line in lines if line.startswith(("overall", "doc-"))]
+    assert rows and all(len(line) <= 64 for line in rows), [line for line in rows if len(line) > 64]
+    assert any("%" in line and "tok/s" in line for line in rows)
