@@ -12,18 +12,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import redis
 
-from cli.display import ProgressDisplay, Row, running_rows
+from cli.display import ProgressDisplay, Row, running_rows, total_row
 from cli.options import SharedOptions
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
@@ -65,14 +67,23 @@ def load_demo(directory: Path = DEMO_DIR) -> list[DemoDoc]:
     return list(docs.values())
 
 
+# Variables a user may have exported for their own deployment: the demo's workers never
+# see them (they would send the demo's blocks and jobs to the user's Redis).
+FOREIGN_ENV = ("REDIS_URL", "SPECPREFILL_REDIS_URL", "SPECPREFILL_CACHE_REDIS_URL",
+               "SPECPREFILL_NAMESPACE", "SPECPREFILL_QUEUE_NAMES")
+STOP_GRACE_S = 15.0  # an idle worker's warm shutdown
+INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: cold shutdown, then SIGKILL, so the demo returns within 3 s
+
+
 class WorkerProcesses:
     """Worker subprocesses in their own sessions (so Ctrl-C reaches only us)."""
 
-    def __init__(self, url: str, n: int, model: str, log_dir: Path) -> None:
+    def __init__(self, url: str, n: int, model: str, log_dir: Path, namespace: str) -> None:
         self.procs: list[subprocess.Popen] = []
         self.names = [f"demo-{os.getpid()}-{i}" for i in range(n)]
         self.logs = [log_dir / f"{name}.log" for name in self.names]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
+        env.update(SPECPREFILL_NAMESPACE=namespace, PYTHONPATH=os.pathsep.join(
             [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         # Prefill the ~2K-token demo documents in several chunks so progress shows live.
         env.setdefault("SPECPREFILL_PREFILL_STEP", "256")
@@ -94,26 +105,39 @@ class WorkerProcesses:
                 raise RuntimeError(f"workers not ready after {timeout}s")
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
+    def stop(self, *, hurry: bool = False) -> None:
+        """SIGTERM (a warm shutdown); in a ``hurry`` (Ctrl-C) a second one, a cold shutdown
+        that ends a running job, then SIGKILL after :data:`INTERRUPT_GRACE_S`."""
+        running = [p for p in self.procs if p.poll() is None]
+        for p in running:
+            p.send_signal(signal.SIGTERM)
+        if hurry:
+            time.sleep(0.1)
+            for p in running:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        deadline = Deadline(INTERRUPT_GRACE_S if hurry else STOP_GRACE_S)
+        for p in running:
             try:
-                p.wait(15)
+                p.wait(deadline.left())
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
 
+    def log_tails(self, lines: int = 20) -> str:
+        return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                         for log in self.logs if log.exists())
+
 
 def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out: TextIO,
-               timeout: float) -> dict[str, Any]:
+               timeout: float, job_ids: list[str]) -> dict[str, Any]:
     asked = [d for d in docs if round_no in d.questions]
     specs = [dict(DEMO_OPTIONS, draft_model=model, text=f"{d.text} {d.questions[round_no]}")
              for d in asked]
     print(f"\nround {round_no}: {len(specs)} documents, each with a new question", file=out)
     t0 = time.perf_counter()
     batch = client.submit_many(specs)
+    job_ids.extend(batch.job_ids)
     with ProgressDisplay(out) as display:
         _follow_round(batch, [d.id for d in asked], display, t0, timeout)
     return _round_summary(batch.result(timeout=30), asked, round_no, time.perf_counter() - t0)
@@ -143,8 +167,7 @@ def _finished_line(name: str, ev: Any) -> str:
 
 
 def _total_row(view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
-    return Row("total", "", view.finished, view.total,
-               f"{view.running} running, {view.rates_text(finished_tokens, elapsed_s)}")
+    return total_row("total", view, finished_tokens, elapsed_s)
 
 
 def _round_summary(results: list[Any], asked: list[DemoDoc], round_no: int,
@@ -193,9 +216,54 @@ def _summary(rounds: list[dict[str, Any]], out: TextIO) -> None:
               "(the documents' shared prefixes)", file=out)
 
 
+@dataclass
+class DemoRedis:
+    """The Redis the demo uses: a private one it started, or ``--redis-url`` with a namespace
+    of its own (so round 1 starts cold and the user's keys are never touched)."""
+
+    url: str
+    namespace: str
+    server: Any = None
+
+    @classmethod
+    def open(cls, redis_url: str | None, out: TextIO) -> "DemoRedis":
+        from cli.embedded_redis import EmbeddedRedis
+        from jobs.connection import safe_url
+
+        if not redis_url:
+            server = EmbeddedRedis().start()
+            print(f"using a private Redis on 127.0.0.1:{server.port}, started for the demo and "
+                  "removed at the end (pass --redis-url to use another)", file=out, flush=True)
+            return cls(server.url, "specprefill", server)
+        namespace = f"specprefill-demo-{uuid.uuid4().hex[:8]}"
+        print(f"using the Redis at {safe_url(redis_url)} (--redis-url), under the namespace "
+              f"{namespace}, whose keys are removed at the end", file=out, flush=True)
+        return cls(redis_url, namespace)
+
+    def close(self, conn: redis.Redis | None, job_ids: list[str], workers: list[str]) -> None:
+        if self.server is not None:
+            self.server.cleanup()
+            return
+        if conn is None:
+            return
+        from jobs.keys import job_key
+
+        try:  # a shared Redis: remove the demo's own keys (its namespace and its jobs)
+            keys = list(conn.scan_iter(match=f"{self.namespace}*", count=1000))
+            keys += list(conn.scan_iter(match=f"rq:*:{self.namespace}", count=1000))  # its queue, registries
+            keys += [job_key(j) for j in job_ids] + [f"rq:results:{j}" for j in job_ids]
+            keys += [f"rq:worker:{name}" for name in workers]  # a stopped worker's record (60 s TTL)
+            conn.srem("rq:queues", f"rq:queue:{self.namespace}")
+            if workers:
+                conn.srem("rq:workers", *(f"rq:worker:{name}" for name in workers))
+            for i in range(0, len(keys), 500):
+                conn.delete(*keys[i:i + 500])
+        except redis.RedisError:
+            pass
+
+
 def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     """Run the demo (see the module docstring); returns the exit status."""
-    from cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
 
     model = args.model or settings.draft_model
@@ -205,42 +273,57 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     docs = load_demo()
     if args.documents:
         docs = docs[:args.documents]
-    server, workers = None, None
+    where, workers, conn, job_ids = None, None, None, []
     log_dir = Path(tempfile.mkdtemp(prefix="specprefill-demo-"))
+    hurry, status = False, 1
     try:
-        url = args.redis_url or settings.redis_url
-        if not url:
-            server = EmbeddedRedis().start()
-            url = server.url
-            print(f"started a private Redis on 127.0.0.1:{server.port}", file=out)
-        conn = queue_connection(url, settings)
-        workers = WorkerProcesses(url, args.workers, model, log_dir)
-        print(f"starting {args.workers} workers with {model} (logs in {log_dir})", file=out, flush=True)
+        where = DemoRedis.open(args.redis_url, out)  # never an exported REDIS_URL
+        settings = settings.replace(redis_url=where.url, cache_redis_url="", namespace=where.namespace,
+                                    queue_names=())
+        conn = queue_connection(where.url, settings)
+        workers = WorkerProcesses(where.url, args.workers, model, log_dir, where.namespace)
+        print(f"starting {args.workers} workers with {model} (logs in {log_dir}, removed at the end)",
+              file=out, flush=True)
         workers.wait_ready(conn, timeout=180)
         client = Client(conn, settings)
-        rounds = [_run_round(client, docs, n, model, out, args.timeout) for n in (1, 2)]
+        rounds = [_run_round(client, docs, n, model, out, args.timeout, job_ids) for n in (1, 2)]
         _summary(rounds, out)
-        return 0 if all(r["failed"] == 0 for r in rounds) else 1
+        status = 0 if all(r["failed"] == 0 for r in rounds) else 1
+        return status
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping everything the demo started", file=out)
-        return 130
+        hurry, status = True, 130
+        print("\ninterrupted: stopping everything the demo started", file=out, flush=True)
+        return status
     except TimeoutError as exc:
-        print(f"\ndemo: --timeout: {exc}; stopping everything the demo started (worker logs in "
-              f"{log_dir})", file=out)
-        return 1
+        print(f"\ndemo: --timeout: {exc}; stopping everything the demo started", file=out)
+        return status
     finally:
+        _stop(workers, where, conn, job_ids, log_dir, hurry=hurry, show_logs=status not in (0, 130), out=out)
+
+
+def _stop(workers: WorkerProcesses | None, where: DemoRedis | None, conn: Any, job_ids: list[str],
+          log_dir: Path, *, hurry: bool, show_logs: bool, out: TextIO) -> None:
+    """Stop the workers, then the Redis (or remove the demo's keys), then the log folder."""
+    try:
         if workers is not None:
-            workers.stop()
-        if server is not None:
-            server.cleanup()
+            workers.stop(hurry=hurry)
+            if show_logs:
+                print(f"worker logs:\n{workers.log_tails()}", file=out)
+    finally:
+        if where is not None:
+            where.close(conn, job_ids, workers.names if workers is not None else [])
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def register(sub: Any, shared: SharedOptions) -> None:
-    p = sub.add_parser("demo", parents=[shared.common], help="run the shipped demo end to end")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--documents", type=int, default=None, help="use only the first N documents")
-    p.add_argument("--model", help="draft model (default: the shipped draft-tiny)")
-    p.add_argument("--timeout", type=float, default=600)
+    p = sub.add_parser("demo", parents=[shared.common], help="run the shipped demo end to end",
+                       description="Run the shipped demo: a private Redis (an exported REDIS_URL is "
+                                   "ignored; --redis-url picks one), two workers, two rounds of questions.")
+    p.add_argument("--workers", type=int, default=2, help="worker processes to start")
+    p.add_argument("--documents", type=int, default=None,
+                   help="use only the first N documents (default: all of models/demo)")
+    p.add_argument("--model", help="the draft model the workers load (default: the shipped draft-tiny)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds each round may take")
     p.set_defaults(func=run)
 
 

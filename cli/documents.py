@@ -1,47 +1,88 @@
-"""The documents of ``specprefill batch``: plain files and JSONL lines, with their questions."""
+"""The documents of ``specprefill batch``: plain files and JSONL lines, with their questions.
+
+A document that cannot be read (not a file, not UTF-8 text, empty, a line that is not a
+JSON object) is still yielded, with its ``error`` set: the batch reports and skips it and
+runs the rest. A JSONL line's fields that are not job spec fields (``n_tokens``,
+``needles``, ...) are kept as the document's metadata and echoed in its output line.
+"""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from cli.options import CliError
-from jobs.spec import GENERATE_OPTIONS
+from jobs.spec import GENERATE_OPTIONS, RENAMED_FIELDS, JobSpec
 
-Document = tuple[str, dict[str, Any]]  # (document id, job spec fields)
+INPUT_FIELDS = ("text", "tokens", "messages")
+# What a JSONL line may set besides its input; anything else is metadata.
+SPEC_FIELDS = frozenset(JobSpec.__dataclass_fields__) | set(RENAMED_FIELDS) | {"question"} \
+    | set(GENERATE_OPTIONS)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a batch: its id, its job spec fields, its metadata, or why it is unusable."""
+
+    id: str
+    fields: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
 
 
 def iter_documents(paths: Sequence[str]) -> Iterator[Document]:
-    """(document id, spec fields) from plain files (id = path) and JSONL files.
+    """Documents from plain files (id = the path as given) and JSONL files.
 
     A JSONL line holds ``id`` (else ``<path>:<line>``) and one of ``text``, ``tokens``,
-    ``messages``; any other spec fields on the line apply to that document.
+    ``messages``; spec fields on the line apply to that document.
     """
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise CliError(f"{path}: no such file")
+            yield Document(path, {}, error=f"{path}: no such file")
+            continue
         try:
             content = p.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
+        except UnicodeDecodeError as exc:
+            yield Document(path, {}, error=f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                           "is it a binary file?")
+            continue
+        except OSError as exc:
+            yield Document(path, {}, error=f"{path}: cannot read it: {exc.strerror or exc}")
+            continue
         if p.suffix == ".jsonl":
             yield from _jsonl_documents(path, content)
+        elif "\x00" in content:
+            yield Document(path, {}, error=f"{path}: holds NUL bytes; is it a binary file?")
+        elif not content.strip():
+            yield Document(path, {}, error=f"{path}: empty document (nothing but whitespace)")
         else:
-            yield str(p), {"text": content}
+            yield Document(str(p), {"text": content})
 
 
 def _jsonl_documents(path: str, content: str) -> Iterator[Document]:
     for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{n}"
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise CliError(f"{path}:{n}: not valid JSON: {exc}") from None
+            yield Document(where, {}, error=f"{where}: not valid JSON: {exc}")
+            continue
         if not isinstance(doc, dict):
-            raise CliError(f"{path}:{n}: expected a JSON object")
-        yield str(doc.pop("id", f"{path}:{n}")), doc
+            yield Document(where, {}, error=f"{where}: expected a JSON object")
+            continue
+        doc_id = str(doc.pop("id", where))
+        fields = {k: v for k, v in doc.items() if k in SPEC_FIELDS}
+        meta = {k: v for k, v in doc.items() if k not in SPEC_FIELDS}
+        error = None
+        if not any(fields.get(k) is not None for k in INPUT_FIELDS):
+            extra = f" (its other fields: {', '.join(sorted(meta))})" if meta else ""
+            error = f"document {doc_id}: no text, tokens or messages{extra}"
+        elif isinstance(fields.get("text"), str) and not fields["text"].strip():
+            error = f"document {doc_id}: empty text (nothing but whitespace)"
+        yield Document(doc_id, fields, meta, error)
 
 
 def with_question(fields: dict[str, Any], question: str | None) -> dict[str, Any]:
@@ -75,16 +116,20 @@ def generate_documents(docs: Iterable[Document], *, question: str | None,
     generate jobs, its own generate options (``max_tokens``, ``temperature``, ``stop``, ...).
     """
     out = []
-    for doc_id, fields in docs:
-        fields = dict(fields)
+    for doc in docs:
+        if doc.error is not None:
+            out.append(doc)
+            continue
+        fields = dict(doc.fields)
         q = fields.pop("question", None)
         try:
             fields = with_question(fields, q if q is not None else question)
         except ValueError as exc:
-            raise ValueError(f"document {doc_id}: {exc}") from None
+            out.append(replace(doc, error=f"document {doc.id}: {exc}"))
+            continue
         if options is not None:
             own = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
             extra = {**options, **dict(fields.pop("extra", None) or {}), **own}
             fields.update(kind="generate", extra=extra)
-        out.append((doc_id, fields))
+        out.append(replace(doc, fields=fields))
     return out

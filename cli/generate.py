@@ -9,9 +9,11 @@ import json
 import sys
 from typing import Any
 
-from cli.options import (SharedOptions, add_generate_options, add_prompt_options, add_selection_options,
-                         connect, generate_options, prompt_fields, selection_fields)
-from cli.submit import print_failed, print_submitted
+from cli.options import (SharedOptions, add_generate_options, add_prompt_options, add_queue_option,
+                         add_selection_options, add_timeout_option, connect, generate_options, prompt_fields,
+                         selection_fields)
+from cli.submit import print_failed, print_submitted, warn_if_no_worker
+from cli.waiting import interrupted, timed_out
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
@@ -21,7 +23,8 @@ def summary_line(data: dict[str, Any]) -> str:
     return (f"{data['job_id']}: {data['generated_tokens']} tokens ({data['finish_reason']}), "
             f"TTFT {data['ttft_s']:.3f}s, kept {data['kept']}/{data['total']} "
             f"({100 * data['ratio']:.1f}%)" + (" [full prefill]" if data.get("full_prefill") else "")
-            + (f", decode {rate:.1f} tok/s" if rate else ""))
+            + (f", decode {rate:.1f} tok/s" if rate else "")
+            + (f" - {data['keep_effect']}" if data.get("keep_effect") else ""))
 
 
 def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
-    client = Client(connect(args, settings), settings)
+    client = Client(connect(args, settings), settings, queue_name=args.queue)
     fields = {**selection_fields(args), **prompt_fields(args), **generate_options(args)}
     handle = client.submit(client.generate_spec(**fields))
     if not (args.wait or args.stream):
@@ -53,12 +56,19 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return 0
     deadline = Deadline(args.timeout)  # one --timeout for the stream and the result together
     try:
+        warn_if_no_worker(client)
         if args.stream:
             data = stream(handle, deadline, sys.stderr if args.json else sys.stdout)
         else:
             data = handle.result(timeout=deadline.left()).to_json()
     except JobFailed as exc:
+        if args.stream:
+            print(file=sys.stdout, flush=True)  # end a partly streamed line
         return print_failed(handle, exc, args.json)
+    except TimeoutError:
+        raise timed_out(client, handle.id, args.timeout) from None
+    except KeyboardInterrupt:
+        raise interrupted(handle.id) from None
     if args.json:
         print(json.dumps(data))
         return 0
@@ -69,12 +79,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def register(sub: Any, shared: SharedOptions) -> None:
-    p = sub.add_parser("generate", parents=[shared.common], help="generate text (SpecPrefill TTFT)")
+    p = sub.add_parser("generate", parents=[shared.common], help="generate text (SpecPrefill TTFT)",
+                       description="Generate text: the draft selects the prompt's chunks, the target "
+                                   "prefills only those and generates.")
     add_prompt_options(p)
-    add_selection_options(p, seed_help="seeds the draft's lookahead and the sampling")
+    add_selection_options(p, shared.settings, seed_help="seeds the draft's lookahead and the sampling")
     add_generate_options(p)
+    add_queue_option(p, shared.settings)
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
     p.add_argument("--wait", action="store_true", help="block until the job ends, print the text")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--timeout", type=float)
+    add_timeout_option(p)
     p.set_defaults(func=run)

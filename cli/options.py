@@ -17,12 +17,36 @@ import redis
 
 from jobs.connection import checked_connection
 from jobs.settings import Settings
-from jobs.spec import GENERATE_OPTIONS
+from jobs.spec import GENERATE_OPTIONS, GenerateOptions
 
 # CLI option (argparse dest) -> job spec field
 SELECTION_OPTIONS = {"keep": "keep", "chunk_size": "chunk_size", "tail_tokens": "tail_tokens",
                      "threshold": "threshold", "n_lookahead": "n_lookahead", "seed": "lookahead_seed"}
-REDIS_URL_HELP = "redis://[:password@]host:port/db or rediss:// (default: REDIS_URL)"
+REDIS_URL_HELP = ("the queue's Redis: redis://[:password@]host:port/db, or rediss:// for TLS "
+                  "(default: $REDIS_URL or SPECPREFILL_REDIS_URL)")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """A logging level in any case (``debug``, ``Info``, ...)."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(LOG_LEVELS)} (any case)")
+    return level
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the exit-status table as written and shows every option's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.const is True:  # a flag
+            return f"{text} (default: off)"
+        if action.default is not None:
+            return f"{text} (default: %(default)s)"
+        return text
 
 
 class CliError(ValueError):
@@ -35,52 +59,90 @@ class SharedOptions:
 
     common: argparse.ArgumentParser
     spec: argparse.ArgumentParser
+    settings: Settings  # the defaults help texts show
+    url: argparse.ArgumentParser  # --redis-url alone, for commands with their own --log-level
 
 
-def shared_options() -> SharedOptions:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
+def shared_options(settings: Settings | None = None) -> SharedOptions:
+    """The parent parsers; help texts show ``settings``' defaults."""
+    settings = settings or Settings()
+    url = argparse.ArgumentParser(add_help=False)
+    url.add_argument("--redis-url", default=None, help=REDIS_URL_HELP)
+    common = argparse.ArgumentParser(add_help=False, parents=[url])
+    common.add_argument("--log-level", type=log_level, default="WARNING",
+                        help="how much this process logs: debug, info, warning, error (any case)")
     spec = argparse.ArgumentParser(add_help=False)
-    add_selection_options(spec)
+    add_selection_options(spec, settings)
     spec.add_argument("--importance", "--return-importance", action="store_true",
-                      help="return the importance vector (Python: return_importance= or importance=)")
+                      help="return the importance score of every prompt token (Python: "
+                           "return_importance= or importance=)")
     spec.add_argument("--spans", "--return-spans", action="store_true",
-                      help="return the kept text spans (Python: return_spans= or spans=)")
-    return SharedOptions(common, spec)
+                      help="return the text of every kept span (Python: return_spans= or spans=)")
+    return SharedOptions(common, spec, settings, url)
+
+
+def add_queue_option(p: argparse.ArgumentParser, settings: Settings) -> None:
+    p.add_argument("--queue", help=f"the RQ queue to submit to (default: {settings.queues[0]})")
+
+
+def add_timeout_option(p: argparse.ArgumentParser, what: str = "the job") -> None:
+    p.add_argument("--timeout", type=float,
+                   help=f"seconds to wait for {what}; then exit status 4 and the jobs go on "
+                        "(default: wait as long as it takes)")
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:
     """The prompt, given exactly one way."""
-    p.add_argument("--text")
-    p.add_argument("--file", help="a text file")
-    p.add_argument("--tokens", help="token ids as a JSON list")
+    p.add_argument("--text", help="the prompt as text (give exactly one of these four; default: none)")
+    p.add_argument("--file", help="the prompt from a UTF-8 text file (default: none)")
+    p.add_argument("--tokens", help="the prompt as token ids, a JSON list (default: none)")
     p.add_argument("--messages", "--chat", dest="messages",
-                   help="chat messages [{role, content}, ...] as JSON, or a file holding them")
+                   help="chat messages [{role, content}, ...] as JSON, or a file holding them "
+                        "(default: none)")
 
 
-def add_selection_options(p: argparse.ArgumentParser, *, seed_help: str | None = None) -> None:
+def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None = None, *,
+                          seed_help: str | None = None) -> None:
     """The draft model and the SpecPrefill knobs (unset ones come from the settings)."""
+    s = settings or Settings()
     p.add_argument("--model", "--draft-model", dest="model",
-                   help="draft model: local folder or hub id (default: settings; Python: "
-                        "draft_model= or model=)")
-    p.add_argument("--keep", type=float)
-    p.add_argument("--chunk-size", dest="chunk_size", type=int)
-    p.add_argument("--tail-tokens", dest="tail_tokens", type=int)
-    p.add_argument("--threshold", type=int)
-    p.add_argument("--n-lookahead", dest="n_lookahead", type=int)
-    p.add_argument("--seed", type=int, help=seed_help or "seeds the draft's lookahead sampling")
+                   help=f"draft model: a local mlx-lm folder or a hub id (default: "
+                        f"{s.draft_model}, SPECPREFILL_DRAFT_MODEL; Python: draft_model= or model=)")
+    p.add_argument("--keep", type=float,
+                   help="share of the prompt's chunks the target prefills, in (0, 1]; it applies "
+                        f"only to prompts longer than --threshold, and the --tail-tokens come out "
+                        f"of it first (default: {s.keep}, SPECPREFILL_KEEP)")
+    p.add_argument("--chunk-size", dest="chunk_size", type=int,
+                   help=f"tokens per chunk, the unit kept or dropped (default: {s.chunk_size})")
+    p.add_argument("--tail-tokens", dest="tail_tokens", type=int,
+                   help="the prompt's last tokens, always kept (they hold the chat template's "
+                        f"closing tokens) (default: {s.tail_tokens}, SPECPREFILL_TAIL_TOKENS)")
+    p.add_argument("--threshold", type=int,
+                   help="prompts of at most this many tokens are kept whole (--keep has no effect) "
+                        f"(default: {s.threshold}, SPECPREFILL_THRESHOLD)")
+    p.add_argument("--n-lookahead", dest="n_lookahead", type=int,
+                   help=f"lookahead tokens the draft decodes to score the prompt (default: {s.n_lookahead})")
+    p.add_argument("--seed", type=int, help=(seed_help or "seeds the draft's lookahead sampling")
+                   + " (default: 0)")
 
 
 def add_generate_options(p: argparse.ArgumentParser) -> None:
     """The sampling / target options shared by ``generate`` and ``batch --generate``."""
-    p.add_argument("--target", help="target model: local folder or hub id (default: settings)")
-    p.add_argument("--max-tokens", dest="max_tokens", type=int, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", dest="top_p", type=float)
-    p.add_argument("--greedy", action="store_true", default=None, help="always take the argmax")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g = GenerateOptions
+    p.add_argument("--target", help="target model: a local mlx-lm folder or a hub id "
+                                    "(default: SPECPREFILL_TARGET_MODEL, the shipped target-tiny)")
+    p.add_argument("--max-tokens", dest="max_tokens", type=int,
+                   help=f"tokens to generate at most (default: {g.max_tokens})")
+    p.add_argument("--temperature", type=float,
+                   help=f"sampling temperature, 0 takes the argmax (default: {g.temperature})")
+    p.add_argument("--top-p", dest="top_p", type=float,
+                   help=f"nucleus sampling: sample from this top share of probability (default: {g.top_p})")
+    p.add_argument("--greedy", action="store_true", default=None,
+                   help="always take the most likely token (default: off)")
+    p.add_argument("--stop", action="append",
+                   help="stop before this string; repeatable (default: none)")
     p.add_argument("--full-prefill", dest="full_prefill", action="store_true", default=None,
-                   help="prefill the target with every token (no draft, for comparison)")
+                   help="prefill the target with every token, no draft, for comparison (default: off)")
 
 
 def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:

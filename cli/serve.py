@@ -9,4 +9,4 @@ from cli.options import SharedOptions
 def register(sub: Any, shared: SharedOptions) -> None:
     from server.cli import register as register_serve
 
-    register_serve(sub, shared.common)
+    register_serve(sub, shared.url)

@@ -14,6 +14,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def register(sub: Any, shared: SharedOptions) -> None:
-    p = sub.add_parser("worker", parents=[shared.common], help="run an RQ worker")
+    p = sub.add_parser("worker", parents=[shared.url], help="run an RQ worker",
+                       description="Run an RQ worker that loads its models once and runs jobs in its own process.")
     add_worker_options(p)
     p.set_defaults(func=run)

@@ -195,8 +195,11 @@ class JobHandle:
                         shown = attempt
         if last is None or last.kind != "done":
             status = self.status()
-            raise JobFailed(self.id, status, self.error() if status == "failed" else
-                            (last.data.get("error") if last is not None else None) or status)
+            event_error = (last.data.get("error") if last is not None else None) or None
+            if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
+                # The terminal event came before RQ marked the job: the event says how it ended.
+                raise JobFailed(self.id, last.kind, event_error or last.kind)
+            raise JobFailed(self.id, status, self.error() if status == "failed" else event_error or status)
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
         self._check_same(shown, text)

@@ -179,3 +179,25 @@ def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
             pipe.hget(Job.key_for(jid), "status")
         replies = pipe.execute()
     return {jid: as_text(s) or "missing" for jid, s in zip(job_ids, replies)}
+
+
+def listening_workers(connection: redis.Redis, queue_name: str) -> list[str]:
+    """Names of the RQ workers registered on ``queue_name`` (``Worker.all``, as ``rq info`` reads them)."""
+    queue = Queue(queue_name, connection=connection, serializer=JSONSerializer)
+    return sorted(w.name for w in Worker.all(queue=queue, serializer=JSONSerializer))
+
+
+def jobs_by_state(connection: redis.Redis, queue_name: str, limit: int = 20) -> dict[str, list[str]]:
+    """Job ids of one queue by state (queued in queue order, the registries newest first),
+    at most ``limit`` of each; read-only (no registry clean-up)."""
+    q = Queue(queue_name, connection=connection, serializer=JSONSerializer)
+    keys = {name: getattr(q, f"{name}_job_registry").key for name in ("started", "finished", "failed", "canceled")}
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.lrange(q.key, 0, limit - 1)
+        for key in keys.values():
+            pipe.zrevrange(key, 0, limit - 1)
+        replies = pipe.execute()
+    out = {"queued": [as_text(j) for j in replies[0]]}
+    for name, ids in zip(keys, replies[1:]):
+        out[name] = [as_text(j) for j in ids]
+    return out

@@ -34,6 +34,8 @@ class JobResult:
     kept: int
     total: int
     reason: str | None = None
+    # Why more was kept than ``keep`` asked for (threshold, tail, protected prefix), else None.
+    keep_effect: str | None = None
     kept_ranges: list[tuple[int, int]] = field(default_factory=list)
     protected_prefix: int = 0
     cached_tokens: int = 0          # draft prompt tokens restored from the block store

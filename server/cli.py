@@ -16,8 +16,9 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (default: settings http_host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: settings http_port, 8000)")
     p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--access-log", action="store_true", help="log every request")
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="how much the server logs, any case (default: info)")
+    p.add_argument("--access-log", action="store_true", help="log every request (default: off)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -103,6 +103,7 @@ def specprefill_info(result: GenerateResult) -> dict[str, Any]:
         "protected_prefix": result.protected_prefix,
         "full_prefill": result.full_prefill,
         "reason": result.reason,
+        "keep_effect": result.keep_effect,  # why more was kept than keep asked for, if it was
         "ttft_s": result.ttft_s,
         "ttft_phases_s": {p: result.timings[p] for p in TTFT_PHASES if p in result.timings},
         "draft_phases_s": dict(result.draft_timings),

@@ -106,6 +106,30 @@ def admission_reason(n_tokens: int, *, threshold: int, protected_prefix: int = 0
     return None
 
 
+def keep_effect(total: int, kept: int, options: SelectionOptions, protected_prefix: int = 0) -> str | None:
+    """Why a selection of ``kept`` of ``total`` tokens kept more than ``options.keep`` asked
+    for (no effect at all below the threshold; the tail or the protected prefix paid first),
+    or ``None`` when keep had its effect."""
+    keep, chunk, tail = options.keep, options.chunk_size, options.tail_tokens
+    if total <= options.threshold:
+        return (f"keep had no effect: the prompt has {total} tokens, not more than the admission "
+                f"threshold of {options.threshold} (--threshold)")
+    if protected_prefix >= total:
+        return f"keep had no effect: the protected system prefix ({protected_prefix} tokens) is the whole prompt"
+    region = total - protected_prefix
+    budget = max(1, math.ceil(math.ceil(region / chunk) * keep - _CEIL_SLACK))
+    n_tail = tail_chunk_count(region, chunk, tail)
+    share = f"{100 * kept / total:.1f}%"
+    if n_tail >= budget and n_tail > 1 and tail > 0:
+        what = "no effect: it covers the whole prompt" if kept >= total else f"kept {share}"
+        return (f"the {tail}-token tail (--tail-tokens), always kept, is more than keep {keep:g} of "
+                f"the prompt allows: {what}")
+    if protected_prefix > keep * total:
+        return (f"the protected system prefix ({protected_prefix} tokens), always kept, is more than "
+                f"keep {keep:g} of the prompt: kept {share}")
+    return None
+
+
 @dataclass(frozen=True)
 class Selection:
     """Kept token indices of a prompt of ``total`` tokens.

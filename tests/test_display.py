@@ -107,6 +107,16 @@ def test_running_rows_show_every_rate_event_of_running_jobs():
     }
     view = BatchProgress(total=5, running=4, done=1, last_events=events)
     rows = running_rows(view, {"a": "doc-a", "b": "doc-b"})
-    assert [r.plain() for r in rows] == ["doc-a scoring 25% (50/200), 812 tok/s, eta 1.2s",
-                                         "doc-b decode 25% (4/16), 20.0 tok/s",
-                                         "c target prefill 25% (10/40), 99 tok/s"]
+    assert [r.plain() for r in rows] == ["doc-a scoring 25% (50/200), eta 1.2s",
+                                         "doc-b decode 25% (4/16)",
+                                         "c target prefill 25% (10/40)"]
+    assert [r.rate for r in rows] == [812.4, 20.0, 99.0]
+
+
+def test_rates_are_smoothed_per_row():
+    buf = io.StringIO()
+    display = ProgressDisplay(buf, live=False)
+    for rate in (1000.0, 0.0, 1000.0):  # a report between two completions reads 0
+        display.show([Row("doc", "scoring", 1, 2, "", rate)])
+    shown = [float(m) for m in re.findall(r"([\d.]+) tok/s", buf.getvalue())]
+    assert shown[0] == 1000 and 0 < shown[1] < 1000 and shown[1] < shown[2] < 1000

@@ -343,6 +343,10 @@ def test_stream_text_fills_a_gap_from_the_result():
     assert "".join(Handle(evs).stream_text()) == "abcdefghij"
     with pytest.raises(JobFailed, match="boom"):
         list(Handle([ev(1, "text", offset=0, delta="a"), ev(2, "failed", error="x")], "failed").stream_text())
+    # The failed event arrived before RQ marked the job failed: it is reported failed, not "started".
+    with pytest.raises(JobFailed, match="failed: ValueError: target_model") as raised:
+        list(Handle([ev(1, "failed", error="ValueError: target_model: nope")], "started").stream_text())
+    assert raised.value.status == "failed"
     # A retry (the worker died mid-decode) generates again from offset 0: the same text is
     # not repeated, and the stream continues where it was.
     evs = [ev(1, "text", offset=0, delta="abcd"), ev(2, "retrying", error="worker died"),

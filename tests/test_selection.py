@@ -197,3 +197,16 @@ def test_package_and_selection_import_without_mlx():
     # specprefill.blas must be able to run before mlx is imported.
     code = "import sys, specprefill, specprefill.selection; assert 'mlx' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_keep_effect_says_why_more_was_kept_than_keep_asked():
+    from specprefill.selection import keep_effect
+
+    opts = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=8192)
+    assert "threshold of 8192" in keep_effect(3006, 3006, opts)
+    tail = SelectionOptions(keep=0.0001, chunk_size=32, tail_tokens=512, threshold=0)
+    assert "512-token tail" in keep_effect(3006, 512, tail) and "keep 0.0001" in keep_effect(3006, 512, tail)
+    assert "covers the whole prompt" in keep_effect(400, 400, tail)
+    sparse = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=64, threshold=0)
+    assert keep_effect(3006, 608, sparse) is None
+    assert "protected system prefix (1500 tokens)" in keep_effect(3006, 1600, sparse, protected_prefix=1500)

@@ -142,6 +142,7 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         ttft_s=round(decoded.ttft_s if decoded.ttft_s is not None else timings["total"], 6),
         kept=state.kept_tokens, total=total, full_prefill=opts.full_prefill,
         reason="full_prefill requested" if sel is None else sel.reason,
+        keep_effect="keep had no effect: full_prefill requested" if sel is None else sel.keep_effect,
         kept_ranges=[(0, total)] if sel is None else sel.kept_ranges,
         protected_prefix=prompt.protected_prefix,
         cached_tokens=sel.cached_tokens if sel is not None else 0,

@@ -12,14 +12,29 @@ from jobs.settings import Settings
 from worker.boot import preload_blas
 
 
-def add_worker_options(p: argparse.ArgumentParser) -> None:
-    """The options of a worker process (``--redis-url`` is the caller's)."""
-    p.add_argument("--queue", action="append", help="queue to work (repeatable)")
-    p.add_argument("--preload", action="append", help="draft model to load at start (repeatable)")
-    p.add_argument("--name")
-    p.add_argument("--burst", action="store_true", help="quit when the queues are empty")
-    p.add_argument("--max-jobs", type=int)
-    p.add_argument("--log-level", default="INFO")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(value: str) -> str:
+    """A logging level in any case (``debug``, ``Info``, ...)."""
+    if value.strip().upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(LOG_LEVELS)} (any case)")
+    return value.strip().upper()
+
+
+def add_worker_options(p: argparse.ArgumentParser, *, log_level_option: bool = True) -> None:
+    """The options of a worker process (``--redis-url``, and ``--log-level`` when
+    ``log_level_option`` is false, are the caller's)."""
+    p.add_argument("--queue", action="append",
+                   help="a queue to work; repeatable (default: the deployment's queues)")
+    p.add_argument("--preload", action="append",
+                   help="a draft model to load at start; repeatable (default: none)")
+    p.add_argument("--name", help="the worker's name in RQ (default: RQ's own)")
+    p.add_argument("--burst", action="store_true", help="quit when the queues are empty (default: off)")
+    p.add_argument("--max-jobs", type=int, help="quit after this many jobs (default: no limit)")
+    if log_level_option:
+        p.add_argument("--log-level", type=log_level, default="INFO",
+                       help="debug, info, warning or error, any case (default: INFO)")
 
 
 def launch(args: argparse.Namespace, settings: Settings) -> int:
@@ -41,7 +56,7 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m worker [options]``: the same statuses as ``specprefill worker`` (2: bad
-    settings or Redis unreachable at start, 130: interrupted)."""
+    settings, 3: Redis unreachable at start, 130: interrupted)."""
     preload_blas()
     p = argparse.ArgumentParser(prog="python -m worker", description="Run a SpecPrefill RQ worker.")
     p.add_argument("--redis-url", default=None,
@@ -50,7 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return launch(args, Settings.from_env())
-    except (ValueError, RedisUnreachable) as exc:
+    except RedisUnreachable as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 3
+    except ValueError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -117,9 +117,14 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
     phase_tokens = {"prefill": total - cached, "lookahead": spec.n_lookahead, "importance": total}
     spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
              if spec.return_spans else None)
+    from specprefill.selection import keep_effect
+
+    effect = keep_effect(total, selected.kept, SelectionOptions(
+        keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+        threshold=spec.threshold), protected_prefix)
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
-        reason=selected.reason, protected_prefix=protected_prefix, cached_tokens=cached,
+        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
         model=draft.identity, timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)
