@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 from cli.display import ProgressDisplay, Row, running_rows, total_row
 from cli.documents import INPUT_FIELDS, Document, generate_documents, iter_documents
-from cli.options import (CliError, SharedOptions, add_generate_options, add_queue_option, add_timeout_option,
+from cli.options import (CliError, SharedOptions, add_generate_options, cli_holder, add_queue_option, add_timeout_option,
                          connect, generate_options, result_json, spec_fields)
 from cli.outcome import BAD_INPUT, DONE, JOB_FAILED, Interrupted, is_bad_input, split_error
 from cli.waiting import no_worker_note
@@ -131,7 +131,8 @@ class BatchRun:
         self.client, self.summary, self.display = client, summary, display
         self.t0 = time.perf_counter()
         self.batch = client.submit_many([spec for _, spec in plan.todo],
-                                         names=[doc.id for doc, _ in plan.todo])
+                                         names=[doc.id for doc, _ in plan.todo],
+                                         holder=cli_holder())
         self.docs = {h.id: (doc, spec) for h, (doc, spec) in zip(self.batch.handles, plan.todo)}
         self.pending = dict.fromkeys(self.docs)  # in batch order
         self.names = {job_id: doc.id for job_id, (doc, _) in self.docs.items()}

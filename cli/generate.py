@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from cli.options import (SharedOptions, add_generate_options, add_prompt_options, add_queue_option,
+from cli.options import (SharedOptions, add_generate_options, add_prompt_options, cli_holder, add_queue_option,
                          add_selection_options, add_timeout_option, connect, generate_options, prompt_fields,
                          selection_fields)
 from cli.submit import print_failed, print_submitted, warn_if_no_worker
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
     client = Client(connect(args, settings), settings, queue_name=args.queue)
     fields = {**selection_fields(args), **prompt_fields(args), **generate_options(args)}
-    handle = client.submit(client.generate_spec(**fields))
+    handle = client.submit(client.generate_spec(**fields), holder=cli_holder())
     if not (args.wait or args.stream):
         print_submitted(handle, args.json)
         return 0

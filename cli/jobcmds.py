@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.display import describe
-from cli.options import CliError, SharedOptions, add_timeout_option, connect, result_json
+from cli.options import CliError, SharedOptions, add_timeout_option, cli_holder, connect, result_json
 from cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
 from cli.waiting import timed_out
 from jobs.deadline import Deadline
@@ -102,13 +102,16 @@ def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
     client = _client(args, settings)
     asked = 0
     for doc, jid in targets(client, args.target):
-        h = client.handle(jid)
+        h = client.handle(jid, holder=cli_holder())
         before = h.status()
         if before in TERMINAL:
             continue
-        h.cancel()
+        h.cancel(force=args.force)
         asked += 1
-        print(f"{doc + '  ' if doc else ''}{jid}: was {before}, now {h.status()}")
+        after, others = h.status(), h.holders()
+        note = (f" (held by {others} other submitter(s): it runs for them; --force stops it "
+                "for everyone)" if after == before and others else "")
+        print(f"{doc + '  ' if doc else ''}{jid}: was {before}, now {after}{note}")
     if not asked:
         print("nothing to cancel: every job has already ended")
     return DONE
@@ -153,6 +156,9 @@ def register(sub: Any, shared: SharedOptions) -> None:
     p = sub.add_parser("cancel", parents=[shared.common], help="cancel a job or a whole batch",
                        description="Cancel queued jobs and stop running ones; ended jobs are left alone.")
     p.add_argument("target", help=target_help)
+    p.add_argument("--force", action="store_true",
+                   help="stop the jobs even where other submitters share them (default: a shared "
+                        "job runs on until its last submitter cancels)")
     p.set_defaults(func=run_cancel)
 
     p = sub.add_parser("list", parents=[shared.common], help="the jobs of a queue or a batch",

@@ -7,6 +7,8 @@ naming the option, which the CLI prints with exit status 2.
 from __future__ import annotations
 
 import argparse
+import getpass
+import socket
 import json
 import os
 from dataclasses import dataclass
@@ -61,6 +63,13 @@ class SharedOptions:
     spec: argparse.ArgumentParser
     settings: Settings  # the defaults help texts show
     url: argparse.ArgumentParser  # --redis-url alone, for commands with their own --log-level
+
+
+def cli_holder() -> str:
+    """The hold every command of this user on this host takes on the jobs it submits, so a
+    later ``specprefill cancel`` by the same user releases it, while a job another submitter
+    shares (a Python client, an HTTP request, another user) runs on for them."""
+    return f"cli:{getpass.getuser()}@{socket.gethostname()}"
 
 
 def shared_options(settings: Settings | None = None) -> SharedOptions:

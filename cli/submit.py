@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from cli.options import (SharedOptions, add_prompt_options, add_queue_option, add_timeout_option, connect,
+from cli.options import (SharedOptions, add_prompt_options, cli_holder, add_queue_option, add_timeout_option, connect,
                          prompt_fields, result_json, spec_fields)
 from cli.outcome import exc_failure
 from cli.watch import watch_job
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.client import Client, JobFailed
 
     client = Client(connect(args, settings), settings, queue_name=args.queue)
-    handle = client.submit(**prompt_fields(args), **spec_fields(args), name=getattr(args, "file", None))
+    handle = client.submit(**prompt_fields(args), **spec_fields(args), name=getattr(args, "file", None),
+                           holder=cli_holder())
     if not args.wait:
         print_submitted(handle, args.json)
         return 0

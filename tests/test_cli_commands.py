@@ -120,3 +120,21 @@ def test_finding11_batch_progress_fits_the_terminal(service, tmp_path):
     rows = [line for line in lines if line.startswith(("overall", "doc-"))]
     assert rows and all(len(line) <= 64 for line in rows), [line for line in rows if len(line) > 64]
     assert any("%" in line and "tok/s" in line for line in rows)
+
+
+
+def test_cancel_by_id_releases_this_users_hold_and_spares_another_submitters(redis_url, tmp_path):
+    from jobs.client import Client
+
+    doc = tmp_path / "held.txt"
+    doc.write_text(" ".join(WORDS[j % len(WORDS)] for j in range(60)))
+    sub = cli("submit", "--file", str(doc), "--json", "--redis-url", redis_url)  # no worker runs
+    job_id = json.loads(sub.stdout)["job_id"]
+    other = Client.from_url(redis_url).submit(text=doc.read_text())  # shares the job
+    assert other.id == job_id and other.holders() == 2
+
+    res = cli("cancel", job_id, "--redis-url", redis_url)  # releases the CLI user's own hold
+    assert res.returncode == 0 and "now queued (held by 1 other submitter(s)" in res.stdout, res
+    assert other.status() == "queued"
+    res = cli("cancel", job_id, "--force", "--redis-url", redis_url)
+    assert res.returncode == 0 and "was queued, now canceled" in res.stdout, res
