@@ -124,7 +124,7 @@ def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch,
         def generate_spec(self, **fields):
             return fields
 
-        def submit(self, spec):
+        def submit(self, spec, holder=None):
             return Handle()
 
     monkeypatch.setattr(options, "checked_connection", lambda url, settings: fakeredis.FakeRedis())
