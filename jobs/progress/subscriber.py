@@ -3,7 +3,9 @@
 Pub/sub is at-most-once: a watcher that attaches late, or whose connection drops, misses
 messages. So every event also goes to the job's stream with a sequence number. A watcher
 subscribes first, then replays the stream, and de-duplicates by sequence; it therefore
-sees every event in order and always the single terminal one.
+sees every event in order and always the single terminal one. Redis numbers the events, so
+two attempts of a job never share a number; once an attempt has spoken, the events a
+superseded one still sends (a copy whose claim was taken, before it notices) are skipped.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class _Watch:
         self.client, self.job_id = client, job_id
         self.key, self.channel = stream_key(namespace, job_id), channel_name(namespace, job_id)
         self.last_seq, self.last_id = after_seq, "0"
+        self.attempts: list[str] = []  # in the order their first event came
         self.deadline, self.poll_s, self.idle_check = deadline, poll_s, idle_check
         self.ended = False
 
@@ -47,8 +50,20 @@ class _Watch:
         for ev in sorted(events, key=lambda e: e.seq):
             if self.ended or ev.seq <= self.last_seq:
                 continue
-            self.last_seq, self.ended = ev.seq, ev.terminal
+            self.last_seq = ev.seq
+            if self.superseded(ev.attempt):
+                continue
+            self.ended = ev.terminal
             yield ev
+
+    def superseded(self, attempt: str) -> bool:
+        """Whether ``attempt`` is older than one already heard from (events of the queue
+        itself, without an attempt, always count)."""
+        if not attempt:
+            return False
+        if attempt not in self.attempts:
+            self.attempts.append(attempt)
+        return attempt != self.attempts[-1]
 
     def replay(self) -> Iterator[ProgressEvent]:
         """The stream's events after the last entry read."""
