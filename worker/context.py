@@ -33,8 +33,10 @@ class JobContext:
     def check_stop(self) -> None:
         """Raise :class:`JobStopped` if the worker was asked to stop this job
         (:class:`ClaimLost` if its claim on the job is gone)."""
-        if self.runtime.stop_requested():
-            claim = self.claim
+        claim = self.claim
+        if claim is not None and self.publisher.fenced:  # Redis refused our events: not ours
+            claim.lose()
+        if self.runtime.stop_requested() or (claim is not None and claim.lost):
             if claim is not None and claim.lost:
                 raise ClaimLost(f"job {self.job_id}: this worker's claim on it was lost")
             raise JobStopped(f"job {self.job_id} stopped on request")

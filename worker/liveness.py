@@ -47,7 +47,8 @@ class Liveness(threading.Thread):
 
     def watch(self, job: Any, execution: Any) -> Claim:
         """Keep ``job``'s claim from now on; returns the claim the job consults."""
-        claim = Claim(job.id, execution.id, check=lambda: self.claim_held(job, execution))
+        claim = Claim(job.id, execution.id, check=lambda: self.claim_held(job, execution),
+                      fence=(job.started_job_registry.key, execution.composite_key))
         with self._lock:
             self._job, self.claim = (job, execution), claim
         return claim

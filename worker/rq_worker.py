@@ -65,9 +65,11 @@ class InProcessWorker(SimpleWorker):
         SimpleWorker claims a job for its whole timeout + 60 s (it cannot beat while the
         job runs), so a worker killed mid-job would hold it that long. The heartbeat thread
         beats every ``heartbeat_interval_s``, so a short claim is safe and a dead worker's
-        job is retried after ``heartbeat_ttl_s`` (at the next registry sweep).
+        job is retried after ``heartbeat_ttl_s`` (at the next registry sweep). RQ writes and
+        compares claim expiries in whole seconds (rounded down), which would cut up to a
+        second off the claim; the extra second keeps every claim at least ``heartbeat_ttl_s``.
         """
-        return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s))
+        return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s)) + 1
 
     def perform_job(self, job: Any, queue: Queue, execution: Any) -> bool:
         self.runtime.stop_event.clear()

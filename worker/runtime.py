@@ -70,6 +70,7 @@ class Claim:
 
     job_id: str
     attempt: str  # the RQ execution id: tags the job's progress events
+    fence: tuple[str, str] | None = None  # (started registry, member): publishing needs it
     check: Callable[[], bool] = lambda: True
     lost: bool = False
     publisher: Any = None  # the job's publisher, silenced when the claim is lost

@@ -73,7 +73,8 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     job_id = job.id if job else "direct"
     claim = rt.claim if rt.claim is not None and rt.claim.job_id == job_id else None
     ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings,
-                                               attempt=claim.attempt if claim else ""))
+                                               attempt=claim.attempt if claim else "",
+                                               fence=claim.fence if claim else None))
     if claim is not None:
         claim.publisher = ctx.publisher
     retries_left = (job.retries_left or 0) if job else 0

@@ -20,10 +20,14 @@ from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] the stream; ARGV: channel, maxlen, ttl, stream field, then event bodies (JSON
-# objects without "seq"). Each gets the next number after the stream's last event, in
-# one atomic step, and goes to the stream and the channel. Returns the first number.
+# KEYS[1] the stream, KEYS[2] (optional) a sorted set the sender must be a member of;
+# ARGV: channel, maxlen, ttl, stream field, that member, then event bodies (JSON objects
+# without "seq"). Each body gets the next number after the stream's last event, in one
+# atomic step, and goes to the stream and the channel. Returns the first number, or -1
+# (nothing sent) when the sender is not in KEYS[2]: a worker whose claim on the job was
+# taken (RQ's started registry no longer lists its execution) is fenced off.
 _APPEND_SCRIPT = """
+if KEYS[2] and not redis.call('ZSCORE', KEYS[2], ARGV[5]) then return -1 end
 local seq = 0
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if last[1] then
@@ -36,7 +40,7 @@ if last[1] then
   end
 end
 local first = seq + 1
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   seq = seq + 1
   local raw = '{"seq":' .. string.format('%d', seq) .. ',' .. string.sub(ARGV[i], 2)
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[4], raw)
@@ -75,14 +79,17 @@ class ProgressPublisher:
     send (the last of a phase always counts). That keeps publishing to a few round trips
     per job. Storage faults never reach the job: a failed flush is logged and its events
     counted in ``dropped``. ``publish_seconds`` is the time spent publishing. ``attempt``
-    tags every event with the run that sent it; :meth:`close` silences the publisher (a
-    worker that lost its claim on the job must not report on it any more).
+    tags every event with the run that sent it. ``fence`` (a sorted set's key and a member)
+    makes every send conditional on the member being in the set: a worker passes its
+    execution in RQ's started registry, so once its claim is taken (or Redis lost it) none
+    of its events gets through, and the publisher closes. :meth:`close` silences it.
     """
 
     def __init__(self, client: redis.Redis, job_id: str, *, namespace: str = Settings.namespace,
                  maxlen: int = Settings.progress_stream_maxlen, ttl_s: int = Settings.progress_ttl_s,
                  min_interval_s: float = Settings.progress_interval_s, start_seq: int = 0,
-                 attempt: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+                 attempt: str = "", fence: tuple[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.job_id = job_id
         self.namespace = namespace
@@ -90,7 +97,8 @@ class ProgressPublisher:
         self.ttl_s = ttl_s
         self.throttle = Throttle(min_interval_s, clock)
         self.seq = start_seq  # the last number sent (Redis assigns them; this follows)
-        self.attempt = attempt
+        self.attempt, self.fence = attempt, fence
+        self.fenced = False  # a send was refused: the fence's member was gone
         self.finished = False
         self.dropped = 0
         self.publish_seconds = 0.0
@@ -170,11 +178,19 @@ class ProgressPublisher:
         events = [ProgressEvent(self.job_id, 0, kind, data, now, self.attempt) for kind, data in pending]
         if any(e.terminal for e in events):
             self.finished = True
+        keys = [stream_key(self.namespace, self.job_id)] + ([self.fence[0]] if self.fence else [])
         try:
             first = int(self.client.register_script(_APPEND_SCRIPT)(  # EVALSHA
-                keys=[stream_key(self.namespace, self.job_id)],
-                args=[channel_name(self.namespace, self.job_id), self.maxlen, self.ttl_s,
-                      STREAM_FIELD, *(e.body_json() for e in events)]))
+                keys=keys, args=[channel_name(self.namespace, self.job_id), self.maxlen, self.ttl_s,
+                                 STREAM_FIELD, self.fence[1] if self.fence else "",
+                                 *(e.body_json() for e in events)]))
+            if first < 0:
+                log.warning("progress: %s no longer holds job %s; its events are refused",
+                            self.attempt or "this sender", self.job_id)
+                self.fenced = True
+                self.close()
+                self.dropped += len(events)
+                return []
             events = [dataclasses.replace(e, seq=first + i) for i, e in enumerate(events)]
             self.seq = events[-1].seq
             return events
@@ -187,12 +203,13 @@ class ProgressPublisher:
 
 
 def publisher_for(client: redis.Redis, job_id: str, settings: Settings, *,
-                  start_seq: int | None = None, attempt: str = "") -> ProgressPublisher:
+                  start_seq: int | None = None, attempt: str = "",
+                  fence: tuple[str, str] | None = None) -> ProgressPublisher:
     """The job's publisher with the deployment's stream settings (the one place that reads
     them). It continues the sequence in the job's stream unless ``start_seq`` is given."""
     kwargs = dict(namespace=settings.namespace, maxlen=settings.progress_stream_maxlen,
                   ttl_s=settings.progress_ttl_s, min_interval_s=settings.progress_interval_s,
-                  attempt=attempt)
+                  attempt=attempt, fence=fence)
     if start_seq is None:
         return ProgressPublisher.resume(client, job_id, **kwargs)
     return ProgressPublisher(client, job_id, start_seq=start_seq, **kwargs)

@@ -69,9 +69,15 @@ class _Watch:
         """The stream's events after the last entry read."""
         start = "-" if self.last_id == "0" else f"({self.last_id}"
         entries = self.client.xrange(self.key, min=start)
-        if entries:
-            self.last_id = as_text(entries[-1][0])
-        return self.fresh(ProgressEvent.from_entry(fields) for _, fields in entries)
+        if not entries:
+            return iter(())
+        self.last_id = as_text(entries[-1][0])
+        events = [ProgressEvent.from_entry(fields) for _, fields in entries]
+        if start != "-" and events[0].seq <= self.last_seq:
+            # Appended after what we read, yet numbered as seen: the stream started over
+            # (Redis lost it and the job was resubmitted): follow the new run from its start.
+            self.last_seq, self.attempts = 0, []
+        return self.fresh(events)
 
     def follow(self, pubsub: redis.client.PubSub) -> Iterator[ProgressEvent]:
         """Replay, then the channel; back to the stream after a gap or an idle poll."""
@@ -92,8 +98,11 @@ class _Watch:
             if msg.get("type") != "message":
                 return
             ev = ProgressEvent.from_json(msg["data"])
-            if ev.seq > self.last_seq + 1:
-                return  # a gap: the stream holds the missing events and this one
+            if ev.seq != self.last_seq + 1:
+                # A gap (the stream holds the missing events and this one), or a number
+                # already seen: a duplicate of a replayed event, or a stream that started
+                # over; the stream tells which.
+                return
             yield from self.fresh([ev])
 
     def idle(self) -> Iterator[ProgressEvent]:
