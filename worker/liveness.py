@@ -14,7 +14,6 @@ the running job's claim (``heartbeat_ttl_s``) expires. Each beat:
 """
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
@@ -24,8 +23,6 @@ from rq.utils import now, utcformat
 from jobs.connection import REDIS_DOWN, side_connection
 from jobs.epoch import EPOCH_REPLIES, add_epoch_reads, epoch_of
 from worker.runtime import Claim
-
-log = logging.getLogger(__name__)
 
 
 class Liveness(threading.Thread):
@@ -79,16 +76,16 @@ class Liveness(threading.Thread):
             try:
                 self.beat()
                 if self._down:
-                    log.info("worker %s: heartbeats reach Redis again", self.worker.name)
+                    self.worker.log.info("worker %s: heartbeats reach Redis again", self.worker.name)
                 self._down = False
                 pause = self.interval_s
             except REDIS_DOWN as exc:
                 if not self._down:
-                    log.warning("worker %s: heartbeat failed: %s", self.worker.name, exc)
+                    self.worker.log.warning("worker %s: heartbeat failed: %s", self.worker.name, exc)
                 self._down = True
                 pause = self.interval_s / 4  # Redis is back soon: beat as soon as it answers
             except Exception:  # a bug here must not end the beats
-                log.exception("worker %s: heartbeat failed", self.worker.name)
+                self.worker.log.exception("worker %s: heartbeat failed", self.worker.name)
                 pause = self.interval_s
             self.done.wait(pause)
 
@@ -131,14 +128,14 @@ class Liveness(threading.Thread):
             pipe.execute()
         if register:
             self.registrations += 1
-            log.info("worker %s: Redis restarted or lost its data; registered again", w.name)
+            w.log.info("worker %s: Redis restarted or lost its data; registered again", w.name)
 
     def _lose(self, job: Any, execution: Any) -> None:
         with self._lock:  # the job may have ended (and changed its status) since the read
             claim = self.claim if self._job is not None and self._job[1] is execution else None
         if claim is None or claim.lost:
             return
-        log.warning("worker %s: lost its claim on job %s (taken over or lost by Redis); "
+        self.worker.log.warning("worker %s: lost its claim on job %s (taken over or lost by Redis); "
                     "stopping it without a result", self.worker.name, job.id)
         claim.lose()
         self.worker.runtime.stop_event.set()

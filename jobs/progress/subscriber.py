@@ -38,6 +38,7 @@ class _Watch:
         self.client, self.job_id = client, job_id
         self.key, self.channel = stream_key(namespace, job_id), channel_name(namespace, job_id)
         self.last_seq, self.last_id = after_seq, "0"
+        self.last_id_seq = 0  # the sequence number of the stream entry last_id
         self.attempts: list[str] = []  # in the order their first event came
         self.deadline, self.poll_s, self.idle_check = deadline, poll_s, idle_check
         self.ended = False
@@ -73,10 +74,11 @@ class _Watch:
             return iter(())
         self.last_id = as_text(entries[-1][0])
         events = [ProgressEvent.from_entry(fields) for _, fields in entries]
-        if start != "-" and events[0].seq <= self.last_seq:
-            # Appended after what we read, yet numbered as seen: the stream started over
-            # (Redis lost it and the job was resubmitted): follow the new run from its start.
+        if start != "-" and events[0].seq <= self.last_id_seq:
+            # Appended after the entry read last, yet numbered as low: the stream started
+            # over (Redis lost it, the job was resubmitted): follow the new run from its start.
             self.last_seq, self.attempts = 0, []
+        self.last_id_seq = events[-1].seq
         return self.fresh(events)
 
     def follow(self, pubsub: redis.client.PubSub) -> Iterator[ProgressEvent]:
