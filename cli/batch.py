@@ -2,7 +2,8 @@
 
 Re-running the same command skips the documents already finished in ``--out``. A Redis
 restart mid-batch is waited out (:func:`jobs.connection.wait_for_redis`): the jobs Redis
-kept carry on, the ones it lost come back as ``missing`` and are named at the end.
+kept carry on, the ones it lost are submitted again once by themselves
+(:meth:`BatchRun.resubmit_lost`); only a job lost twice is named at the end.
 """
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ class BatchRun:
         self.by_job: dict[str, list[str]] = {}
         for h, (doc_id, _) in zip(self.batch.handles, todo):
             self.by_job.setdefault(h.id, []).append(doc_id)
+        self.handles = {h.id: h for h in self.batch.handles}
         self.pending = dict.fromkeys(self.by_job)  # in batch order
         self.names = {job_id: docs[0] for job_id, docs in self.by_job.items()}
         self.unfinished: list[str] = []
+        self.resubmitted = 0  # jobs Redis lost and this run submitted again
 
     def follow(self, out: TextIO, deadline: Deadline, poll_s: float) -> None:
         """Until every job has ended: record the ended ones, show the rest."""
@@ -78,18 +81,34 @@ class BatchRun:
             time.sleep(deadline.cap(poll_s))
 
     def record_ended(self, view: BatchProgress, out: TextIO) -> None:
+        ended = {}
         for job_id in list(self.pending):
             ev = view.last_events.get(job_id)
-            status = self.client.handle(job_id).status() if ev is None or ev.terminal else None
+            status = self.handles[job_id].status() if ev is None or ev.terminal else None
             if status in ENDED:
+                ended[job_id] = status
+        again = self.resubmit_lost([jid for jid, st in ended.items() if st == "missing"])
+        for job_id, status in ended.items():
+            if job_id not in again:
                 self.record(job_id, status, out)
+
+    def resubmit_lost(self, job_ids: list[str]) -> set[str]:
+        """Submit again (once each) the jobs of ``job_ids`` that Redis lost in a restart or
+        flush; returns their ids (they stay pending)."""
+        again = set(self.batch.resubmit_lost(job_ids)) if job_ids else set()
+        self.resubmitted += len(again)
+        if again:
+            docs = sorted(d for jid in again for d in self.by_job[jid])
+            self.display.line(f"batch: Redis lost {len(again)} jobs ({', '.join(docs[:5])}"
+                              f"{' ...' if len(docs) > 5 else ''}); submitted them again")
+        return again
 
     def record(self, job_id: str, status: str, out: TextIO) -> None:
         from jobs.client import JobFailed
 
         rec: dict[str, Any] = {"job_id": job_id, "status": status}
         try:
-            rec["result"] = result_json(self.client.handle(job_id).result(timeout=5))
+            rec["result"] = result_json(self.handles[job_id].result(timeout=5))
         except JobFailed as exc:
             rec.update(status=exc.status, error=exc.error)
         self.pending.pop(job_id)  # only once its line is certain to be written
@@ -129,6 +148,7 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
         with open(out_path, "a") as out:
             run.follow(out, Deadline(timeout), poll_s)
     summary["unfinished"] = run.unfinished
+    summary["resubmitted"] = run.resubmitted
     summary["elapsed_s"] = round(time.perf_counter() - run.t0, 2)
     return summary
 

@@ -4,6 +4,10 @@ Job ids are derived from the spec (content + settings), so submitting the same w
 returns the existing job instead of running it twice; only jobs that ended failed, stopped
 or canceled are enqueued afresh. A batch is checked in one pipelined round trip and
 enqueued (jobs + their ``queued`` events) in another.
+
+Each handle remembers the Redis epoch (:mod:`jobs.epoch`) its job was known to exist in, so
+a job that is missing after a restart or flush is told apart as lost by Redis
+(:class:`JobLost`) from one never submitted, and is submitted again, once, by itself.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from rq.serializers import JSONSerializer
 from cache_store.replies import as_text
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
+from jobs.epoch import add_epoch_reads, epoch_of, read_epoch
 from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, publisher_for)
@@ -52,18 +57,45 @@ class JobFailed(RuntimeError):
         self.job_id, self.status, self.error = job_id, status, error
 
 
+class JobLost(JobFailed):
+    """Redis lost the job (it restarted without the data, or was flushed, since the job was
+    known to exist): not "never submitted". Raised once the one resubmission is lost too,
+    or for a handle that cannot resubmit (made by :meth:`Client.handle`, without its spec)."""
+
+    def __init__(self, job_id: str, resubmitted: bool) -> None:
+        again = "again, after it was submitted once more" if resubmitted else \
+            "(restarted or flushed since the job was seen)"
+        super().__init__(job_id, "lost", f"Redis lost this job {again}")
+
+
 class JobHandle:
     """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``."""
 
-    def __init__(self, client: "Client", job_id: str, *, created: bool = False) -> None:
+    def __init__(self, client: "Client", job_id: str, *, created: bool = False,
+                 spec: JobSpec | None = None, epoch: str | None = None) -> None:
         self.client, self.id, self.created = client, job_id, created
+        # What recovering from a data-losing restart needs: the spec to submit again, the
+        # epoch the job was known to exist in, and whether it was submitted again already.
+        self.spec, self.epoch, self.resubmitted = spec, epoch, False
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
 
     def status(self) -> str:
         """RQ status (queued, started, finished, failed, stopped, canceled, ...) or 'missing'."""
-        return as_text(self.client.connection.hget(job_key(self.id), "status")) or "missing"
+        status = as_text(self.client.connection.hget(job_key(self.id), "status"))
+        if status and self.epoch is None:  # first sight: note the epoch the job lives in
+            self.epoch = read_epoch(self.client.connection, self.client.settings.namespace)
+        return status or "missing"
+
+    def lost(self) -> bool:
+        """Whether a missing job was lost by Redis: it existed in an epoch that has ended."""
+        return (self.epoch is not None
+                and read_epoch(self.client.connection, self.client.settings.namespace) != self.epoch)
+
+    def recover(self) -> bool:
+        """If Redis lost this job, submit it again (once per handle): True if it did."""
+        return bool(BatchHandle(self.client, [self]).resubmit_lost())
 
     def _job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
@@ -94,6 +126,10 @@ class JobHandle:
             if status in TERMINAL_STATUSES:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else status)
             if status == "missing":
+                if self.recover():
+                    continue
+                if self.lost():
+                    raise JobLost(self.id, self.resubmitted)
                 raise JobFailed(self.id, status, "no such job (expired or never submitted)")
             if deadline.expired:
                 raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
@@ -130,6 +166,8 @@ class JobHandle:
         """Every progress event in order, ending at the terminal one (late attach replays)."""
         def idle_check(last_seq: int) -> ProgressEvent | None:
             status = self.status()
+            if status == "missing" and self.recover():
+                return None  # submitted again: its events start a new stream
             if status == "missing" or status in TERMINAL_STATUSES:
                 kind = {"finished": "done", "failed": "failed"}.get(status, "stopped")
                 return ProgressEvent(self.id, last_seq + 1, kind,
@@ -216,6 +254,29 @@ class BatchHandle:
 
     def cancel(self) -> dict[str, str]:
         return {h.id: h.cancel() for h in self.handles}
+
+    def resubmit_lost(self, job_ids: Iterable[str] | None = None) -> list[str]:
+        """Submit again, in one enqueue, the jobs (of ``job_ids``, default all) that Redis
+        lost: missing now, known to exist in an epoch that has ended, and not submitted
+        again yet by these handles. Returns their ids. A worker still running a lost job
+        stops it without a result (its claim is gone), so each job ends with one result."""
+        wanted = set(self.job_ids if job_ids is None else job_ids)
+        by_id: dict[str, list[JobHandle]] = {}
+        for h in self.handles:
+            if h.id in wanted and h.spec is not None and h.epoch is not None and not h.resubmitted:
+                by_id.setdefault(h.id, []).append(h)
+        if not by_id:
+            return []
+        statuses = self.client._statuses(list(by_id))
+        missing = [jid for jid in by_id if statuses[jid] is None]
+        epoch = read_epoch(self.client.connection, self.client.settings.namespace) if missing else None
+        lost = [jid for jid in missing if by_id[jid][0].epoch != epoch]
+        if lost:
+            again = self.client._enqueue([by_id[jid][0].spec for jid in lost])
+            for jid, new in zip(lost, again):
+                for h in by_id[jid]:
+                    h.epoch, h.resubmitted = new.epoch, True
+        return lost
 
     def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
         """Aggregate snapshots every ``poll_s`` until every job has ended."""
@@ -313,8 +374,10 @@ class Client:
         # job makes EXEC fail, and the next round sees its job and leaves it alone. Jobs seen
         # queued, running or done are not watched: workers write to them all the time.
         candidates = unique
-        for _ in range(_ENQUEUE_ATTEMPTS):
-            statuses = self._statuses(candidates)
+        # The epoch is read before the enqueue: a restart in between reads as a lost job.
+        statuses, epoch = self._statuses_and_epoch(candidates)
+        for attempt in range(_ENQUEUE_ATTEMPTS):
+            statuses = statuses if attempt == 0 else self._statuses(candidates)
             todo = [jid for jid in candidates
                     if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
             if not todo:
@@ -335,13 +398,27 @@ class Client:
             raise EnqueueConflict(f"enqueue: {len(candidates)} of the jobs kept changing while being "
                                   f"enqueued ({_ENQUEUE_ATTEMPTS} attempts); submit again")
         created = set(todo)
-        return [JobHandle(self, p.job_id, created=p.job_id in created) for p in plans]
+        return [JobHandle(self, p.job_id, created=p.job_id in created, spec=p.spec, epoch=epoch)
+                for p in plans]
 
     def _statuses(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.connection.pipeline(transaction=False) as read:  # one round trip
             for jid in job_ids:
                 read.hget(job_key(jid), "status")
             return dict(zip(job_ids, (as_text(v) for v in read.execute())))
+
+    def _statuses_and_epoch(self, job_ids: list[str]) -> tuple[dict[str, str | None], str]:
+        """:meth:`_statuses` and the Redis epoch, in one round trip."""
+        with self.connection.pipeline(transaction=False) as read:
+            for jid in job_ids:
+                read.hget(job_key(jid), "status")
+            add_epoch_reads(read, self.settings.namespace)
+            replies = read.execute(raise_on_error=False)
+        n = len(job_ids)
+        for r in replies[:n]:
+            if isinstance(r, Exception):
+                raise r
+        return dict(zip(job_ids, (as_text(v) for v in replies[:n]))), epoch_of(replies[n:])
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
                          first: dict[str, JobSpec]) -> None:
