@@ -31,7 +31,9 @@ class Liveness(threading.Thread):
     def __init__(self, worker: Any, interval_s: float) -> None:
         super().__init__(name=f"liveness-{worker.name}", daemon=True)
         self.worker, self.interval_s = worker, interval_s
-        self.connection = side_connection(worker.connection, timeout_s=interval_s)
+        # Each call fails within a beat (at most 5 s), so stop() can wait for the last one.
+        self.timeout_s = min(interval_s, 5.0)
+        self.connection = side_connection(worker.connection, timeout_s=self.timeout_s)
         self.done = threading.Event()
         self.epoch: str | None = None
         self.beats = self.registrations = 0
@@ -142,5 +144,5 @@ class Liveness(threading.Thread):
 
     def stop(self) -> None:
         self.done.set()
-        self.join(timeout=5)
+        self.join(timeout=2 * self.timeout_s + 1)  # a beat is two calls
         self.connection.close()

@@ -51,12 +51,25 @@ class InProcessWorker(SimpleWorker):
         runtime_mod.install(runtime)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        """RQ's work loop, with the heartbeat thread running for as long as it does."""
+        """RQ's work loop, with the heartbeat thread running from the worker's birth to its
+        death (started after RQ registered it, stopped before RQ registers its death)."""
         self.liveness = Liveness(self, self.runtime.settings.heartbeat_interval_s)
-        self.liveness.start()
         try:
             return super().work(*args, **kwargs)
         finally:
+            self._stop_liveness()
+
+    def register_birth(self) -> None:
+        super().register_birth()
+        if self.liveness is not None and not self.liveness.is_alive():
+            self.liveness.start()
+
+    def register_death(self) -> None:
+        self._stop_liveness()  # else a last beat could list the dead worker again
+        super().register_death()
+
+    def _stop_liveness(self) -> None:
+        if self.liveness is not None and self.liveness.is_alive():
             self.liveness.stop()
 
     def get_heartbeat_ttl(self, job: Any, working_time: float = 0.0) -> int:
