@@ -189,10 +189,11 @@ class JobHandle:
         from what was already yielded (the result then holds the final text).
         """
         shown, attempt, last = "", "", None  # yielded so far; the current attempt's text
+        run = ""  # the attempt the text comes from (a new one starts its text over)
         for ev in self.events(timeout=timeout, poll_s=poll_s):
             last = ev
-            if ev.kind == "retrying":
-                attempt = ""
+            if ev.kind == "retrying" or (ev.attempt and ev.attempt != run):
+                attempt, run = "", ev.attempt or run
             elif ev.kind == "text":
                 offset, delta = int(ev.data.get("offset", len(attempt))), ev.data.get("delta", "")
                 if offset <= len(attempt) < offset + len(delta):  # else a replay, or after a gap
