@@ -137,8 +137,8 @@ class Liveness(threading.Thread):
             claim = self.claim if self._job is not None and self._job[1] is execution else None
         if claim is None or claim.lost:
             return
-        self.worker.log.warning("worker %s: lost its claim on job %s (taken over or lost by Redis); "
-                    "stopping it without a result", self.worker.name, job.id)
+        self.worker.log.warning("worker %s: lost its claim on job %s (taken over or lost by "
+                                "Redis); stopping it without a result", self.worker.name, job.id)
         claim.lose()
         self.worker.runtime.stop_event.set()
 
