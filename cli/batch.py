@@ -9,8 +9,9 @@ be read or is refused is reported and skipped, the rest run, and the exit status
 
 ``<out>.jobs`` lists every document's job id, for ``status``, ``result``, ``cancel`` and
 ``list`` given the out-file. A Redis restart mid-batch is waited out
-(:func:`jobs.connection.wait_for_redis`): the jobs Redis kept carry on, the ones it lost come
-back as ``missing`` and are named at the end.
+(:func:`jobs.connection.wait_for_redis`): the jobs Redis kept carry on, the ones it lost are
+submitted again once by themselves (:meth:`BatchRun.resubmit_lost`); only a job lost twice
+is named at the end.
 """
 from __future__ import annotations
 
@@ -134,9 +135,11 @@ class BatchRun:
                                          names=[doc.id for doc, _ in plan.todo],
                                          holder=cli_holder())
         self.docs = {h.id: (doc, spec) for h, (doc, spec) in zip(self.batch.handles, plan.todo)}
+        self.handles = {h.id: h for h in self.batch.handles}
         self.pending = dict.fromkeys(self.docs)  # in batch order
         self.names = {job_id: doc.id for job_id, (doc, _) in self.docs.items()}
         self.unfinished: list[str] = []
+        self.resubmitted = 0  # jobs Redis lost and this run submitted again
 
     def follow(self, out: TextIO, deadline: Deadline, poll_s: float) -> None:
         """Until every job has ended: record the ended ones, show the rest."""
@@ -156,11 +159,27 @@ class BatchRun:
             time.sleep(deadline.cap(poll_s))
 
     def record_ended(self, view: BatchProgress, out: TextIO) -> None:
+        ended = {}
         for job_id in list(self.pending):
             ev = view.last_events.get(job_id)
-            status = self.client.handle(job_id).status() if ev is None or ev.terminal else None
+            status = self.handles[job_id].status() if ev is None or ev.terminal else None
             if status in ENDED:
+                ended[job_id] = status
+        again = self.resubmit_lost([jid for jid, st in ended.items() if st == "missing"])
+        for job_id, status in ended.items():
+            if job_id not in again:
                 self.record(job_id, status, out)
+
+    def resubmit_lost(self, job_ids: list[str]) -> set[str]:
+        """Submit again (once each) the jobs of ``job_ids`` that Redis lost in a restart or
+        flush; returns their ids (they stay pending)."""
+        again = set(self.batch.resubmit_lost(job_ids)) if job_ids else set()
+        self.resubmitted += len(again)
+        if again:
+            docs = sorted(d for jid in again for d in self.by_job[jid])
+            self.display.line(f"batch: Redis lost {len(again)} jobs ({', '.join(docs[:5])}"
+                              f"{' ...' if len(docs) > 5 else ''}); submitted them again")
+        return again
 
     def record(self, job_id: str, status: str, out: TextIO) -> None:
         from jobs.client import JobFailed
@@ -168,7 +187,7 @@ class BatchRun:
         doc, spec = self.docs[job_id]
         rec: dict[str, Any] = {"id": doc.id, "job_id": job_id, "status": status}
         try:
-            rec["result"] = result_json(self.client.handle(job_id).result(timeout=5))
+            rec["result"] = result_json(self.handles[job_id].result(timeout=5))
         except JobFailed as exc:
             bad = exc.status == "failed" and is_bad_input(exc.error)
             rec.update(status=exc.status, error=split_error(exc.error)[1] if bad else exc.error)
@@ -257,6 +276,7 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
                                   f"documents are skipped), or cancel them with `specprefill cancel "
                                   f"{out_path}`") from None
     summary["unfinished"] += run.unfinished
+    summary["resubmitted"] = run.resubmitted
     summary["elapsed_s"] = round(time.perf_counter() - run.t0, 2)
     return summary
 

@@ -7,6 +7,10 @@ enqueued (jobs + their ``queued`` events) in another.
 
 Shared work, private control (:mod:`jobs.holders`): every handle holds the job with its own
 token, and ``cancel()`` stops the job only when no other submitter holds it any more.
+
+Each handle remembers the Redis epoch (:mod:`jobs.epoch`) its job was known to exist in, so
+a job that is missing after a restart or flush is told apart as lost by Redis
+(:class:`JobLost`) from one never submitted, and is submitted again, once, by itself.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from cache_store.replies import as_text
 from jobs import holders
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
+from jobs.epoch import add_epoch_reads, epoch_of, read_epoch
 from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, publisher_for)
@@ -59,6 +64,17 @@ class JobFailed(RuntimeError):
         self.job_id, self.status, self.error = job_id, status, error
 
 
+class JobLost(JobFailed):
+    """Redis lost the job (it restarted without the data, or was flushed, since the job was
+    known to exist): not "never submitted". Raised once the one resubmission is lost too,
+    or for a handle that cannot resubmit (made by :meth:`Client.handle`, without its spec)."""
+
+    def __init__(self, job_id: str, resubmitted: bool) -> None:
+        again = "again, after it was submitted once more" if resubmitted else \
+            "(restarted or flushed since the job was seen)"
+        super().__init__(job_id, "lost", f"Redis lost this job {again}")
+
+
 class JobHandle:
     """A submitted job: ``status()``, ``result(timeout)``, ``cancel()``, ``events()``.
 
@@ -67,15 +83,31 @@ class JobHandle:
     """
 
     def __init__(self, client: "Client", job_id: str, *, created: bool = False,
-                 holder: str | None = None) -> None:
+                 holder: str | None = None, spec: JobSpec | None = None,
+                 epoch: str | None = None) -> None:
         self.client, self.id, self.created, self.holder = client, job_id, created, holder
+        # What recovering from a data-losing restart needs: the spec to submit again, the
+        # epoch the job was known to exist in, and whether it was submitted again already.
+        self.spec, self.epoch, self.resubmitted = spec, epoch, False
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
 
     def status(self) -> str:
         """RQ status (queued, started, finished, failed, stopped, canceled, ...) or 'missing'."""
-        return as_text(self.client.connection.hget(job_key(self.id), "status")) or "missing"
+        status = as_text(self.client.connection.hget(job_key(self.id), "status"))
+        if status and self.epoch is None:  # first sight: note the epoch the job lives in
+            self.epoch = read_epoch(self.client.connection, self.client.settings.namespace)
+        return status or "missing"
+
+    def lost(self) -> bool:
+        """Whether a missing job was lost by Redis: it existed in an epoch that has ended."""
+        return (self.epoch is not None
+                and read_epoch(self.client.connection, self.client.settings.namespace) != self.epoch)
+
+    def recover(self) -> bool:
+        """If Redis lost this job, submit it again (once per handle): True if it did."""
+        return bool(BatchHandle(self.client, [self]).resubmit_lost())
 
     def _job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
@@ -106,6 +138,10 @@ class JobHandle:
             if status in TERMINAL_STATUSES:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else status)
             if status == "missing":
+                if self.recover():
+                    continue
+                if self.lost():
+                    raise JobLost(self.id, self.resubmitted)
                 raise JobFailed(self.id, status, "no such job (expired or never submitted)")
             if deadline.expired:
                 raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
@@ -160,6 +196,8 @@ class JobHandle:
         """Every progress event in order, ending at the terminal one (late attach replays)."""
         def idle_check(last_seq: int) -> ProgressEvent | None:
             status = self.status()
+            if status == "missing" and self.recover():
+                return None  # submitted again: its events start a new stream
             if status == "missing" or status in TERMINAL_STATUSES:
                 kind = {"finished": "done", "failed": "failed"}.get(status, "stopped")
                 return ProgressEvent(self.id, last_seq + 1, kind,
@@ -181,10 +219,11 @@ class JobHandle:
         from what was already yielded (the result then holds the final text).
         """
         shown, attempt, last = "", "", None  # yielded so far; the current attempt's text
+        run = ""  # the attempt the text comes from (a new one starts its text over)
         for ev in self.events(timeout=timeout, poll_s=poll_s):
             last = ev
-            if ev.kind == "retrying":
-                attempt = ""
+            if ev.kind == "retrying" or (ev.attempt and ev.attempt != run):
+                attempt, run = "", ev.attempt or run
             elif ev.kind == "text":
                 offset, delta = int(ev.data.get("offset", len(attempt))), ev.data.get("delta", "")
                 if offset <= len(attempt) < offset + len(delta):  # else a replay, or after a gap
@@ -255,6 +294,30 @@ class BatchHandle:
 
     def cancel(self) -> dict[str, str]:
         return {h.id: h.cancel() for h in self.handles}
+
+    def resubmit_lost(self, job_ids: Iterable[str] | None = None) -> list[str]:
+        """Submit again, in one enqueue, the jobs (of ``job_ids``, default all) that Redis
+        lost: missing now, known to exist in an epoch that has ended, and not submitted
+        again yet by these handles. Returns their ids. A worker still running a lost job
+        stops it without a result (its claim is gone), so each job ends with one result."""
+        wanted = set(self.job_ids if job_ids is None else job_ids)
+        by_id: dict[str, list[JobHandle]] = {}
+        for h in self.handles:
+            if h.id in wanted and h.spec is not None and h.epoch is not None and not h.resubmitted:
+                by_id.setdefault(h.id, []).append(h)
+        if not by_id:
+            return []
+        statuses = self.client._statuses(list(by_id))
+        missing = [jid for jid in by_id if statuses[jid] is None]
+        epoch = read_epoch(self.client.connection, self.client.settings.namespace) if missing else None
+        lost = [jid for jid in missing if by_id[jid][0].epoch != epoch]
+        if lost:
+            # Each handle holds the new copy as it held the lost one (a cancel still works).
+            again_of = [h for jid in lost for h in by_id[jid]]
+            again = self.client._enqueue([h.spec for h in again_of], [h.holder for h in again_of])
+            for h, new in zip(again_of, again):
+                h.epoch, h.resubmitted = new.epoch, True
+        return lost
 
     def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
         """Aggregate snapshots (:meth:`progress`) every ``poll_s`` seconds, the last one when
@@ -380,10 +443,13 @@ class Client:
             doc_names = [given if given is not None else own for given, own in zip(names, doc_names)]
         return BatchHandle(self, self._enqueue(specs, holder, doc_names))
 
-    def _enqueue(self, specs: list[JobSpec], holder: str | None = None,
+    def _enqueue(self, specs: list[JobSpec], holder: str | list[str | None] | None = None,
                  names: list[str | None] | None = None) -> list[JobHandle]:
+        """Enqueue ``specs`` held by ``holder`` (one name for all, one per spec, or fresh tokens)."""
         s = self.settings
-        plans = [_Plan(spec, spec.job_id(s.namespace), holder or holders.new_token()) for spec in specs]
+        held = holder if isinstance(holder, list) else [holder] * len(specs)
+        plans = [_Plan(spec, spec.job_id(s.namespace), h or holders.new_token())
+                 for spec, h in zip(specs, held)]
         first: dict[str, JobSpec] = {}
         tokens: dict[str, list[str]] = {}
         described: dict[str, str] = {}
@@ -394,8 +460,10 @@ class Client:
         self.queue.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
         created: set[str] = set()
         pending, deadline = list(first), Deadline(s.stop_wait_s)
+        known_epoch = ""
         while pending:
-            new, finished = self._enqueue_missing(pending, first, tokens, described)
+            new, finished, epoch = self._enqueue_missing(pending, first, tokens, described)
+            known_epoch = known_epoch or epoch
             created |= new
             # The others exist: join them (a finished one needs no holders: nothing can stop
             # it now). One whose last holder just let go is being stopped; wait for it to
@@ -405,26 +473,30 @@ class Client:
             if doomed:
                 self._wait_ended(doomed, deadline)
             pending = [j for j in pending if j in doomed]
-        return [JobHandle(self, p.job_id, created=p.job_id in created, holder=p.holder)
-                for p in plans]
+        return [JobHandle(self, p.job_id, created=p.job_id in created, holder=p.holder,
+                          spec=p.spec, epoch=known_epoch) for p in plans]
 
     def _enqueue_missing(self, candidates: list[str], first: dict[str, JobSpec],
                          tokens: dict[str, list[str]], described: dict[str, str]
-                         ) -> tuple[set[str], set[str]]:
+                         ) -> tuple[set[str], set[str], str]:
         """Enqueue those of ``candidates`` that do not exist or ended badly; return them,
-        and the candidates seen finished."""
+        the candidates seen finished, and the Redis epoch read before the enqueue."""
         conn, finished = self.connection, set()
         # Optimistic check-and-enqueue: read the statuses, WATCH the hashes of the jobs to
         # enqueue, read those again, enqueue them in MULTI. A concurrent submitter of the same
         # job makes EXEC fail, and the next round sees its job and leaves it alone. Jobs seen
         # queued, running or done are not watched: workers write to them all the time.
-        for _ in range(_ENQUEUE_ATTEMPTS):
-            statuses = self._statuses(candidates)
+        for attempt in range(_ENQUEUE_ATTEMPTS):
+            # The epoch is read before the enqueue: a restart in between reads as a lost job.
+            if attempt == 0:
+                statuses, epoch = self._statuses_and_epoch(candidates)
+            else:
+                statuses = self._statuses(candidates)
             todo = [jid for jid in candidates
                     if statuses[jid] is None or statuses[jid] in RERUN_STATUSES]
             finished |= {jid for jid in candidates if statuses[jid] == "finished"}
             if not todo:
-                return set(), finished
+                return set(), finished, epoch
             with conn.pipeline() as pipe:
                 try:
                     pipe.watch(*(job_key(jid) for jid in todo))
@@ -433,7 +505,7 @@ class Client:
                         candidates = todo
                         continue
                     self._enqueue_watched(pipe, todo, statuses, first, tokens, described)
-                    return set(todo), finished
+                    return set(todo), finished, epoch
                 except redis.WatchError:
                     candidates = todo  # the others are settled: seen running or done
                     continue
@@ -459,6 +531,19 @@ class Client:
             for jid in job_ids:
                 read.hget(job_key(jid), "status")
             return dict(zip(job_ids, (as_text(v) for v in read.execute())))
+
+    def _statuses_and_epoch(self, job_ids: list[str]) -> tuple[dict[str, str | None], str]:
+        """:meth:`_statuses` and the Redis epoch, in one round trip."""
+        with self.connection.pipeline(transaction=False) as read:
+            for jid in job_ids:
+                read.hget(job_key(jid), "status")
+            add_epoch_reads(read, self.settings.namespace)
+            replies = read.execute(raise_on_error=False)
+        n = len(job_ids)
+        for r in replies[:n]:
+            if isinstance(r, Exception):
+                raise r
+        return dict(zip(job_ids, (as_text(v) for v in replies[:n]))), epoch_of(replies[n:])
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
                          first: dict[str, JobSpec], tokens: dict[str, list[str]],

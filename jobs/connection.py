@@ -89,3 +89,14 @@ def wait_for_redis(client: redis.Redis, deadline: Deadline, *, pause_s: float = 
             if on_wait is not None:
                 on_wait(exc)
             time.sleep(deadline.cap(pause_s))
+
+
+def side_connection(client: redis.Redis, timeout_s: float) -> redis.Redis:
+    """A client of its own to the same server as ``client``, for a side thread whose calls
+    must fail within ``timeout_s`` instead of waiting out the queue client's backoff: no
+    retries, connect and read bounded by ``timeout_s`` (the caller retries on its own beat)."""
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "socket_timeout": timeout_s,
+              "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
+                                                            max_connections=2, **kwargs))

@@ -34,3 +34,9 @@ def channel_name(namespace: str, job_id: str) -> str:
 def job_key(job_id: str) -> str:
     """RQ's hash of one job (status, result, ...)."""
     return Job.key_for(job_id)
+
+
+def epoch_key(namespace: str) -> str:
+    """A random marker (no expiry) that, with the server's run id, names the Redis data set
+    in use: a new value means a restart or flush happened (see :mod:`jobs.epoch`)."""
+    return f"{namespace}:epoch"

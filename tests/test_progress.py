@@ -191,3 +191,64 @@ def test_publisher_for_takes_the_stream_settings_and_continues_the_sequence():
     pub.publish("queued")
     assert publisher_for(r, "j", s).seq == 1 and publisher_for(r, "j", s, start_seq=0).seq == 0
     assert 0 < r.ttl(stream_key("ns1", "j")) <= 50
+
+
+def test_two_attempts_publishing_at_once_never_share_a_number():
+    """A retried job's new attempt and an old copy still running both append: Redis numbers
+    their events in one sequence, and a watcher skips the superseded attempt's late events."""
+    r = fakeredis.FakeRedis()
+    old = ProgressPublisher(r, "dup", namespace="t", min_interval_s=0.0, attempt="a1")
+    old.publish("loading_model")
+    old.publish("scoring", processed=1, total=4)
+    new = ProgressPublisher(r, "dup", namespace="t", min_interval_s=0.0, attempt="a2")  # start_seq 0
+    new.publish("loading_model")
+    old.publish("scoring", processed=2, total=4)  # the old copy has not noticed yet
+    new.publish("done")
+    events = parse_stream_events(r.xrange(stream_key("t", "dup")))
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+    assert [(e.attempt, e.kind) for e in events] == [("a1", "loading_model"), ("a1", "scoring"),
+                                                     ("a2", "loading_model"), ("a1", "scoring"),
+                                                     ("a2", "done")]
+    assert new.seq == 5 and old.seq == 4
+
+
+def test_a_fenced_publisher_sends_nothing_once_its_member_is_gone():
+    r = fakeredis.FakeRedis()
+    r.zadd("wip", {"job:exec1": 100})
+    pub = ProgressPublisher(r, "f", namespace="t", min_interval_s=0.0, fence=("wip", "job:exec1"))
+    assert pub.publish("loading_model").seq == 1
+    r.zrem("wip", "job:exec1")  # the claim was taken (RQ's sweep) or lost with Redis's data
+    assert pub.publish("scoring", processed=1, total=2) is None
+    assert pub.fenced and pub.finished and pub.publish("done") is None
+    assert [e.kind for e in parse_stream_events(r.xrange(stream_key("t", "f")))] == ["loading_model"]
+
+
+def test_watcher_skips_a_superseded_attempt_and_follows_a_recreated_stream(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    a1 = ProgressPublisher(r, "sup", min_interval_s=0.0, attempt="a1")
+    a2 = ProgressPublisher(r, "sup", min_interval_s=0.0, attempt="a2")
+    ProgressPublisher(r, "sup", min_interval_s=0.0).publish("queued")
+    a1.publish("loading_model")
+    a2.publish("loading_model")
+    a1.publish("scoring", processed=1, total=2)  # late, from the copy that lost its claim
+    a2.publish("done")
+    got = list(iter_events(r, "sup", timeout=5))
+    assert [(e.seq, e.attempt, e.kind) for e in got] == [
+        (1, "", "queued"), (2, "a1", "loading_model"), (3, "a2", "loading_model"), (5, "a2", "done")]
+    # Redis lost the stream and the job was resubmitted: numbering starts over, after what was read.
+    r.delete(stream_key("specprefill", "sup2"))
+    first = ProgressPublisher(r, "sup2", min_interval_s=0.0, attempt="b1")
+    first.publish("loading_model")
+    seen = []
+    w = threading.Thread(target=lambda: seen.extend(iter_events(r, "sup2", timeout=10, poll_s=0.2)))
+    w.start()
+    wait = time.monotonic() + 5
+    while not seen and time.monotonic() < wait:
+        time.sleep(0.02)
+    r.delete(stream_key("specprefill", "sup2"))
+    again = ProgressPublisher(r, "sup2", min_interval_s=0.0, attempt="b2")
+    again.publish("loading_model")
+    again.publish("done")
+    w.join(10)
+    assert [(e.seq, e.attempt, e.kind) for e in seen] == [
+        (1, "b1", "loading_model"), (1, "b2", "loading_model"), (2, "b2", "done")]

@@ -1,7 +1,7 @@
 """RQ's own tools see a job's progress: the latest event mirrored into ``job.meta``.
 
 ``rq info``, rq-dashboard (``--json``) and ``Job.fetch(...).meta`` read the job hash's
-``meta`` field. It is written in the same pipeline as the progress stream, so at the
+``meta`` field. It is written right after each send of the progress stream, so at the
 coalesced rate of progress (at most one send per ``progress_interval_s``), never per token.
 RQ itself writes ``meta`` only from a non-empty in-memory ``job.meta``, which these jobs
 never set, so the mirror is not clobbered when the job ends.

@@ -2,15 +2,17 @@
 
 RQ's forking ``Worker`` cannot hold a loaded model across jobs and forking after Metal
 starts crashes on macOS, so this is a ``SimpleWorker`` that adds what SimpleWorker lacks:
-heartbeats from a side thread while a job runs (else RQ reaps a long job as abandoned and
-runs it twice), a cooperative stop (RQ's stop-job command and a second SIGTERM set an
-event the job checks between prefill chunks), and an explicit timeout for every job.
+heartbeats from a side thread on a connection of its own (:mod:`worker.liveness`; else RQ
+reaps a long job as abandoned and runs it twice, and a short Redis outage delays the beats
+past the claim), a job that stops without a word when its claim was nevertheless taken, a
+registration that survives Redis restarts, a cooperative stop (RQ's stop-job command and
+a second SIGTERM set an event the job checks between prefill chunks), and an explicit
+timeout for every job.
 """
 from __future__ import annotations
 
 import logging
 import math
-import threading
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -20,33 +22,11 @@ from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
 from worker import hooks, runtime as runtime_mod
+from worker.liveness import Liveness
 from worker.models import release_cached_buffers
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
-
-
-class _HeartbeatThread(threading.Thread):
-    """Calls RQ's ``maintain_heartbeats(job, execution)`` every ``interval_s`` seconds."""
-
-    def __init__(self, worker: "InProcessWorker", job: Any, execution: Any, interval_s: float) -> None:
-        super().__init__(name=f"heartbeat-{job.id}", daemon=True)
-        self.worker, self.job, self.execution = worker, job, execution
-        self.interval_s = interval_s
-        self.done = threading.Event()
-        self.beats = 0
-
-    def run(self) -> None:
-        while not self.done.wait(self.interval_s):
-            try:
-                self.worker.maintain_heartbeats(self.job, self.execution)
-                self.beats += 1
-            except Exception as exc:  # Redis hiccup: the next beat tries again
-                log.warning("heartbeat for job %s failed: %s", self.job.id, exc)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(timeout=5)
 
 
 class InProcessWorker(SimpleWorker):
@@ -67,7 +47,30 @@ class InProcessWorker(SimpleWorker):
         kwargs.setdefault("worker_ttl", max(16, math.ceil(s.maintenance_interval_s) + 15))
         super().__init__(queues, connection=runtime.connection, **kwargs)
         self.runtime = runtime
+        self.liveness: Liveness | None = None
         runtime_mod.install(runtime)
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        """RQ's work loop, with the heartbeat thread running from the worker's birth to its
+        death (started after RQ registered it, stopped before RQ registers its death)."""
+        self.liveness = Liveness(self, self.runtime.settings.heartbeat_interval_s)
+        try:
+            return super().work(*args, **kwargs)
+        finally:
+            self._stop_liveness()
+
+    def register_birth(self) -> None:
+        super().register_birth()
+        if self.liveness is not None and not self.liveness.is_alive():
+            self.liveness.start()
+
+    def register_death(self) -> None:
+        self._stop_liveness()  # else a last beat could list the dead worker again
+        super().register_death()
+
+    def _stop_liveness(self) -> None:
+        if self.liveness is not None and self.liveness.is_alive():
+            self.liveness.stop()
 
     def get_heartbeat_ttl(self, job: Any, working_time: float = 0.0) -> int:
         """How long a started job stays claimed without a heartbeat.
@@ -75,23 +78,75 @@ class InProcessWorker(SimpleWorker):
         SimpleWorker claims a job for its whole timeout + 60 s (it cannot beat while the
         job runs), so a worker killed mid-job would hold it that long. The heartbeat thread
         beats every ``heartbeat_interval_s``, so a short claim is safe and a dead worker's
-        job is retried after ``heartbeat_ttl_s`` (at the next registry sweep).
+        job is retried after ``heartbeat_ttl_s`` (at the next registry sweep). RQ writes and
+        compares claim expiries in whole seconds (rounded down), which would cut up to a
+        second off the claim; the extra second keeps every claim at least ``heartbeat_ttl_s``.
         """
-        return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s))
+        return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s)) + 1
 
     def perform_job(self, job: Any, queue: Queue, execution: Any) -> bool:
         self.runtime.stop_event.clear()
         if not job.timeout or job.timeout < 0:  # never run unbounded (timeout -1 breaks reaping)
             job.timeout = self.runtime.settings.job_timeout_s
-        beat = _HeartbeatThread(self, job, execution, self.runtime.settings.heartbeat_interval_s)
-        beat.start()
+        self._execution = execution
         try:
             return super().perform_job(job, queue, execution)
         finally:
-            beat.stop()
+            if self.liveness is not None:
+                self.liveness.unwatch()
+            self.runtime.claim = None
             self.runtime.stop_event.clear()
             release_cached_buffers()
             hooks.on_job_end(self, job)
+
+    def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        super().prepare_job_execution(job, remove_from_intermediate_queue)
+        # Claimed now (status started, our name on it): from here the beats keep the claim.
+        if self.liveness is not None:
+            self.runtime.claim = self.liveness.watch(job, self._execution)
+
+    # -- a claim lost while the job ran: no result, no failure, nothing recorded ------------
+
+    def _claim_gone(self) -> bool:
+        """Whether the job that just ended had lost its claim (a fresh read decides)."""
+        if self.liveness is not None:
+            self.liveness.unwatch()
+        claim = self.runtime.claim
+        return claim is not None and not claim.held()
+
+    def _drop_execution(self, job: Any, execution: Any) -> None:
+        """Remove only this worker's traces of the run: the job belongs to someone else."""
+        self.log.warning("Worker %s: job %s was taken over or lost while it ran; its result "
+                         "is dropped", self.name, job.id)
+        self.runtime.stopped_job_id = None
+        with self.connection.pipeline() as pipe:
+            execution.delete(job=job, pipeline=pipe)
+            pipe.execute()
+        self.executions.pop(execution.id, None)
+
+    def _finalize_success(self, job: Any, queue: Queue, execution: Any, return_value: Any) -> None:
+        if self._claim_gone():
+            return self._drop_execution(job, execution)
+        super()._finalize_success(job, queue, execution, return_value)
+
+    def _finalize_failure(self, job: Any, queue: Queue, execution: Any, exc_info: Any) -> None:
+        if self._claim_gone():
+            return self._drop_execution(job, execution)
+        super()._finalize_failure(job, queue, execution, exc_info)
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
+        # RQ gives the worker's own key the job's short claim TTL at job start; the key must
+        # outlive any outage the worker survives (the liveness thread renews it each beat).
+        timeout = max(timeout or 0, self.worker_ttl + 60)
+        if pipeline is not None:
+            return super().heartbeat(timeout, pipeline=pipeline)
+        try:
+            super().heartbeat(timeout)
+        except REDIS_DOWN as exc:  # the dequeue that follows backs off
+            self._redis_down("heartbeat", exc)
+            return
+        if self._redis_lost:
+            self._register_again()
 
     # -- surviving a Redis outage ---------------------------------------------
     # Waiting for Redis is RQ's own: its dequeue loop backs off until Redis answers. But
@@ -136,17 +191,6 @@ class InProcessWorker(SimpleWorker):
         except REDIS_DOWN as exc:  # re-registering when Redis is back writes the state again
             self._state = state
             self._redis_down("state", exc)
-
-    def heartbeat(self, timeout: int | None = None, pipeline: Any = None) -> None:
-        if pipeline is not None:
-            return super().heartbeat(timeout, pipeline=pipeline)
-        try:
-            super().heartbeat(timeout)
-        except REDIS_DOWN as exc:  # the dequeue that follows backs off
-            self._redis_down("heartbeat", exc)
-            return
-        if self._redis_lost:
-            self._register_again()
 
     def run_maintenance_tasks(self) -> None:
         try:

@@ -18,7 +18,7 @@ from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
 from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
-from worker.context import JobContext, JobStopped
+from worker.context import ClaimLost, JobContext, JobStopped
 from worker.generate_pipeline import run_generate
 from worker.job_meta import mirror_progress
 from worker.selection_pipeline import run_prefill
@@ -45,6 +45,9 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
             raise JobStopped(f"job {ctx.job_id} canceled before it started")
         spec = spec_from_payload(payload, ctx.settings)
         result = RUNNERS[spec.kind](spec, ctx)
+    except ClaimLost:  # another worker (or a resubmission) owns the job now: not a word
+        ctx.publisher.close()
+        raise
     except JobStopped:
         ctx.publisher.publish("stopped")
         raise
@@ -57,6 +60,7 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
         raise
     finally:
         ctx.publisher.flush()  # a non-terminal last event (retrying) must not stay buffered
+    ctx.check_claim()  # the last moment: a copy that lost its claim publishes no "done"
     ctx.publisher.publish("done", **_done_summary(result, time.perf_counter() - t0))
     return result
 
@@ -68,7 +72,12 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     job = get_current_job()
     rt = runtime_mod.current(job.connection if job else None)
     job_id = job.id if job else "direct"
-    ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings))
+    claim = rt.claim if rt.claim is not None and rt.claim.job_id == job_id else None
+    ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings,
+                                               attempt=claim.attempt if claim else "",
+                                               fence=claim.fence if claim else None))
+    if claim is not None:
+        claim.publisher = ctx.publisher
     if job is not None:
         mirror_progress(ctx.publisher, job_id)  # RQ's tools (rq info, rq-dashboard) see it
     retries_left = (job.retries_left or 0) if job else 0
@@ -77,7 +86,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     except REDIS_DOWN:
         raise  # RQ retries while retries_left > 0
     except BaseException as exc:
-        if isinstance(exc, JobStopped):
+        if isinstance(exc, JobStopped) and not isinstance(exc, ClaimLost):
             rt.stopped_job_id = job_id  # recorded as stopped, not failed (see InProcessWorker)
         if job is not None:
             job.retries_left = 0  # bad input, timeouts and stops are never retried

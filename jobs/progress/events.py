@@ -20,26 +20,40 @@ STREAM_FIELD = "e"  # the one field of a stream entry: the event's JSON
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One event of one job. ``seq`` counts from 1 per job run."""
+    """One event of one job.
+
+    ``seq`` counts from 1 per job and is unique in its stream: it is assigned by Redis when
+    the event is appended, so two attempts of a job (a retry, or a copy still running after
+    its claim was taken) never share a number. ``attempt`` names the run that sent it (its
+    RQ execution id; empty for events of the queue itself: queued, canceled, retrying).
+    """
 
     job_id: str
     seq: int
     kind: str
     data: dict[str, Any] = field(default_factory=dict)
     ts: float = 0.0
+    attempt: str = ""
 
     @property
     def terminal(self) -> bool:
         return self.kind in TERMINAL_KINDS
 
     def to_json(self) -> str:
-        return json.dumps({"job_id": self.job_id, "seq": self.seq, "kind": self.kind,
-                           "ts": self.ts, "data": self.data}, separators=(",", ":"))
+        return "{" + f'"seq":{int(self.seq)},' + self.body_json()[1:]
+
+    def body_json(self) -> str:
+        """The JSON object without ``seq`` (Redis puts the number in front when appending)."""
+        body: dict[str, Any] = {"job_id": self.job_id, "kind": self.kind, "ts": self.ts, "data": self.data}
+        if self.attempt:
+            body["attempt"] = self.attempt
+        return json.dumps(body, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> "ProgressEvent":
         d = json.loads(raw)
-        return cls(d["job_id"], int(d["seq"]), d["kind"], d.get("data") or {}, float(d.get("ts", 0)))
+        return cls(d["job_id"], int(d["seq"]), d["kind"], d.get("data") or {}, float(d.get("ts", 0)),
+                   str(d.get("attempt") or ""))
 
     @classmethod
     def from_entry(cls, fields: Mapping) -> "ProgressEvent":

@@ -1,6 +1,12 @@
-"""Publishing a job's progress: XADD to its capped, expiring stream + PUBLISH, batched."""
+"""Publishing a job's progress: XADD to its capped, expiring stream + PUBLISH, batched.
+
+Sequence numbers are assigned inside Redis, by one script that appends a batch of events
+after the stream's last one: a retried attempt, or a copy of the job still running after
+its claim was taken, continues the job's numbering instead of reusing it.
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -13,6 +19,36 @@ from jobs.progress.events import STREAM_FIELD, TERMINAL_KINDS, ProgressEvent, ch
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# KEYS[1] the stream, KEYS[2] (optional) a sorted set the sender must be a member of;
+# ARGV: channel, maxlen, ttl, stream field, that member, then event bodies (JSON objects
+# without "seq"). Each body gets the next number after the stream's last event, in one
+# atomic step, and goes to the stream and the channel. Returns the first number, or -1
+# (nothing sent) when the sender is not in KEYS[2]: a worker whose claim on the job was
+# taken (RQ's started registry no longer lists its execution) is fenced off.
+_APPEND_SCRIPT = """
+if KEYS[2] and not redis.call('ZSCORE', KEYS[2], ARGV[5]) then return -1 end
+local seq = 0
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if last[1] then
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == ARGV[4] then
+      local ok, ev = pcall(cjson.decode, f[i + 1])
+      if ok and type(ev) == 'table' and tonumber(ev.seq) then seq = tonumber(ev.seq) end
+    end
+  end
+end
+local first = seq + 1
+for i = 6, #ARGV do
+  seq = seq + 1
+  local raw = '{"seq":' .. string.format('%d', seq) .. ',' .. string.sub(ARGV[i], 2)
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[4], raw)
+  redis.call('PUBLISH', ARGV[1], raw)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return first
+"""
 
 
 class Throttle:
@@ -36,14 +72,19 @@ class Throttle:
 class ProgressPublisher:
     """Publishes one job's events: XADD (capped, expiring) + PUBLISH, pipelined.
 
-    Events are numbered as they are sent, in batches: the first event goes out at once,
+    Events are numbered by Redis as they are sent (after the stream's last event, so every
+    attempt of a job continues one sequence), in batches: the first event goes out at once,
     later ones at most every ``min_interval_s`` in one round trip, and a terminal event
     flushes everything at once. Rate events (:meth:`progress`) are thinned to one per
     send (the last of a phase always counts). That keeps publishing to a few round trips
     per job. Storage faults never reach the job: a failed flush is logged and its events
-    counted in ``dropped``. ``publish_seconds`` is the time spent publishing. ``on_flush``,
-    if set, adds its own commands to each send's pipeline (the worker mirrors the latest
-    event into RQ's ``job.meta`` there).
+    counted in ``dropped``. ``publish_seconds`` is the time spent publishing. ``attempt``
+    tags every event with the run that sent it. ``fence`` (a sorted set's key and a member)
+    makes every send conditional on the member being in the set: a worker passes its
+    execution in RQ's started registry, so once its claim is taken (or Redis lost it) none
+    of its events gets through, and the publisher closes. :meth:`close` silences it.
+    ``on_flush``, if set, adds its own commands to each send that got through (the worker
+    mirrors the latest event into RQ's ``job.meta`` there).
     """
 
     on_flush: Callable[[Any, list[ProgressEvent]], None] | None = None
@@ -51,6 +92,7 @@ class ProgressPublisher:
     def __init__(self, client: redis.Redis, job_id: str, *, namespace: str = Settings.namespace,
                  maxlen: int = Settings.progress_stream_maxlen, ttl_s: int = Settings.progress_ttl_s,
                  min_interval_s: float = Settings.progress_interval_s, start_seq: int = 0,
+                 attempt: str = "", fence: tuple[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
         self.job_id = job_id
@@ -58,7 +100,9 @@ class ProgressPublisher:
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self.throttle = Throttle(min_interval_s, clock)
-        self.seq = start_seq
+        self.seq = start_seq  # the last number sent (Redis assigns them; this follows)
+        self.attempt, self.fence = attempt, fence
+        self.fenced = False  # a send was refused: the fence's member was gone
         self.finished = False
         self.dropped = 0
         self.publish_seconds = 0.0
@@ -66,7 +110,8 @@ class ProgressPublisher:
 
     @classmethod
     def resume(cls, client: redis.Redis, job_id: str, **kwargs: Any) -> "ProgressPublisher":
-        """A publisher that continues the sequence already in the job's stream (retries)."""
+        """A publisher that knows the job's last sequence number already (sending continues
+        the stream's sequence either way; this only makes ``seq`` right before the first send)."""
         namespace = kwargs.get("namespace", Settings.namespace)
         start = 0
         try:
@@ -78,10 +123,12 @@ class ProgressPublisher:
         return cls(client, job_id, start_seq=start, **kwargs)
 
     def add_to_pipeline(self, pipe: Any, kind: str, **data: Any) -> ProgressEvent:
-        """Queue one event's XADD/EXPIRE/PUBLISH on ``pipe`` (the caller executes it)."""
+        """Queue one event's XADD/EXPIRE/PUBLISH on ``pipe`` (the caller executes it), numbered
+        ``seq + 1`` here: only for a stream whose last number is known, such as the enqueue
+        transaction's, which deletes the stream first."""
         check_kind(kind)
         self.seq += 1
-        event = ProgressEvent(self.job_id, self.seq, kind, data, time.time())
+        event = ProgressEvent(self.job_id, self.seq, kind, data, time.time(), self.attempt)
         raw = event.to_json()
         key = stream_key(self.namespace, self.job_id)
         pipe.xadd(key, {STREAM_FIELD: raw}, maxlen=self.maxlen, approximate=True)
@@ -108,7 +155,9 @@ class ProgressPublisher:
         if kind in TERMINAL_KINDS or self.due():
             sent = self.flush()
             return sent[-1] if sent else None
-        return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time())
+        # Not sent yet: its number is provisional (Redis assigns the real one at the send).
+        return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time(),
+                             self.attempt)
 
     def progress(self, kind: str, processed: int, total: int, **data: Any) -> bool:
         """A rate event (``processed`` of ``total``): recorded only when a send is due or it
@@ -117,6 +166,11 @@ class ProgressPublisher:
             return False
         return self.publish(kind, processed=processed, total=total, **data) is not None
 
+    def close(self) -> None:
+        """Send nothing more: pending events are dropped, later ones ignored."""
+        self.dropped += len(self._pending)
+        self._pending, self.finished = [], True
+
     def flush(self) -> list[ProgressEvent]:
         """Send every pending event in one round trip; returns them ([] on a fault)."""
         if not self._pending:
@@ -124,16 +178,31 @@ class ProgressPublisher:
         pending, self._pending = self._pending, []
         self.throttle.mark()
         t0 = time.perf_counter()
-        seq, finished = self.seq, self.finished
+        now = time.time()
+        events = [ProgressEvent(self.job_id, 0, kind, data, now, self.attempt) for kind, data in pending]
+        if any(e.terminal for e in events):
+            self.finished = True
+        keys = [stream_key(self.namespace, self.job_id)] + ([self.fence[0]] if self.fence else [])
         try:
-            with self.client.pipeline(transaction=False) as pipe:
-                events = [self.add_to_pipeline(pipe, kind, **data) for kind, data in pending]
-                if self.on_flush is not None:
+            first = int(self.client.register_script(_APPEND_SCRIPT)(  # EVALSHA
+                keys=keys, args=[channel_name(self.namespace, self.job_id), self.maxlen, self.ttl_s,
+                                 STREAM_FIELD, self.fence[1] if self.fence else "",
+                                 *(e.body_json() for e in events)]))
+            if first < 0:
+                log.warning("progress: %s no longer holds job %s; its events are refused",
+                            self.attempt or "this sender", self.job_id)
+                self.fenced = True
+                self.close()
+                self.dropped += len(events)
+                return []
+            events = [dataclasses.replace(e, seq=first + i) for i, e in enumerate(events)]
+            self.seq = events[-1].seq
+            if self.on_flush is not None:  # only once the events got through the fence
+                with self.client.pipeline(transaction=False) as pipe:
                     self.on_flush(pipe, events)
-                pipe.execute()
+                    pipe.execute()
             return events
         except REDIS_DOWN as exc:
-            self.seq, self.finished = seq, finished or any(k in TERMINAL_KINDS for k, _ in pending)
             self.dropped += len(pending)
             log.warning("progress: dropped %d events of %s: %s", len(pending), self.job_id, exc)
             return []
@@ -142,11 +211,13 @@ class ProgressPublisher:
 
 
 def publisher_for(client: redis.Redis, job_id: str, settings: Settings, *,
-                  start_seq: int | None = None) -> ProgressPublisher:
+                  start_seq: int | None = None, attempt: str = "",
+                  fence: tuple[str, str] | None = None) -> ProgressPublisher:
     """The job's publisher with the deployment's stream settings (the one place that reads
     them). It continues the sequence in the job's stream unless ``start_seq`` is given."""
     kwargs = dict(namespace=settings.namespace, maxlen=settings.progress_stream_maxlen,
-                  ttl_s=settings.progress_ttl_s, min_interval_s=settings.progress_interval_s)
+                  ttl_s=settings.progress_ttl_s, min_interval_s=settings.progress_interval_s,
+                  attempt=attempt, fence=fence)
     if start_seq is None:
         return ProgressPublisher.resume(client, job_id, **kwargs)
     return ProgressPublisher(client, job_id, start_seq=start_seq, **kwargs)

@@ -3,7 +3,9 @@
 Pub/sub is at-most-once: a watcher that attaches late, or whose connection drops, misses
 messages. So every event also goes to the job's stream with a sequence number. A watcher
 subscribes first, then replays the stream, and de-duplicates by sequence; it therefore
-sees every event in order and always the single terminal one.
+sees every event in order and always the single terminal one. Redis numbers the events, so
+two attempts of a job never share a number; once an attempt has spoken, the events a
+superseded one still sends (a copy whose claim was taken, before it notices) are skipped.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ class _Watch:
         self.client, self.job_id = client, job_id
         self.key, self.channel = stream_key(namespace, job_id), channel_name(namespace, job_id)
         self.last_seq, self.last_id = after_seq, "0"
+        self.last_id_seq = 0  # the sequence number of the stream entry last_id
+        self.attempts: list[str] = []  # in the order their first event came
         self.deadline, self.poll_s, self.idle_check = deadline, poll_s, idle_check
         self.ended = False
 
@@ -47,16 +51,35 @@ class _Watch:
         for ev in sorted(events, key=lambda e: e.seq):
             if self.ended or ev.seq <= self.last_seq:
                 continue
-            self.last_seq, self.ended = ev.seq, ev.terminal
+            self.last_seq = ev.seq
+            if self.superseded(ev.attempt):
+                continue
+            self.ended = ev.terminal
             yield ev
+
+    def superseded(self, attempt: str) -> bool:
+        """Whether ``attempt`` is older than one already heard from (events of the queue
+        itself, without an attempt, always count)."""
+        if not attempt:
+            return False
+        if attempt not in self.attempts:
+            self.attempts.append(attempt)
+        return attempt != self.attempts[-1]
 
     def replay(self) -> Iterator[ProgressEvent]:
         """The stream's events after the last entry read."""
         start = "-" if self.last_id == "0" else f"({self.last_id}"
         entries = self.client.xrange(self.key, min=start)
-        if entries:
-            self.last_id = as_text(entries[-1][0])
-        return self.fresh(ProgressEvent.from_entry(fields) for _, fields in entries)
+        if not entries:
+            return iter(())
+        self.last_id = as_text(entries[-1][0])
+        events = [ProgressEvent.from_entry(fields) for _, fields in entries]
+        if start != "-" and events[0].seq <= self.last_id_seq:
+            # Appended after the entry read last, yet numbered as low: the stream started
+            # over (Redis lost it, the job was resubmitted): follow the new run from its start.
+            self.last_seq, self.attempts = 0, []
+        self.last_id_seq = events[-1].seq
+        return self.fresh(events)
 
     def follow(self, pubsub: redis.client.PubSub) -> Iterator[ProgressEvent]:
         """Replay, then the channel; back to the stream after a gap or an idle poll."""
@@ -77,8 +100,11 @@ class _Watch:
             if msg.get("type") != "message":
                 return
             ev = ProgressEvent.from_json(msg["data"])
-            if ev.seq > self.last_seq + 1:
-                return  # a gap: the stream holds the missing events and this one
+            if ev.seq != self.last_seq + 1:
+                # A gap (the stream holds the missing events and this one), or a number
+                # already seen: a duplicate of a replayed event, or a stream that started
+                # over; the stream tells which.
+                return
             yield from self.fresh([ev])
 
     def idle(self) -> Iterator[ProgressEvent]:

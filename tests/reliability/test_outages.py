@@ -1,0 +1,184 @@
+"""Short Redis outages while jobs run (issue 14): a live worker keeps its claim across the
+outage (the job runs once, its progress has one attempt and a watcher sees all of it), a
+worker whose claim was taken stops without a word, and workers stay listed by
+``Worker.all()`` after a restart with and without data loss.
+
+The outage trials default to a few; ``SPECPREFILL_TEST_OUTAGE_TRIALS=20`` runs the issue's 20.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+import redis
+from rq import Worker
+from rq.registry import StartedJobRegistry
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from jobs.keys import stream_key
+from jobs.progress import parse_stream_events
+from reliability.conftest import client_for, fake_settings
+from worker_procs import wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+TRIALS = int(os.environ.get("SPECPREFILL_TEST_OUTAGE_TRIALS", "3"))
+
+
+def doc(i: int, n: int = 500) -> list[int]:
+    return [2 + (i * 13 + 37 * j) % 250 for j in range(n)]  # 32 chunks of 16 tokens
+
+
+def stream_events(conn, job_id, namespace="specprefill"):
+    return parse_stream_events(conn.xrange(stream_key(namespace, job_id)))
+
+
+def dequeues(workers, job_id):
+    """How many times any worker took ``job_id`` off the queue (RQ logs each with the
+    job's description, "prefill tokens (ID)")."""
+    taken = re.compile(rf"Worker \S+: \S+: (prefill|generate) \w+ \({re.escape(job_id)}\)")
+    return sum(len(taken.findall(w.text())) for w in workers)
+
+
+class Watcher(threading.Thread):
+    """Follows one job's events (through the outage) into ``events``."""
+
+    def __init__(self, url, settings, job_id):
+        super().__init__(daemon=True)
+        self.client, self.job_id = client_for(url, settings), job_id
+        self.events, self.errors = [], []
+        self.start()
+
+    def run(self):
+        try:
+            self.events.extend(self.client.handle(self.job_id).events(timeout=90, poll_s=0.2))
+        except Exception as exc:  # reported by the test
+            self.errors.append(exc)
+
+
+class Sweeper(threading.Thread):
+    """A busy peer: sweeps RQ's started registry for abandoned jobs as soon as Redis is back
+    and every 0.1 s after (as every worker does between jobs), so a claim that expired
+    during the outage is reaped before any beat could renew it."""
+
+    def __init__(self, url, queue_name):
+        super().__init__(daemon=True)
+        self.registry = StartedJobRegistry(queue_name, connection=redis.Redis.from_url(url),
+                                           serializer=JSONSerializer)
+        self.done = threading.Event()
+        self.start()
+
+    def run(self):
+        while True:
+            try:
+                self.registry.cleanup()
+            except redis.RedisError:
+                pass
+            if self.done.wait(0.1):
+                return
+
+    def stop(self):
+        self.done.set()
+        self.join(5)
+
+
+def test_outages_of_1_to_2_5_s_never_run_a_job_twice(private_redis, workers):
+    server = private_redis(persist=True)  # a restart keeps the data: a pure outage
+    url = server.url
+    s = fake_settings(heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
+    pool = [workers.fake(url, s, delay=0.12, name=f"out{i}") for i in range(2)]
+    for trial in range(TRIALS):
+        outage = 1.0 + 1.5 * trial / max(1, TRIALS - 1)
+        c = client_for(url, s)
+        h = c.submit(tokens=doc(trial))
+        watcher = Watcher(url, s, h.id)
+        wait_for(lambda: len(stream_events(c.connection, h.id)) >= 3, timeout=20, what="job running")
+        server.stop()
+        time.sleep(outage)
+        server.start()
+        sweeper = Sweeper(url, c.queue.name)
+        res = h.result(timeout=60)
+        sweeper.stop()
+        watcher.join(60)
+        assert not watcher.errors, watcher.errors
+        assert res.total == 500
+        stream = stream_events(c.connection, h.id)
+        kinds = [e.kind for e in stream]
+        attempts = {e.attempt for e in stream if e.attempt}
+        info = f"trial {trial}, outage {outage:.2f}s: {[(e.seq, e.attempt[:6], e.kind) for e in stream]}"
+        assert len(attempts) == 1 and "retrying" not in kinds, info  # one run, never reaped
+        assert dequeues(pool, h.id) == 1, info
+        assert kinds.count("done") == 1 and kinds[-1] == "done", info
+        assert [e.seq for e in stream] == sorted({e.seq for e in stream}), info  # unique, in order
+        # The watcher saw every event of the run that produced the result, once, in order.
+        assert [(e.seq, e.kind) for e in watcher.events] == [(e.seq, e.kind) for e in stream], (
+            info, [(e.seq, e.kind) for e in watcher.events])
+        assert len(Result.all(h._job(), serializer=JSONSerializer)) == 1
+        c.connection.close()
+    assert all(w.alive() for w in pool)
+    assert "heartbeats reach Redis again" in "".join(w.text() for w in pool)
+
+
+def test_a_worker_whose_claim_was_taken_stops_without_a_word(redis_url, workers):
+    s = fake_settings(heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
+    first = workers.fake(redis_url, s, delay=0.1, name="taken")
+    c = client_for(redis_url, s)
+    h = c.submit(tokens=doc(99))
+    wait_for(lambda: len(stream_events(c.connection, h.id)) >= 3, timeout=20, what="job running")
+    second = workers.fake(redis_url, s, delay=0.02, name="taker")
+    # As if the beats had stopped past the claim: RQ's sweep reaps the job and retries it.
+    registry = StartedJobRegistry(c.queue.name, connection=c.connection,
+                                  serializer=JSONSerializer)
+    registry.cleanup(timestamp=time.time() + 3600)
+    res = h.result(timeout=30)
+    assert res.total == 500
+    assert h._job().worker_name == second.name
+    wait_for(lambda: "lost its claim on job" in first.text(), timeout=10, what="first worker noticed")
+    stream = stream_events(c.connection, h.id)
+    retry_at = next(e.seq for e in stream if e.kind == "retrying")
+    old = {e.attempt for e in stream if e.attempt and e.seq < retry_at}
+    assert len(old) == 1
+    late = [e for e in stream if e.seq > retry_at and e.attempt in old]
+    assert late == []  # not one event of the first copy after its claim was taken
+    kinds = [e.kind for e in stream]
+    assert kinds.count("done") == 1 and kinds[-1] == "done" and "stopped" not in kinds
+    assert len(Result.all(h._job(), serializer=JSONSerializer)) == 1  # only the taker's
+    # The first worker is idle again and takes the next job.
+    nxt = c.submit(tokens=doc(98, 100))
+    assert nxt.result(timeout=30).total == 100
+    assert first.alive() and second.alive()
+
+
+@pytest.mark.parametrize("persist", [False, True], ids=["data-lost", "data-kept"])
+def test_workers_are_listed_within_a_beat_after_a_restart(private_redis, workers, persist):
+    server = private_redis(persist=persist)
+    url = server.url
+    interval = 2.0  # a worker beats again a quarter interval after a failed beat
+    s = fake_settings(heartbeat_interval_s=interval, heartbeat_ttl_s=2 * interval)
+    busy = workers.fake(url, s, delay=0.2, name="busy")
+    idle = workers.fake(url, s, delay=0.0, name="idle")
+    c = client_for(url, s)
+    c.submit(tokens=doc(7))  # ~6 s: the busy worker runs it through the restart
+    wait_for(lambda: c.connection.hget("rq:worker:busy", "state") == b"busy", what="a busy worker")
+    if persist:
+        time.sleep(1.2)  # let `save 1 1` catch the busy state
+    server.stop()
+    time.sleep(1.5)
+    server.start()
+    conn = redis.Redis.from_url(url)
+    t0 = time.monotonic()
+    listed: set = set()
+    while listed != {"busy", "idle"} and time.monotonic() - t0 < 10 * interval:
+        listed = {w.name for w in Worker.all(connection=conn)}
+        time.sleep(0.02)
+    listed_after = time.monotonic() - t0
+    print(f"listed {listed_after:.2f}s after the restart (beat interval {interval}s)")
+    assert listed == {"busy", "idle"}, (listed, busy.text()[-3000:], idle.text()[-3000:])
+    assert listed_after <= interval, (busy.text()[-3000:], idle.text()[-3000:])
+    for name in ("busy", "idle"):  # keys live for the worker's TTL, never the job's claim
+        assert conn.ttl(f"rq:worker:{name}") > 60
+    assert busy.alive() and idle.alive()
