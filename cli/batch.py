@@ -176,7 +176,7 @@ class BatchRun:
         again = set(self.batch.resubmit_lost(job_ids)) if job_ids else set()
         self.resubmitted += len(again)
         if again:
-            docs = sorted(d for jid in again for d in self.by_job[jid])
+            docs = sorted(self.docs[jid][0].id for jid in again)
             self.display.line(f"batch: Redis lost {len(again)} jobs ({', '.join(docs[:5])}"
                               f"{' ...' if len(docs) > 5 else ''}); submitted them again")
         return again

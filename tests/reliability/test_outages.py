@@ -39,8 +39,8 @@ def stream_events(conn, job_id, namespace="specprefill"):
 
 def dequeues(workers, job_id):
     """How many times any worker took ``job_id`` off the queue (RQ logs each with the
-    job's description, "prefill tokens (ID)")."""
-    taken = re.compile(rf"Worker \S+: \S+: (prefill|generate) \w+ \({re.escape(job_id)}\)")
+    job's description, e.g. "prefill doc-07 (tokens, 248 tokens) (ID)")."""
+    taken = re.compile(rf"Worker \S+: \S+: (prefill|generate) [^\n]*\({re.escape(job_id)}\)")
     return sum(len(taken.findall(w.text())) for w in workers)
 
 
