@@ -25,6 +25,17 @@ DEFAULT_TARGET = "target"
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no '/': never a hub id
 
 
+def job_default(settings: Settings, role: str) -> str:
+    """The model name a job gets when it names none: the client's own ``draft_model`` /
+    ``target_model`` setting when it was configured (a name, a hub id, or a path the user
+    chose), else ``draft`` / ``target``, which each worker resolves to its own default."""
+    configured = getattr(settings, f"{role}_model")
+    shipped = Settings.__dataclass_fields__[f"{role}_model"].default_factory()
+    if configured == shipped:
+        return DEFAULT_DRAFT if role == "draft" else DEFAULT_TARGET
+    return configured
+
+
 def parse_aliases(entries: tuple[str, ...]) -> dict[str, str]:
     """``("qwen-draft=/srv/models/qwen",...)`` as a dict; errors name the ``models`` setting."""
     out: dict[str, str] = {}

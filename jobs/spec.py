@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from cache_store.keys import MAX_TOKEN_ID
-from jobs.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path, public_name
+from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
 
 # 2: the draft's lookahead sampling fields are lookahead_temperature / _top_p / _seed.
@@ -347,8 +347,8 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
 
 _FIELDS = {f for f in JobSpec.__dataclass_fields__}
 # Spec fields whose default is a deployment setting: spec field -> settings field. Models
-# are not among them: a job names them ("draft", "target" unless the user names one) and
-# the worker resolves the names (jobs.model_names).
+# are named (jobs.model_names.job_default): "draft" / "target", which the worker resolves,
+# unless the client configured a model itself.
 _FROM_SETTINGS = {name: name for name in ("keep", "chunk_size", "tail_tokens",
                                           "threshold", "n_lookahead", "pool_kernel",
                                           "include_last_query")}
@@ -383,12 +383,12 @@ def build_spec(settings: Settings | None = None, *, limits: Limits | None = None
     if unknown:
         raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
     defaults = {name: getattr(settings, source) for name, source in _FROM_SETTINGS.items()}
-    values = {"draft_model": DEFAULT_DRAFT, **defaults,
+    values = {"draft_model": job_default(settings, "draft"), **defaults,
               **{k: v for k, v in fields_.items() if v is not None}}
     if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
         extra = dict(values.get("extra", {}))
         if extra.get("target_model") is None:
-            extra["target_model"] = DEFAULT_TARGET
+            extra["target_model"] = job_default(settings, "target")
         values["extra"] = extra
     return _validate(values, limits)
 

@@ -207,7 +207,8 @@ def test_max_generate_tokens_comes_from_settings_and_defaults_fill_the_spec():
     with pytest.raises(JobSpecError, match=r"\[1, 8\] \(max_generate_tokens\)"):
         build_spec(s, kind="generate", text="hi", extra={"max_tokens": 9})
     spec = build_spec(s, kind="generate", text="hi")
-    assert spec.generate.max_tokens == 8 and spec.generate.target_model == "target"  # the worker's
+    assert spec.generate.max_tokens == 8 and spec.generate.target_model == "t"
+    assert build_spec(Settings(), kind="generate", text="hi").generate.target_model == "target"
     assert spec_from_payload(spec.to_payload(), s) == spec
     assert spec.job_id().startswith("generate-")
     with pytest.raises(ValueError, match="no generate options"):
@@ -294,7 +295,7 @@ def test_unsupported_target_is_named():
             raise ValueError("layer 0: attention variants such as soft-capping are not supported")
 
     rt.models._profile = check
-    with pytest.raises(ValueError, match="^target_model: 'target': layer 0: attention variants"):
+    with pytest.raises(ValueError, match="^target_model: 'tiny-target': layer 0: attention variants"):
         run(rt)
 
 

@@ -13,7 +13,7 @@ S = Settings(draft_model="models/draft-tiny")
 
 def test_defaults_come_from_settings():
     spec = build_spec(S.replace(keep=0.3, tail_tokens=64), tokens=[1, 2, 3])
-    assert spec.keep == 0.3 and spec.tail_tokens == 64 and spec.draft_model == "draft"
+    assert spec.keep == 0.3 and spec.tail_tokens == 64 and spec.draft_model == "models/draft-tiny"
     assert spec.input_kind == "tokens"
 
 
@@ -131,7 +131,8 @@ def test_allowed_models_refuse_other_models(tmp_path):
     folder = tmp_path / "draft"
     folder.mkdir()
     locked = S.replace(allowed_models=(str(folder),), target_model="t")
-    assert build_spec(locked, tokens=[1]).draft_model == "draft"  # the worker's default, by name
+    assert build_spec(locked, tokens=[1]).draft_model == "models/draft-tiny"  # configured here
+    assert build_spec(Settings(), tokens=[1]).draft_model == "draft"  # the worker's default, by name
     assert build_spec(locked, tokens=[1], draft_model=str(folder)).draft_model == str(folder)
     # the same folder by another spelling
     other = str(tmp_path / "." / "draft")

@@ -118,11 +118,13 @@ def locate(name: str, catalog: ModelCatalog, *, allow_download: bool = False,
 
 
 def scrub(text: str, *paths: str | Path) -> str:
-    """``text`` with each of ``paths`` (as given, expanded and resolved) shown as ``<model>``."""
+    """``text`` with each of ``paths`` (as given, expanded and resolved) shown as ``<model>``
+    (a hub id is no path: it stays)."""
     forms = set()
     for p in paths:
         p = str(p)
-        forms.update({p, os.path.expanduser(p), os.path.realpath(os.path.expanduser(p))})
+        if looks_like_path(p) or os.path.exists(os.path.expanduser(p)):
+            forms.update({p, os.path.expanduser(p), os.path.realpath(os.path.expanduser(p))})
     for form in sorted((f for f in forms if len(f) > 1), key=len, reverse=True):
         text = text.replace(form, "<model>")
     return text
