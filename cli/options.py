@@ -22,7 +22,8 @@ from jobs.spec import GENERATE_OPTIONS
 # CLI option (argparse dest) -> job spec field
 SELECTION_OPTIONS = {"keep": "keep", "chunk_size": "chunk_size", "tail_tokens": "tail_tokens",
                      "threshold": "threshold", "n_lookahead": "n_lookahead", "seed": "lookahead_seed"}
-REDIS_URL_HELP = "redis://[:password@]host:port/db or rediss:// (default: REDIS_URL)"
+REDIS_URL_HELP = ("redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path.sock "
+                  "(default: REDIS_URL)")
 
 
 class CliError(ValueError):

@@ -27,7 +27,7 @@ def served_models(runtime: WorkerRuntime) -> list[dict[str, Any]]:
     the preloads, the allow-list and the loaded models named as jobs name them; a name that
     is a folder of this worker's is never shown."""
     s, pool = runtime.settings, runtime.models
-    catalog = pool.catalog or ModelCatalog.from_settings(s)
+    catalog = getattr(pool, "catalog", None) or ModelCatalog.from_settings(s)
     roles: dict[str, list[str]] = {DEFAULT_DRAFT: ["default_draft"], DEFAULT_TARGET: ["default_target"]}
     sources = set(catalog.sources())
     for name in (*catalog.aliases, *s.preload_models, *s.allowed_models, *pool.names()):
