@@ -7,7 +7,9 @@
    for context.
 2. Transport: a 64-block chain fetched through the worker's draft cache
    (``RedisBlockStore.fetch`` behind ``BlockDraftCache``: GETs, validation, rebuilt
-   ``KVCache`` objects) against raw redis-py pipelined GETs of the same keys.
+   ``KVCache`` objects) against raw redis-py pipelined GETs of the same keys, with
+   redis-py's two reply parsers side by side (hiredis, the default now that it is a
+   dependency, and redis-py's own Python parser), over TCP loopback and a unix socket.
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
@@ -30,6 +32,7 @@ import zlib  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
+from redis._parsers import _HiredisParser, _RESP2Parser  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
@@ -46,7 +49,8 @@ GB = 1e9
 BLOCK = 256
 FP = hashlib.sha256(b"bench/cache_store").hexdigest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
-GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02}
+GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02, "hiredis": 1.2}
+PARSERS = {"hiredis": _HiredisParser, "python": _RESP2Parser}
 
 
 def _scoring_bench():
@@ -193,6 +197,31 @@ def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: i
     return {"cold": min(cold), "warm": min(warm), "memo": min(memo_s), "cached": cached, "phases": phases}
 
 
+def transport_rows(server: EmbeddedRedis, rows: list) -> list[tuple[str, float, str, float]]:
+    """Fetch throughput per parser and transport, side by side; the verdicts on them."""
+    results = {}
+    for parser in PARSERS:
+        for where, url in (("TCP", server.url), ("unix", server.unix_url)):
+            client = redis.Redis.from_url(url, parser_class=PARSERS[parser])
+            results[parser, where] = t = bench_transport(client)
+            client.flushall()
+            client.close()
+            rows.append((f"transport ({parser} parser, {where}): fetch of a 64-block chain",
+                         f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
+                         f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
+                         f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))
+    for where in ("TCP", "unix"):
+        fast, slow = results["hiredis", where], results["python", where]
+        rows.append((f"parsers ({where}): fetch with hiredis", f"{fast['bytes'] / fast['store'] / GB:.2f} GB/s",
+                     f"Python parser {slow['bytes'] / slow['store'] / GB:.2f} GB/s",
+                     f"{slow['store'] / fast['store']:.2f}"))
+    tcp, unix = results["hiredis", "TCP"], results["hiredis", "unix"]
+    return [("transport_vs_raw_gets", tcp["raw"] / tcp["store"], ">=", GOALS["transport"]),
+            ("transport_vs_raw_gets_unix", unix["raw"] / unix["store"], ">=", GOALS["transport"]),
+            ("hiredis_vs_python_parser_fetch", results["python", "TCP"]["store"] / tcp["store"], ">=",
+             GOALS["hiredis"])]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
@@ -214,16 +243,11 @@ def main() -> int:
                  f"{codec['checksum_blake2b'] / GB:.1f} GB/s", ""))
     verdicts.append(("codec_vs_plain_copy", ratio, ">=", GOALS["codec"]))
 
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(unix_socket=True) as server:
         client = redis.Redis.from_url(server.url)
-        print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback); "
-              f"block {BLOCK} tokens = {size / 2**20:.2f} MiB")
-        t = bench_transport(client)
-        ratio = t["raw"] / t["store"]
-        rows.append(("transport: fetch of a 64-block chain", f"{t['bytes'] / t['store'] / GB:.2f} GB/s "
-                     f"({t['store'] * 1e3:.0f} ms)", f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
-                     f"({t['raw'] * 1e3:.0f} ms)", f"{ratio:.2f}"))
-        verdicts.append(("transport_vs_raw_gets", ratio, ">=", GOALS["transport"]))
+        print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback) "
+              f"and {server.unix_url}; block {BLOCK} tokens = {size / 2**20:.2f} MiB")
+        verdicts += transport_rows(server, rows)
         client.flushall()
 
         scoring = _scoring_bench()
