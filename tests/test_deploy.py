@@ -112,3 +112,83 @@ def test_launchd_plist_is_valid_and_runs_the_worker():
     assert plist["ProgramArguments"][1:3] == ["-m", "worker"]
     env = plist["EnvironmentVariables"]
     assert {"REDIS_URL", "SPECPREFILL_NAMESPACE", "SPECPREFILL_MODELS"} <= set(env)
+    from jobs.model_names import ModelCatalog
+
+    settings = Settings.from_env(env)  # every value parses as the worker will read it
+    catalog = ModelCatalog.from_settings(settings)
+    assert catalog.source("draft") == catalog.aliases["qwen-draft"] and settings.queues == ("specprefill",)
+    assert settings.redis_url.startswith("rediss://") and not settings.allow_downloads
+
+
+def _check_cluster():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_cluster", ROOT / "deploy" / "check_cluster.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cluster_check_against_a_real_worker(redis_url, tmp_path, capsys, monkeypatch):
+    for k in [k for k in os.environ if k.startswith("SPECPREFILL_")]:
+        monkeypatch.delenv(k)
+    check = _check_cluster()
+    assert check.main(["--redis-url", redis_url]) == 1  # no worker yet
+    assert "FAIL  no worker listens" in capsys.readouterr().out
+    name = f"check-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_")}
+    w = WorkerProcess([sys.executable, "-m", "worker", "--redis-url", redis_url, "--name", name],
+                      dict(env, PYTHONPATH=str(ROOT)), name, redis_url, tmp_path / "w.log", ready_timeout=60)
+    try:
+        status = check.main(["--redis-url", redis_url, "--jobs", "2"])
+    finally:
+        w.stop()
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert f"{name}" in out and "models draft" in out and "one host only" in out
+    assert out.count("PASS") == 3 and "prompt tokens from the block store" in out
+
+
+def test_cluster_check_report_across_hosts():
+    check = _check_cluster()
+    R = PrefillResult
+    seed = R(job_id="s", kept=1, total=1024, blocks_written=3)
+    hit = R(job_id="a", kept=1, total=1024, cached_tokens=768)
+    hosts = {"mac-a.1": "mac-a", "mac-b.2": "mac-b"}
+    assert check.report([("seed", seed, "mac-a.1"), ("job 1", hit, "mac-b.2")], hosts)
+    miss = R(job_id="b", kept=1, total=1024, cached_tokens=0)
+    assert not check.report([("seed", seed, "mac-a.1"), ("job 1", miss, "mac-b.2")], hosts)
+    assert not check.report([("seed", seed, "mac-a.1"), ("job 1", hit, "mac-a.1")], hosts)  # one host ran all
+
+
+# The ACL user docs/deploy.md tells operators to create (keep the two in step).
+ACL_RULES = ["on", ">s3cret-pw", "resetkeys", "~*", "resetchannels", "&*", "+@all", "-@dangerous",
+             "+info", "+client|setname", "+client|getname", "+client|id"]
+
+
+def test_acl_user_of_the_deploy_guide_runs_workers_clients_and_the_check(tmp_path, capsys, monkeypatch):
+    """A worker, a client and the cluster check as the guide's ACL user (no admin or
+    dangerous commands), with the default user switched off."""
+    for k in [k for k in os.environ if k.startswith("SPECPREFILL_")]:
+        monkeypatch.delenv(k)
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    assert "ACL SETUSER specprefill " + " ".join(ACL_RULES).replace("s3cret-pw", "PASSWORD") in doc
+    with EmbeddedRedis() as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.execute_command("ACL", "SETUSER", "specprefill", *ACL_RULES)
+        admin.execute_command("ACL", "SETUSER", "admin", "on", ">adm", "~*", "&*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "default", "off")
+        url = f"redis://specprefill:s3cret-pw@127.0.0.1:{server.port}/0"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(url).flushall()
+        name = f"acl-{os.getpid()}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_")}
+        w = WorkerProcess([sys.executable, "-m", "worker", "--redis-url", url, "--name", name],
+                          dict(env, PYTHONPATH=str(ROOT)), name, url, tmp_path / "w.log", ready_timeout=60)
+        try:
+            status = _check_cluster().main(["--redis-url", url, "--jobs", "1"])
+        finally:
+            w.stop()
+        out = capsys.readouterr().out
+        assert status == 0, out + w.text()[-3000:]
+        assert "NOPERM" not in w.text() and "no permissions" not in w.text().lower()
