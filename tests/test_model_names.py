@@ -175,3 +175,39 @@ def test_allowed_models_refusal_lists_names_not_paths(tmp_path):
         spec_from_payload({"draft_model": "org/no", "tokens": [1]}, s)
     msg = str(info.value)
     assert "allowed: draft, org/ok, q, target" in msg and str(tmp_path) not in msg
+
+
+def test_a_job_naming_a_hub_id_reports_downloading(tmp_path, monkeypatch):
+    """Through a job: with allow_downloads the worker downloads the hub id (a fake
+    snapshot_download filling the cache) and the job's progress shows ``downloading``;
+    without, the job fails saying how to pre-download it."""
+    import fakeredis
+    import huggingface_hub
+
+    from test_worker_tasks import FakeModel, FakeTokenizer, _events, _run, fake_runtime
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    real = huggingface_hub.snapshot_download
+
+    def fake_download(repo_id, local_files_only=False, **kw):
+        if not local_files_only:
+            hub_cache(cache, repo_id, SHIPPED_MODELS / "draft-tiny")
+        return real(repo_id, local_files_only=True, cache_dir=str(cache), **kw)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    for allow in (False, True):
+        rt = fake_runtime(fakeredis.FakeRedis())
+        rt.models = ModelPool(1, loader=lambda path: (FakeModel(), FakeTokenizer()),
+                              profile=lambda m: None, fingerprint=lambda m, i, bs: "fp-" + i,
+                              warm=lambda m: None, catalog=ModelCatalog.from_settings(rt.settings),
+                              allow_downloads=allow)
+        payload = build_spec(rt.settings, text="x" * 100, draft_model="acme/fresh").to_payload()
+        if not allow:
+            with pytest.raises(ValueError, match="hf download acme/fresh"):
+                _run(rt, payload, "no")
+            continue
+        out = _run(rt, payload, "yes")
+        kinds = [e.kind for e in _events(rt.connection, "yes")]
+        assert kinds[:2] == ["loading_model", "downloading"] and kinds[-1] == "done"
+        assert out["model"] == f"hub:acme/fresh@{REVISION}" and out["draft_name"] == "acme/fresh"
