@@ -123,7 +123,7 @@ def bench_codec() -> dict[str, float]:
     return rates
 
 
-def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
+def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 9) -> dict[str, float]:
     n_tokens = n_blocks * BLOCK
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
     store = BlockDraftCache(RedisBlockStore(client, FP, block_size=BLOCK))
