@@ -9,6 +9,7 @@ run from there, so the checkout stays out of the way).
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -31,9 +32,13 @@ def _run(argv: list, **kw) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory):
     """(the fresh venv's python, a work directory outside the checkout)."""
     base = tmp_path_factory.mktemp("wheel")
+    # Built from a clean copy: nothing is written into the checkout, no stale build/ is packed.
+    source = base / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", "tests", "test-artifacts", ".*cache"))
     pip = [sys.executable, "-m", "pip"]
-    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"), str(ROOT)],
-         cwd=ROOT, timeout=300)
+    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(base / "dist"), str(source)],
+         cwd=base, timeout=300)
     wheel = next((base / "dist").glob("specprefill_queue-*.whl"))
     venv = base / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
