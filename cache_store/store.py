@@ -12,7 +12,7 @@ this process; a bad value is deleted, counted in Redis and treated as a miss.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import redis
@@ -42,8 +42,6 @@ REDIS_COUNTERS = (
 # Counters of this process only (Redis may be the thing that is down).
 LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors")
 
-# (shape, dtype name) -> the writable unsigned-int bits array a fetch joins one array into
-Allocate = Callable[[tuple[int, ...], str], np.ndarray]
 _BATCH_BLOCKS = 64  # blocks per pipelined round trip; bounds the memory of one batch
 
 
@@ -96,15 +94,11 @@ class RedisBlockStore:
 
     # -- fetch ---------------------------------------------------------------
 
-    def fetch(self, tokens: Sequence[int], *,
-              allocate: Allocate | None = None) -> tuple[list[dict[str, RawArray]] | None, int]:
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[dict[str, RawArray]] | None, int]:
         """Restore the longest valid stored prefix of ``tokens`` (never its last token).
 
         Returns ``(layers, n_tokens)``: per layer its named arrays holding the first
         ``n_tokens`` tokens (new arrays, the stored bytes are not pinned), or ``(None, 0)``.
-        ``allocate(shape, dtype name)`` returns the writable bits array each joined array
-        is written into (default: a new numpy array): a caller that wants the arrays in
-        another library's buffers saves a full copy of the prefix.
         Stops at the first missing, corrupt or mismatched block; corrupt ones are deleted
         and counted. A Redis error ends the lookup there: the blocks validated before it
         are still returned.
@@ -127,7 +121,7 @@ class RedisBlockStore:
                 return None, 0
             # The blocks already validated are a correct prefix: use them.
             log.warning("block store: fetch failed after %d blocks, using those: %s", len(blocks), exc)
-        layers = self._joined(blocks, allocate) if blocks else None
+        layers = self._joined(blocks) if blocks else None
         if layers is None:
             blocks = []
         n_tokens = len(blocks) * self.block_size
@@ -180,21 +174,12 @@ class RedisBlockStore:
                                     f"layers, expected {len(expected)}, or other dtypes or shapes)")
         return block
 
-    def _joined(self, blocks: list[DecodedBlock],
-                allocate: Allocate | None = None) -> list[dict[str, RawArray]] | None:
-        """Per layer, each array of the blocks joined along the tokens (into ``allocate``'s
-        arrays if given); None (a miss) if that fails here."""
+    def _joined(self, blocks: list[DecodedBlock]) -> list[dict[str, RawArray]] | None:
+        """Per layer, each array of the blocks joined along the tokens; None (a miss) if that fails here."""
         try:
-            layers = []
-            for i, layer in enumerate(blocks[0].layers):
-                joined = {}
-                for name, first in layer.items():
-                    parts = [b.layers[i][name].bits for b in blocks]
-                    shape = parts[0].shape[:2] + (sum(p.shape[2] for p in parts),) + parts[0].shape[3:]
-                    out = allocate(shape, first.dtype) if allocate is not None else None
-                    joined[name] = RawArray(first.dtype, np.concatenate(parts, axis=2, out=out))
-                layers.append(joined)
-            return layers
+            return [{name: RawArray(first.dtype, np.concatenate([b.layers[i][name].bits for b in blocks], axis=2))
+                     for name, first in layer.items()}
+                    for i, layer in enumerate(blocks[0].layers)]
         except Exception as exc:  # never raise out of fetch; the blocks passed validation,
             # so the failure is this process's (memory, say): a miss, and other workers
             # keep the blocks.

@@ -9,11 +9,10 @@ them together.
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Mapping, Protocol, Sequence
 
-from specprefill.kv_arrays import LayerArrays, MlxBuffers, kv_arrays, kv_cache_from_arrays, unstorable_reason
+from specprefill.kv_arrays import LayerArrays, kv_arrays, kv_cache_from_arrays, unstorable_reason
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +67,13 @@ class BlockDraftCache:
     def __init__(self, raw_store: RawBlockStore) -> None:
         self.raw_store = raw_store
         self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0}
-        # A store that joins into given buffers (RedisBlockStore) gets mlx ones: one copy less.
-        self._into_mlx = "allocate" in inspect.signature(raw_store.fetch).parameters
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        buffers = MlxBuffers() if self._into_mlx else None
-        layers, n_tokens = (self.raw_store.fetch(tokens, allocate=buffers) if buffers is not None
-                            else self.raw_store.fetch(tokens))
+        layers, n_tokens = self.raw_store.fetch(tokens)
         if layers is None:
             return None, 0
         try:
-            return kv_cache_from_arrays(layers, buffers), n_tokens
+            return kv_cache_from_arrays(layers), n_tokens
         except Exception as exc:  # never raise out of fetch: the blocks passed validation, so
             # the failure is this process's; other workers keep the blocks.
             self.local_counters["rebuild_errors"] += 1

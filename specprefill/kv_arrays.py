@@ -85,42 +85,9 @@ def kv_arrays(kv_cache: Sequence[KVCache]) -> list[dict[str, RawBits]]:
     return [dict(zip(KV_ARRAYS, arrays[i:i + 2])) for i in range(0, len(arrays), 2)]
 
 
-class MlxBuffers:
-    """Where a block-store fetch joins its arrays: new mlx arrays, written through writable
-    numpy views of their buffers, so the restored prefix is copied once (not joined in
-    numpy and then copied into mlx). Pass as ``allocate`` to the raw store's fetch."""
-
-    def __init__(self) -> None:
-        self._made: dict[int, tuple[np.ndarray, mx.array]] = {}  # id(view) -> (view, array)
-
-    def __call__(self, shape: tuple[int, ...], name: str) -> np.ndarray:
-        bits = DTYPES[name][1]
-        carrier = mx.zeros(shape, mx.uint32 if bits.itemsize == 4 else mx.uint16)
-        mx.eval(carrier)  # a buffer of its own (not a broadcast constant) before it is written
-        view = np.asarray(memoryview(carrier)).view(bits)
-        if not view.flags.writeable or view.shape != tuple(shape):
-            raise ValueError("mlx buffer is not writable here")  # the store reports a miss
-        self._made[id(view)] = (view, carrier)
-        return view
-
-    def adopt(self, raws: Sequence[RawBits]) -> list[mx.array]:
-        """The mlx arrays behind views this made (as their dtypes); others copied into mlx."""
-        out = []
-        for name, bits in raws:
-            made = self._made.get(id(bits))
-            if made is None or made[0] is not bits:
-                out.append(to_mlx_many([(name, bits)])[0])
-            else:
-                out.append(made[1].view(DTYPES[name][0]))
-        mx.eval(out)
-        return out
-
-
-def kv_cache_from_arrays(layers: Sequence[LayerArrays], buffers: MlxBuffers | None = None) -> list[KVCache]:
-    """One ``KVCache`` per layer holding the given keys and values (copied into mlx, unless
-    they are already in ``buffers``)."""
-    raws = [layer[name] for layer in layers for name in KV_ARRAYS]
-    arrays = buffers.adopt(raws) if buffers is not None else to_mlx_many(raws)
+def kv_cache_from_arrays(layers: Sequence[LayerArrays]) -> list[KVCache]:
+    """One ``KVCache`` per layer holding the given keys and values (copied into mlx)."""
+    arrays = to_mlx_many([layer[name] for layer in layers for name in KV_ARRAYS])
     kv_cache = []
     for keys, values in zip(arrays[0::2], arrays[1::2]):
         layer = KVCache()

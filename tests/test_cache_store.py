@@ -305,9 +305,8 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
 @pytest.mark.parametrize("where, error, is_corrupt", [
     ("decode_block", TypeError, True),       # the stored bytes broke the decoder: drop them
     ("decode_block", MemoryError, False),    # this process's trouble: keep the shared blocks
-    ("allocate", MemoryError, False),        # no mlx buffer to join into here
-    ("adopt", TypeError, False),             # validated blocks that could not be rebuilt here
-    ("adopt", MemoryError, False),
+    ("to_mlx_many", TypeError, False),       # validated blocks that could not be rebuilt here
+    ("to_mlx_many", MemoryError, False),
 ])
 def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatch, where, error,
                                                        is_corrupt):
@@ -323,15 +322,12 @@ def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatc
         raise error("unexpected")
 
     with monkeypatch.context() as m:
-        if where == "decode_block":
-            m.setattr(store_mod, where, broken)
-        else:
-            m.setattr(kv_mod.MlxBuffers, "__call__" if where == "allocate" else where, broken)
+        m.setattr(store_mod if where == "decode_block" else kv_mod, where, broken)
         assert store.fetch(tokens) == (None, 0)
     stats = store.stats()
     assert (stats["corrupt_blocks"] >= 1) == is_corrupt
     # The store counts what failed in it; the adapter what failed converting to mlx.
-    counter = "rebuild_errors" if where == "adopt" else "fetch_errors"
+    counter = "fetch_errors" if where == "decode_block" else "rebuild_errors"
     assert stats[counter] == (0 if is_corrupt else 1)
     assert client.exists(keys_of(store, tokens)[0]) == (0 if is_corrupt else 1)
     if not is_corrupt:  # another worker (or this one, recovered) still gets the blocks
