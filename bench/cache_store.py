@@ -123,35 +123,42 @@ def bench_codec() -> dict[str, float]:
     return rates
 
 
-def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 9) -> dict[str, float]:
+def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
+                    repeats: int = 9) -> dict[str, dict[str, float]]:
+    """Per client (one per parser and transport, all on one server): a chain fetched
+    through the draft cache and by raw pipelined GETs. Every repeat runs every client's
+    pair in turn, so all of them see the same machine state."""
     n_tokens = n_blocks * BLOCK
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
-    store = BlockDraftCache(RedisBlockStore(client, FP, block_size=BLOCK))
-    assert store.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
-    keys = store.raw_store.block_keys(tokens[:-1])
-    n_bytes = sum(client.strlen(k) for k in keys)
+    stores = {name: BlockDraftCache(RedisBlockStore(c, FP, block_size=BLOCK)) for name, c in clients.items()}
+    first = next(iter(stores.values()))
+    assert first.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
+    keys = first.raw_store.block_keys(tokens[:-1])
+    n_bytes = sum(next(iter(clients.values())).strlen(k) for k in keys)
 
-    def raw_gets():
+    def raw_gets(client):
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
         values = pipe.execute()
         assert all(v is not None for v in values)
 
-    def store_fetch():
+    def store_fetch(store):
         cache, n = store.fetch(tokens)
         assert n == n_tokens
         mx.eval([c.state[:2] for c in cache])
 
-    raw_gets(), store_fetch()
-    raw, fetched = [], []
-    for _ in range(repeats):  # alternate so both see the same machine state
-        for times, fn in ((raw, raw_gets), (fetched, store_fetch)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return {"bytes": n_bytes, "raw": min(raw), "store": min(fetched),
-            "raw_median": statistics.median(raw), "store_median": statistics.median(fetched)}
+    times = {name: {"raw": [], "store": []} for name in clients}
+    for rep in range(repeats + 1):  # the first round warms up
+        for name in clients:
+            for kind, fn, arg in (("raw", raw_gets, clients[name]), ("store", store_fetch, stores[name])):
+                start = time.perf_counter()
+                fn(arg)
+                if rep:
+                    times[name][kind].append(time.perf_counter() - start)
+    return {name: {"bytes": n_bytes, "raw": min(t["raw"]), "store": min(t["store"]),
+                   "raw_median": statistics.median(t["raw"]), "store_median": statistics.median(t["store"])}
+            for name, t in times.items()}
 
 
 def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: int) -> dict[str, float]:
@@ -199,22 +206,22 @@ def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: i
 
 def transport_rows(server: EmbeddedRedis, rows: list) -> list[tuple[str, float, str, float]]:
     """Fetch throughput per parser and transport, side by side; the verdicts on them."""
-    results = {}
-    for parser in PARSERS:
-        for where, url in (("TCP", server.url), ("unix", server.unix_url)):
-            client = redis.Redis.from_url(url, parser_class=PARSERS[parser])
-            results[parser, where] = t = bench_transport(client)
-            client.flushall()
-            client.close()
-            rows.append((f"transport ({parser} parser, {where}): fetch of a 64-block chain",
-                         f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
-                         f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
-                         f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))
+    configs = [(parser, where) for parser in PARSERS for where in ("TCP", "unix")]
+    clients = {c: redis.Redis.from_url(server.url if c[1] == "TCP" else server.unix_url,
+                                       parser_class=PARSERS[c[0]]) for c in configs}
+    results = bench_transport(clients)
+    for (parser, where), t in results.items():
+        rows.append((f"transport ({parser} parser, {where}): fetch of a 64-block chain",
+                     f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
+                     f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
+                     f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))
     for where in ("TCP", "unix"):
         fast, slow = results["hiredis", where], results["python", where]
         rows.append((f"parsers ({where}): fetch with hiredis", f"{fast['bytes'] / fast['store'] / GB:.2f} GB/s",
                      f"Python parser {slow['bytes'] / slow['store'] / GB:.2f} GB/s",
                      f"{slow['store'] / fast['store']:.2f}"))
+    for c in clients.values():
+        c.close()
     tcp, unix = results["hiredis", "TCP"], results["hiredis", "unix"]
     return [("transport_vs_raw_gets", tcp["raw"] / tcp["store"], ">=", GOALS["transport"]),
             ("transport_vs_raw_gets_unix", unix["raw"] / unix["store"], ">=", GOALS["transport"]),
