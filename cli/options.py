@@ -24,8 +24,8 @@ from jobs.spec import GENERATE_OPTIONS, GenerateOptions
 # CLI option (argparse dest) -> job spec field
 SELECTION_OPTIONS = {"keep": "keep", "chunk_size": "chunk_size", "tail_tokens": "tail_tokens",
                      "threshold": "threshold", "n_lookahead": "n_lookahead", "seed": "lookahead_seed"}
-REDIS_URL_HELP = ("the queue's Redis: redis://[:password@]host:port/db, or rediss:// for TLS "
-                  "(default: $REDIS_URL or SPECPREFILL_REDIS_URL)")
+REDIS_URL_HELP = ("the queue's Redis: redis://[user:password@]host:port/db, rediss:// (TLS) or "
+                  "unix:///path.sock (default: $REDIS_URL or SPECPREFILL_REDIS_URL)")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 

@@ -43,6 +43,9 @@ class JobResult:
     memo_hit: bool = False
     timings: dict[str, float] = field(default_factory=dict)        # seconds per phase
     tokens_per_s: dict[str, float] = field(default_factory=dict)   # per phase
+    draft_name: str = ""            # the draft model as the job named it ("draft": the default)
+    # Said about the prompt without failing the job (e.g. many unknown tokens).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -103,8 +106,9 @@ class GenerateResult(JobResult):
     token_ids: list[int]            # generated ids (up to the stop string, if any)
     ttft_s: float
     full_prefill: bool = False
-    draft_model: str = ""
+    draft_model: str = ""           # identities (what the block-store keys are rooted in)
     target_model: str = ""
+    target_name: str = ""           # the target as the job named it ("target": the default)
     draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
     kind: str = "generate"
 

@@ -17,7 +17,22 @@ from specprefill.options import ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_MODELS = REPO_ROOT / "models"
+
+
+def _shipped_models() -> Path:
+    """The shipped models: a source checkout's ``models/`` folder, else the installed
+    package data (``specprefill_models``, what the wheel ships)."""
+    if (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "models" / "draft-tiny").is_dir():
+        return REPO_ROOT / "models"
+    from importlib.util import find_spec
+
+    spec = find_spec("specprefill_models")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return REPO_ROOT / "models"  # neither: messages name the missing folder
+
+
+SHIPPED_MODELS = _shipped_models()
 
 
 def _default_draft_model() -> str:
@@ -46,6 +61,12 @@ class Settings:
     # Models a job may name. Empty: any local folder or hub id. Otherwise these plus
     # draft_model, target_model and preload_models; a job naming another one is refused.
     allowed_models: tuple[str, ...] = ()
+    # Model names (jobs.model_names): aliases NAME=PATH_OR_HUB_ID a job may name, and whether
+    # a hub id missing from this worker's hub cache is downloaded (else refused, saying how
+    # to pre-download it). Worker name: empty is "<host>.<pid>".
+    models: tuple[str, ...] = ()
+    allow_downloads: bool = False
+    worker_name: str = ""
 
     # SpecPrefill defaults (per job overridable).
     keep: float = SelectionOptions.keep

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from cache_store.keys import MAX_TOKEN_ID
+from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
 
 # 2: the draft's lookahead sampling fields are lookahead_temperature / _top_p / _seed.
@@ -51,27 +52,34 @@ class Limits:
     max_batch_documents: int = Settings.max_batch_documents
     max_generate_tokens: int = Settings.max_generate_tokens
     allowed_models: frozenset[str] | None = None
+    shown_models: tuple[str, ...] = ()  # the allowed names a refusal lists (no worker paths)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Limits":
-        allowed = None
+        allowed, shown = None, ()
         if settings.allowed_models:
-            allowed = frozenset((*settings.allowed_models, settings.draft_model,
-                                 settings.target_model, *settings.preload_models))
+            catalog = ModelCatalog.from_settings(settings)
+            sources = set(catalog.sources())
+            allowed = frozenset((*settings.allowed_models, *catalog.names(), *sources,
+                                 *settings.preload_models))
+            shown = tuple(sorted(n for n in allowed if n not in sources and not looks_like_path(n)
+                                 and not os.path.isdir(n)))
         return cls(settings.max_prompt_tokens, settings.max_batch_documents,
-                   settings.max_generate_tokens, allowed)
+                   settings.max_generate_tokens, allowed, shown)
 
     def check_model(self, name: str, field_name: str) -> None:
-        """Refuse a model outside ``allowed_models`` (a local path matches its resolved form)."""
+        """Refuse a model outside ``allowed_models`` (a local path matches its resolved form).
+
+        The refusal lists the allowed names, never a folder of the worker's."""
         if self.allowed_models is None or name in self.allowed_models:
             return
         if os.path.isdir(name):
             real = os.path.realpath(name)
             if any(os.path.isdir(a) and os.path.realpath(a) == real for a in self.allowed_models):
                 return
-        shown = ", ".join(sorted(self.allowed_models))
-        raise JobSpecError(f"{field_name}: {name!r:.200} is not an allowed model "
-                           f"(allowed_models: {shown:.1000})")
+        shown = ", ".join(self.shown_models) or "only folders of the worker's"
+        raise JobSpecError(f"{field_name}: {public_name(name)!r:.200} is not an allowed model "
+                           f"(allowed: {shown:.1000})")
 
 
 @dataclass(frozen=True)
@@ -208,7 +216,7 @@ def _bool(name: str, value: Any) -> bool:
 
 def _model_name(value: Any, limits: Limits, name: str = "draft_model") -> str:
     if not isinstance(value, str) or not value.strip():
-        raise JobSpecError(f"{name}: expected a non-empty local path or hub id "
+        raise JobSpecError(f"{name}: expected a model name, hub id or worker folder "
                            f"(string of 1..{MAX_MODEL_NAME_CHARS} characters)")
     if len(value) > MAX_MODEL_NAME_CHARS:
         raise JobSpecError(f"{name}: {len(value)} characters, the limit is {MAX_MODEL_NAME_CHARS}")
@@ -338,8 +346,10 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
 
 
 _FIELDS = {f for f in JobSpec.__dataclass_fields__}
-# Spec fields whose default is a deployment setting: spec field -> settings field.
-_FROM_SETTINGS = {name: name for name in ("draft_model", "keep", "chunk_size", "tail_tokens",
+# Spec fields whose default is a deployment setting: spec field -> settings field. Models
+# are named (jobs.model_names.job_default): "draft" / "target", which the worker resolves,
+# unless the client configured a model itself.
+_FROM_SETTINGS = {name: name for name in ("keep", "chunk_size", "tail_tokens",
                                           "threshold", "n_lookahead", "pool_kernel",
                                           "include_last_query")}
 _FROM_SETTINGS.update(lookahead_temperature="temperature", lookahead_top_p="top_p")
@@ -376,9 +386,13 @@ def build_spec(settings: Settings | None = None, *, limits: Limits | None = None
     if unknown:
         raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
     defaults = {name: getattr(settings, source) for name, source in _FROM_SETTINGS.items()}
-    values = {**defaults, **{k: v for k, v in fields_.items() if v is not None}}
+    values = {"draft_model": job_default(settings, "draft"), **defaults,
+              **{k: v for k, v in fields_.items() if v is not None}}
     if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
-        values["extra"] = {"target_model": settings.target_model, **values.get("extra", {})}
+        extra = dict(values.get("extra", {}))
+        if extra.get("target_model") is None:
+            extra["target_model"] = job_default(settings, "target")
+        values["extra"] = extra
     return _validate(values, limits)
 
 

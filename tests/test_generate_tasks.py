@@ -185,7 +185,7 @@ def test_sampling_is_seeded():
     ({"greedy": "yes"}, "greedy: expected true or false"),
     ({"stop": [""]}, "stop[0]: expected a string of 1..256 characters"),
     ({"stop": ["x"] * 17}, "stop: 17 strings, allowed 0..16"),
-    ({"target_model": ""}, "target_model: expected a non-empty local path"),
+    ({"target_model": ""}, "target_model: expected a model name, hub id or worker folder"),
     ({"beam": 4}, "beam: unknown generate option"),
 ])
 def test_bad_generate_fields_fail_with_the_field_and_range(extra, message):
@@ -208,6 +208,7 @@ def test_max_generate_tokens_comes_from_settings_and_defaults_fill_the_spec():
         build_spec(s, kind="generate", text="hi", extra={"max_tokens": 9})
     spec = build_spec(s, kind="generate", text="hi")
     assert spec.generate.max_tokens == 8 and spec.generate.target_model == "t"
+    assert build_spec(Settings(), kind="generate", text="hi").generate.target_model == "target"
     assert spec_from_payload(spec.to_payload(), s) == spec
     assert spec.job_id().startswith("generate-")
     with pytest.raises(ValueError, match="no generate options"):
@@ -280,7 +281,7 @@ def test_bad_target_fails_naming_it_before_the_draft_scores():
         return "fake:" + name
 
     rt.models._identify = identify
-    with pytest.raises(ValueError, match="^target_model: 'bad/target' is neither"):
+    with pytest.raises(ValueError, match="^target_model: 'bad/target': .*is neither"):
         run(rt, extra={"target_model": "bad/target"})
     kinds = [e.kind for e in events(rt)]
     assert kinds == ["loading_model", "failed"]  # nothing scored

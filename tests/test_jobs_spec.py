@@ -131,12 +131,13 @@ def test_allowed_models_refuse_other_models(tmp_path):
     folder = tmp_path / "draft"
     folder.mkdir()
     locked = S.replace(allowed_models=(str(folder),), target_model="t")
-    assert build_spec(locked, tokens=[1]).draft_model == "models/draft-tiny"  # the default
+    assert build_spec(locked, tokens=[1]).draft_model == "models/draft-tiny"  # configured here
+    assert build_spec(Settings(), tokens=[1]).draft_model == "draft"  # the worker's default, by name
     assert build_spec(locked, tokens=[1], draft_model=str(folder)).draft_model == str(folder)
     # the same folder by another spelling
     other = str(tmp_path / "." / "draft")
     assert build_spec(locked, tokens=[1], draft_model=other).draft_model == other
-    with pytest.raises(JobSpecError, match=r"draft_model: 'org/x' is not an allowed model \(allowed_models: "):
+    with pytest.raises(JobSpecError, match=r"draft_model: 'org/x' is not an allowed model \(allowed: draft, target\)"):
         build_spec(locked, tokens=[1], draft_model="org/x")
     with pytest.raises(JobSpecError, match="target_model: 'org/big' is not an allowed model"):
         build_spec(locked, tokens=[1], kind="generate", extra={"target_model": "org/big"})

@@ -188,4 +188,5 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path):
     missing = subprocess.run([sys.executable, "-c", "from worker.models import model_identity\n"
                               "model_identity('local/absent')"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    assert "'local/absent' is neither a model folder nor a hub model downloaded" in missing.stderr
+    assert "is a hub model not downloaded on this worker: pre-download it there with " \
+        "`hf download local/absent`" in missing.stderr

@@ -28,11 +28,12 @@ class WorkerProcess:
     """``argv`` started with its output in ``log``; returns once the worker has registered in RQ."""
 
     def __init__(self, argv: list[str], env: dict[str, str], name: str, url: str,
-                 log: Path, ready_timeout: float = 20.0, stop_grace_s: float = 5.0) -> None:
+                 log: Path, ready_timeout: float = 20.0, stop_grace_s: float = 5.0,
+                 cwd: Path = ROOT) -> None:
         self.name, self.url, self.log, self.stop_grace_s = name, url, log, stop_grace_s
         with open(log, "w") as log_file:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                         env=env, cwd=ROOT)
+                                         env=env, cwd=cwd)
         r = redis.Redis.from_url(url)
         try:
             deadline = time.monotonic() + ready_timeout

@@ -9,27 +9,33 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Any
 
 import redis
 
 from jobs.inspect import advertised_models_key
+from jobs.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
 def served_models(runtime: WorkerRuntime) -> list[dict[str, Any]]:
-    """``[{name, roles, loaded}]``: the defaults, the preloads, the allow-list, the loaded."""
-    s = runtime.settings
-    roles: dict[str, list[str]] = {}
-    for name, role in ((s.target_model, "default_target"), (s.draft_model, "default_draft")):
-        roles.setdefault(name, []).append(role)
-    for name in (*s.preload_models, *s.allowed_models, *runtime.models.names()):
-        roles.setdefault(name, [])
-    loaded = set(runtime.models.names())
-    return [{"name": n, "roles": r, "loaded": n in loaded} for n, r in roles.items()]
+    """``[{name, roles, loaded}]``: the defaults (``draft``, ``target``), the aliases, then
+    the preloads, the allow-list and the loaded models named as jobs name them; a name that
+    is a folder of this worker's is never shown."""
+    s, pool = runtime.settings, runtime.models
+    catalog = getattr(pool, "catalog", None) or ModelCatalog.from_settings(s)
+    roles: dict[str, list[str]] = {DEFAULT_DRAFT: ["default_draft"], DEFAULT_TARGET: ["default_target"]}
+    sources = set(catalog.sources())
+    for name in (*catalog.aliases, *s.preload_models, *s.allowed_models, *pool.names()):
+        if not looks_like_path(name) and not os.path.isdir(name) and name not in sources:
+            roles.setdefault(name, [])
+    loaded_sources = {catalog.source(n) for n in pool.names()}
+    return [{"name": n, "roles": r, "loaded": catalog.source(n) in loaded_sources}
+            for n, r in roles.items()]
 
 
 REFRESH_S = 60.0  # an unchanged list is written again this often (Redis may have lost it)

@@ -23,7 +23,7 @@ from worker.detokenize import TextStream, stop_token_ids
 from worker.models import LoadedModel
 from worker.prompt import check_prompt, tokenize
 from worker.reporting import JobReporter
-from worker.selection_pipeline import load_model, select_prompt
+from worker.selection_pipeline import load_model, prompt_warnings, select_prompt
 from worker.tokenizer_pair import check_pair_once
 
 
@@ -35,6 +35,7 @@ class _Prompt:
     tokens: list[int]
     protected_prefix: int
     selection: PrefillResult | None
+    warnings: list[str]
 
 
 @dataclass
@@ -66,7 +67,7 @@ def _full_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     t = time.perf_counter()
     tokens, protected_prefix = tokenize(spec, target.tokenizer)
     timings["tokenize"] = time.perf_counter() - t
-    return _Prompt(target, tokens, protected_prefix, None)
+    return _Prompt(target, tokens, protected_prefix, None, prompt_warnings(ctx, tokens, target))
 
 
 def _selected_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
@@ -84,7 +85,7 @@ def _selected_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
     timings["selection"] = st.get("selection", 0.0)
-    return _Prompt(target, tokens, selection.protected_prefix, selection)
+    return _Prompt(target, tokens, selection.protected_prefix, selection, selection.warnings)
 
 
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
@@ -149,6 +150,8 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         blocks_written=sel.blocks_written if sel is not None else 0,
         memo_hit=sel.memo_hit if sel is not None else False,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
+        draft_name=sel.draft_name if sel is not None else "", target_name=opts.target_model,
+        warnings=prompt.warnings,
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
                                      "decode": decoded.tokens, **scored}),

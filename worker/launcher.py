@@ -60,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     preload_blas()
     p = argparse.ArgumentParser(prog="python -m worker", description="Run a SpecPrefill RQ worker.")
     p.add_argument("--redis-url", default=None,
-                   help="redis://[:password@]host:port/db or rediss:// (default: REDIS_URL)")
+                   help="redis://[user:password@]host:port/db, rediss:// (TLS) or unix:///path.sock "
+                        "(default: REDIS_URL)")
     add_worker_options(p)
     args = p.parse_args(argv)
     try:

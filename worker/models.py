@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+
+from jobs.model_names import ModelCatalog, looks_like_path
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
     from specprefill.profile import ModelProfile
@@ -51,21 +54,80 @@ def local_identity(folder: str | Path) -> str:
     return _identities[key]
 
 
-def hub_identity(repo_id: str) -> str:
-    """``hub:<repo>@<revision>`` from the locally resolved snapshot (no network)."""
+def hub_snapshot(repo_id: str, *, allow_download: bool = False,
+                 on_download: Callable[[], None] | None = None) -> Path:
+    """The local snapshot folder of hub model ``repo_id``: from this worker's hub cache, or
+    downloaded (``allow_download``; ``on_download()`` is told first). Messages name the repo
+    id only (never a path of this worker's)."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     try:
-        path = Path(snapshot_download(repo_id, local_files_only=True))
-    except (OSError, ValueError) as exc:  # not downloaded here, or not a valid repo id
-        raise ValueError(f"{repo_id[:200]!r} is neither a model folder nor a hub "
-                         f"model downloaded on this worker ({type(exc).__name__})") from None
-    return f"hub:{repo_id}@{path.name}"
+        return Path(snapshot_download(repo_id, local_files_only=True,
+                                      allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except HFValidationError:
+        raise ValueError("is neither a model name this worker knows, nor a folder on it, "
+                         "nor a valid hub id") from None
+    except (OSError, ValueError):  # not in this worker's hub cache
+        if not allow_download:
+            raise ValueError(f"is a hub model not downloaded on this worker: pre-download it "
+                             f"there with `hf download {repo_id}` (or let the worker download "
+                             "it: SPECPREFILL_ALLOW_DOWNLOADS=1)") from None
+    if on_download is not None:
+        on_download()
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as exc:  # network, auth, a missing repo: the job fails, the worker goes on
+        raise ValueError(f"could not be downloaded from the hub ({type(exc).__name__}); "
+                         f"pre-download it on the worker with `hf download {repo_id}`") from None
+
+
+def hub_identity(repo_id: str, snapshot: Path | None = None) -> str:
+    """``hub:<repo>@<revision>`` from the locally resolved snapshot (no network)."""
+    snapshot = snapshot or hub_snapshot(repo_id)
+    return f"hub:{repo_id}@{snapshot.name}"
 
 
 def model_identity(name: str) -> str:
-    """Identity of a model named by a local folder or a hub id."""
+    """Identity of a model named by a local folder or a hub id (no downloads)."""
     return local_identity(name) if Path(name).expanduser().is_dir() else hub_identity(name)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the model a job named is on this worker: what to load and its identity."""
+
+    path: str
+    identity: str
+
+
+def locate(name: str, catalog: ModelCatalog, *, allow_download: bool = False,
+           on_download: Callable[[], None] | None = None) -> Located:
+    """Resolve a job's model ``name`` (a default, an alias, a folder or a hub id) on this
+    worker; a ``ValueError`` says why not without showing this worker's paths."""
+    source = catalog.source(name)
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return Located(str(folder), local_identity(folder))
+    if looks_like_path(source):
+        where = "the folder it names" if catalog.kind(name) == "given" else "its folder"
+        raise ValueError(f"{where} is missing on this worker")
+    snapshot = hub_snapshot(source, allow_download=allow_download, on_download=on_download)
+    return Located(str(snapshot), hub_identity(source, snapshot))
+
+
+def scrub(text: str, *paths: str | Path) -> str:
+    """``text`` with each of ``paths`` (as given, expanded and resolved) shown as ``<model>``
+    (a hub id is no path: it stays)."""
+    forms = set()
+    for p in paths:
+        p = str(p)
+        if looks_like_path(p) or os.path.exists(os.path.expanduser(p)):
+            forms.update({p, os.path.expanduser(p), os.path.realpath(os.path.expanduser(p))})
+    for form in sorted((f for f in forms if len(f) > 1), key=len, reverse=True):
+        text = text.replace(form, "<model>")
+    return text
 
 
 @dataclass(frozen=True)
@@ -131,64 +193,91 @@ def release_cached_buffers() -> None:
 class ModelPool:
     """At most ``capacity`` loaded models, least recently used evicted first.
 
-    The seams (``loader``, ``profile``, ``fingerprint``, ``identify``, ``warm``) default to
+    Jobs name models; ``catalog`` (the worker's ``jobs.model_names.ModelCatalog``, set by
+    its runtime) resolves the names, so two names of one folder share one loaded model.
+    The seams (``loader``, ``profile``, ``fingerprint``, ``locate``, ``warm``) default to
     mlx-lm, ``specprefill.profile.profile_model`` (verifies the model: it raises
     ``UnsupportedModelError`` saying why it cannot be scored), ``cache_store.model_fingerprint``
-    of the profile's description, the weights' identity and a tiny warm-up pass.
+    of the profile's description, :func:`locate` and a tiny warm-up pass.
     """
 
     def __init__(self, capacity: int = 2, *, block_size: int = 256,
                  loader: Callable[[str], tuple[Any, Any]] = _default_loader,
                  profile: Callable[[Any], Any] = _default_profile,
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
-                 identify: Callable[[str], str] = model_identity,
-                 warm: Callable[[Any], None] = warm_up) -> None:
+                 identify: Callable[[str], str] | None = None,
+                 warm: Callable[[Any], None] = warm_up,
+                 catalog: ModelCatalog | None = None, allow_downloads: bool = False) -> None:
         if capacity < 1:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
         self.block_size = block_size
         self._loader, self._profile, self._fingerprint = loader, profile, fingerprint
-        self._identify, self._warm = identify, warm
-        self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._identify, self._warm = identify, warm  # identify: a test's (path as given)
+        self.catalog, self.allow_downloads = catalog, allow_downloads
+        self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # by the path loaded
         self.loads = 0
 
+    def _catalog(self) -> ModelCatalog:
+        if self.catalog is None:
+            from jobs.settings import Settings
+
+            self.catalog = ModelCatalog.from_settings(Settings())
+        return self.catalog
+
     def __contains__(self, name: str) -> bool:
-        return name in self._models
+        return any(name in (m.name, path) for path, m in self._models.items())
 
     def names(self) -> list[str]:
-        return list(self._models)
+        """The names the loaded models were first asked for."""
+        return [m.name for m in self._models.values()]
 
-    def get(self, name: str, field: str = "draft_model") -> LoadedModel:
-        """The loaded model ``name``, loading it on a miss; errors name the job's ``field``.
+    def _locate(self, name: str, on_download: Callable[[], None] | None) -> Located:
+        if self._identify is not None:
+            source = self._catalog().source(name)
+            return Located(source, self._identify(source))
+        return locate(name, self._catalog(), allow_download=self.allow_downloads,
+                      on_download=on_download)
+
+    def get(self, name: str, field: str = "draft_model",
+            on_download: Callable[[], None] | None = None) -> LoadedModel:
+        """The loaded model ``name``, loading it on a miss; errors name the job's ``field``
+        and ``name``, never this worker's paths. ``on_download()`` runs before a download.
 
         The least recently used model is evicted before a load, not after it, so a worker
         never holds more than ``capacity`` models in its pool (unified memory on a Mac).
         """
-        if name in self._models:
-            self._models.move_to_end(name)
-            return self._models[name]
+        for path, m in self._models.items():  # a name asked for before: no hashing again
+            if m.name == name:
+                self._models.move_to_end(path)
+                return m
         t0 = time.perf_counter()
+        source = self._catalog().source(name)
         try:
-            identity = self._identify(name)
+            where = self._locate(name, on_download)
         except ValueError as exc:
-            raise ValueError(f"{field}: {exc}") from None
+            raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None
+        if where.path in self._models:
+            self._models.move_to_end(where.path)
+            return self._models[where.path]
         while len(self._models) >= self.capacity:
             self._evict()
         try:
-            model, tokenizer = self._loader(name)
+            model, tokenizer = self._loader(where.path)
             profile = self._profile(model)  # UnsupportedModelError (a ValueError) names the reason
-        except ValueError as exc:  # mlx-lm's "model type not supported" is one too
-            raise ValueError(f"{field}: {name[:200]!r}: {exc}") from None
+        except (ValueError, OSError, KeyError) as exc:  # mlx-lm's "model type not supported" too
+            raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source, where.path)}") from None
         self._warm(model)
-        loaded = LoadedModel(name, model, tokenizer, identity,
-                             self._fingerprint(profile, identity, self.block_size),
+        loaded = LoadedModel(name, model, tokenizer, where.identity,
+                             self._fingerprint(profile, where.identity, self.block_size),
                              _vocab_size(model), time.perf_counter() - t0, profile)
         self.loads += 1
-        log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
-        self._models[name] = loaded
+        log.info("model %s loaded from %s in %.2fs (%s)", name, where.path, loaded.load_seconds,
+                 where.identity)
+        self._models[where.path] = loaded
         return loaded
 
     def _evict(self) -> None:
-        name, _ = self._models.popitem(last=False)
-        log.info("model %s evicted from the LRU", name)
+        _, loaded = self._models.popitem(last=False)
+        log.info("model %s evicted from the LRU", loaded.name)
         release_cached_buffers()

@@ -72,3 +72,19 @@ def check_prompt(tokens: list[int], loaded: LoadedModel, settings: Settings) -> 
     if loaded.vocab_size is not None and max(tokens) >= loaded.vocab_size:
         raise JobSpecError(f"tokens: id {max(tokens)} is outside the model's vocabulary "
                            f"[0, {loaded.vocab_size - 1}]")
+
+
+UNKNOWN_TOKEN_SHARE = 0.01  # more of the prompt than this as the unknown token: warn
+
+
+def unknown_token_warning(tokens: list[int], tokenizer: Any) -> str | None:
+    """A warning when more than 1 % of ``tokens`` are the tokenizer's unknown token (the
+    model then reads a prompt it cannot see; byte-level tokenizers have none)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not isinstance(unk, int) or not tokens:
+        return None
+    n = tokens.count(unk)
+    if n <= UNKNOWN_TOKEN_SHARE * len(tokens):
+        return None
+    return (f"input: {n} of {len(tokens)} tokens ({100 * n / len(tokens):.1f}%) are the "
+            f"tokenizer's unknown token (id {unk}): the model cannot read that text")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -237,6 +239,12 @@ class InProcessWorker(SimpleWorker):
         self.runtime.stop_event.set()
 
 
+def default_worker_name() -> str:
+    """``<host>.<pid>``: says which Mac and which process (``rq info``, logs, metrics)."""
+    host = socket.gethostname().removesuffix(".local") or "worker"  # macOS adds .local
+    return f"{host}.{os.getpid()}"
+
+
 def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
                preload: Sequence[str] = (), name: str | None = None, burst: bool = False,
                logging_level: str = "INFO", max_jobs: int | None = None) -> bool:
@@ -247,6 +255,7 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     queues = list(queues or runtime.settings.queues)
     for model in preload:
         runtime.models.get(model)
+    name = name or runtime.settings.worker_name or default_worker_name()
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
     hooks.on_start(w)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import redis
 
+from jobs.model_names import ModelCatalog
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
 from worker.models import LoadedModel, ModelPool
@@ -105,6 +106,11 @@ class WorkerRuntime:
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: SelectionBackend | None = None
+
+    def __post_init__(self) -> None:
+        if self.models.catalog is None:  # the pool resolves job names with these settings
+            self.models.catalog = ModelCatalog.from_settings(self.settings)
+            self.models.allow_downloads = self.settings.allow_downloads
 
     @property
     def backend(self) -> SelectionBackend:

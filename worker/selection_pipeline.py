@@ -6,6 +6,7 @@ prefix it holds, store the new blocks) and select, then remember the selection.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,10 @@ from jobs.spec import JobSpec
 from specprefill.options import ScoringOptions, SelectionOptions
 from worker.context import JobContext
 from worker.models import LoadedModel
-from worker.prompt import check_prompt, tokenize
+from worker.prompt import check_prompt, tokenize, unknown_token_warning
 from worker.reporting import JobReporter, ReportingDraftCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,9 +41,12 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
 
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
     """A model from the worker's pool, announced as ``loading_model``; with the seconds taken."""
-    ctx.publisher.publish("loading_model", model=name, **({"role": role} if role else {}))
+    roles = {"role": role} if role else {}
+    ctx.publisher.publish("loading_model", model=name, **roles)
     t = time.perf_counter()
-    loaded = ctx.runtime.models.get(name, field=f"{role or 'draft'}_model")
+    loaded = ctx.runtime.models.get(
+        name, field=f"{role or 'draft'}_model",
+        on_download=lambda: ctx.publisher.publish("downloading", model=name, **roles))
     ctx.check_stop()
     return loaded, time.perf_counter() - t
 
@@ -57,6 +63,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext,
     t = time.perf_counter()
     tokens, protected_prefix = tokenize(spec, draft.tokenizer)
     check_prompt(tokens, draft, ctx.settings)
+    warnings = prompt_warnings(ctx, tokens, draft)
     timings["tokenize"] = time.perf_counter() - t
     backend = ctx.runtime.backend
     # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
@@ -71,7 +78,18 @@ def select_prompt(spec: JobSpec, ctx: JobContext,
         memo.put(tokens, options, selected.ranges)
     ctx.publisher.publish("selection", kept=selected.kept, total=len(tokens))
     timings["total"] = time.perf_counter() - t0
-    return _result(spec, ctx, draft, tokens, protected_prefix, selected, timings), tokens
+    result = _result(spec, ctx, draft, tokens, protected_prefix, selected, timings)
+    result.warnings = warnings
+    return result, tokens
+
+
+def prompt_warnings(ctx: JobContext, tokens: list[int], loaded: LoadedModel) -> list[str]:
+    """What to tell the client about the prompt (also logged on the worker)."""
+    warning = unknown_token_warning(tokens, loaded.tokenizer)
+    if warning is None:
+        return []
+    log.warning("job %s: %s", ctx.job_id, warning)
+    return [warning]
 
 
 def _remembered(spec: JobSpec, ctx: JobContext, ranges: list[tuple[int, int]], total: int,
@@ -126,5 +144,5 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
         reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
-        model=draft.identity, timings={k: round(v, 6) for k, v in timings.items()},
+        model=draft.identity, draft_name=spec.draft_model, timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping
 from cache_store.replies import hash_field
 
 EVENT_KINDS = (
-    "queued", "loading_model", "cache_lookup", "scoring", "lookahead", "importance",
+    "queued", "downloading", "loading_model", "cache_lookup", "scoring", "lookahead", "importance",
     "selection", "cache_store", "retrying", "done", "failed", "stopped",
     # generate jobs: target prefill (processed/total), decode (tokens so far, tokens/s) and
     # the generated text as ``text`` deltas (``offset`` = characters before ``delta``)

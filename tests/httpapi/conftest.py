@@ -25,7 +25,7 @@ from worker_procs import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts" / "http"
-DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
+DRAFT, TARGET = "draft", "target"  # the worker's default models, by name (preloaded by name too)
 API_KEY = "test-key-1"
 # Short prompts get a real selection: no admission threshold, a small tail.
 SELECTION = {"threshold": "0", "tail_tokens": "32", "keep": "0.25"}

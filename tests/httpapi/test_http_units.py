@@ -174,8 +174,13 @@ def test_served_models_lists_defaults_preloads_and_loaded():
 
     settings = Settings(draft_model="d", target_model="t", preload_models=("p",), allowed_models=("a",))
     runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"]))
-    assert served_models(runtime) == [
-        {"name": "t", "roles": ["default_target"], "loaded": True},
-        {"name": "d", "roles": ["default_draft"], "loaded": False},
+    assert served_models(runtime) == [  # names jobs use: "t" is loaded as "target"
+        {"name": "draft", "roles": ["default_draft"], "loaded": False},
+        {"name": "target", "roles": ["default_target"], "loaded": True},
         {"name": "p", "roles": [], "loaded": False}, {"name": "a", "roles": [], "loaded": False},
         {"name": "x", "roles": [], "loaded": True}]
+    # a worker's folders are never advertised; aliases are, by name
+    settings = Settings(models=("q=/srv/q",), preload_models=("/srv/other",))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["/srv/q"]))
+    assert [(m["name"], m["loaded"]) for m in served_models(runtime)] == [
+        ("draft", False), ("target", False), ("q", True)]
