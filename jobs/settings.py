@@ -15,6 +15,8 @@ from cache_store.keys import check_namespace
 from specprefill.options import ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
+KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
+KV_GROUP_SIZES = (32, 64, 128)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_MODELS = REPO_ROOT / "models"
 
@@ -57,6 +59,14 @@ class Settings:
     pool_kernel: int = ScoringOptions.pool_kernel
     prefill_step: int = ScoringOptions.prefill_step
     include_last_query: bool = ScoringOptions.include_last_query
+
+    # KV-cache quantization (mlx-lm's kv_bits / kv_group_size) of the draft's cache (scoring
+    # and stored blocks) and of the target's (sparse prefill and decoding). 0: not quantized.
+    # Models with sliding-window layers cannot be quantized (refused at load).
+    draft_kv_bits: int = 0
+    draft_kv_group_size: int = 64
+    target_kv_bits: int = 0
+    target_kv_group_size: int = 64
 
     # Block store.
     block_size: int = 256
@@ -124,6 +134,17 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        for role in ("draft", "target"):
+            bits, group = getattr(self, f"{role}_kv_bits"), getattr(self, f"{role}_kv_group_size")
+            if bits not in KV_BITS:
+                raise ValueError(f"{role}_kv_bits: {bits!r}, must be one of {KV_BITS} (0: not quantized)")
+            if group not in KV_GROUP_SIZES:
+                raise ValueError(f"{role}_kv_group_size: {group!r}, must be one of {KV_GROUP_SIZES}")
+
+    def kv_quantization(self, role: str) -> tuple[int | None, int]:
+        """``(kv_bits or None, kv_group_size)`` of the ``"draft"`` or ``"target"`` cache."""
+        bits = getattr(self, f"{role}_kv_bits")
+        return (bits or None), getattr(self, f"{role}_kv_group_size")
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -14,7 +14,7 @@ from model_state import model_state
 from specprefill.attention.kernel import kernel_capture
 from specprefill.attention.probe import profile_model
 from specprefill.attention.scoring import prefill_ends, score_prompt
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
 SCORED = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]

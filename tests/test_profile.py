@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache_store.keys import canonical_json
 from kv_blocks import prefilled, same_bits
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 from specprefill.kv_arrays import block_layout, kv_arrays, kv_cache_from_arrays, unstorable_reason
 from specprefill.profile import describe_kv_cache, layout_mismatch, profile_model
 from tiny_models import FAMILIES, make_model

@@ -1,8 +1,10 @@
-"""The worker's models (drafts and targets alike): loaded once, profiled, warmed up, kept in a bounded LRU.
+"""The worker's models (drafts and targets alike): loaded once, verified per role, warmed up, kept in a bounded LRU.
 
-Each model is verified and described once, when it is loaded
-(``specprefill.profile.profile_model``): jobs take its attention sites and cache layout
-from the :class:`LoadedModel` and never probe it again. A model's *identity* roots its
+Each model is verified once per role it is used in, the first time it is asked for in that
+role: as a draft by the kernel probe (``specprefill.profile.profile_model``: exact importance
+or refused, with the draft's KV quantization), as a target by what sparse prefill needs
+(``specprefill.attention.target.target_profile``: positions, windows, cache types), never by
+the draft's probe. Jobs take the profiles from the :class:`LoadedModel` and never probe again. A model's *identity* roots its
 block-store keys, so two workers that load the same weights share KV blocks and different
 weights never do: a local folder is identified by a SHA-256 of its config and weight files,
 a hub id by the repo id plus the resolved snapshot revision.
@@ -14,11 +16,12 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
+    from specprefill.attention.target import TargetProfile
     from specprefill.profile import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -76,10 +79,12 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     identity: str
-    fingerprint: str  # names its stored KV blocks (weights identity + profile description)
-    vocab_size: int | None
+    fingerprint: str  # names its stored blocks (weights identity + draft profile description); "" until
+    vocab_size: int | None  # verified as a draft
     load_seconds: float
-    profile: ModelProfile | None = None  # attention sites, cache layout (None: a test's fake model)
+    profile: ModelProfile | None = None  # as a draft: layer roles, cache layout (None: not yet, or a fake)
+    target_profile: TargetProfile | None = None  # as a target: ropes, factors, window (None: not yet)
+    roles: frozenset[str] = frozenset()  # roles verified ("draft", "target")
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -101,10 +106,22 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
-def _default_profile(model: Any) -> ModelProfile:
-    from specprefill.profile import profile_model
+def draft_profiler(kv_bits: int | None = None, kv_group_size: int = 64) -> Callable[[Any], ModelProfile]:
+    """The draft verification with the worker's KV quantization (``Settings.draft_kv_bits``)."""
+    def profile(model: Any) -> ModelProfile:
+        from specprefill.profile import profile_model
 
-    return profile_model(model)
+        return profile_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return profile
+
+
+def target_profiler(kv_bits: int | None = None, kv_group_size: int = 64) -> Callable[[Any], TargetProfile]:
+    """The target verification with the worker's KV quantization (``Settings.target_kv_bits``)."""
+    def profile(model: Any) -> TargetProfile:
+        from specprefill.attention.target import target_profile
+
+        return target_profile(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return profile
 
 
 def _default_fingerprint(profile: ModelProfile, identity: str, block_size: int) -> str:
@@ -131,15 +148,17 @@ def release_cached_buffers() -> None:
 class ModelPool:
     """At most ``capacity`` loaded models, least recently used evicted first.
 
-    The seams (``loader``, ``profile``, ``fingerprint``, ``identify``, ``warm``) default to
-    mlx-lm, ``specprefill.profile.profile_model`` (verifies the model: it raises
-    ``UnsupportedModelError`` saying why it cannot be scored), ``cache_store.model_fingerprint``
-    of the profile's description, the weights' identity and a tiny warm-up pass.
+    The seams (``loader``, ``profile``, ``target_profile``, ``fingerprint``, ``identify``,
+    ``warm``) default to mlx-lm, :func:`draft_profiler` and :func:`target_profiler` (each
+    raises ``UnsupportedModelError`` saying why the model cannot serve in that role),
+    ``cache_store.model_fingerprint`` of the draft profile's description, the weights'
+    identity and a tiny warm-up pass.
     """
 
     def __init__(self, capacity: int = 2, *, block_size: int = 256,
                  loader: Callable[[str], tuple[Any, Any]] = _default_loader,
-                 profile: Callable[[Any], Any] = _default_profile,
+                 profile: Callable[[Any], Any] | None = None,
+                 target_profile: Callable[[Any], Any] | None = None,
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
                  identify: Callable[[str], str] = model_identity,
                  warm: Callable[[Any], None] = warm_up) -> None:
@@ -147,7 +166,9 @@ class ModelPool:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
         self.block_size = block_size
-        self._loader, self._profile, self._fingerprint = loader, profile, fingerprint
+        self._loader, self._fingerprint = loader, fingerprint
+        self._profile = profile or draft_profiler()
+        self._target_profile = target_profile or target_profiler()
         self._identify, self._warm = identify, warm
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loads = 0
@@ -159,14 +180,20 @@ class ModelPool:
         return list(self._models)
 
     def get(self, name: str, field: str = "draft_model") -> LoadedModel:
-        """The loaded model ``name``, loading it on a miss; errors name the job's ``field``.
+        """The loaded model ``name`` verified for the job's ``field`` (``target_model``: as a
+        target, else as a draft), loading it on a miss; errors name ``field``.
 
         The least recently used model is evicted before a load, not after it, so a worker
         never holds more than ``capacity`` models in its pool (unified memory on a Mac).
         """
         if name in self._models:
             self._models.move_to_end(name)
-            return self._models[name]
+            loaded = self._models[name]
+        else:
+            loaded = self._load(name, field)
+        return self._verified(loaded, "target" if field == "target_model" else "draft", field)
+
+    def _load(self, name: str, field: str) -> LoadedModel:
         t0 = time.perf_counter()
         try:
             identity = self._identify(name)
@@ -176,17 +203,33 @@ class ModelPool:
             self._evict()
         try:
             model, tokenizer = self._loader(name)
-            profile = self._profile(model)  # UnsupportedModelError (a ValueError) names the reason
-        except ValueError as exc:  # mlx-lm's "model type not supported" is one too
+        except ValueError as exc:  # mlx-lm's "model type not supported"
             raise ValueError(f"{field}: {name[:200]!r}: {exc}") from None
         self._warm(model)
-        loaded = LoadedModel(name, model, tokenizer, identity,
-                             self._fingerprint(profile, identity, self.block_size),
-                             _vocab_size(model), time.perf_counter() - t0, profile)
+        loaded = LoadedModel(name, model, tokenizer, identity, "", _vocab_size(model),
+                             time.perf_counter() - t0)
         self.loads += 1
         log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
         self._models[name] = loaded
         return loaded
+
+    def _verified(self, loaded: LoadedModel, role: str, field: str) -> LoadedModel:
+        """``loaded`` verified as a ``role`` once (the profile kept in the pool)."""
+        if role in loaded.roles:
+            return loaded
+        try:  # UnsupportedModelError (a ValueError) names the reason
+            if role == "draft":
+                profile = self._profile(loaded.model)
+                verified = replace(loaded, profile=profile, roles=loaded.roles | {role},
+                                   fingerprint=self._fingerprint(profile, loaded.identity, self.block_size))
+            else:
+                verified = replace(loaded, target_profile=self._target_profile(loaded.model),
+                                   roles=loaded.roles | {role})
+        except ValueError as exc:
+            raise ValueError(f"{field}: {loaded.name[:200]!r}: {exc}") from None
+        if loaded.name in self._models:
+            self._models[loaded.name] = verified
+        return verified
 
     def _evict(self) -> None:
         name, _ = self._models.popitem(last=False)

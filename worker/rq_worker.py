@@ -201,8 +201,9 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
 
     log.info("BLAS in use: %s", blas_in_use())
     queues = list(queues or runtime.settings.queues)
-    for model in preload:
-        runtime.models.get(model)
+    s = runtime.settings
+    for model in preload:  # verified in the role the settings give it (a draft unless only the target)
+        runtime.models.get(model, "target_model" if model == s.target_model != s.draft_model else "draft_model")
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
     hooks.on_start(w)

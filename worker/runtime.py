@@ -14,7 +14,7 @@ import redis
 
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from worker.models import LoadedModel, ModelPool
+from worker.models import LoadedModel, ModelPool, draft_profiler, target_profiler
 
 
 @dataclass
@@ -88,8 +88,10 @@ class WorkerRuntime:
                       **kwargs: Any) -> "WorkerRuntime":
         connection = connection or queue_connection(settings.redis_url, settings)
         cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
-        models = kwargs.pop("models", None) or ModelPool(settings.model_lru_size,
-                                                         block_size=settings.block_size)
+        models = kwargs.pop("models", None) or ModelPool(
+            settings.model_lru_size, block_size=settings.block_size,
+            profile=draft_profiler(*settings.kv_quantization("draft")),
+            target_profile=target_profiler(*settings.kv_quantization("target")))
         return cls(settings, connection, cache_client, models, **kwargs)
 
 

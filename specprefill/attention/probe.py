@@ -31,7 +31,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_promp
 
 from specprefill.attention.importance import prompt_keys
 from specprefill.attention.kernel import KernelCall, kernel_capture
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 
 PROBE_TOKENS = 8
 AMPLIFICATIONS = (1.0, 0.0, 8.0)

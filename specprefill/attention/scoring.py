@@ -1,7 +1,8 @@
-"""Prototype scorer on the kernel capture: any verified family, hybrid caches, quantized KV.
+"""The scorer on the kernel capture: any verified family, hybrid caches, quantized KV.
 
-Same phases and result as :func:`specprefill.scoring.score_tokens` (chunked prefill, the last
-prompt token, seeded lookahead, importance, the cache rewound to exactly the prompt), with:
+Phases: chunked prefill of the prompt (only the part not in a restored cache), the last
+prompt token, a few seeded lookahead decode steps, importance, the cache rewound to exactly
+the prompt (:func:`specprefill.scoring.score_tokens` is the validated front door), with:
 
 * the model's :class:`~specprefill.attention.probe.AttentionProfile` deciding which layers
   vote (recurrent layers never do), and every scored step checked against it;
@@ -17,6 +18,7 @@ prompt token, seeded lookahead, importance, the cache rewound to exactly the pro
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
@@ -26,13 +28,24 @@ from specprefill.attention.caches import rewind, rewind_point
 from specprefill.attention.importance import fold, layer_probabilities, votes
 from specprefill.attention.kernel import KernelCall, KernelCapture, kernel_capture
 from specprefill.attention.probe import AttentionProfile, holds_keys, make_cache, require_draft
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 from specprefill.options import Sampling
 from specprefill.sampling import sample
-from specprefill.scoring import ScoreResult
 
 Progress = Callable[[int, int, str], None]
 StepHook = Callable[[int, int, list], None]
+
+
+@dataclass
+class ScoreResult:
+    """What scoring produced for one prompt of ``prompt_tokens`` tokens."""
+
+    importance: mx.array  # float32, shape (T,), one per prompt token
+    kv_cache: list  # mlx-lm cache objects holding exactly the T prompt tokens
+    lookahead_tokens: list[int]  # sampled ids whose queries were captured, in order
+    timings: dict[str, float] = field(default_factory=dict)  # "prefill", "lookahead", "importance"
+    cached_tokens: int = 0  # prompt tokens restored from the cache passed in (0 cold)
+    prompt_tokens: int = 0  # T
 
 
 def prefill_ends(start: int, stop: int, step: int, block_size: int | None) -> list[int]:

@@ -34,13 +34,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import rope_utils
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from specprefill.attention.kernel import family_modules
 from specprefill.attention.probe import holds_keys, make_cache
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
+from specprefill.options import PREFILL_STEP
 from specprefill.positions import SUPPORTED_ROPES, PositionMap, rope_at_positions
-from specprefill.sparse import PrefillState
+from specprefill.sparse import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.wrapping import Wrapper, unwrap_rope
 
 # Module-level functions that compute a position-dependent factor from the cache offset,
@@ -68,14 +69,24 @@ class TargetProfile:
     factors: tuple[str, ...]       # position-dependent functions replaced
     window: int                    # largest sliding window (0: none): the tail that must be kept
     caches: tuple[str, ...]        # cache classes
+    kv_bits: int | None = None     # the target's KV quantization (None: plain caches)
+    kv_group_size: int = 64
 
 
 def _rope_owners(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
 
 
-def target_profile(model: nn.Module) -> TargetProfile:
-    """Check what sparse prefill needs (module docstring); the profile or :class:`UnsupportedModelError`."""
+# Cache classes a sparse prefill drives (by original positions, or in order for recurrent state).
+TARGET_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+
+
+def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64) -> TargetProfile:
+    """Check what sparse prefill needs (module docstring); the profile or :class:`UnsupportedModelError`.
+
+    ``kv_bits`` quantizes the target's cache; a model with sliding-window layers cannot be
+    (mlx-lm has no quantized rotating cache) and is refused here, at load.
+    """
     family = type(model).__module__
     ropes = set()
     for owner in _rope_owners(model):
@@ -87,13 +98,20 @@ def target_profile(model: nn.Module) -> TargetProfile:
         ropes.add(type(rope).__name__)
     factors = tuple(f"{m.__name__}.{POSITION_FACTORS[m.__name__]}" for m in family_modules(model)
                     if m.__name__ in POSITION_FACTORS)
-    cache = make_cache(model)
+    cache = make_cache(model, kv_bits, kv_group_size)
+    for leaf in _leaves(cache):
+        if leaf is not None and type(leaf) not in TARGET_CACHES:
+            raise UnsupportedModelError(f"{family}: cache {type(leaf).__name__} is not supported by sparse "
+                                        f"prefill (supported: {', '.join(c.__name__ for c in TARGET_CACHES)})")
     window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
                  default=0)
+    if kv_bits is not None and _mask_windows(model):
+        raise UnsupportedModelError(f"{family}: kv_bits: windowed layers on plain caches cannot be masked by "
+                                    "original position once quantized; serve this target with kv_bits unset")
     if any(isinstance(c, RotatingKVCache) and c.keep for c in _leaves(cache)):
         raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
     return TargetProfile(family, tuple(sorted(ropes)), factors, window,
-                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})))
+                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})), kv_bits, kv_group_size)
 
 
 def _mask_windows(model: nn.Module) -> list[int]:
@@ -229,24 +247,43 @@ class TargetSession:
     def __init__(self, model: nn.Module, profile: TargetProfile, position_map: PositionMap):
         self.model, self.profile, self.position_map = model, profile, position_map
         self.active = True
+        self._prefilled = False
 
-    def prefill(self, tokens: Sequence[int], keep_indices: Sequence[int], *, prefill_step: int = 2048,
-                kv_bits: int | None = None, kv_group_size: int = 64) -> tuple[mx.array, list, PrefillState]:
-        """Prefill ``tokens[keep_indices]`` at their original positions; decode with
-        :func:`specprefill.sparse.generate_tokens` inside the session."""
-        prompt = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        keep = _check_keep(keep_indices, len(prompt), required_tail(self.profile))
+    def prefill(self, tokens: Sequence[int] | np.ndarray | mx.array, keep_indices: Sequence[int] | np.ndarray, *,
+                protected_prefix: int = 0, kv_cache: list | None = None, prefill_step: int = PREFILL_STEP,
+                progress: Progress | None = None) -> tuple[mx.array, list, PrefillState]:
+        """Prefill only ``tokens[keep_indices]``, each at its original position.
+
+        ``keep_indices``: strictly increasing prompt indices ending at the last one; the first
+        ``protected_prefix`` tokens are kept and prefilled as their own first step, and the last
+        :func:`required_tail` tokens must be kept (sliding windows). ``kv_cache``: a cache of
+        this model already holding the prompt's first ``c`` tokens (all kept), else a fresh
+        one (quantized as the profile says). Returns the last token's logits (1, vocab), the
+        cache (kept tokens only) and a :class:`~specprefill.sparse.PrefillState`; decode with
+        :func:`specprefill.sparse.generate_tokens` inside the session.
+        """
+        if not self.active or self._prefilled:
+            raise RuntimeError("target session: one prefill per open session (one request)")
+        self._prefilled = True
+        prompt = as_tokens(tokens)
+        keep = _check_keep(keep_indices, len(prompt), protected_prefix, required_tail(self.profile))
         self.position_map.set(keep, len(prompt))
-        cache = target_cache(self.model, self.position_map, kv_bits, kv_group_size)
-        started, kept = time.perf_counter(), mx.array(prompt[keep])
-        for start in range(0, len(keep), prefill_step):
-            logits = self.model(kept[None, start:start + prefill_step], cache=cache)
-            mx.eval(logits, [c.state for c in cache])
-        state = PrefillState(len(prompt), len(keep), 0, time.perf_counter() - started, session=self)
-        return logits[:, -1, :], cache, state
+        if kv_cache is None:
+            kv_cache = target_cache(self.model, self.position_map, self.profile.kv_bits, self.profile.kv_group_size)
+        cached = _cached_prefix(kv_cache, keep)
+        for leaf in _leaves(kv_cache):  # a prefix from an earlier session masks by this one's positions
+            if isinstance(leaf, _PositionedMask):
+                leaf.position_map = self.position_map
+        started = time.perf_counter()
+        logits = run_prefill(self.model, prompt[mx.array(keep[cached:])], kv_cache,
+                             first_stop=max(0, protected_prefix - cached), step=prefill_step, progress=progress)
+        state = PrefillState(len(prompt), len(keep), cached, time.perf_counter() - started, session=self)
+        return logits, kv_cache, state
 
 
-def _check_keep(keep_indices: Sequence[int], n: int, tail: int) -> np.ndarray:
+def _check_keep(keep_indices: Sequence[int], n: int, protected_prefix: int, tail: int) -> np.ndarray:
+    if not 0 <= protected_prefix <= n:
+        raise ValueError(f"protected_prefix: must be in [0, {n}], got {protected_prefix}")
     keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
     if len(keep) == 0 or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] != n - 1:
         raise ValueError(f"keep_indices: must be strictly increasing indices in [0, {n}) ending at {n - 1}")
@@ -254,7 +291,24 @@ def _check_keep(keep_indices: Sequence[int], n: int, tail: int) -> np.ndarray:
     if len(missing):
         raise ValueError(f"keep_indices: the last {tail} prompt tokens must be kept (sliding-window layers "
                          f"of that size), {len(missing)} are not")
-    return keep
+    return np.union1d(np.arange(protected_prefix), keep)
+
+
+def _cached_prefix(kv_cache: list, keep: np.ndarray) -> int:
+    """Tokens a passed-in cache holds (read from its KV layers); they must be kept, from index 0."""
+    offsets = {_int_offset(c.offset) for c in _leaves(kv_cache) if holds_keys(c)}
+    if not offsets:
+        if any(c is not None and any(a is not None for a in getattr(c, "cache", ())) for c in _leaves(kv_cache)):
+            raise ValueError("kv_cache: a cache without KV layers cannot say how many tokens it holds; "
+                             "pass none for this model")
+        return 0
+    if len(offsets) != 1:
+        raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
+    cached = offsets.pop()
+    if cached and (cached > len(keep) or keep[cached - 1] != cached - 1):
+        raise ValueError(f"kv_cache: holds {cached} tokens; they must be the prompt's first {cached} "
+                         "tokens and all kept")
+    return cached
 
 
 @contextmanager
