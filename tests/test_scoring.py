@@ -198,7 +198,7 @@ def test_restored_cache_must_be_shorter_than_the_prompt():
         score(model, PROMPT, kv_cache=full[:1])
     mixed = _prefix_cache(full, 10)
     mixed[1].trim(1)
-    with pytest.raises(ValueError, match="same number of tokens"):
+    with pytest.raises(ValueError, match="different numbers of tokens"):
         score(model, PROMPT, kv_cache=mixed)
 
 

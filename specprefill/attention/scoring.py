@@ -75,6 +75,15 @@ def cached_length(cache: list, n_prompt: int) -> int:
     return n
 
 
+def _check_windows(cache: list, n_prompt: int, n_lookahead: int) -> None:
+    """Refuse before any work when every KV layer is a window narrower than prompt plus lookahead."""
+    windows = {getattr(m, "max_size", None) for entry in cache
+               for m in (getattr(entry, "caches", None) or (entry,)) if holds_keys(m)}
+    if windows and None not in windows and n_prompt + n_lookahead > max(windows):
+        raise ValueError(f"tokens: a prompt of {n_prompt} tokens plus {n_lookahead} lookahead tokens is longer "
+                         f"than every layer's attention window {sorted(windows)}; no layer can score it")
+
+
 def _check_step(profile: AttentionProfile, calls: Sequence[KernelCall], step: str) -> None:
     counts = {}
     for call in calls:
@@ -109,6 +118,7 @@ def _importance(profile: AttentionProfile, steps: list[list[KernelCall]], key_co
                 probs = layer_probabilities(calls, n_prompt)
                 if probs is not None:
                     yield probs
+    report(0, len(profile.attention_layers), "importance")
     try:
         return fold(layers(), pool_kernel, on_layer=lambda done: report(done, len(profile.attention_layers),
                                                                        "importance"))
@@ -150,6 +160,7 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
         cache, cached = make_cache(model, profile.kv_bits, profile.kv_group_size), 0
     else:
         cached = cached_length(cache, n_prompt)
+    _check_windows(cache, n_prompt, n_lookahead)
     report(cached, n_prompt, "prefill")
     _prefill(model, prompt, cache, cached, prefill_step, block_size, on_step, report)
     with kernel_capture(model) as capture:

@@ -33,16 +33,15 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import rope_utils
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from specprefill.attention.kernel import family_modules
 from specprefill.attention.probe import holds_keys, make_cache
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP
-from specprefill.positions import SUPPORTED_ROPES, PositionMap, rope_at_positions
+from specprefill.positions import SUPPORTED_ROPES, PositionedRoPE, PositionMap, int_offset, rope_owners
 from specprefill.sparse import PrefillState, Progress, as_tokens, run_prefill
-from specprefill.wrapping import Wrapper, unwrap_rope
+from specprefill.wrapping import unwrap_rope
 
 # Module-level functions that compute a position-dependent factor from the cache offset,
 # by module: replaced for the session by the same formula at original positions.
@@ -73,10 +72,6 @@ class TargetProfile:
     kv_group_size: int = 64
 
 
-def _rope_owners(model: nn.Module) -> list[nn.Module]:
-    return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
-
-
 # Cache classes a sparse prefill drives (by original positions, or in order for recurrent state).
 TARGET_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
 
@@ -89,7 +84,7 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
     """
     family = type(model).__module__
     ropes = set()
-    for owner in _rope_owners(model):
+    for owner in rope_owners(model):
         rope = unwrap_rope(owner["rope"])
         if type(rope) not in POSITIONABLE_ROPES:
             raise UnsupportedModelError(
@@ -140,32 +135,10 @@ def _leaves(cache: list) -> list:
     return [m for c in cache for m in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
-def _int_offset(offset: Any) -> int:
-    if isinstance(offset, mx.array) and offset.ndim == 0:
-        return int(offset.item())  # gemma4 wraps cache.offset in an array
-    if isinstance(offset, int):
-        return offset
-    raise ValueError("offset: sparse positions support one sequence (a scalar cache offset) only")
-
-
-class TargetRoPE(Wrapper):
-    """A genuine rope rotating at the original positions of the cache indices it is called with."""
-
-    def __init__(self, genuine: nn.Module, position_map: PositionMap):
-        super().__init__(genuine)
-        self.position_map = position_map
-
-    def __call__(self, x: mx.array, offset: Any = 0, **kwargs) -> mx.array:
-        positions = self.position_map.positions(_int_offset(offset), x.shape[-2])
-        if positions[-1] - positions[0] == len(positions) - 1:
-            return self.genuine(x, offset=int(positions[0]), **kwargs)
-        return rope_at_positions(self.genuine, x, mx.array(positions, dtype=mx.int32))
-
-
 def _positioned_factor(genuine: Callable, position_map: PositionMap) -> Callable:
     """ministral3's query scale, at the original positions of ``offset .. offset+size-1``."""
     def factor(size, offset, beta, max_position_embeddings):
-        positions = mx.array(position_map.positions(_int_offset(offset), int(size)), dtype=mx.float32)
+        positions = mx.array(position_map.positions(int_offset(offset), int(size)), dtype=mx.float32)
         return (1 + beta * mx.log(1 + mx.floor(positions / max_position_embeddings)))[:, None]
     factor.genuine = genuine
     return factor
@@ -285,8 +258,14 @@ def _check_keep(keep_indices: Sequence[int], n: int, protected_prefix: int, tail
     if not 0 <= protected_prefix <= n:
         raise ValueError(f"protected_prefix: must be in [0, {n}], got {protected_prefix}")
     keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
-    if len(keep) == 0 or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] != n - 1:
-        raise ValueError(f"keep_indices: must be strictly increasing indices in [0, {n}) ending at {n - 1}")
+    if len(keep) == 0:
+        raise ValueError("keep_indices: must not be empty")
+    if np.any(np.diff(keep) <= 0):
+        raise ValueError("keep_indices: must be strictly increasing")
+    if keep[0] < 0 or keep[-1] >= n:
+        raise ValueError(f"keep_indices: must lie in [0, {n}), got [{keep[0]}, {keep[-1]}]")
+    if keep[-1] != n - 1:
+        raise ValueError(f"keep_indices: must include the last prompt index {n - 1}")
     missing = np.setdiff1d(np.arange(max(0, n - tail), n), keep)
     if len(missing):
         raise ValueError(f"keep_indices: the last {tail} prompt tokens must be kept (sliding-window layers "
@@ -296,7 +275,7 @@ def _check_keep(keep_indices: Sequence[int], n: int, protected_prefix: int, tail
 
 def _cached_prefix(kv_cache: list, keep: np.ndarray) -> int:
     """Tokens a passed-in cache holds (read from its KV layers); they must be kept, from index 0."""
-    offsets = {_int_offset(c.offset) for c in _leaves(kv_cache) if holds_keys(c)}
+    offsets = {int_offset(c.offset) for c in _leaves(kv_cache) if holds_keys(c)}
     if not offsets:
         if any(c is not None and any(a is not None for a in getattr(c, "cache", ())) for c in _leaves(kv_cache)):
             raise ValueError("kv_cache: a cache without KV layers cannot say how many tokens it holds; "
@@ -317,11 +296,11 @@ def target_session(model: nn.Module, profile: TargetProfile | None = None) -> It
     profile = profile or target_profile(model)
     position_map = PositionMap()
     session = TargetSession(model, profile, position_map)
-    owners = _rope_owners(model)
+    owners = rope_owners(model)
     genuine = [unwrap_rope(o["rope"]) for o in owners]
     with ExitStack() as stack:
         for owner, rope in zip(owners, genuine):
-            owner.rope = TargetRoPE(rope, position_map)
+            owner.rope = PositionedRoPE(rope, position_map)
         stack.callback(_restore_ropes, owners, genuine)
         for module in family_modules(model):
             name = POSITION_FACTORS.get(module.__name__)
