@@ -231,6 +231,7 @@ def _run_probe(model: nn.Module, cache: list, n_tokens: int):
 def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
                   probe_tokens: int = PROBE_TOKENS) -> AttentionProfile:
     """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why."""
+    require_layers(model)
     cache = make_cache(model, kv_bits, kv_group_size)
     capture, steps = _run_probe(model, cache, probe_tokens)
     family = type(model).__module__
@@ -258,6 +259,17 @@ def _attention_cache(cache: Any) -> Any:
     if isinstance(cache, CacheList):
         return next((c for c in cache.caches if holds_keys(c)), None)
     return cache
+
+
+def require_layers(model: nn.Module) -> None:
+    """Refuse a model without the ``layers`` list every mlx-lm family has (before any forward pass)."""
+    try:
+        layers = model.layers
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, list) or not layers:
+        raise UnsupportedModelError(f"{type(model).__name__}: no non-empty `layers` list of decoder layers "
+                                    "(not an mlx-lm language model)")
 
 
 def require_draft(profile: AttentionProfile) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from specprefill.attention.kernel import family_modules
-from specprefill.attention.probe import holds_keys, make_cache
+from specprefill.attention.probe import holds_keys, make_cache, require_layers
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP
 from specprefill.positions import SUPPORTED_ROPES, PositionedRoPE, PositionMap, int_offset, rope_owners
@@ -82,6 +82,7 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
     ``kv_bits`` quantizes the target's cache; a model with sliding-window layers cannot be
     (mlx-lm has no quantized rotating cache) and is refused here, at load.
     """
+    require_layers(model)
     family = type(model).__module__
     ropes = set()
     for owner in rope_owners(model):
