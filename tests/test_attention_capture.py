@@ -285,3 +285,32 @@ def test_kernel_taps_are_removed_and_never_stack():
                 raise RuntimeError("inner failure")
     assert gemma2.mx is mx
     assert all(type(layer).__name__ == "TransformerBlock" for layer in model.layers)
+
+
+def test_the_probe_runs_past_every_position_threshold(monkeypatch):
+    """ministral3's config has original_max_position_embeddings 16: a kernel that changes only past
+    it (a bias from position 17 on) is refused at load; without the far probe it would pass."""
+    import mlx_lm.models.ministral3 as ministral3
+    from specprefill.attention import probe
+
+    assert probe.position_thresholds(F.build("ministral3")) == [16]
+    genuine = ministral3.scaled_dot_product_attention
+
+    def late_bias(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        if keys.shape[-2] <= 17:
+            return genuine(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        bias = (mx.arange(keys.shape[-2], dtype=mx.float32) * 0.3).astype(queries.dtype)
+        return genuine(queries, keys, values, cache=cache, scale=scale, mask=bias, sinks=sinks)
+
+    monkeypatch.setattr(ministral3, "scaled_dot_product_attention", late_bias)
+    model = F.build("ministral3", seed=1)
+    profile_model(model, max_probe_position=1)  # positions 0-7 only: the bias never shows
+    with pytest.raises(UnsupportedModelError, match="kernel's semantics are not modelled"):
+        profile_model(model)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "ministral3", "qwen3_5"])
+def test_bf16_kernels_are_checked_at_float32_tolerance(name):
+    """The probe checks a bf16 kernel on float32 copies of its inputs: a soft-cap or sink the
+    recomputation left out would differ far beyond 1e-4 there; the genuine families pass."""
+    profile_model(F.build(name, seed=3, dtype=mx.bfloat16))
