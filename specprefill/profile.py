@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -136,6 +137,8 @@ def model_description(model: nn.Module, kv_layout: list[dict[str, Any]]) -> dict
 
 def plain(obj: Any) -> Any:
     """JSON-ready data; unknown objects become their type name (never a memory address)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)  # JSON has no inf/nan (nemotron-h's time_step_limit holds inf)
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, enum.Enum):

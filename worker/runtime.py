@@ -53,8 +53,12 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
     from specprefill.draft_cache import BlockDraftCache
     from specprefill.kv_arrays import block_layout
 
+    try:
+        layout = block_layout(loaded.profile.kv_layout)
+    except ValueError:  # not all plain KV layers (recurrent, quantized): nothing is stored, fetches miss
+        layout = None
     raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout))
+                                ttl_s=s.block_ttl_s, layout=layout)
     return BlockDraftCache(raw_store)
 
 
