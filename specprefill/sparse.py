@@ -41,51 +41,25 @@ one target step nobody reads.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from specprefill.attention.probe import make_cache
+from specprefill.attention.target import target_session
 from specprefill.options import PREFILL_STEP, Sampling
+from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.sampling import sample
 
 __all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens", "sparse_session"]
 
-Progress = Callable[[int, int, str], None]
-
-
-@dataclass
-class PrefillState:
-    """What a prefill did; pass it to :func:`generate_tokens`."""
-
-    prompt_tokens: int          # T, the full prompt length
-    kept_tokens: int            # tokens in the cache after prefill (T for a full prefill)
-    cached_tokens: int          # of those, already in the cache passed in
-    seconds: float              # wall time of the prefill (the target's part of TTFT)
-    session: Any = None   # the TargetSession of a sparse prefill (None: a full prefill)
-
-    @property
-    def sparse(self) -> bool:
-        return self.session is not None
-
-    @property
-    def kept_ratio(self) -> float:
-        return self.kept_tokens / self.prompt_tokens
-
-    @property
-    def next_position(self) -> int:
-        """Position of the first generated token: always the true prompt length."""
-        return self.prompt_tokens
 
 
 def sparse_session(model: nn.Module, profile: Any = None):
     """:func:`specprefill.attention.target.target_session`: position-mapped ropes, position
     factors and windows for one request (``profile``: its ``TargetProfile``, else found now)."""
-    from specprefill.attention.target import target_session
-
     return target_session(model, profile)
 
 
@@ -104,8 +78,6 @@ def full_prefill(
     ``kv_cache`` may already hold the prompt's first ``c`` tokens; those are not run again.
     A fresh cache is quantized to ``kv_bits`` when set.
     """
-    from specprefill.attention.probe import make_cache
-
     prompt = as_tokens(tokens)
     T = len(prompt)
     kv_cache = make_cache(model, kv_bits, kv_group_size) if kv_cache is None else kv_cache
@@ -150,42 +122,6 @@ def generate_tokens(
         yield token
         if n < max_tokens:
             logits = model(mx.array([[token]]), cache=kv_cache)[:, -1, :]
-
-
-def run_prefill(model, inputs: mx.array, kv_cache: list, *, first_stop: int, step: int,
-                 progress: Optional[Progress]) -> mx.array:
-    """Feed ``inputs`` through ``model`` in steps (the first ends at ``first_stop`` if > 0); last-token logits."""
-    if step < 1:
-        raise ValueError(f"prefill_step: must be >= 1, got {step}")
-    total = len(inputs)
-    if total == 0:
-        raise ValueError("tokens: nothing left to prefill (the cache already holds the whole prompt)")
-    done = 0
-    while done < total:
-        end = min(done + step, total)
-        if done < first_stop < end:
-            end = first_stop
-        logits = model(inputs[None, done:end], cache=kv_cache)
-        if end < total:
-            # Only the cache is needed here: the lazy logits of the chunk are never computed.
-            mx.eval([c.state for c in kv_cache])
-        else:
-            logits = logits[:, -1, :]
-            mx.eval(logits, [c.state for c in kv_cache])
-        done = end
-        if progress is not None:
-            progress(done, total, "target_prefill")
-    return logits
-
-
-def as_tokens(tokens) -> mx.array:
-    if isinstance(tokens, mx.array):
-        prompt = tokens.reshape(-1).astype(mx.int32)
-    else:
-        prompt = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1))
-    if len(prompt) == 0:
-        raise ValueError("tokens: the prompt must hold at least 1 token")
-    return prompt
 
 
 def _check_cached_prefix(kv_cache: list, T: int) -> int:

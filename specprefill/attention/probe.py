@@ -28,10 +28,9 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import base
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
-from specprefill.attention.kernel import KernelCall, kernel_capture
+from specprefill.attention.kernel import HAND_WRITTEN, KernelCall, kernel_capture
 from specprefill.errors import UnsupportedModelError
 
 PROBE_TOKENS = 8
@@ -296,6 +295,9 @@ def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size
     must still be what the importance recomputes.
     """
     require_layers(model)
+    if kv_bits is not None and type(model).__module__ in HAND_WRITTEN:
+        raise UnsupportedModelError(f"kv_bits: {type(model).__module__} computes its attention by hand on plain "
+                                    "keys (mlx-lm has no quantized path for it); serve it with kv_bits unset")
     kv = (kv_bits, kv_group_size)
     capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens)
     roles = _layer_roles(model, capture, steps, kv, check_order=True)

@@ -28,7 +28,7 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,7 +40,7 @@ from specprefill.attention.probe import holds_keys, make_cache, require_layers
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP
 from specprefill.positions import SUPPORTED_ROPES, PositionedRoPE, PositionMap, int_offset, rope_owners
-from specprefill.sparse import PrefillState, Progress, as_tokens, run_prefill
+from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.wrapping import unwrap_rope
 
 # Module-level functions that compute a position-dependent factor from the cache offset,
