@@ -1,4 +1,4 @@
-"""What sparse prefill at original positions needs, per family, and a prototype session doing it.
+"""What sparse prefill at original positions needs, per family, and the session doing it.
 
 A target needs none of the draft's probe: only that every position-dependent part of the model
 can be driven by original positions instead of the cache index. In mlx-lm 0.32 that is:
@@ -21,6 +21,8 @@ can be driven by original positions instead of the cache index. In mlx-lm 0.32 t
 * **recurrent layers** consume the kept tokens in order; they have no positions. Their state
   after a sparse prefill is the state of the kept sequence, not of the prompt (an
   approximation of the prompt's state that keep-all makes exact).
+* **caches**: only :data:`TARGET_CACHES` (and ``CacheList`` of them); anything else is refused
+  by name at load, and a quantized target (``kv_bits``) with sliding windows is refused too.
 """
 from __future__ import annotations
 
