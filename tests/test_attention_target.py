@@ -115,7 +115,7 @@ def test_quantized_target_keep_all_equals_plain():
 
 
 def test_quantized_target_with_sliding_windows_is_refused_at_load():
-    for name in ("gemma3_text", "ministral3"):
+    for name in ("gemma3_text", "ministral3", "gemma2", "deepseek_v3"):
         with pytest.raises(UnsupportedModelError, match="kv_bits"):
             target_profile(F.build(name), kv_bits=4)
 

@@ -103,6 +103,8 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
                                         f"prefill (supported: {', '.join(c.__name__ for c in TARGET_CACHES)})")
     window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
                  default=0)
+    if kv_bits is not None:
+        _check_runs_quantized(model, cache)
     if kv_bits is not None and _mask_windows(model):
         raise UnsupportedModelError(f"{family}: kv_bits: windowed layers on plain caches cannot be masked by "
                                     "original position once quantized; serve this target with kv_bits unset")
@@ -110,6 +112,16 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
         raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
     return TargetProfile(family, tuple(sorted(ropes)), factors, window,
                          tuple(sorted({type(c).__name__ for c in _leaves(cache)})), kv_bits, kv_group_size)
+
+
+def _check_runs_quantized(model: nn.Module, cache: list) -> None:
+    """A prefill step and a decode step on the quantized cache, or the refusal naming what failed."""
+    try:
+        for ids in ([1, 2], [3]):
+            mx.eval(model(mx.array([ids], dtype=mx.int32), cache=cache))
+    except Exception as exc:  # hand-written attention (gemma2), MLA's latents: no quantized path
+        raise UnsupportedModelError(f"{type(model).__module__}: kv_bits: does not run with a quantized KV cache "
+                                    f"({type(exc).__name__}: {str(exc)[:120]}); serve it with kv_bits unset") from None
 
 
 def _mask_windows(model: nn.Module) -> list[int]:
