@@ -100,9 +100,8 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         # Without full_prefill the kept tokens always go through the session, also when the
         # selection kept them all: positions are then contiguous and the rope's own fast path runs.
         if prompt.selection is not None:
-            keep = _target_keep(prompt.selection.kept_indices(), len(tokens),
-                                required_tail(target.target_profile) if target.target_profile else 0)
             session = stack.enter_context(sparse_session(target.model, target.target_profile))
+            keep = _target_keep(prompt.selection.kept_indices(), len(tokens), required_tail(session.profile))
             logits, cache, state = session.prefill(
                 tokens, keep, protected_prefix=prompt.protected_prefix,
                 prefill_step=settings.prefill_step, progress=reporter.begin())
