@@ -104,3 +104,13 @@ def test_kv_settings_are_validated():
         Settings(target_kv_group_size=16)
     assert Settings(draft_kv_bits=4).kv_quantization("draft") == (4, 64)
     assert Settings().kv_quantization("target") == (None, 64)
+
+
+def test_a_model_refused_in_its_only_role_leaves_the_pool():
+    rt = runtime({"draft": lambda: F.build("mamba2", seed=3), "target": lambda: F.build("llama", seed=4)})
+    with pytest.raises(ValueError, match="no full-attention layer"):
+        rt.models.get("draft")
+    assert "draft" not in rt.models.names()
+    target = rt.models.get("target", "target_model")
+    assert target.roles == {"target"} and target.fingerprint == ""
+    assert rt.models.get("target").roles == {"target", "draft"} and rt.models.get("target").fingerprint

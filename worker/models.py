@@ -4,7 +4,8 @@ Each model is verified once per role it is used in, the first time it is asked f
 role: as a draft by the kernel probe (``specprefill.profile.profile_model``: exact importance
 or refused, with the draft's KV quantization), as a target by what sparse prefill needs
 (``specprefill.attention.target.target_profile``: positions, windows, cache types), never by
-the draft's probe. Jobs take the profiles from the :class:`LoadedModel` and never probe again. A model's *identity* roots its
+the draft's probe. Jobs take the profiles from the :class:`LoadedModel` and never probe again;
+a model refused in its only role is dropped from the pool. A model's *identity* roots its
 block-store keys, so two workers that load the same weights share KV blocks and different
 weights never do: a local folder is identified by a SHA-256 of its config and weight files,
 a hub id by the repo id plus the resolved snapshot revision.
@@ -79,8 +80,8 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     identity: str
-    fingerprint: str  # names its stored blocks (weights identity + draft profile description); "" until
-    vocab_size: int | None  # verified as a draft
+    fingerprint: str  # names its stored blocks (weights + draft profile); "" until verified as a draft
+    vocab_size: int | None
     load_seconds: float
     profile: ModelProfile | None = None  # as a draft: layer roles, cache layout (None: not yet, or a fake)
     target_profile: TargetProfile | None = None  # as a target: ropes, factors, window (None: not yet)
@@ -226,6 +227,9 @@ class ModelPool:
                 verified = replace(loaded, target_profile=self._target_profile(loaded.model),
                                    roles=loaded.roles | {role})
         except ValueError as exc:
+            if not loaded.roles and self._models.get(loaded.name) is loaded:
+                del self._models[loaded.name]  # refused in its only role: do not hold its memory
+                release_cached_buffers()
             raise ValueError(f"{field}: {loaded.name[:200]!r}: {exc}") from None
         if loaded.name in self._models:
             self._models[loaded.name] = verified
