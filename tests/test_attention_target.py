@@ -151,3 +151,18 @@ def test_target_profile_is_not_the_draft_probe():
     assert profile.ropes == () and profile.window == 0 and profile.caches == ("ArraysCache",)
     assert target_profile(F.build("gemma2")).ropes == ("RoPE",)
     assert make_prompt_cache(F.build("nemotron_h"))  # MLP blocks have no cache entry
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "ministral3", "qwen3_5"])
+def test_a_plain_prefix_cache_is_extended_by_original_position(name):
+    """A prefix prefilled plainly (the target's own prefix cache) then extended sparsely equals a
+    session that prefilled the same keep set from scratch."""
+    model = F.build(name, seed=2)
+    profile = target_profile(model)
+    keep = keep_for(required_tail(profile))
+    _, prefix, _ = plain_prefill(model, TOKENS[:8], step=8)
+    with target_session(model, profile) as session:
+        got, cache, _ = session.prefill(TOKENS, keep, kv_cache=prefix, prefill_step=32)
+    with target_session(model, profile) as session:
+        expected, _, _ = session.prefill(TOKENS, keep, prefill_step=32)
+    assert rel(got, expected) <= 1e-5

@@ -229,6 +229,27 @@ def target_cache(model: nn.Module, position_map: PositionMap, kv_bits: int | Non
     return [convert(c) for c in make_cache(model, kv_bits, kv_group_size)]
 
 
+def positioned(cache: list, position_map: PositionMap) -> list:
+    """``cache`` (a prefix from a full prefill or an earlier session) with its plain KV and
+    sliding-window layers as position-aware ones masking by ``position_map``, same state."""
+    def convert(c):
+        if isinstance(c, CacheList):
+            return CacheList(*(convert(m) for m in c.caches))
+        if isinstance(c, _PositionedMask):
+            c.position_map = position_map
+            return c
+        if type(c) is RotatingKVCache:
+            out = PositionedRotatingKVCache(c.max_size, position_map)
+            out.state = c.state
+            return out
+        if type(c) is KVCache:
+            out = PositionedKVCache(position_map)
+            out.keys, out.values, out.offset = c.keys, c.values, c.offset
+            return out
+        return c
+    return [convert(c) for c in cache]
+
+
 class TargetSession:
     """One request's sparse prefill on a model with position-mapped ropes and factors."""
 
@@ -258,10 +279,9 @@ class TargetSession:
         self.position_map.set(keep, len(prompt))
         if kv_cache is None:
             kv_cache = target_cache(self.model, self.position_map, self.profile.kv_bits, self.profile.kv_group_size)
+        else:
+            kv_cache = positioned(kv_cache, self.position_map)
         cached = _cached_prefix(kv_cache, keep)
-        for leaf in _leaves(kv_cache):  # a prefix from an earlier session masks by this one's positions
-            if isinstance(leaf, _PositionedMask):
-                leaf.position_map = self.position_map
         started = time.perf_counter()
         logits = run_prefill(self.model, prompt[mx.array(keep[cached:])], kv_cache,
                              first_stop=max(0, protected_prefix - cached), step=prefill_step, progress=progress)
