@@ -1,4 +1,4 @@
-"""Kernel-level capture prototype (specprefill.attention): exact importance on every family, or a refusal."""
+"""Kernel-level capture (specprefill.attention): exact importance on every family, or a refusal."""
 import sys
 import types
 

@@ -1,4 +1,4 @@
-"""Sparse prefill prototype (specprefill.attention.target) on every family, against true positions."""
+"""Sparse prefill (specprefill.attention.target, served by specprefill.sparse) on every family, against true positions."""
 import mlx.core as mx
 import numpy as np
 import pytest
