@@ -34,6 +34,9 @@ from specprefill.attention.kernel import HAND_WRITTEN, KernelCall, kernel_captur
 from specprefill.errors import UnsupportedModelError
 
 PROBE_TOKENS = 8
+# Config keys naming a position past which attention may change: yarn's / ministral3's / longrope's
+# original context, sliding windows, llama4's attention chunks.
+THRESHOLD_KEYS = ("original_max_position_embeddings", "sliding_window", "attention_chunk_size")
 MAX_PROBE_POSITION = 32768  # the far probe prefills this many tokens at most (once, at load)
 AMPLIFICATIONS = (1.0, 0.0, 8.0)
 
@@ -250,14 +253,14 @@ def _run_probe(model: nn.Module, cache: list, n_tokens: int, start_at: int = 0):
 
 
 def position_thresholds(model: nn.Module) -> list[int]:
-    """Positions in the config past which a family may compute differently (yarn's and ministral3's
-    ``original_max_position_embeddings``, anywhere in the args, nested dicts included)."""
+    """Positions in the config past which a family may compute differently (:data:`THRESHOLD_KEYS`
+    anywhere in the args, nested dicts included)."""
     found: list[int] = []
 
     def walk(value: Any) -> None:
         if isinstance(value, dict):
             for key, item in value.items():
-                if key == "original_max_position_embeddings" and isinstance(item, int) and not isinstance(item, bool):
+                if key in THRESHOLD_KEYS and isinstance(item, int) and not isinstance(item, bool) and item > 0:
                     found.append(item)
                 walk(item)
         elif hasattr(value, "__dataclass_fields__"):
