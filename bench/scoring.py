@@ -9,7 +9,10 @@ time ratio is printed too, as it is steadier when the cores are shared); peak me
 is MLX's peak during each call. Then a 2K prefill is timed again in a child process with
 ``SPECPREFILL_OPENBLAS=0`` to show what the OpenBLAS preload buys on Linux.
 
-    .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2]
+A hybrid draft (qwen3_5 arguments: the real 3:1 recurrent / attention pattern at small widths)
+gets the same comparison at 4K (``--hybrid-lengths``).
+
+    .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
 """
 from __future__ import annotations
 
@@ -80,12 +83,58 @@ def prefill_seconds(length: int) -> float:
     return measured(lambda: plain_prefill(model, tokens))[0]
 
 
+def hybrid_draft(seed: int = 0):
+    """Random-weight qwen3_5 text model: its real 3:1 Gated DeltaNet / gated attention pattern
+    (full_attention_interval 4), 8 layers at small widths this CPU can run."""
+    from mlx_lm.models import qwen3_5
+
+    text = dict(model_type="qwen3_5", hidden_size=256, num_hidden_layers=8, intermediate_size=768,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, vocab_size=32000,
+                max_position_embeddings=32768, linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                full_attention_interval=4, tie_word_embeddings=True,
+                rope_parameters=dict(type="default", rope_theta=1e6, partial_rotary_factor=0.25))
+    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: mx.random.normal(p.shape) * 0.05, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def hybrid_section(lengths: list[int], repeats: int) -> bool:
+    """Scoring / plain prefill for the hybrid draft, side by side; True when its target passes."""
+    model = hybrid_draft()
+    profile = profile_model(model)
+    print(f"\nhybrid draft: qwen3_5, {profile.attention.describe()}")
+    warm = prompt_of(256)
+    plain_prefill(model, warm)
+    score_tokens(profile, warm)
+    print("| tokens | prefill s | scoring s | ratio | CPU-time ratio |")
+    print("|-------:|----------:|----------:|------:|---------------:|")
+    passed = True
+    for length in lengths:
+        tokens = prompt_of(length)
+        plain, scored = [], []
+        for _ in range(repeats):
+            plain.append(measured(lambda: plain_prefill(model, tokens)))
+            scored.append(measured(lambda: score_tokens(profile, tokens)))
+        ratio = min(m[0] for m in scored) / min(m[0] for m in plain)
+        cpu_ratio = min(m[1] for m in scored) / min(m[1] for m in plain)
+        print(f"| {length:6d} | {min(m[0] for m in plain):9.3f} | {min(m[0] for m in scored):9.3f} | "
+              f"{ratio:5.3f} | {cpu_ratio:14.3f} |")
+        if length == 4096:
+            passed &= verdict("hybrid_scoring_over_prefill_4096", ratio, "<=", RATIO_GOAL, f"{ratio:.3f}")
+    return passed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--blas-length", type=int, default=2048,
                         help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
+    parser.add_argument("--hybrid-lengths", type=int, nargs="*", default=[4096],
+                        help="prompt lengths of the hybrid (qwen3_5) draft comparison (none skips it)")
     parser.add_argument("--prefill-only", type=int, default=0, help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
@@ -145,6 +194,8 @@ def main() -> int:
         if r["length"] in RATIO_TARGET_LENGTHS:
             failed |= not verdict(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,
                                  f"{r['ratio']:.3f}")
+    if opts.hybrid_lengths:
+        failed |= not hybrid_section(opts.hybrid_lengths, opts.repeats)
     return 1 if failed else 0
 
 

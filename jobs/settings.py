@@ -16,6 +16,8 @@ from jobs.settings_check import SettingsError
 from specprefill.options import ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
+KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
+KV_GROUP_SIZES = (32, 64, 128)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,6 +81,14 @@ class Settings:
     pool_kernel: int = ScoringOptions.pool_kernel
     prefill_step: int = ScoringOptions.prefill_step
     include_last_query: bool = ScoringOptions.include_last_query
+
+    # KV-cache quantization (mlx-lm's kv_bits / kv_group_size) of the draft's cache (scoring
+    # and stored blocks) and of the target's (sparse prefill and decoding). 0: not quantized.
+    # Models with sliding-window layers cannot be quantized (refused at load).
+    draft_kv_bits: int = 0
+    draft_kv_group_size: int = 64
+    target_kv_bits: int = 0
+    target_kv_group_size: int = 64
 
     # Block store.
     block_size: int = 256
@@ -166,6 +176,21 @@ class Settings:
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
         settings_check.validate(self, ENV_PREFIX)
+        for role in ("draft", "target"):
+            bits, group = f"{role}_kv_bits", f"{role}_kv_group_size"
+            if getattr(self, bits) not in KV_BITS:
+                raise settings_check.SettingsError(
+                    f"setting {bits} ({ENV_PREFIX}{bits.upper()}): must be one of {KV_BITS} "
+                    f"(0: not quantized), got {getattr(self, bits)!r}", bits)
+            if getattr(self, group) not in KV_GROUP_SIZES:
+                raise settings_check.SettingsError(
+                    f"setting {group} ({ENV_PREFIX}{group.upper()}): must be one of "
+                    f"{KV_GROUP_SIZES}, got {getattr(self, group)!r}", group)
+
+    def kv_quantization(self, role: str) -> tuple[int | None, int]:
+        """``(kv_bits or None, kv_group_size)`` of the ``"draft"`` or ``"target"`` cache."""
+        bits = getattr(self, f"{role}_kv_bits")
+        return (bits or None), getattr(self, f"{role}_kv_group_size")
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)

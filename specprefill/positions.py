@@ -1,4 +1,5 @@
-"""RoPE at arbitrary (non-contiguous) token positions, installed on an mlx-lm model.
+"""RoPE at arbitrary (non-contiguous) token positions (installed per request by
+:func:`specprefill.attention.target.target_session`).
 
 mlx-lm attention modules rotate queries and keys with ``self.rope(x, offset=cache.offset)``,
 so the position of a token is its index in the KV cache. After a sparse prefill the cache
@@ -16,14 +17,14 @@ partial rotary dims) does the rotation and the result is bit-identical to its co
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import rope_utils
 
-from specprefill.wrapping import Wrapper, unwrap_rope
+from specprefill.wrapping import Wrapper
 
 # Variants whose __call__ passes ``offset`` straight to mx.fast.rope (vector offsets allowed).
 SUPPORTED_ROPES: tuple[type, ...] = (
@@ -33,10 +34,6 @@ SUPPORTED_ROPES: tuple[type, ...] = (
     rope_utils.SuScaledRoPE,
     rope_utils.ProportionalRoPE,
 )
-
-
-class UnsupportedRoPEError(ValueError):
-    """The model uses a RoPE module whose positions cannot be remapped."""
 
 
 class PositionMap:
@@ -69,6 +66,14 @@ def rope_at_positions(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.a
     return rotated.reshape(L, B, H, D).transpose(1, 2, 0, 3)
 
 
+def int_offset(offset: Any) -> int:
+    if isinstance(offset, mx.array) and offset.ndim == 0:
+        return int(offset.item())  # gemma4 wraps cache.offset in an array
+    if isinstance(offset, int):
+        return offset
+    raise ValueError("offset: sparse positions support one sequence (a scalar cache offset) only")
+
+
 class PositionedRoPE(Wrapper):
     """Wraps a genuine rope module; rotates at the positions a :class:`PositionMap` gives.
 
@@ -79,10 +84,8 @@ class PositionedRoPE(Wrapper):
         super().__init__(genuine)
         self.position_map = position_map
 
-    def __call__(self, x: mx.array, offset: int = 0, **kwargs) -> mx.array:
-        if not isinstance(offset, int):
-            raise ValueError("offset: sparse positions support one sequence (int cache offset) only")
-        positions = self.position_map.positions(offset, x.shape[-2])
+    def __call__(self, x: mx.array, offset: Any = 0, **kwargs) -> mx.array:
+        positions = self.position_map.positions(int_offset(offset), x.shape[-2])
         if positions[-1] - positions[0] == len(positions) - 1:
             # Contiguous run (always true while decoding): the genuine fast path.
             return self.genuine(x, offset=int(positions[0]), **kwargs)
@@ -94,30 +97,3 @@ class PositionedRoPE(Wrapper):
 def rope_owners(model: nn.Module) -> list[nn.Module]:
     """Every module holding a ``rope`` child (the attention modules)."""
     return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
-
-
-def check_positionable(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedRoPEError` unless every rope in ``model`` can be remapped."""
-    owners = rope_owners(model)
-    if not owners:
-        raise UnsupportedRoPEError("model: no attention module with a `rope` found")
-    for owner in owners:
-        rope = unwrap_rope(owner["rope"])
-        if type(rope) not in SUPPORTED_ROPES:
-            names = ", ".join(t.__name__ for t in SUPPORTED_ROPES)
-            raise UnsupportedRoPEError(f"rope: {type(rope).__name__} is not supported (supported: {names})")
-
-
-def install_positions(model: nn.Module, position_map: PositionMap) -> Callable[[], None]:
-    """Wrap every rope of ``model`` (unwrapping leftovers first); return the function that restores them."""
-    check_positionable(model)
-    owners = rope_owners(model)
-    originals = [unwrap_rope(owner["rope"]) for owner in owners]
-    for owner, rope in zip(owners, originals):
-        owner.rope = PositionedRoPE(rope, position_map)
-
-    def restore() -> None:
-        for owner, rope in zip(owners, originals):
-            owner.rope = rope
-
-    return restore

@@ -1,16 +1,18 @@
-"""What the service knows about one model, found once when it is loaded: :func:`profile_model`.
+"""What the service knows about one draft model, found once when it is loaded: :func:`profile_model`.
 
-A :class:`ModelProfile` holds the model's verified attention sites (the capture probe of
-:func:`specprefill.capture.check_attention`), the per-layer layout of its KV cache (what
-one token really writes), and the JSON-ready description that, hashed with the weights'
-identity, names its stored KV blocks (``cache_store.keys.model_fingerprint``). Scoring takes
-the sites from it, and a restored cache is checked against its layout as data: no probe
-per job, no forward pass per restore.
+A :class:`ModelProfile` holds the model's verified :class:`~specprefill.attention.probe.AttentionProfile`
+(the kernel probe of :func:`specprefill.attention.probe.profile_model`: which layers vote,
+which are recurrent, the KV quantization it was verified with), the per-layer layout of its
+cache (what one token really writes), and the JSON-ready description that, hashed with the
+weights' identity, names its stored blocks (``cache_store.keys.model_fingerprint``). Scoring
+takes the attention profile from it, and a restored cache is checked against its layout as
+data: no probe per job, no forward pass per restore.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -18,9 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
 
-from specprefill.capture import AttentionSite, check_attention
+from specprefill.attention.probe import AttentionProfile, make_cache, require_draft
+from specprefill.attention.probe import profile_model as probe_model
 from specprefill.kv_arrays import DTYPE_NAMES
 
 # Cache attributes that change what a layer holds (windows, quantization).
@@ -32,31 +34,43 @@ class ModelProfile:
     """A model verified for scoring, with what jobs and storage need to know about it."""
 
     model: nn.Module
-    sites: list[AttentionSite]  # one verified attention module per decoder layer
+    attention: AttentionProfile  # verified layer roles (attention / recurrent / none), kv_bits
     kv_layout: list[dict[str, Any]]  # per layer, see :func:`describe_kv_cache`
     description: dict[str, Any]  # JSON-ready: model type, architecture args, dtypes, kv_layout
     vocab_size: int | None  # from the architecture args, when they say
 
 
-def profile_model(model: nn.Module) -> ModelProfile:
-    """Verify ``model``'s attention and describe it; raises ``UnsupportedModelError`` saying why not.
+    @property
+    def kv_bits(self) -> int | None:
+        return self.attention.kv_bits
 
-    Runs the capture probe and a one-token pass, so call it once per loaded model.
+    @property
+    def kv_group_size(self) -> int:
+        return self.attention.kv_group_size
+
+
+def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64) -> ModelProfile:
+    """Verify ``model`` as a draft and describe it; ``UnsupportedModelError`` says why not.
+
+    Runs the kernel probe (with the cache quantized to ``kv_bits`` if set) and a one-token
+    pass, so call it once per loaded model. A model without any full-attention layer is
+    refused: a draft ranks tokens by attention.
     """
-    sites = check_attention(model)
-    kv_layout = cache_layout(model)
+    attention = probe_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    require_draft(attention)
+    kv_layout = cache_layout(model, kv_bits, kv_group_size)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
-    return ModelProfile(model, sites, kv_layout, model_description(model, kv_layout),
+    return ModelProfile(model, attention, kv_layout, model_description(model, kv_layout),
                         vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None)
 
 
-def cache_layout(model: nn.Module) -> list[dict[str, Any]]:
-    """The layout of the KV cache ``model`` writes: one token through a fresh cache, described.
+def cache_layout(model: nn.Module, kv_bits: int | None = None, kv_group_size: int = 64) -> list[dict[str, Any]]:
+    """The layout of the cache ``model`` writes: one token through a fresh cache, described.
 
     Found by running the model, so it reports what the model really writes whatever its
     attribute names.
     """
-    kv_cache = make_prompt_cache(model)
+    kv_cache = make_cache(model, kv_bits, kv_group_size)
     model(mx.array([[0]], dtype=mx.int32), cache=kv_cache)
     mx.eval([c.state for c in kv_cache])
     return describe_kv_cache(kv_cache)
@@ -123,6 +137,8 @@ def model_description(model: nn.Module, kv_layout: list[dict[str, Any]]) -> dict
 
 def plain(obj: Any) -> Any:
     """JSON-ready data; unknown objects become their type name (never a memory address)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)  # JSON has no inf/nan (nemotron-h's time_step_limit holds inf)
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, enum.Enum):

@@ -1,4 +1,4 @@
-"""Kernel-level capture prototype (specprefill.attention): exact importance on every family, or a refusal."""
+"""Kernel-level capture (specprefill.attention): exact importance on every family, or a refusal."""
 import sys
 import types
 
@@ -14,7 +14,7 @@ from model_state import model_state
 from specprefill.attention.kernel import kernel_capture
 from specprefill.attention.probe import profile_model
 from specprefill.attention.scoring import prefill_ends, score_prompt
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
 SCORED = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]
@@ -52,7 +52,7 @@ def test_importance_equals_the_float64_oracle(name, dtype):
 def test_quantized_kv_cache_importance_equals_the_oracle(name, dtype, bits):
     model = F.build(name, seed=3, dtype=DTYPES[dtype], **F.for_kv_quantization(name))
     if name in KV_REFUSED:
-        with pytest.raises(UnsupportedModelError, match="cannot quantize|does not run with its cache"):
+        with pytest.raises(UnsupportedModelError, match="cannot quantize|does not run with its cache|by hand"):
             profile_model(model, kv_bits=bits, kv_group_size=32)
         return
     profile = profile_model(model, kv_bits=bits, kv_group_size=32)
@@ -76,7 +76,7 @@ def test_quantized_queries_are_recorded_before_the_in_place_scale():
 @pytest.mark.parametrize("name, bits, match", [
     ("gpt_oss", 4, "cannot quantize RotatingKVCache"),
     ("gemma3_text", 8, "cannot quantize RotatingKVCache"),
-    ("gemma2", 4, r"gemma2 does not run with its cache \['QuantizedKVCache'\]"),
+    ("gemma2", 4, r"kv_bits: mlx_lm.models.gemma2 computes its attention by hand"),
 ])
 def test_quantized_kv_refused_where_mlx_lm_cannot_run_it(name, bits, match):
     model = F.build(name, seed=1, **({"head_dim": 32, "query_pre_attn_scalar": 32} if name == "gemma2" else {}))
@@ -285,3 +285,32 @@ def test_kernel_taps_are_removed_and_never_stack():
                 raise RuntimeError("inner failure")
     assert gemma2.mx is mx
     assert all(type(layer).__name__ == "TransformerBlock" for layer in model.layers)
+
+
+def test_the_probe_runs_past_every_position_threshold(monkeypatch):
+    """ministral3's config has original_max_position_embeddings 16: a kernel that changes only past
+    it (a bias from position 17 on) is refused at load; without the far probe it would pass."""
+    import mlx_lm.models.ministral3 as ministral3
+    from specprefill.attention import probe
+
+    assert probe.position_thresholds(F.build("ministral3")) == [16, 24]  # original context, window
+    genuine = ministral3.scaled_dot_product_attention
+
+    def late_bias(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        if cache is None or cache.offset <= 17:
+            return genuine(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        bias = (mx.arange(keys.shape[-2], dtype=mx.float32) * 0.3).astype(queries.dtype)
+        return genuine(queries, keys, values, cache=cache, scale=scale, mask=bias, sinks=sinks)
+
+    monkeypatch.setattr(ministral3, "scaled_dot_product_attention", late_bias)
+    model = F.build("ministral3", seed=1)
+    profile_model(model, max_probe_position=1)  # positions 0-7 only: the bias never shows
+    with pytest.raises(UnsupportedModelError, match="kernel's semantics are not modelled"):
+        profile_model(model)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "ministral3", "qwen3_5"])
+def test_bf16_kernels_are_checked_at_float32_tolerance(name):
+    """The probe checks a bf16 kernel on float32 copies of its inputs: a soft-cap or sink the
+    recomputation left out would differ far beyond 1e-4 there; the genuine families pass."""
+    profile_model(F.build(name, seed=3, dtype=mx.bfloat16))

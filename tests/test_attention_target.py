@@ -1,4 +1,4 @@
-"""Sparse prefill prototype (specprefill.attention.target) on every family, against true positions."""
+"""Sparse prefill (specprefill.attention.target, served by specprefill.sparse) on every family, against true positions."""
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ import families as F
 from specprefill.attention import target
 from specprefill.attention.probe import make_cache
 from specprefill.attention.target import required_tail, target_profile, target_session
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 from specprefill.sparse import PrefillState, generate_tokens
 from true_positions import true_position_logits
 
@@ -108,10 +108,41 @@ def test_session_restores_ropes_and_factors_also_on_error():
 def test_quantized_target_keep_all_equals_plain():
     model = F.build("qwen3_5", seed=2, text_config=dict(F.FAMILIES["qwen3_5"].args["text_config"], head_dim=32))
     logits, _, _ = plain_prefill(model, TOKENS, kv_bits=4)
-    with target_session(model) as session:
-        got, cache, _ = session.prefill(TOKENS, np.arange(T), prefill_step=32, kv_bits=4, kv_group_size=32)
+    with target_session(model, target_profile(model, kv_bits=4, kv_group_size=32)) as session:
+        got, cache, _ = session.prefill(TOKENS, np.arange(T), prefill_step=32)
     assert rel(got, logits) <= 1e-5
     assert type(cache[1]).__name__ == "QuantizedKVCache"
+
+
+def test_quantized_target_with_sliding_windows_is_refused_at_load():
+    for name in ("gemma3_text", "ministral3", "gemma2", "deepseek_v3"):
+        with pytest.raises(UnsupportedModelError, match="kv_bits"):
+            target_profile(F.build(name), kv_bits=4)
+
+
+def test_unsupported_target_cache_is_refused_by_name():
+    class OddCache(target.KVCache):
+        pass
+    model = F.build("llama")
+    model.make_cache = lambda: [OddCache() for _ in model.layers]
+    with pytest.raises(UnsupportedModelError, match="cache OddCache is not supported"):
+        target_profile(model)
+
+
+def test_a_restored_target_prefix_is_extended_and_checked():
+    model = F.build("qwen3_5", seed=2)
+    profile = target_profile(model)
+    logits, _, _ = plain_prefill(model, TOKENS)
+    with target_session(model, profile) as session:
+        _, prefix, _ = session.prefill(TOKENS[:32], np.arange(32), prefill_step=32)
+    with target_session(model, profile) as session:
+        got, _, state = session.prefill(TOKENS, np.arange(T), kv_cache=prefix, prefill_step=32)
+    assert state.cached_tokens == 32 and rel(got, logits) <= 1e-5
+    with target_session(model, profile) as session:
+        _, prefix, _ = session.prefill(TOKENS[:32], np.arange(32), prefill_step=32)
+    with target_session(model, profile) as session:
+        with pytest.raises(ValueError, match="must be the prompt's first 32 tokens and all kept"):
+            session.prefill(TOKENS, np.arange(16, T), kv_cache=prefix)
 
 
 def test_target_profile_is_not_the_draft_probe():
@@ -120,3 +151,18 @@ def test_target_profile_is_not_the_draft_probe():
     assert profile.ropes == () and profile.window == 0 and profile.caches == ("ArraysCache",)
     assert target_profile(F.build("gemma2")).ropes == ("RoPE",)
     assert make_prompt_cache(F.build("nemotron_h"))  # MLP blocks have no cache entry
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "ministral3", "qwen3_5"])
+def test_a_plain_prefix_cache_is_extended_by_original_position(name):
+    """A prefix prefilled plainly (the target's own prefix cache) then extended sparsely equals a
+    session that prefilled the same keep set from scratch."""
+    model = F.build(name, seed=2)
+    profile = target_profile(model)
+    keep = keep_for(required_tail(profile))
+    _, prefix, _ = plain_prefill(model, TOKENS[:8], step=8)
+    with target_session(model, profile) as session:
+        got, cache, _ = session.prefill(TOKENS, keep, kv_cache=prefix, prefill_step=32)
+    with target_session(model, profile) as session:
+        expected, _, _ = session.prefill(TOKENS, keep, prefill_step=32)
+    assert rel(got, expected) <= 1e-5

@@ -12,7 +12,7 @@ from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec, spec_from_payload
-from specprefill.positions import PositionedRoPE
+from specprefill.wrapping import Wrapper
 from test_worker_tasks import FakeModel, FakeTokenizer, fake_backend
 from tiny_models import make_model
 from worker.detokenize import TextStream
@@ -76,7 +76,7 @@ def streamed_text(evs):
 
 
 def ropes_are_genuine(model):
-    return not any(isinstance(m, PositionedRoPE) for _, m in model.named_modules())
+    return not any(isinstance(m, Wrapper) for _, m in model.named_modules())
 
 
 DOC = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(200))
@@ -288,15 +288,27 @@ def test_bad_target_fails_naming_it_before_the_draft_scores():
 
 
 def test_unsupported_target_is_named():
+    """A target is verified by what sparse prefill needs (its own profiler), never by the draft's probe."""
     rt, _ = runtime()
 
     def check(model):
-        if type(model).__name__ != "FakeModel":
-            raise ValueError("layer 0: attention variants such as soft-capping are not supported")
+        raise ValueError("rope DynamicNTKScalingRoPE cannot be driven by original positions")
 
-    rt.models._profile = check
-    with pytest.raises(ValueError, match="^target_model: 'tiny-target': layer 0: attention variants"):
+    rt.models._profile = lambda model: (_ for _ in ()).throw(AssertionError("draft probe run on the target"))
+    rt.models._target_profile = check
+    with pytest.raises(ValueError, match="^target_model: 'tiny-target': rope DynamicNTKScalingRoPE"):
         run(rt)
+
+
+def test_target_with_sliding_windows_keeps_the_last_window():
+    """gemma3's windowed layers (window 16 in the tiny model) see what a full prefill would:
+    the last 16 prompt tokens are prefilled even when the selection drops some of them."""
+    rt, targets = runtime()
+    targets["tiny-target"] = make_model("gemma3_text", seed=4)
+    res = run(rt, keep=0.25, tail_tokens=8, extra={"max_tokens": 4, "greedy": True})
+    assert res.kept < res.total and res.kept_ranges[-1][1] == res.total
+    assert res.kept_ranges[-1][1] - res.kept_ranges[-1][0] >= 16
+    assert sum(e - s for s, e in res.kept_ranges) == res.kept
 
 
 def test_pool_evicts_before_it_loads():

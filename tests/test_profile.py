@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from cache_store.keys import canonical_json
 from kv_blocks import prefilled, same_bits
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 from specprefill.kv_arrays import block_layout, kv_arrays, kv_cache_from_arrays, unstorable_reason
 from specprefill.profile import describe_kv_cache, layout_mismatch, profile_model
 from tiny_models import FAMILIES, make_model
@@ -19,10 +19,10 @@ from worker.models import ModelPool
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_profile_holds_sites_layout_and_a_json_description(family):
+def test_profile_holds_layer_roles_layout_and_a_json_description(family):
     model = make_model(family)
     profile = profile_model(model)
-    assert profile.model is model and [s.layer for s in profile.sites] == list(range(len(model.layers)))
+    assert profile.model is model and profile.attention.attention_layers == list(range(len(model.layers)))
     cache, _ = prefilled(model, list(range(1, 40)))
     assert profile.kv_layout == describe_kv_cache(cache)  # what the model really writes, any length
     assert profile.description["layers"] == profile.kv_layout
@@ -65,10 +65,30 @@ def test_layout_mismatch_compares_data():
 
 
 def test_unsupported_model_is_refused_when_profiled():
+    """An attention variant the capture does not model (an extra logit bias added inside the
+    kernel call) is refused at load, naming the layer, never scored."""
+    import mlx_lm.models.llama as llama
+
     model = make_model("llama")
-    del model.layers[0].self_attn.scale
-    with pytest.raises(UnsupportedModelError, match="layer 0"):
-        profile_model(model)
+    genuine = llama.scaled_dot_product_attention
+
+    def biased(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
+        bias = mx.arange(keys.shape[-2], dtype=queries.dtype) * 0.5  # a learned-position-style logit bias
+        return genuine(queries, keys, values, cache=cache, scale=scale, mask=bias if mask is None else mask,
+                       sinks=sinks)
+    llama.scaled_dot_product_attention = biased
+    try:
+        with pytest.raises(UnsupportedModelError, match="layer 0"):
+            profile_model(model)
+    finally:
+        llama.scaled_dot_product_attention = genuine
+
+
+def test_a_model_without_attention_is_refused_as_a_draft():
+    import families as F
+
+    with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
+        profile_model(F.build("mamba2"))
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])

@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from model_state import model_state
-from specprefill.importance import average_pool, layer_scores, token_importance
+from specprefill.attention.importance import fold
+from specprefill.importance import average_pool
 from specprefill.options import ScoringOptions, SelectionOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import ScoreResult, score_tokens
@@ -198,7 +199,7 @@ def test_restored_cache_must_be_shorter_than_the_prompt():
         score(model, PROMPT, kv_cache=full[:1])
     mixed = _prefix_cache(full, 10)
     mixed[1].trim(1)
-    with pytest.raises(ValueError, match="same number of tokens"):
+    with pytest.raises(ValueError, match="different numbers of tokens"):
         score(model, PROMPT, kv_cache=mixed)
 
 
@@ -322,32 +323,29 @@ def test_bad_input_names_the_field(kwargs, field):
 
 # --- importance building blocks -------------------------------------------------------------------
 
-def test_average_pool_and_gqa_scores_match_numpy():
+def test_average_pool_and_the_fold_match_numpy():
     x = mx.random.uniform(shape=(2, 3, 30), key=mx.random.key(0))
     for k in (0, 1, 2, 5, 13, 40):
         np.testing.assert_allclose(np.array(average_pool(x, k)), _pool(_f64(x), k), rtol=1e-5)
-    q = mx.random.normal((1, 6, 2, 8), key=mx.random.key(1))
-    k = mx.random.normal((1, 2, 30, 8), key=mx.random.key(2))
-    got = np.array(layer_scores(q, k, 0.3, 0))
-    logits = _f64(q)[0] @ np.repeat(_f64(k)[0], 3, axis=0).transpose(0, 2, 1) * 0.3
-    w = np.exp(logits - logits.max(-1, keepdims=True))
-    np.testing.assert_allclose(got, (w / w.sum(-1, keepdims=True)).max(0), rtol=1e-5)
+    layers = [mx.softmax(mx.random.normal((6, 2, 30), key=mx.random.key(i)), axis=-1) for i in range(3)]
+    got = np.array(fold(iter(layers), 0))
+    expected = np.max([_f64(p).max(0) for p in layers], axis=0).mean(0)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 def test_importance_folds_layers_one_at_a_time():
     events = []
-    q = mx.random.normal((1, 2, 1, 4), key=mx.random.key(3))
-    k = mx.random.normal((1, 2, 10, 4), key=mx.random.key(4))
+    probs = mx.softmax(mx.random.normal((2, 1, 10), key=mx.random.key(3)), axis=-1)
 
     def layers():
         for i in range(3):
             events.append(f"pull {i}")
-            yield q * (i + 1), k, 1.0
+            yield probs * (i + 1)
 
-    token_importance(layers(), 3, on_layer=lambda n: events.append(f"folded {n}"))
+    fold(layers(), 3, on_layer=lambda n: events.append(f"folded {n}"))
     assert events == ["pull 0", "folded 1", "pull 1", "folded 2", "pull 2", "folded 3"]
     with pytest.raises(ValueError, match="no attention layer"):
-        token_importance(iter([]), 13)
+        fold(iter([]), 13)
 
 
 def test_result_type():

@@ -1,53 +1,54 @@
-"""One unwrap for all our rope wrappers: a leftover of one kind never hides or doubles the other."""
+"""One unwrap for all our wrappers: a leftover of one kind (a layer tap of the kernel capture,
+a position-mapped rope of a target session) never hides or doubles the other."""
 import mlx.core as mx
 
 from model_state import model_state
-from specprefill.capture import _Switch, _Tap, attention_sites, capture_queries
-from specprefill.positions import PositionedRoPE, PositionMap, install_positions, rope_owners
+from specprefill.attention.kernel import decoder_layers, kernel_capture
+from specprefill.positions import PositionedRoPE, PositionMap, rope_owners
+from specprefill.profile import profile_model
+from specprefill.scoring import score_tokens
 from specprefill.sparse import sparse_session
 from specprefill.wrapping import unwrap_rope
 from tiny_models import make_model
 
 
-def test_unwrap_peels_mixed_wrappers_down_to_the_genuine_rope():
-    model = make_model("llama")
-    rope = attention_sites(model)[0].module.rope
-    mixed = PositionedRoPE(_Tap(PositionedRoPE(_Tap(rope, [], _Switch()), PositionMap()), [], _Switch()),
-                           PositionMap())
-    assert unwrap_rope(mixed) is rope and unwrap_rope(rope) is rope
+def test_unwrap_peels_nested_wrappers_down_to_the_genuine_rope():
+    rope = rope_owners(make_model("llama"))[0].rope
+    nested = PositionedRoPE(PositionedRoPE(rope, PositionMap()), PositionMap())
+    assert unwrap_rope(nested) is rope and unwrap_rope(rope) is rope
 
 
-def test_leftover_tap_is_not_wrapped_by_the_position_wrapper():
+def test_leftover_position_wrapper_is_not_wrapped_again():
     model = make_model("llama")
-    before = model_state(model)
     owner = rope_owners(model)[0]
     rope = owner.rope
-    owner.rope = _Tap(rope, [], _Switch())  # left over from an aborted capture
-    restore = install_positions(model, PositionMap())
-    try:
+    owner.rope = PositionedRoPE(rope, PositionMap())  # left over from an aborted request
+    with sparse_session(model):
         assert isinstance(owner.rope, PositionedRoPE) and owner.rope.genuine is rope
-    finally:
-        restore()
     assert owner.rope is rope
-    assert model_state(model) == before
 
 
-def test_leftover_position_wrapper_is_not_tapped_again():
-    model = make_model("llama")
-    sites = attention_sites(model)
-    rope = sites[0].module.rope
-    sites[0].module.rope = PositionedRoPE(rope, PositionMap())  # left over from an aborted request
-    with capture_queries(attention_sites(model)):
-        tap = sites[0].module.rope
-        assert isinstance(tap, _Tap) and tap.__dict__["_genuine"] is rope
-    assert sites[0].module.rope is rope
+def test_scoring_after_a_leftover_position_wrapper_matches_a_clean_model():
+    model = make_model("llama", seed=1)
+    clean = score_tokens(profile_model(model), list(range(1, 30)))
+    owner = rope_owners(model)[0]
+    owner.rope = PositionedRoPE(owner.rope, PositionMap())  # identity map: positions unchanged
+    got = score_tokens(profile_model(model), list(range(1, 30)))
+    assert mx.array_equal(got.importance, clean.importance).item()
 
 
-def test_sparse_session_after_a_leftover_tap_matches_a_clean_model():
+def test_sparse_session_after_a_leftover_layer_tap_matches_a_clean_model():
     model = make_model("llama", seed=1)
     tokens = mx.arange(12)[None]
     expected = model(tokens)
-    owner = rope_owners(model)[0]
-    owner.rope = _Tap(owner.rope, [], _Switch())
-    with sparse_session(model):
-        assert mx.allclose(model(tokens), expected, atol=1e-5).item()
+    before = model_state(model)
+    capture = kernel_capture(model)
+    capture.__enter__()  # an aborted capture: its layer taps are still in the layer list
+    holder, start = decoder_layers(model)
+    assert type(holder[start]).__name__ == "_LayerTap"
+    try:
+        with sparse_session(model):
+            assert mx.allclose(model(tokens), expected, atol=1e-5).item()
+    finally:
+        capture.__exit__(None, None, None)
+    assert model_state(model) == before

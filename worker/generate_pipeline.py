@@ -45,6 +45,7 @@ class _Decoded:
     ttft_s: float | None
     state: Any  # specprefill.sparse.PrefillState
     tokens: int
+    kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
 
 
 def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
@@ -91,6 +92,7 @@ def _selected_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                         timings: dict[str, float], t0: float) -> _Decoded:
     """Prefill the target (sparse inside a session, or full), then decode to the end."""
+    from specprefill.attention.target import required_tail
     from specprefill.sparse import Sampling, full_prefill, generate_tokens, sparse_session
 
     target, tokens, settings = prompt.target, prompt.tokens, ctx.settings
@@ -99,15 +101,15 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         # Without full_prefill the kept tokens always go through the session, also when the
         # selection kept them all: positions are then contiguous and the rope's own fast path runs.
         if prompt.selection is not None:
-            keep = np.union1d(np.asarray(prompt.selection.kept_indices(), dtype=np.int64),
-                              [len(tokens) - 1])
-            session = stack.enter_context(sparse_session(target.model))
+            session = stack.enter_context(sparse_session(target.model, target.target_profile))
+            keep = _target_keep(prompt.selection.kept_indices(), len(tokens), required_tail(session.profile))
             logits, cache, state = session.prefill(
                 tokens, keep, protected_prefix=prompt.protected_prefix,
                 prefill_step=settings.prefill_step, progress=reporter.begin())
         else:
+            bits, group = settings.kv_quantization("target")
             logits, cache, state = full_prefill(target.model, tokens, prefill_step=settings.prefill_step,
-                                                progress=reporter.begin())
+                                                progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
         timings["target_prefill"] = state.seconds
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
@@ -130,7 +132,21 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         reporter.finish_decode()
         timings["decode"] = time.perf_counter() - reporter.decode_started
         del logits, cache
-    return _Decoded(stream, finish, ttft, state, reporter.tokens)
+    return _Decoded(stream, finish, ttft, state, reporter.tokens,
+                    _ranges(keep) if prompt.selection is not None else None)
+
+
+def _target_keep(kept: list[int], total: int, window: int) -> np.ndarray:
+    """The draft's kept indices plus the last prompt token and, for a target with sliding-window
+    layers, the last ``window`` prompt tokens (as omlx keeps them), so windowed layers see what a
+    full prefill would (the result's ``kept`` counts them)."""
+    return np.union1d(np.asarray(kept, dtype=np.int64), np.arange(max(0, total - max(window, 1)), total))
+
+
+def _ranges(keep: np.ndarray) -> list[tuple[int, int]]:
+    breaks = np.flatnonzero(np.diff(keep) > 1)
+    starts, ends = np.r_[keep[0], keep[breaks + 1]], np.r_[keep[breaks], keep[-1]] + 1
+    return [(int(s), int(e)) for s, e in zip(starts, ends)]
 
 
 def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _Decoded,
@@ -144,7 +160,7 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         kept=state.kept_tokens, total=total, full_prefill=opts.full_prefill,
         reason="full_prefill requested" if sel is None else sel.reason,
         keep_effect="keep had no effect: full_prefill requested" if sel is None else sel.keep_effect,
-        kept_ranges=[(0, total)] if sel is None else sel.kept_ranges,
+        kept_ranges=[(0, total)] if sel is None else decoded.kept_ranges,
         protected_prefix=prompt.protected_prefix,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
         blocks_written=sel.blocks_written if sel is not None else 0,

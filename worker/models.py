@@ -1,8 +1,11 @@
-"""The worker's models (drafts and targets alike): loaded once, profiled, warmed up, kept in a bounded LRU.
+"""The worker's models (drafts and targets alike): loaded once, verified per role, warmed up, kept in a bounded LRU.
 
-Each model is verified and described once, when it is loaded
-(``specprefill.profile.profile_model``): jobs take its attention sites and cache layout
-from the :class:`LoadedModel` and never probe it again. A model's *identity* roots its
+Each model is verified once per role it is used in, the first time it is asked for in that
+role: as a draft by the kernel probe (``specprefill.profile.profile_model``: exact importance
+or refused, with the draft's KV quantization), as a target by what sparse prefill needs
+(``specprefill.attention.target.target_profile``: positions, windows, cache types), never by
+the draft's probe. Jobs take the profiles from the :class:`LoadedModel` and never probe again;
+a model refused in its only role is dropped from the pool. A model's *identity* roots its
 block-store keys, so two workers that load the same weights share KV blocks and different
 weights never do: a local folder is identified by a SHA-256 of its config and weight files,
 a hub id by the repo id plus the resolved snapshot revision.
@@ -15,13 +18,14 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from jobs.model_names import ModelCatalog, looks_like_path
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
+    from specprefill.attention.target import TargetProfile
     from specprefill.profile import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -138,10 +142,12 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     identity: str
-    fingerprint: str  # names its stored KV blocks (weights identity + profile description)
+    fingerprint: str  # names its stored blocks (weights + draft profile); "" until verified as a draft
     vocab_size: int | None
     load_seconds: float
-    profile: ModelProfile | None = None  # attention sites, cache layout (None: a test's fake model)
+    profile: ModelProfile | None = None  # as a draft: layer roles, cache layout (None: not yet, or a fake)
+    target_profile: TargetProfile | None = None  # as a target: ropes, factors, window (None: not yet)
+    roles: frozenset[str] = frozenset()  # roles verified ("draft", "target")
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -163,10 +169,22 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
-def _default_profile(model: Any) -> ModelProfile:
-    from specprefill.profile import profile_model
+def draft_profiler(kv_bits: int | None = None, kv_group_size: int = 64) -> Callable[[Any], ModelProfile]:
+    """The draft verification with the worker's KV quantization (``Settings.draft_kv_bits``)."""
+    def profile(model: Any) -> ModelProfile:
+        from specprefill.profile import profile_model
 
-    return profile_model(model)
+        return profile_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return profile
+
+
+def target_profiler(kv_bits: int | None = None, kv_group_size: int = 64) -> Callable[[Any], TargetProfile]:
+    """The target verification with the worker's KV quantization (``Settings.target_kv_bits``)."""
+    def profile(model: Any) -> TargetProfile:
+        from specprefill.attention.target import target_profile
+
+        return target_profile(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return profile
 
 
 def _default_fingerprint(profile: ModelProfile, identity: str, block_size: int) -> str:
@@ -195,15 +213,17 @@ class ModelPool:
 
     Jobs name models; ``catalog`` (the worker's ``jobs.model_names.ModelCatalog``, set by
     its runtime) resolves the names, so two names of one folder share one loaded model.
-    The seams (``loader``, ``profile``, ``fingerprint``, ``locate``, ``warm``) default to
-    mlx-lm, ``specprefill.profile.profile_model`` (verifies the model: it raises
-    ``UnsupportedModelError`` saying why it cannot be scored), ``cache_store.model_fingerprint``
-    of the profile's description, :func:`locate` and a tiny warm-up pass.
+    The seams (``loader``, ``profile``, ``target_profile``, ``fingerprint``, ``identify``,
+    ``warm``) default to mlx-lm, :func:`draft_profiler` and :func:`target_profiler` (each
+    raises ``UnsupportedModelError`` saying why the model cannot serve in that role),
+    ``cache_store.model_fingerprint`` of the draft profile's description, :func:`locate`
+    and a tiny warm-up pass.
     """
 
     def __init__(self, capacity: int = 2, *, block_size: int = 256,
                  loader: Callable[[str], tuple[Any, Any]] = _default_loader,
-                 profile: Callable[[Any], Any] = _default_profile,
+                 profile: Callable[[Any], Any] | None = None,
+                 target_profile: Callable[[Any], Any] | None = None,
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
                  identify: Callable[[str], str] | None = None,
                  warm: Callable[[Any], None] = warm_up,
@@ -212,7 +232,9 @@ class ModelPool:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
         self.block_size = block_size
-        self._loader, self._profile, self._fingerprint = loader, profile, fingerprint
+        self._loader, self._fingerprint = loader, fingerprint
+        self._profile = profile or draft_profiler()
+        self._target_profile = target_profile or target_profiler()
         self._identify, self._warm = identify, warm  # identify: a test's (path as given)
         self.catalog, self.allow_downloads = catalog, allow_downloads
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # by the path loaded
@@ -241,16 +263,24 @@ class ModelPool:
 
     def get(self, name: str, field: str = "draft_model",
             on_download: Callable[[], None] | None = None) -> LoadedModel:
-        """The loaded model ``name``, loading it on a miss; errors name the job's ``field``
-        and ``name``, never this worker's paths. ``on_download()`` runs before a download.
+        """The loaded model ``name`` verified for the job's ``field`` (``target_model``: as a
+        target, else as a draft), loading it on a miss; errors name the job's ``field`` and
+        ``name``, never this worker's paths. ``on_download()`` runs before a download.
 
         The least recently used model is evicted before a load, not after it, so a worker
         never holds more than ``capacity`` models in its pool (unified memory on a Mac).
         """
+        loaded = self._find(name) or self._load(name, field, on_download)
+        return self._verified(loaded, "target" if field == "target_model" else "draft", field)
+
+    def _find(self, name: str) -> LoadedModel | None:
         for path, m in self._models.items():  # a name asked for before: no hashing again
             if m.name == name:
                 self._models.move_to_end(path)
                 return m
+        return None
+
+    def _load(self, name: str, field: str, on_download: Callable[[], None] | None) -> LoadedModel:
         t0 = time.perf_counter()
         source = self._catalog().source(name)
         try:
@@ -264,18 +294,38 @@ class ModelPool:
             self._evict()
         try:
             model, tokenizer = self._loader(where.path)
-            profile = self._profile(model)  # UnsupportedModelError (a ValueError) names the reason
         except (ValueError, OSError, KeyError) as exc:  # mlx-lm's "model type not supported" too
             raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source, where.path)}") from None
         self._warm(model)
-        loaded = LoadedModel(name, model, tokenizer, where.identity,
-                             self._fingerprint(profile, where.identity, self.block_size),
-                             _vocab_size(model), time.perf_counter() - t0, profile)
+        loaded = LoadedModel(name, model, tokenizer, where.identity, "", _vocab_size(model),
+                             time.perf_counter() - t0)
         self.loads += 1
         log.info("model %s loaded from %s in %.2fs (%s)", name, where.path, loaded.load_seconds,
                  where.identity)
         self._models[where.path] = loaded
         return loaded
+
+    def _verified(self, loaded: LoadedModel, role: str, field: str) -> LoadedModel:
+        """``loaded`` verified as a ``role`` once (the profile kept in the pool)."""
+        if role in loaded.roles:
+            return loaded
+        key = next((k for k, m in self._models.items() if m is loaded), None)
+        try:  # UnsupportedModelError (a ValueError) names the reason
+            if role == "draft":
+                profile = self._profile(loaded.model)
+                verified = replace(loaded, profile=profile, roles=loaded.roles | {role},
+                                   fingerprint=self._fingerprint(profile, loaded.identity, self.block_size))
+            else:
+                verified = replace(loaded, target_profile=self._target_profile(loaded.model),
+                                   roles=loaded.roles | {role})
+        except ValueError as exc:
+            if not loaded.roles and key is not None:
+                del self._models[key]  # refused in its only role: do not hold its memory
+                release_cached_buffers()
+            raise ValueError(f"{field}: {loaded.name[:200]!r}: {scrub(str(exc), key or '')}") from None
+        if key is not None:
+            self._models[key] = verified
+        return verified
 
     def _evict(self) -> None:
         _, loaded = self._models.popitem(last=False)

@@ -253,9 +253,11 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
 
     log.info("BLAS in use: %s", blas_in_use())
     queues = list(queues or runtime.settings.queues)
-    for model in preload:
-        runtime.models.get(model)
-    name = name or runtime.settings.worker_name or default_worker_name()
+    s = runtime.settings
+    for model in preload:  # verified in the role the settings give it (a draft unless only the target)
+        as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
+        runtime.models.get(model, "target_model" if as_target else "draft_model")
+    name = name or s.worker_name or default_worker_name()
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
     hooks.on_start(w)

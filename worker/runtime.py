@@ -15,7 +15,7 @@ import redis
 from jobs.model_names import ModelCatalog
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from worker.models import LoadedModel, ModelPool
+from worker.models import LoadedModel, ModelPool, draft_profiler, target_profiler
 
 
 @dataclass
@@ -54,8 +54,12 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
     from specprefill.draft_cache import BlockDraftCache
     from specprefill.kv_arrays import block_layout
 
+    try:
+        layout = block_layout(loaded.profile.kv_layout)
+    except ValueError:  # not all plain KV layers (recurrent, quantized): nothing is stored, fetches miss
+        layout = None
     raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout),
+                                ttl_s=s.block_ttl_s, layout=layout,
                                 model={"model": loaded.identity, "name": loaded.name})
     return BlockDraftCache(raw_store)
 
@@ -126,8 +130,10 @@ class WorkerRuntime:
                       **kwargs: Any) -> "WorkerRuntime":
         connection = connection or queue_connection(settings.redis_url, settings)
         cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
-        models = kwargs.pop("models", None) or ModelPool(settings.model_lru_size,
-                                                         block_size=settings.block_size)
+        models = kwargs.pop("models", None) or ModelPool(
+            settings.model_lru_size, block_size=settings.block_size,
+            profile=draft_profiler(*settings.kv_quantization("draft")),
+            target_profile=target_profiler(*settings.kv_quantization("target")))
         return cls(settings, connection, cache_client, models, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """Attention capture at the kernel, for every mlx-lm family: exact importance or a refusal.
 
-Prototype for issues 12 and 13, not imported by the rest of the package yet. Modules:
+The serving path of drafts (through :mod:`specprefill.profile` and :mod:`specprefill.scoring`)
+and targets (through :mod:`specprefill.sparse`). Modules:
 
 * :mod:`.kernel` records each attention computation where the probabilities are made (the
   ``scaled_dot_product_attention`` name in a family's module, or the ``softmax`` of a family that
@@ -9,6 +10,6 @@ Prototype for issues 12 and 13, not imported by the rest of the package yet. Mod
   (which layers vote, which are recurrent) or refuses it naming the variant;
 * :mod:`.importance` turns recorded calls into importance (sinks, masks, quantized keys);
 * :mod:`.caches` snapshots, restores and converts every mlx-lm cache type (hybrid caches);
-* :mod:`.scoring` is the prototype scorer built from the above;
+* :mod:`.scoring` is the scorer built from the above;
 * :mod:`.target` is what sparse prefill needs per family (positions, query scales, windows).
 """

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 
 QUANT_PARTS = ("packed", "scales", "biases")
 

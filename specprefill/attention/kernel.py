@@ -55,6 +55,7 @@ class KernelCall:
     logits: mx.array | None = None  # softmax calls: (..., L, S) logits the layer computed
     values: Any = None              # probe only
     output: mx.array | None = None  # probe only
+    kernel: Callable | None = None  # probe only: the family's genuine kernel function
 
     def arrays(self) -> list[mx.array]:
         """Arrays to evaluate with the step that made them (so they let go of their inputs)."""
@@ -118,6 +119,13 @@ def _key_count(keys: Any) -> int:
     return int(first.shape[-2])
 
 
+def _distinct(arrays: Any) -> Any:
+    """Distinct array objects: a full rotating cache overwrites its buffer in place on the next step."""
+    if isinstance(arrays, (tuple, list)):
+        return tuple(mx.array(a) for a in arrays)
+    return mx.array(arrays)
+
+
 def _sdpa_tap(genuine: Callable, capture: KernelCapture) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
         layer = capture.current_layer
@@ -132,8 +140,9 @@ def _sdpa_tap(genuine: Callable, capture: KernelCapture) -> Callable:
             capture.in_kernel = False
         capture.record(KernelCall(
             layer, "sdpa", recorded, _key_count(keys), float(scale), mask, sinks, quantized,
-            keys=keys if capture.keep_keys else None,
-            values=values if capture.probe else None, output=out if capture.probe else None))
+            keys=_distinct(keys) if capture.keep_keys else None,
+            values=_distinct(values) if capture.probe else None, output=out if capture.probe else None,
+            kernel=genuine if capture.probe else None))
         return out
 
     scaled_dot_product_attention.genuine = genuine

@@ -15,9 +15,11 @@ if asked) while :mod:`.kernel` records every attention computation, then checks:
   logits: sinks change the output most) and by 8 (peaked logits), within a dtype-aware
   tolerance.
 
-Position thresholds (ministral3's query scale, yarn's) need no probe here: whatever the layer
-does to its queries at any position is inside the recorded queries. What can change with the
-prompt is caught per request instead: the scorer checks each scored step against the profile.
+Position thresholds (ministral3's query scale, yarn's): whatever a layer does to its queries at
+any position is inside the recorded queries, so the importance is exact there by construction;
+the probe still runs a second time just past the largest ``original_max_position_embeddings``
+of the config, and every layer must keep its role and kernel semantics there. What can change
+with the prompt is caught per request too: the scorer checks each scored step against the profile.
 """
 from __future__ import annotations
 
@@ -26,14 +28,16 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import base
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
-from specprefill.attention.importance import prompt_keys
-from specprefill.attention.kernel import KernelCall, kernel_capture
-from specprefill.capture import UnsupportedModelError
+from specprefill.attention.kernel import HAND_WRITTEN, KernelCall, kernel_capture
+from specprefill.errors import UnsupportedModelError
 
 PROBE_TOKENS = 8
+# Config keys naming a position past which attention may change: yarn's / ministral3's / longrope's
+# original context, sliding windows, llama4's attention chunks.
+THRESHOLD_KEYS = ("original_max_position_embeddings", "sliding_window", "attention_chunk_size")
+MAX_PROBE_POSITION = 32768  # the far probe prefills this many tokens at most (once, at load)
 AMPLIFICATIONS = (1.0, 0.0, 8.0)
 
 
@@ -120,27 +124,29 @@ def _tolerance(dtype: mx.Dtype, largest_logit: float = 0.0) -> float:
     return max(floor, 4 * _ROUNDOFF.get(dtype, 2.0**-8) * largest_logit)
 
 
-def reference_output(call: KernelCall, queries: mx.array) -> tuple[mx.array, float, mx.array]:
-    """float32 softmax(scale·q·Kᵀ + mask, sinks)·V over all of the call's keys, for (1, Hq, L, D)
-    queries; the largest |logit|; the values."""
-    keys = prompt_keys(call, call.n_keys).astype(mx.float32)
+def reference_output(call: KernelCall, queries: mx.array,
+                     dtype: mx.Dtype = mx.float32) -> tuple[mx.array, float, mx.array]:
+    """softmax(scale·q·Kᵀ + mask, sinks)·V over all of the call's keys, for (1, Hq, L, D) queries,
+    computed in ``dtype`` (float32: the reference; the kernel's dtype: its rounding noise); the
+    largest |logit|; the values."""
     if call.quantized is None:
-        values = call.values.astype(mx.float32)
-    else:
+        keys, values = call.keys.astype(dtype), call.values.astype(dtype)
+    else:  # dequantised in float32, as the kernel does on float32 copies of its inputs
         group_size, bits = call.quantized
-        values = mx.dequantize(*call.values, group_size=group_size, bits=bits).astype(mx.float32)
+        keys, values = (mx.dequantize(*_upcast(x, True), group_size=group_size, bits=bits).astype(dtype)
+                        for x in (call.keys, call.values))
     _, n_heads, n_rows, dim = queries.shape
     n_kv = keys.shape[1]
-    q = queries.astype(mx.float32).reshape(n_kv, n_heads // n_kv, n_rows, dim)
+    q = queries.astype(dtype).reshape(n_kv, n_heads // n_kv, n_rows, dim)
     logits = (q @ keys.reshape(n_kv, 1, call.n_keys, -1).swapaxes(-1, -2)) * call.scale
     logits = logits.reshape(n_heads, n_rows, call.n_keys)
     largest = mx.abs(logits).max().item()
     if isinstance(call.mask, mx.array):
         m = call.mask.reshape((1,) * (4 - call.mask.ndim) + tuple(call.mask.shape))
         m = mx.broadcast_to(m, (m.shape[0], n_heads, n_rows, call.n_keys))[0]
-        logits = mx.where(m, logits, -mx.inf) if m.dtype == mx.bool_ else logits + m.astype(mx.float32)
+        logits = mx.where(m, logits, -mx.inf) if m.dtype == mx.bool_ else logits + m.astype(dtype)
     if call.sinks is not None:
-        sink = mx.broadcast_to(call.sinks.astype(mx.float32).reshape(-1, 1, 1), (n_heads, n_rows, 1))
+        sink = mx.broadcast_to(call.sinks.astype(dtype).reshape(-1, 1, 1), (n_heads, n_rows, 1))
         weights = mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :-1]
     else:
         weights = mx.softmax(logits, axis=-1, precise=True)
@@ -164,19 +170,32 @@ def _check_semantics(where: str, call: KernelCall, cache: Any) -> None:
         if error > _tolerance(call.logits.dtype):
             raise UnsupportedModelError(f"{where}: softmax of the recorded logits differs from the layer's ({error:.3g})")
         return
+    low = call.queries.dtype not in (mx.float32, mx.float64)
     for amplification in AMPLIFICATIONS:
         queries = call.queries * amplification
-        genuine = call.output if amplification == 1.0 else base.scaled_dot_product_attention(
-            mx.array(queries), call.keys, call.values, cache=cache, scale=call.scale, mask=call.mask,
-            sinks=call.sinks)
+        # A low-precision kernel is checked on float32 copies of its inputs: its semantics at a
+        # float32 tolerance, free of its own rounding (which grows with the number of keys).
+        genuine = call.output if amplification == 1.0 and not low else call.kernel(
+            queries.astype(mx.float32) if low else mx.array(queries), _upcast(call.keys, low),
+            _upcast(call.values, low), cache=cache, scale=call.scale, mask=_upcast(call.mask, low),
+            sinks=_upcast(call.sinks, low))
         ours, largest, values = reference_output(call, queries)
         # Relative to the values: an output averages them, so its own size can cancel away.
         error = _relative_error(ours, genuine, values)
-        if error > _tolerance(call.queries.dtype, largest):
+        if error > _tolerance(mx.float32 if low else call.queries.dtype, largest):
             raise UnsupportedModelError(
                 f"{where}: softmax(scale·q·Kᵀ + mask, sinks)·V recomputed from the recorded kernel inputs "
                 f"differs from the kernel's output by {error:.3g} (queries ×{amplification:g}); this "
                 "kernel's semantics are not modelled")
+
+
+def _upcast(x: Any, low: bool) -> Any:
+    """float32 copies of a kernel input (quantized triples: their scales and biases)."""
+    if not low or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, (tuple, list)):
+        return (x[0],) + tuple(a.astype(mx.float32) for a in x[1:])
+    return x if x.dtype == mx.bool_ or not mx.issubdtype(x.dtype, mx.floating) else x.astype(mx.float32)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -210,31 +229,48 @@ def _role(where: str, counts: list[int], cache: Any, stray: bool) -> str:
     return "none" if cache is None else "recurrent"
 
 
-def _run_probe(model: nn.Module, cache: list, n_tokens: int):
+def _run_probe(model: nn.Module, cache: list, n_tokens: int, start_at: int = 0):
+    """Record ``n_tokens`` single-token steps, after ``start_at`` unrecorded prompt tokens."""
     kinds = sorted({_cache_name(c) for c in cache})
     vocab = getattr(getattr(model, "args", None), "vocab_size", 256) or 256
     steps: list[list[KernelCall]] = []
-    with kernel_capture(model, watch_softmax=True) as capture:
-        capture.recording = capture.keep_keys = capture.probe = True
-        for t in range(n_tokens):
-            start = len(capture.calls)
-            try:
+    try:
+        for begin in range(0, start_at, 2048):  # plain prefill up to the far positions
+            ids = [(7 * t + 3) % vocab for t in range(begin, min(start_at, begin + 2048))]
+            model(mx.array([ids], dtype=mx.int32), cache=cache)
+            mx.eval([c.state for c in cache])
+        with kernel_capture(model, watch_softmax=True) as capture:
+            capture.recording = capture.keep_keys = capture.probe = True
+            for t in range(n_tokens):
+                start = len(capture.calls)
                 logits = model(mx.array([[(7 * t + 3) % vocab]], dtype=mx.int32), cache=cache)
-            except Exception as exc:  # the model cannot run with this cache at all
-                raise UnsupportedModelError(f"{type(model).__module__} does not run with its cache {kinds} "
-                                            f"({type(exc).__name__}: {exc})") from exc
-            mx.eval(logits, capture.pending_arrays(start))
-            steps.append(capture.calls[start:])
+                mx.eval(logits, capture.pending_arrays(start))
+                steps.append(capture.calls[start:])
+    except Exception as exc:  # the model cannot run with this cache at all
+        raise UnsupportedModelError(f"{type(model).__module__} does not run with its cache {kinds} "
+                                    f"({type(exc).__name__}: {exc})") from exc
     return capture, steps
 
 
-def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
-                  probe_tokens: int = PROBE_TOKENS) -> AttentionProfile:
-    """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why."""
-    cache = make_cache(model, kv_bits, kv_group_size)
-    capture, steps = _run_probe(model, cache, probe_tokens)
-    family = type(model).__module__
-    stray = {layer for layer, _ in capture.softmax_outside}
+def position_thresholds(model: nn.Module) -> list[int]:
+    """Positions in the config past which a family may compute differently (:data:`THRESHOLD_KEYS`
+    anywhere in the args, nested dicts included)."""
+    found: list[int] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in THRESHOLD_KEYS and isinstance(item, int) and not isinstance(item, bool) and item > 0:
+                    found.append(item)
+                walk(item)
+        elif hasattr(value, "__dataclass_fields__"):
+            walk({name: getattr(value, name, None) for name in value.__dataclass_fields__})
+    walk(getattr(model, "args", None))
+    return sorted(set(found))
+
+
+def _layer_roles(model: nn.Module, capture, steps, kv: tuple, check_order: bool) -> list[LayerRole]:
+    family, stray = type(model).__module__, {layer for layer, _ in capture.softmax_outside}
     roles = []
     for index, layer in enumerate(model.layers):
         where = f"layer {index} ({type(layer).__name__} in {family})"
@@ -245,12 +281,39 @@ def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size
         if role == "attention":
             calls = [s[0] for s in per_step]
             kernel = calls[0].kind
-            if kernel == "sdpa":
+            if kernel == "sdpa" and check_order:
                 _check_key_order(where, calls)
             for call in calls:
                 _check_semantics(where, call, _attention_cache(layer_cache))
         roles.append(LayerRole(index, role, kernel, _cache_name(layer_cache)))
-    return AttentionProfile(family, tuple(roles), kv_bits, kv_group_size)
+    return roles
+
+
+def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
+                  probe_tokens: int = PROBE_TOKENS, max_probe_position: int = MAX_PROBE_POSITION) -> AttentionProfile:
+    """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why.
+
+    Probes at positions 0.. and again just past the largest position threshold of the config
+    (up to ``max_probe_position``): every layer must keep its role there and every kernel call
+    must still be what the importance recomputes.
+    """
+    require_layers(model)
+    if kv_bits is not None and type(model).__module__ in HAND_WRITTEN:
+        raise UnsupportedModelError(f"kv_bits: {type(model).__module__} computes its attention by hand on plain "
+                                    "keys (mlx-lm has no quantized path for it); serve it with kv_bits unset")
+    kv = (kv_bits, kv_group_size)
+    capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens)
+    roles = _layer_roles(model, capture, steps, kv, check_order=True)
+    thresholds = [t for t in position_thresholds(model) if t < max_probe_position]
+    if thresholds:
+        far = thresholds[-1] + 1
+        capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens, start_at=far)
+        for near, at_far in zip(roles, _layer_roles(model, capture, steps, kv, check_order=False)):
+            if (near.role, near.kernel) != (at_far.role, at_far.kernel):
+                raise UnsupportedModelError(
+                    f"layer {near.index}: is {near.role} at positions 0-{probe_tokens - 1} but {at_far.role} "
+                    f"past position {far} ({type(model).__module__})")
+    return AttentionProfile(type(model).__module__, tuple(roles), kv_bits, kv_group_size)
 
 
 def _attention_cache(cache: Any) -> Any:
@@ -258,6 +321,17 @@ def _attention_cache(cache: Any) -> Any:
     if isinstance(cache, CacheList):
         return next((c for c in cache.caches if holds_keys(c)), None)
     return cache
+
+
+def require_layers(model: nn.Module) -> None:
+    """Refuse a model without the ``layers`` list every mlx-lm family has (before any forward pass)."""
+    try:
+        layers = model.layers
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, list) or not layers:
+        raise UnsupportedModelError(f"{type(model).__name__}: no non-empty `layers` list of decoder layers "
+                                    "(not an mlx-lm language model)")
 
 
 def require_draft(profile: AttentionProfile) -> None:

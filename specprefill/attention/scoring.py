@@ -1,7 +1,8 @@
-"""Prototype scorer on the kernel capture: any verified family, hybrid caches, quantized KV.
+"""The scorer on the kernel capture: any verified family, hybrid caches, quantized KV.
 
-Same phases and result as :func:`specprefill.scoring.score_tokens` (chunked prefill, the last
-prompt token, seeded lookahead, importance, the cache rewound to exactly the prompt), with:
+Phases: chunked prefill of the prompt (only the part not in a restored cache), the last
+prompt token, a few seeded lookahead decode steps, importance, the cache rewound to exactly
+the prompt (:func:`specprefill.scoring.score_tokens` is the validated front door), with:
 
 * the model's :class:`~specprefill.attention.probe.AttentionProfile` deciding which layers
   vote (recurrent layers never do), and every scored step checked against it;
@@ -17,7 +18,8 @@ prompt token, seeded lookahead, importance, the cache rewound to exactly the pro
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,13 +28,24 @@ from specprefill.attention.caches import rewind, rewind_point
 from specprefill.attention.importance import fold, layer_probabilities, votes
 from specprefill.attention.kernel import KernelCall, KernelCapture, kernel_capture
 from specprefill.attention.probe import AttentionProfile, holds_keys, make_cache, require_draft
-from specprefill.capture import UnsupportedModelError
+from specprefill.errors import UnsupportedModelError
 from specprefill.options import Sampling
 from specprefill.sampling import sample
-from specprefill.scoring import ScoreResult
 
 Progress = Callable[[int, int, str], None]
 StepHook = Callable[[int, int, list], None]
+
+
+@dataclass
+class ScoreResult:
+    """What scoring produced for one prompt of ``prompt_tokens`` tokens."""
+
+    importance: mx.array  # float32, shape (T,), one per prompt token
+    kv_cache: list  # mlx-lm cache objects holding exactly the T prompt tokens
+    lookahead_tokens: list[int]  # sampled ids whose queries were captured, in order
+    timings: dict[str, float] = field(default_factory=dict)  # "prefill", "lookahead", "importance"
+    cached_tokens: int = 0  # prompt tokens restored from the cache passed in (0 cold)
+    prompt_tokens: int = 0  # T
 
 
 def prefill_ends(start: int, stop: int, step: int, block_size: int | None) -> list[int]:
@@ -60,6 +73,15 @@ def cached_length(cache: list, n_prompt: int) -> int:
     if not 0 <= n < n_prompt:
         raise ValueError(f"cache holds {n} tokens; it must hold fewer than the prompt's {n_prompt}")
     return n
+
+
+def _check_windows(cache: list, n_prompt: int, n_lookahead: int) -> None:
+    """Refuse before any work when every KV layer is a window narrower than prompt plus lookahead."""
+    windows = {getattr(m, "max_size", None) for entry in cache
+               for m in (getattr(entry, "caches", None) or (entry,)) if holds_keys(m)}
+    if windows and None not in windows and n_prompt + n_lookahead > max(windows):
+        raise ValueError(f"tokens: a prompt of {n_prompt} tokens plus {n_lookahead} lookahead tokens is longer "
+                         f"than every layer's attention window {sorted(windows)}; no layer can score it")
 
 
 def _check_step(profile: AttentionProfile, calls: Sequence[KernelCall], step: str) -> None:
@@ -96,6 +118,7 @@ def _importance(profile: AttentionProfile, steps: list[list[KernelCall]], key_co
                 probs = layer_probabilities(calls, n_prompt)
                 if probs is not None:
                     yield probs
+    report(0, len(profile.attention_layers), "importance")
     try:
         return fold(layers(), pool_kernel, on_layer=lambda done: report(done, len(profile.attention_layers),
                                                                        "importance"))
@@ -137,6 +160,7 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
         cache, cached = make_cache(model, profile.kv_bits, profile.kv_group_size), 0
     else:
         cached = cached_length(cache, n_prompt)
+    _check_windows(cache, n_prompt, n_lookahead)
     report(cached, n_prompt, "prefill")
     _prefill(model, prompt, cache, cached, prefill_step, block_size, on_step, report)
     with kernel_capture(model) as capture:

@@ -1,4 +1,4 @@
-"""What sparse prefill at original positions needs, per family, and a prototype session doing it.
+"""What sparse prefill at original positions needs, per family, and the session doing it.
 
 A target needs none of the draft's probe: only that every position-dependent part of the model
 can be driven by original positions instead of the cache index. In mlx-lm 0.32 that is:
@@ -21,6 +21,8 @@ can be driven by original positions instead of the cache index. In mlx-lm 0.32 t
 * **recurrent layers** consume the kept tokens in order; they have no positions. Their state
   after a sparse prefill is the state of the kept sequence, not of the prompt (an
   approximation of the prompt's state that keep-all makes exact).
+* **caches**: only :data:`TARGET_CACHES` (and ``CacheList`` of them); anything else is refused
+  by name at load, and a quantized target (``kv_bits``) with sliding windows is refused too.
 """
 from __future__ import annotations
 
@@ -28,20 +30,20 @@ import sys
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models import rope_utils
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from specprefill.attention.kernel import family_modules
-from specprefill.attention.probe import holds_keys, make_cache
-from specprefill.capture import UnsupportedModelError
-from specprefill.positions import SUPPORTED_ROPES, PositionMap, rope_at_positions
-from specprefill.sparse import PrefillState
-from specprefill.wrapping import Wrapper, unwrap_rope
+from specprefill.attention.probe import holds_keys, make_cache, require_layers
+from specprefill.errors import UnsupportedModelError
+from specprefill.options import PREFILL_STEP
+from specprefill.positions import SUPPORTED_ROPES, PositionedRoPE, PositionMap, int_offset, rope_owners
+from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
+from specprefill.wrapping import unwrap_rope
 
 # Module-level functions that compute a position-dependent factor from the cache offset,
 # by module: replaced for the session by the same formula at original positions.
@@ -68,17 +70,24 @@ class TargetProfile:
     factors: tuple[str, ...]       # position-dependent functions replaced
     window: int                    # largest sliding window (0: none): the tail that must be kept
     caches: tuple[str, ...]        # cache classes
+    kv_bits: int | None = None     # the target's KV quantization (None: plain caches)
+    kv_group_size: int = 64
 
 
-def _rope_owners(model: nn.Module) -> list[nn.Module]:
-    return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
+# Cache classes a sparse prefill drives (by original positions, or in order for recurrent state).
+TARGET_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
 
 
-def target_profile(model: nn.Module) -> TargetProfile:
-    """Check what sparse prefill needs (module docstring); the profile or :class:`UnsupportedModelError`."""
+def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64) -> TargetProfile:
+    """Check what sparse prefill needs (module docstring); the profile or :class:`UnsupportedModelError`.
+
+    ``kv_bits`` quantizes the target's cache; a model with sliding-window layers cannot be
+    (mlx-lm has no quantized rotating cache) and is refused here, at load.
+    """
+    require_layers(model)
     family = type(model).__module__
     ropes = set()
-    for owner in _rope_owners(model):
+    for owner in rope_owners(model):
         rope = unwrap_rope(owner["rope"])
         if type(rope) not in POSITIONABLE_ROPES:
             raise UnsupportedModelError(
@@ -87,13 +96,32 @@ def target_profile(model: nn.Module) -> TargetProfile:
         ropes.add(type(rope).__name__)
     factors = tuple(f"{m.__name__}.{POSITION_FACTORS[m.__name__]}" for m in family_modules(model)
                     if m.__name__ in POSITION_FACTORS)
-    cache = make_cache(model)
+    cache = make_cache(model, kv_bits, kv_group_size)
+    for leaf in _leaves(cache):
+        if leaf is not None and type(leaf) not in TARGET_CACHES:
+            raise UnsupportedModelError(f"{family}: cache {type(leaf).__name__} is not supported by sparse "
+                                        f"prefill (supported: {', '.join(c.__name__ for c in TARGET_CACHES)})")
     window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
                  default=0)
+    if kv_bits is not None:
+        _check_runs_quantized(model, cache)
+    if kv_bits is not None and _mask_windows(model):
+        raise UnsupportedModelError(f"{family}: kv_bits: windowed layers on plain caches cannot be masked by "
+                                    "original position once quantized; serve this target with kv_bits unset")
     if any(isinstance(c, RotatingKVCache) and c.keep for c in _leaves(cache)):
         raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
     return TargetProfile(family, tuple(sorted(ropes)), factors, window,
-                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})))
+                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})), kv_bits, kv_group_size)
+
+
+def _check_runs_quantized(model: nn.Module, cache: list) -> None:
+    """A prefill step and a decode step on the quantized cache, or the refusal naming what failed."""
+    try:
+        for ids in ([1, 2], [3]):
+            mx.eval(model(mx.array([ids], dtype=mx.int32), cache=cache))
+    except Exception as exc:  # hand-written attention (gemma2), MLA's latents: no quantized path
+        raise UnsupportedModelError(f"{type(model).__module__}: kv_bits: does not run with a quantized KV cache "
+                                    f"({type(exc).__name__}: {str(exc)[:120]}); serve it with kv_bits unset") from None
 
 
 def _mask_windows(model: nn.Module) -> list[int]:
@@ -122,32 +150,10 @@ def _leaves(cache: list) -> list:
     return [m for c in cache for m in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
-def _int_offset(offset: Any) -> int:
-    if isinstance(offset, mx.array) and offset.ndim == 0:
-        return int(offset.item())  # gemma4 wraps cache.offset in an array
-    if isinstance(offset, int):
-        return offset
-    raise ValueError("offset: sparse positions support one sequence (a scalar cache offset) only")
-
-
-class TargetRoPE(Wrapper):
-    """A genuine rope rotating at the original positions of the cache indices it is called with."""
-
-    def __init__(self, genuine: nn.Module, position_map: PositionMap):
-        super().__init__(genuine)
-        self.position_map = position_map
-
-    def __call__(self, x: mx.array, offset: Any = 0, **kwargs) -> mx.array:
-        positions = self.position_map.positions(_int_offset(offset), x.shape[-2])
-        if positions[-1] - positions[0] == len(positions) - 1:
-            return self.genuine(x, offset=int(positions[0]), **kwargs)
-        return rope_at_positions(self.genuine, x, mx.array(positions, dtype=mx.int32))
-
-
 def _positioned_factor(genuine: Callable, position_map: PositionMap) -> Callable:
     """ministral3's query scale, at the original positions of ``offset .. offset+size-1``."""
     def factor(size, offset, beta, max_position_embeddings):
-        positions = mx.array(position_map.positions(_int_offset(offset), int(size)), dtype=mx.float32)
+        positions = mx.array(position_map.positions(int_offset(offset), int(size)), dtype=mx.float32)
         return (1 + beta * mx.log(1 + mx.floor(positions / max_position_embeddings)))[:, None]
     factor.genuine = genuine
     return factor
@@ -223,38 +229,100 @@ def target_cache(model: nn.Module, position_map: PositionMap, kv_bits: int | Non
     return [convert(c) for c in make_cache(model, kv_bits, kv_group_size)]
 
 
+def positioned(cache: list, position_map: PositionMap) -> list:
+    """``cache`` (a prefix from a full prefill or an earlier session) with its plain KV and
+    sliding-window layers as position-aware ones masking by ``position_map``, same state."""
+    def convert(c):
+        if isinstance(c, CacheList):
+            return CacheList(*(convert(m) for m in c.caches))
+        if isinstance(c, _PositionedMask):
+            c.position_map = position_map
+            return c
+        if type(c) is RotatingKVCache:
+            out = PositionedRotatingKVCache(c.max_size, position_map)
+            out.state = c.state
+            return out
+        if type(c) is KVCache:
+            out = PositionedKVCache(position_map)
+            out.keys, out.values, out.offset = c.keys, c.values, c.offset
+            return out
+        return c
+    return [convert(c) for c in cache]
+
+
 class TargetSession:
     """One request's sparse prefill on a model with position-mapped ropes and factors."""
 
     def __init__(self, model: nn.Module, profile: TargetProfile, position_map: PositionMap):
         self.model, self.profile, self.position_map = model, profile, position_map
         self.active = True
+        self._prefilled = False
 
-    def prefill(self, tokens: Sequence[int], keep_indices: Sequence[int], *, prefill_step: int = 2048,
-                kv_bits: int | None = None, kv_group_size: int = 64) -> tuple[mx.array, list, PrefillState]:
-        """Prefill ``tokens[keep_indices]`` at their original positions; decode with
-        :func:`specprefill.sparse.generate_tokens` inside the session."""
-        prompt = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        keep = _check_keep(keep_indices, len(prompt), required_tail(self.profile))
+    def prefill(self, tokens: Sequence[int] | np.ndarray | mx.array, keep_indices: Sequence[int] | np.ndarray, *,
+                protected_prefix: int = 0, kv_cache: list | None = None, prefill_step: int = PREFILL_STEP,
+                progress: Progress | None = None) -> tuple[mx.array, list, PrefillState]:
+        """Prefill only ``tokens[keep_indices]``, each at its original position.
+
+        ``keep_indices``: strictly increasing prompt indices ending at the last one; the first
+        ``protected_prefix`` tokens are kept and prefilled as their own first step, and the last
+        :func:`required_tail` tokens must be kept (sliding windows). ``kv_cache``: a cache of
+        this model already holding the prompt's first ``c`` tokens (all kept), else a fresh
+        one (quantized as the profile says). Returns the last token's logits (1, vocab), the
+        cache (kept tokens only) and a :class:`~specprefill.sparse.PrefillState`; decode with
+        :func:`specprefill.sparse.generate_tokens` inside the session.
+        """
+        if not self.active or self._prefilled:
+            raise RuntimeError("target session: one prefill per open session (one request)")
+        self._prefilled = True
+        prompt = as_tokens(tokens)
+        keep = _check_keep(keep_indices, len(prompt), protected_prefix, required_tail(self.profile))
         self.position_map.set(keep, len(prompt))
-        cache = target_cache(self.model, self.position_map, kv_bits, kv_group_size)
-        started, kept = time.perf_counter(), mx.array(prompt[keep])
-        for start in range(0, len(keep), prefill_step):
-            logits = self.model(kept[None, start:start + prefill_step], cache=cache)
-            mx.eval(logits, [c.state for c in cache])
-        state = PrefillState(len(prompt), len(keep), 0, time.perf_counter() - started, session=self)
-        return logits[:, -1, :], cache, state
+        if kv_cache is None:
+            kv_cache = target_cache(self.model, self.position_map, self.profile.kv_bits, self.profile.kv_group_size)
+        else:
+            kv_cache = positioned(kv_cache, self.position_map)
+        cached = _cached_prefix(kv_cache, keep)
+        started = time.perf_counter()
+        logits = run_prefill(self.model, prompt[mx.array(keep[cached:])], kv_cache,
+                             first_stop=max(0, protected_prefix - cached), step=prefill_step, progress=progress)
+        state = PrefillState(len(prompt), len(keep), cached, time.perf_counter() - started, session=self)
+        return logits, kv_cache, state
 
 
-def _check_keep(keep_indices: Sequence[int], n: int, tail: int) -> np.ndarray:
+def _check_keep(keep_indices: Sequence[int], n: int, protected_prefix: int, tail: int) -> np.ndarray:
+    if not 0 <= protected_prefix <= n:
+        raise ValueError(f"protected_prefix: must be in [0, {n}], got {protected_prefix}")
     keep = np.asarray(keep_indices, dtype=np.int64).reshape(-1)
-    if len(keep) == 0 or np.any(np.diff(keep) <= 0) or keep[0] < 0 or keep[-1] != n - 1:
-        raise ValueError(f"keep_indices: must be strictly increasing indices in [0, {n}) ending at {n - 1}")
+    if len(keep) == 0:
+        raise ValueError("keep_indices: must not be empty")
+    if np.any(np.diff(keep) <= 0):
+        raise ValueError("keep_indices: must be strictly increasing")
+    if keep[0] < 0 or keep[-1] >= n:
+        raise ValueError(f"keep_indices: must lie in [0, {n}), got [{keep[0]}, {keep[-1]}]")
+    if keep[-1] != n - 1:
+        raise ValueError(f"keep_indices: must include the last prompt index {n - 1}")
     missing = np.setdiff1d(np.arange(max(0, n - tail), n), keep)
     if len(missing):
         raise ValueError(f"keep_indices: the last {tail} prompt tokens must be kept (sliding-window layers "
                          f"of that size), {len(missing)} are not")
-    return keep
+    return np.union1d(np.arange(protected_prefix), keep)
+
+
+def _cached_prefix(kv_cache: list, keep: np.ndarray) -> int:
+    """Tokens a passed-in cache holds (read from its KV layers); they must be kept, from index 0."""
+    offsets = {int_offset(c.offset) for c in _leaves(kv_cache) if holds_keys(c)}
+    if not offsets:
+        if any(c is not None and any(a is not None for a in getattr(c, "cache", ())) for c in _leaves(kv_cache)):
+            raise ValueError("kv_cache: a cache without KV layers cannot say how many tokens it holds; "
+                             "pass none for this model")
+        return 0
+    if len(offsets) != 1:
+        raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
+    cached = offsets.pop()
+    if cached and (cached > len(keep) or keep[cached - 1] != cached - 1):
+        raise ValueError(f"kv_cache: holds {cached} tokens; they must be the prompt's first {cached} "
+                         "tokens and all kept")
+    return cached
 
 
 @contextmanager
@@ -263,11 +331,11 @@ def target_session(model: nn.Module, profile: TargetProfile | None = None) -> It
     profile = profile or target_profile(model)
     position_map = PositionMap()
     session = TargetSession(model, profile, position_map)
-    owners = _rope_owners(model)
+    owners = rope_owners(model)
     genuine = [unwrap_rope(o["rope"]) for o in owners]
     with ExitStack() as stack:
         for owner, rope in zip(owners, genuine):
-            owner.rope = TargetRoPE(rope, position_map)
+            owner.rope = PositionedRoPE(rope, position_map)
         stack.callback(_restore_ropes, owners, genuine)
         for module in family_modules(model):
             name = POSITION_FACTORS.get(module.__name__)

@@ -1,0 +1,74 @@
+"""Feeding a prompt to a target in steps, and what a prefill did (:class:`PrefillState`).
+
+Shared by the full prefill (:func:`specprefill.sparse.full_prefill`) and the sparse one
+(:class:`specprefill.attention.target.TargetSession`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass
+class PrefillState:
+    """What a prefill did; pass it to :func:`specprefill.sparse.generate_tokens`."""
+
+    prompt_tokens: int          # T, the full prompt length
+    kept_tokens: int            # tokens in the cache after prefill (T for a full prefill)
+    cached_tokens: int          # of those, already in the cache passed in
+    seconds: float              # wall time of the prefill (the target's part of TTFT)
+    session: Any = None   # the TargetSession of a sparse prefill (None: a full prefill)
+
+    @property
+    def sparse(self) -> bool:
+        return self.session is not None
+
+    @property
+    def kept_ratio(self) -> float:
+        return self.kept_tokens / self.prompt_tokens
+
+    @property
+    def next_position(self) -> int:
+        """Position of the first generated token: always the true prompt length."""
+        return self.prompt_tokens
+
+
+def run_prefill(model, inputs: mx.array, kv_cache: list, *, first_stop: int, step: int,
+                progress: Optional[Progress]) -> mx.array:
+    """Feed ``inputs`` through ``model`` in steps (the first ends at ``first_stop`` if > 0); last-token logits."""
+    if step < 1:
+        raise ValueError(f"prefill_step: must be >= 1, got {step}")
+    total = len(inputs)
+    if total == 0:
+        raise ValueError("tokens: nothing left to prefill (the cache already holds the whole prompt)")
+    done = 0
+    while done < total:
+        end = min(done + step, total)
+        if done < first_stop < end:
+            end = first_stop
+        logits = model(inputs[None, done:end], cache=kv_cache)
+        if end < total:
+            # Only the cache is needed here: the lazy logits of the chunk are never computed.
+            mx.eval([c.state for c in kv_cache])
+        else:
+            logits = logits[:, -1, :]
+            mx.eval(logits, [c.state for c in kv_cache])
+        done = end
+        if progress is not None:
+            progress(done, total, "target_prefill")
+    return logits
+
+
+def as_tokens(tokens) -> mx.array:
+    if isinstance(tokens, mx.array):
+        prompt = tokens.reshape(-1).astype(mx.int32)
+    else:
+        prompt = mx.array(np.asarray(tokens, dtype=np.int32).reshape(-1))
+    if len(prompt) == 0:
+        raise ValueError("tokens: the prompt must hold at least 1 token")
+    return prompt
