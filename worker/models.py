@@ -101,6 +101,17 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
+def _default_prompt_tools(name: str) -> tuple[Any, int | None]:
+    """A model's tokenizer and vocabulary size without its weights (config and tokenizer files)."""
+    from mlx_lm.utils import _download, load_config, load_tokenizer
+
+    path = _download(name)
+    config = load_config(path)
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return (load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
+            int(size) if isinstance(size, int) else None)
+
+
 def _default_profile(model: Any) -> ModelProfile:
     from specprefill.profile import profile_model
 
@@ -142,7 +153,8 @@ class ModelPool:
                  profile: Callable[[Any], Any] = _default_profile,
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
                  identify: Callable[[str], str] = model_identity,
-                 warm: Callable[[Any], None] = warm_up) -> None:
+                 warm: Callable[[Any], None] = warm_up,
+                 prompt_tools: Callable[[str], tuple[Any, int | None]] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
@@ -151,6 +163,11 @@ class ModelPool:
         self._identify, self._warm = identify, warm
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.loads = 0
+        if prompt_tools is None:  # a custom loader: its tokenizer (and model args) stand in
+            prompt_tools = (_default_prompt_tools if loader is _default_loader else
+                            lambda name: (lambda m, t: (t, _vocab_size(m)))(*loader(name)))
+        self._prompt_tools = prompt_tools
+        self._tokenizers: OrderedDict[str, tuple[Any, int | None]] = OrderedDict()
 
     def __contains__(self, name: str) -> bool:
         return name in self._models
@@ -187,6 +204,21 @@ class ModelPool:
         log.info("model %s loaded in %.2fs (%s)", name, loaded.load_seconds, identity)
         self._models[name] = loaded
         return loaded
+
+    def prompt_tools(self, name: str, field: str = "draft_model") -> tuple[Any, int | None]:
+        """``name``'s tokenizer and vocabulary size, without loading its weights if it is not
+        loaded (admission decides whether a job needs the model at all)."""
+        if name in self._models:
+            return self._models[name].tokenizer, self._models[name].vocab_size
+        if name not in self._tokenizers:
+            try:
+                self._identify(name)
+                self._tokenizers[name] = self._prompt_tools(name)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{field}: {name[:200]!r}: {exc}") from None
+            while len(self._tokenizers) > 4 * self.capacity:
+                self._tokenizers.popitem(last=False)
+        return self._tokenizers[name]
 
     def _evict(self) -> None:
         name, _ = self._models.popitem(last=False)

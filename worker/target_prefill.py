@@ -1,0 +1,40 @@
+"""The one seam between the generate pipeline and the target's prefill and decode.
+
+Everything the pipeline asks of ``specprefill.sparse`` goes through these functions, so a
+new sparse-prefill implementation changes this module only.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Callable, Iterator, Sequence
+
+Progress = Callable[[int, int, str], None]
+
+
+def sparse_prefill(stack: ExitStack, model: Any, tokens: Sequence[int], keep: Any, *,
+                   protected_prefix: int, kv_cache: list | None, prefill_step: int,
+                   progress: Progress) -> tuple[Any, list, Any]:
+    """Prefill ``tokens[keep]`` at their original positions on top of ``kv_cache`` (which holds
+    a contiguous prefix, or None); the session lives as long as ``stack``."""
+    from specprefill.sparse import sparse_session
+
+    session = stack.enter_context(sparse_session(model))
+    return session.prefill(tokens, keep, protected_prefix=protected_prefix, kv_cache=kv_cache,
+                           prefill_step=prefill_step, progress=progress)
+
+
+def plain_prefill(model: Any, tokens: Sequence[int], *, kv_cache: list | None, prefill_step: int,
+                  progress: Progress) -> tuple[Any, list, Any]:
+    """Prefill every token not already in ``kv_cache``."""
+    from specprefill.sparse import full_prefill
+
+    return full_prefill(model, tokens, kv_cache=kv_cache, prefill_step=prefill_step, progress=progress)
+
+
+def decode(model: Any, logits: Any, kv_cache: list, state: Any, *, max_tokens: int, sampling: Any,
+           stop_tokens: Any, progress: Progress) -> Iterator[int]:
+    """The generated token ids after a prefill (inside its session, if sparse)."""
+    from specprefill.sparse import generate_tokens
+
+    return generate_tokens(model, logits, kv_cache, state, max_tokens=max_tokens, sampling=sampling,
+                           stop_tokens=stop_tokens, progress=progress)
