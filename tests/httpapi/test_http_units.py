@@ -42,7 +42,11 @@ def test_chat_request_maps_to_generate_fields():
                       "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
                       "tools": [{"type": "function", "function": {"name": "f"}}]}
     spec = generate_spec(**fields)
-    assert spec.generate.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
+    kwargs = chat_fields(parse(ChatCompletionRequest, {
+        "model": "t", "messages": [{"role": "user", "content": "a"}],
+        "chat_template_kwargs": {"enable_thinking": False}}))
+    assert kwargs["template_args"] == {"enable_thinking": False}
+    assert spec.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
 
 
 def test_unsupported_request_fields_are_refused_by_name():
