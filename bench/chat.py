@@ -16,7 +16,7 @@ new ~4K-token system prompt plus tools, so nothing of it is stored when the roun
 TTFT is the worker's (``GenerateResult.ttft_s``: from the job's start to its first token);
 each mode reports its fastest round. Ends with ``target ...`` lines.
 
-    .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--rounds 2]
+    .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import verdict  # noqa: E402
@@ -34,7 +34,6 @@ from pathlib import Path  # noqa: E402
 import redis  # noqa: E402
 
 ROOT = benchlib.ROOT
-THRESHOLD = 2048  # the 4K-token conversations are admitted, the 1K-token prompt is not
 GEN = {"max_tokens": 4, "greedy": True}
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": f"{name} over the workspace",
@@ -76,22 +75,24 @@ class Texts:
         return " ".join(self.rng.choice(self.words) for _ in range(int(n_tokens / self.tokens_per_word)))
 
 
-def run_job(client, target: str, messages: list, **fields) -> dict:
-    res = client.generate(messages=messages, target_model=target, threshold=THRESHOLD, **GEN, **fields)
+def run_job(client, target: str, messages: list, threshold: int, **fields) -> dict:
+    res = client.generate(messages=messages, target_model=target, threshold=threshold, **GEN, **fields)
     return res.result(timeout=900)
 
 
-def one_round(client, target: str, texts: Texts, args) -> dict:
-    system = texts.make(args.system_tokens)
+def one_round(client, target: str, texts: Texts, args, flip: bool) -> dict:
+    """One round of every mode; ``flip`` swaps the order of the two admission-case jobs."""
+    system, th = texts.make(args.system_tokens), args.threshold
     conv = lambda sys_text, doc: [{"role": "system", "content": sys_text},  # noqa: E731
                                   {"role": "user", "content": doc}]
     out = {"plain": run_job(client, target, conv(texts.make(args.system_tokens), texts.make(args.doc_tokens)),
-                            tools=TOOLS, full_prefill=True)}
-    out["first"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), tools=TOOLS, keep=0.2)
-    out["second"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), tools=TOOLS, keep=0.2)
+                            th, tools=TOOLS, full_prefill=True)}
+    out["first"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), th, tools=TOOLS, keep=0.2)
+    out["second"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), th, tools=TOOLS, keep=0.2)
     short = lambda: [{"role": "user", "content": texts.make(args.short_tokens)}]  # noqa: E731
-    out["short_plain"] = run_job(client, target, short(), full_prefill=True)
-    out["short_admission"] = run_job(client, target, short(), keep=0.2)
+    pair = [("short_plain", dict(full_prefill=True)), ("short_admission", dict(keep=0.2))]
+    for mode, fields in (pair[::-1] if flip else pair):
+        out[mode] = run_job(client, target, short(), th, **fields)
     return out
 
 
@@ -106,8 +107,12 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=4096)
     parser.add_argument("--doc-tokens", type=int, default=4096)
     parser.add_argument("--short-tokens", type=int, default=1024)
+    parser.add_argument("--threshold", type=int, default=2048,
+                        help="admission threshold: below the document, above the short prompt")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    if not args.short_tokens < args.threshold < args.doc_tokens:
+        parser.error("need --short-tokens < --threshold < --doc-tokens")
     draft, target = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
     texts = Texts(load_tokenizer(Path(target)))
     tmp = Path(tempfile.mkdtemp(prefix="bench-chat-"))
@@ -116,9 +121,10 @@ def main() -> None:
         worker = start_worker(server.url, draft, target, tmp / "worker.log")
         try:
             client = Client(redis.Redis.from_url(server.url), Settings.from_env(redis_url=server.url))
-            run_job(client, target, [{"role": "user", "content": texts.make(600)}], keep=0.2)  # warm-up
-            for _ in range(args.rounds):
-                rounds.append(one_round(client, target, texts, args))
+            warm = [{"role": "user", "content": texts.make(args.threshold + 256)}]
+            run_job(client, target, warm, args.threshold, keep=0.2)  # warm-up: both models, every path
+            for i in range(args.rounds):
+                rounds.append(one_round(client, target, texts, args, flip=i % 2 == 1))
         finally:
             worker.terminate()
             worker.wait(30)
@@ -136,7 +142,7 @@ def report(rounds: list, args) -> None:
         t = res.target_tokens
         phases = ", ".join(f"{k} {1000 * v:.0f}" for k, v in res.ttft_phases.items() if v >= 0.0005)
         print(f"| {mode} | {res.total} | {res.kept} | {t.get('restored', 0)} / {t.get('prefilled_full', 0)} / "
-              f"{t.get('prefilled_sparse', 0)} | {1000 * res.ttft_s:.0f} | {phases} | {(res.reason or '')[:60]} |")
+              f"{t.get('prefilled_sparse', 0)} | {1000 * res.ttft_s:.0f} | {phases} | {(res.reason or '')[:90]} |")
     for mode in ("first", "second"):
         if best[mode].fallback:
             print(f"warning: {mode} fell back: {best[mode].fallback}")
