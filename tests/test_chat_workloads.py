@@ -321,3 +321,18 @@ def test_corrupt_target_block_is_a_miss():
 
 def test_contiguous_prefix():
     assert contiguous_prefix([0, 1, 2, 5, 6]) == 3 and contiguous_prefix([1, 2]) == 0
+
+
+def test_a_timeout_or_a_stop_is_never_a_fallback():
+    from rq.timeouts import JobTimeoutException
+
+    from worker.context import JobStopped
+
+    for exc in (JobTimeoutException("Task exceeded maximum timeout value (1 seconds)"), JobStopped("stop")):
+        be = fake_backend()
+        be.score_with_cache = lambda *a, _e=exc, **k: (_ for _ in ()).throw(_e)
+        rt, _ = runtime(backend=be)
+        with pytest.raises(type(exc)):
+            run(rt, messages=chat(), extra=GREEDY)
+        with pytest.raises(type(exc)):
+            run(rt, "p", kind="prefill", tokens=list(range(2, 200)))
