@@ -238,3 +238,20 @@ def test_demo_ctrl_c_stops_workers_and_redis(demo_model):
     assert proc.returncode == 130, "".join(lines) + rest
     assert port is not None and not _port_open(port)
     assert "interrupted" in rest
+
+
+def test_tools_and_template_args_go_with_chat_input(tmp_path):
+    p = build_parser()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(tools))
+    for cmd in ("submit", "generate"):
+        args = p.parse_args([cmd, "--messages", json.dumps(msgs), "--tools", str(tools_file),
+                             "--template-arg", "enable_thinking=false", "--template-arg", "style=terse"])
+        assert prompt_fields(args) == {"messages": msgs, "tools": tools,
+                                       "template_args": {"enable_thinking": False, "style": "terse"}}
+        with pytest.raises(ValueError, match="only with --messages"):
+            prompt_fields(p.parse_args([cmd, "--text", "x", "--tools", str(tools_file)]))
+        with pytest.raises(ValueError, match="--template-arg: expected KEY=VALUE"):
+            prompt_fields(p.parse_args([cmd, "--messages", json.dumps(msgs), "--template-arg", "oops"]))
