@@ -336,3 +336,23 @@ def test_a_timeout_or_a_stop_is_never_a_fallback():
             run(rt, messages=chat(), extra=GREEDY)
         with pytest.raises(type(exc)):
             run(rt, "p", kind="prefill", tokens=list(range(2, 200)))
+
+
+def test_client_takes_tools_and_template_args():
+    from jobs.client import Client
+
+    c = Client(fakeredis.FakeRedis(), Settings(draft_model="m"))
+    spec = c.generate_spec(messages=chat(n=5), tools=TOOLS, template_args={"enable_thinking": False},
+                           max_tokens=3)
+    assert spec.tools == tuple(TOOLS) and spec.template_args == {"enable_thinking": False}
+    assert spec.generate.max_tokens == 3 and spec.to_payload()["template_args"] == {"enable_thinking": False}
+    assert c.spec(messages=chat(n=5), tools=TOOLS).job_id() != c.spec(messages=chat(n=5)).job_id()
+
+
+def test_prompt_tools_load_no_weights_for_a_shipped_model():
+    from jobs.settings import SHIPPED_MODELS
+
+    pool = ModelPool(1)
+    tokenizer, vocab = pool.prompt_tools(str(SHIPPED_MODELS / "draft-tiny"))
+    assert vocab == 512 and pool.names() == [] and pool.loads == 0
+    assert tokenizer.encode("k00 v01", add_special_tokens=False) == [7, 108]
