@@ -76,6 +76,9 @@ class Settings:
     # answers with a plain full prefill and a prefill job keeps every token, both saying
     # why (``fallback``). Strict: the job fails instead.
     fallback_strict: bool = False
+    # The draft's scoring time budget per job: past it the draft stops (a stop of the draft
+    # only) and the job falls back as above. 0: no budget.
+    draft_timeout_s: float = 0.0
 
     # Limits.
     max_prompt_tokens: int = 131072

@@ -356,3 +356,15 @@ def test_prompt_tools_load_no_weights_for_a_shipped_model():
     tokenizer, vocab = pool.prompt_tools(str(SHIPPED_MODELS / "draft-tiny"))
     assert vocab == 512 and pool.names() == [] and pool.loads == 0
     assert tokenizer.encode("k00 v01", add_special_tokens=False) == [7, 108]
+
+
+def test_a_draft_over_its_time_budget_stops_and_the_job_falls_back():
+    be = fake_backend(chunk_delay_s=0.02)  # 16 tokens per step: ~0.3 s for the prompt
+    rt, _ = runtime(backend=be, draft_timeout_s=0.05)
+    res = run(rt, messages=chat(), extra=GREEDY)
+    assert "DraftStopped: the draft ran over draft_timeout_s=0.05" in res.fallback
+    assert res.token_ids == _plain(runtime, chat()).token_ids
+    pre = run(rt, "p", kind="prefill", tokens=list(range(2, 200)))
+    assert pre.kept == pre.total and "draft_timeout_s" in pre.fallback
+    rt, _ = runtime(backend=fake_backend(chunk_delay_s=0.0), draft_timeout_s=30.0)
+    assert run(rt, messages=chat(), extra=GREEDY).fallback is None

@@ -130,9 +130,13 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
     store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
-    score = backend.score_with_cache(
-        draft.profile, tokens, store, progress=reporter.begin(),
-        options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
+    ctx.start_draft()
+    try:
+        score = backend.score_with_cache(
+            draft.profile, tokens, store, progress=reporter.begin(),
+            options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
+    finally:
+        ctx.draft_deadline = None
     timings.update(score.timings)
     timings.update(store.timings)
     ctx.check_stop()
