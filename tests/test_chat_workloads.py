@@ -45,14 +45,14 @@ class ChatTokenizer(FakeTokenizer):
                        if add_generation_prompt else "")
 
 
-def make_pool(loads):
+def make_pool(loads, family="llama"):
     targets = {}
 
     def load(name):
         loads.append(name)
         if name == "fake-draft":
             return FakeModel(), ChatTokenizer()
-        targets.setdefault(name, make_model("llama", seed=3))
+        targets.setdefault(name, make_model(family, seed=3))
         return targets[name], ChatTokenizer()
 
     def profile(model):
@@ -65,14 +65,14 @@ def make_pool(loads):
                      identify=lambda name: "fake:" + name, warm=lambda m: None)
 
 
-def runtime(redis_client=None, backend=None, **over):
+def runtime(redis_client=None, backend=None, family="llama", **over):
     settings = Settings(**{**dict(draft_model="fake-draft", target_model="tiny-target", threshold=64,
                                   tail_tokens=16, chunk_size=8, keep=0.25, block_size=16), **over})
     loads: list[str] = []
     be = backend or fake_backend()
     be.target_store = _block_store
     r = redis_client or fakeredis.FakeRedis()
-    rt = WorkerRuntime(settings, r, r, make_pool(loads), backend_factory=lambda: be)
+    rt = WorkerRuntime(settings, r, r, make_pool(loads, family), backend_factory=lambda: be)
     return rt, loads
 
 
@@ -368,3 +368,17 @@ def test_a_draft_over_its_time_budget_stops_and_the_job_falls_back():
     assert pre.kept == pre.total and "draft_timeout_s" in pre.fallback
     rt, _ = runtime(backend=fake_backend(chunk_delay_s=0.0), draft_timeout_s=30.0)
     assert run(rt, messages=chat(), extra=GREEDY).fallback is None
+
+
+@pytest.mark.parametrize("family,stored", [("qwen3", True), ("phi3", True), ("gemma3_text", False)])
+def test_target_prefix_across_families(family, stored):
+    """Dense caches are stored and restored; sliding-window layers (gemma3) are not stored
+    (their early tokens are gone), and the job simply prefills everything itself."""
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, family=family, keep=0.2)
+    first = run(rt, "a", messages=chat(0), extra=GREEDY)
+    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    assert (first.target_tokens["blocks_written"] > 0) == stored
+    assert (second.target_tokens["restored"] > 0) == stored
+    fresh, _ = runtime(family=family, keep=0.2)
+    assert second.token_ids == run(fresh, "c", messages=chat(1), extra=GREEDY).token_ids

@@ -34,8 +34,12 @@ def contiguous_prefix(kept: Sequence[int]) -> int:
 
 def prefix_view(kv_cache: list[Any], n_tokens: int) -> list[Any] | None:
     """Caches holding the first ``n_tokens`` tokens of ``kv_cache`` (views, no copy), or None
-    when a layer cannot be cut there (recurrent state exists only where the pass stopped)."""
-    from mlx_lm.models.cache import KVCache
+    when a layer cannot be cut there (recurrent state exists only where the pass stopped, a
+    sliding window has dropped early tokens).
+
+    A quantized K/V layer is passed as it is: the block store cuts its blocks by the tokens it
+    is given, which are the prefix's."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     out = []
     for c in kv_cache:
@@ -43,7 +47,7 @@ def prefix_view(kv_cache: list[Any], n_tokens: int) -> list[Any] | None:
             view = KVCache()
             view.state = (c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :], n_tokens)
             out.append(view)
-        elif getattr(c, "offset", None) == n_tokens:
+        elif (type(c) is QuantizedKVCache and c.offset >= n_tokens) or getattr(c, "offset", None) == n_tokens:
             out.append(c)
         else:
             return None
