@@ -382,3 +382,11 @@ def test_target_prefix_across_families(family, stored):
     assert (second.target_tokens["restored"] > 0) == stored
     fresh, _ = runtime(family=family, keep=0.2)
     assert second.token_ids == run(fresh, "c", messages=chat(1), extra=GREEDY).token_ids
+
+
+def test_a_target_store_that_cannot_be_made_is_a_miss():
+    be = fake_backend()
+    rt, _ = runtime(backend=be)
+    be.target_store = lambda *a: (_ for _ in ()).throw(ValueError("no layout for this model"))
+    res = run(rt, messages=chat(), extra=GREEDY)
+    assert res.target_tokens["restored"] == 0 and res.fallback is None and res.text

@@ -20,6 +20,7 @@ through ``worker.target_prefill``, the one seam to ``specprefill.sparse``.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from worker.reporting import JobReporter
 from worker.selection_pipeline import load_model, select_prompt
 from worker.target_prefix import TargetPrefixCache, contiguous_prefix
 from worker.tokenizer_pair import check_pair_once
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,15 +95,24 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     prompt = tokenize_prompt(spec, target.tokenizer)
     check_prompt(prompt.tokens, target, ctx.settings)
     timings["tokenize"] = time.perf_counter() - t
-    out = _Prompt(target, prompt)
-    backend = ctx.runtime.backend
-    if ctx.settings.target_prefix_cache and backend.target_store is not None:
-        out.prefix = TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings),
-                                       target)
+    out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target))
+    if out.prefix is not None:
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
         timings.update(out.prefix.timings)
         ctx.publisher.publish("target_cache_lookup", hit_tokens=out.restored, total=len(prompt.tokens))
     return out
+
+
+def _prefix_cache(ctx: JobContext, target: LoadedModel) -> TargetPrefixCache | None:
+    """The target's prefix store, or None (turned off, or it cannot be made here: a miss)."""
+    backend = ctx.runtime.backend
+    if not ctx.settings.target_prefix_cache or backend.target_store is None:
+        return None
+    try:
+        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
+    except Exception as exc:  # the job runs without it, exactly as it would with a miss
+        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
+        return None
 
 
 def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
