@@ -166,6 +166,7 @@ def test_sparse_prefill_failure_falls_back(monkeypatch):
     rt, _ = runtime()
     res = run(rt, messages=chat(), extra=GREEDY)
     assert res.fallback.startswith("fallback: sparse_prefill failed: ValueError") and res.kept == res.total
+    assert res.kept_ranges == [(0, res.total)] and res.reason == res.fallback
     assert res.token_ids == _plain(runtime, chat()).token_ids
 
 

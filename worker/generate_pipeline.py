@@ -236,6 +236,7 @@ def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
 def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
+    used = sel if prompt.fallback is None else None  # the selection the target prefilled
     scored = {"draft_scoring": total - sel.cached_tokens} if sel is not None and not sel.memo_hit else {}
     counts = _target_counts(prompt, decoded)
     ttft = decoded.ttft_s if decoded.ttft_s is not None else timings["total"]
@@ -243,8 +244,8 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         job_id=ctx.job_id, text=decoded.stream.text, finish_reason=decoded.finish_reason,
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=opts.full_prefill,
-        reason=prompt.reason if sel is None else sel.reason, fallback=prompt.fallback,
-        kept_ranges=[(0, total)] if sel is None else sel.kept_ranges,
+        reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
+        kept_ranges=[(0, total)] if used is None else used.kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
         blocks_written=sel.blocks_written if sel is not None else 0,
