@@ -117,9 +117,10 @@ def test_short_generate_prompt_never_loads_the_draft():
 
 def test_short_prefill_prompt_never_loads_the_draft():
     rt, loads = runtime()
-    res = run(rt, kind="prefill", text="short text")
+    res = run(rt, kind="prefill", text="short text", return_spans=True)
     assert loads == ["fake-draft"] and rt.models.names() == []  # its tokenizer only, no weights
     assert res.kept == res.total == 11 and "threshold" in res.reason
+    assert [(s.start, s.end) for s in res.spans] == [(0, 11)] and len(res.spans[0].text) == 11
 
 
 # ---- fallback ----

@@ -40,8 +40,7 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
 
     Admission comes first, from the draft's tokenizer alone: a prompt it keeps whole is
     answered without the draft's weights (unless the job asks for the importance scores)."""
-    t0 = time.perf_counter()
-    t = time.perf_counter()
+    t0 = t = time.perf_counter()
     tokenizer, vocab_size = ctx.runtime.models.prompt_tools(spec.draft_model)
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
@@ -50,24 +49,25 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
                               protected_prefix=prompt.protected_prefix)
     if reason is not None and not spec.return_importance:
         ctx.publisher.publish("admission", admitted=False, reason=reason)
-        return keep_all(spec, ctx, prompt, reason, timings, t0).to_json()
+        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0).to_json()
     try:
         return select_prompt(spec, ctx, prompt=prompt)[0].to_json()
     except Exception as exc:
         reason = fallback_reason(ctx, "draft", exc)
-        return keep_all(spec, ctx, prompt, reason, timings, t0, fallback=reason).to_json()
+        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0, fallback=reason).to_json()
 
 
-def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, reason: str,
+def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: Any, reason: str,
              timings: dict[str, float], t0: float, fallback: str | None = None) -> PrefillResult:
     """Every token kept, with the reason (admission or a fallback); the draft did not answer."""
     total = len(prompt.tokens)
+    spans = [KeptSpan(0, total, tokenizer.decode(prompt.tokens))] if spec.return_spans else None
     ctx.publisher.publish("selection", kept=total, total=total)
     timings = {**timings, "total": time.perf_counter() - t0}
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=[(0, total)], kept=total, total=total, reason=reason,
         protected_prefix=prompt.protected_prefix, boundary_reason=prompt.boundary_reason,
-        fallback=fallback, model="", timings={k: round(v, 6) for k, v in timings.items()})
+        fallback=fallback, model="", timings={k: round(v, 6) for k, v in timings.items()}, spans=spans)
 
 
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
