@@ -392,3 +392,26 @@ def test_a_target_store_that_cannot_be_made_is_a_miss():
     be.target_store = lambda *a: (_ for _ in ()).throw(ValueError("no layout for this model"))
     res = run(rt, messages=chat(), extra=GREEDY)
     assert res.target_tokens["restored"] == 0 and res.fallback is None and res.text
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.2])
+def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(monkeypatch, keep):
+    """Every job prefills its system prefix in block steps, so a restored block holds exactly
+    what the restoring job would have computed: the first logits agree bit for bit."""
+    seen = []
+    decode = target_prefill.decode
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    monkeypatch.setattr(target_prefill, "decode", recording)
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, keep=keep)
+    run(rt, "a", messages=chat(0), extra=GREEDY)
+    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    fresh, _ = runtime(keep=keep)
+    alone = run(fresh, "c", messages=chat(1), extra=GREEDY)
+    assert second.target_tokens["restored"] > 0 and alone.target_tokens["restored"] == 0
+    assert second.kept_ranges == alone.kept_ranges and (second.kept < second.total) == (keep < 1)
+    assert np.array_equal(seen[1], seen[2]) and second.token_ids == alone.token_ids

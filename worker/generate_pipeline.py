@@ -150,27 +150,40 @@ def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
     return selection
 
 
-def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack,
-             reporter: JobReporter) -> tuple[Any, list, Any, int]:
+def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobReporter,
+             timings: dict[str, float]) -> tuple[Any, list, Any, int]:
     """The target's prefill (sparse, or plain after a fallback): logits, cache, state, and the
-    leading prompt tokens its cache holds in order."""
+    leading prompt tokens its cache holds in order. The protected prefix is prefilled first,
+    in block steps (:func:`target_prefill.prefill_prefix`), on top of what was restored."""
     model, tokens, step = prompt.target.model, prompt.tokens, ctx.settings.prefill_step
     if prompt.selection is not None:
         # The kept tokens go through the session also when the selection kept them all:
         # positions are then contiguous and the rope's own fast path runs.
         keep = np.union1d(np.asarray(prompt.selection.kept_indices(), dtype=np.int64), [len(tokens) - 1])
+        protected = prompt.selection.protected_prefix
         try:
+            cache = _prefix(prompt, ctx, reporter, protected, timings)
             logits, cache, state = target_prefill.sparse_prefill(
-                stack, model, tokens, keep, protected_prefix=prompt.selection.protected_prefix,
-                kv_cache=prompt.restored_cache, prefill_step=step, progress=reporter.begin())
+                stack, model, tokens, keep, protected_prefix=protected, kv_cache=cache,
+                prefill_step=step, progress=reporter.begin())
             return logits, cache, state, contiguous_prefix(keep)
         except Exception as exc:
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
             stack.close()  # the genuine ropes back before the plain prefill
             prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
-    logits, cache, state = target_prefill.plain_prefill(model, tokens, kv_cache=prompt.restored_cache,
-                                                        prefill_step=step, progress=reporter.begin())
+    cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    logits, cache, state = target_prefill.plain_prefill(model, tokens, kv_cache=cache, prefill_step=step,
+                                                        progress=reporter.begin())
     return logits, cache, state, len(tokens)
+
+
+def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
+            timings: dict[str, float]) -> list | None:
+    t = time.perf_counter()
+    cache = target_prefill.prefill_prefix(prompt.target.model, prompt.tokens, prompt.restored_cache, end,
+                                          block_size=ctx.settings.block_size, progress=reporter.begin())
+    timings["target_prefix"] = time.perf_counter() - t
+    return cache
 
 
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
@@ -180,7 +193,7 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
 
     target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
-        logits, cache, state, contiguous = _prefill(prompt, ctx, stack, reporter)
+        logits, cache, state, contiguous = _prefill(prompt, ctx, stack, reporter, timings)
         timings["target_prefill"] = state.seconds
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
@@ -227,7 +240,8 @@ def _target_counts(prompt: _Prompt, decoded: _Decoded) -> dict[str, int]:
 
 def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
     """TTFT split into what ran before the first token (the rest: the first decode step)."""
-    names = ("load_models", "tokenize", "target_restore", "draft_scoring", "selection", "target_prefill")
+    names = ("load_models", "tokenize", "target_restore", "draft_scoring", "selection", "target_prefix",
+             "target_prefill")
     phases = {k: timings[k] for k in names if k in timings}
     phases["first_token"] = max(0.0, ttft - sum(phases.values()))
     return {k: round(v, 6) for k, v in phases.items()}

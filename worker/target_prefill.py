@@ -11,6 +11,23 @@ from typing import Any, Callable, Iterator, Sequence
 Progress = Callable[[int, int, str], None]
 
 
+def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end: int, *,
+                   block_size: int, progress: Progress) -> list | None:
+    """``kv_cache`` (a restored prefix of whole blocks, or None) extended to the first ``end``
+    tokens in steps that end at block boundaries; None when there is nothing to prefill.
+
+    Every job computes its prompt's prefix in the same steps, so the KV of a restored block is
+    bit for bit what the restoring job would have computed itself, and so is everything after."""
+    from specprefill.sparse import full_prefill
+
+    start = int(getattr(kv_cache[0], "offset", 0)) if kv_cache else 0
+    if end <= start:
+        return kv_cache
+    _, cache, _ = full_prefill(model, tokens[:end], kv_cache=kv_cache, prefill_step=block_size,
+                               progress=progress)
+    return cache
+
+
 def sparse_prefill(stack: ExitStack, model: Any, tokens: Sequence[int], keep: Any, *,
                    protected_prefix: int, kv_cache: list | None, prefill_step: int,
                    progress: Progress) -> tuple[Any, list, Any]:

@@ -8,8 +8,12 @@ draft's blocks (``cache_store.RedisBlockStore`` behind ``specprefill.draft_cache
 The next job with the same prefix, on any worker, restores it and prefills only the rest.
 
 A causal model's KV of token ``i`` depends only on tokens ``0..i``, so the KV of a prefix
-prefilled contiguously is exactly a full prefill's, whatever was kept after it. A restore that
-does not fit the target (length, layout) or a corrupt block is a miss, never an error.
+prefilled contiguously is a full prefill's, whatever was kept after it. Every job prefills its
+system prefix in steps that end at block boundaries (``worker.target_prefill.prefill_prefix``),
+so a restored block holds, bit for bit, what the restoring job would have computed itself (a
+block beyond the system prefix, from a plain prefill's larger steps, agrees to float rounding:
+the same sums in another order). A restore that does not fit the target (length, layout) or a
+corrupt block is a miss, never an error.
 """
 from __future__ import annotations
 
