@@ -255,3 +255,13 @@ def test_tools_and_template_args_go_with_chat_input(tmp_path):
             prompt_fields(p.parse_args([cmd, "--text", "x", "--tools", str(tools_file)]))
         with pytest.raises(ValueError, match="--template-arg: expected KEY=VALUE"):
             prompt_fields(p.parse_args([cmd, "--messages", json.dumps(msgs), "--template-arg", "oops"]))
+
+
+def test_generate_summary_names_the_restored_prefix_and_a_fallback():
+    from cli.generate import summary_line
+
+    data = {"job_id": "g", "generated_tokens": 3, "finish_reason": "eos", "ttft_s": 0.5, "kept": 10,
+            "total": 10, "ratio": 1.0, "full_prefill": False, "target_tokens": {"restored": 256},
+            "fallback": "fallback: draft failed: RuntimeError: x"}
+    line = summary_line(data)
+    assert "256 restored for the target" in line and line.endswith("[fallback: draft failed: RuntimeError: x]")
