@@ -20,11 +20,14 @@ from jobs.settings import Settings
 
 def summary_line(data: dict[str, Any]) -> str:
     rate = data.get("tokens_per_s", {}).get("decode")
+    restored = (data.get("target_tokens") or {}).get("restored", 0)
     return (f"{data['job_id']}: {data['generated_tokens']} tokens ({data['finish_reason']}), "
             f"TTFT {data['ttft_s']:.3f}s, kept {data['kept']}/{data['total']} "
             f"({100 * data['ratio']:.1f}%)" + (" [full prefill]" if data.get("full_prefill") else "")
+            + (f", {restored} restored for the target" if restored else "")
             + (f", decode {rate:.1f} tok/s" if rate else "")
-            + (f" - {data['keep_effect']}" if data.get("keep_effect") else ""))
+            + (f" - {data['keep_effect']}" if data.get("keep_effect") else "")
+            + (f" [{data['fallback']}]" if data.get("fallback") else ""))
 
 
 def stream(handle: Any, deadline: Deadline, out: Any) -> dict[str, Any]:

@@ -108,6 +108,11 @@ def add_prompt_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--messages", "--chat", dest="messages",
                    help="chat messages [{role, content}, ...] as JSON, or a file holding them "
                         "(default: none)")
+    p.add_argument("--tools", metavar="FILE.json",
+                   help="tool definitions (a JSON list, OpenAI style) the chat template renders (default: none)")
+    p.add_argument("--template-arg", dest="template_args", action="append", metavar="KEY=VALUE",
+                   help="a chat-template keyword argument, e.g. enable_thinking=false (repeatable; "
+                        "VALUE is read as JSON when it parses, else as a string; default: none)")
 
 
 def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None = None, *,
@@ -159,6 +164,8 @@ def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
     given = [k for k in ("text", "file", "tokens", "messages") if getattr(args, k)]
     if len(given) != 1:
         raise ValueError("input: give exactly one of --text, --file, --tokens or --messages")
+    if not args.messages and (getattr(args, "tools", None) or getattr(args, "template_args", None)):
+        raise ValueError("--tools / --template-arg: only with --messages (the chat template renders them)")
     if args.text:
         return {"text": args.text}
     if args.file:
@@ -169,7 +176,25 @@ def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
     messages = _json(_read(source, "--messages") if os.path.exists(source) else source, "--messages")
     if isinstance(messages, dict) and "messages" in messages:  # {"messages": [...]} too
         messages = messages["messages"]
-    return {"messages": messages}
+    return {"messages": messages, **template_fields(args)}
+
+
+def template_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``tools`` and ``template_args`` from ``--tools`` and ``--template-arg``."""
+    fields: dict[str, Any] = {}
+    if getattr(args, "tools", None):
+        tools = _json(_read(args.tools, "--tools"), "--tools")
+        fields["tools"] = tools["tools"] if isinstance(tools, dict) and "tools" in tools else tools
+    for item in getattr(args, "template_args", None) or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--template-arg: expected KEY=VALUE, got {item!r:.80}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        fields.setdefault("template_args", {})[key.strip()] = value
+    return fields
 
 
 def selection_fields(args: argparse.Namespace) -> dict[str, Any]:

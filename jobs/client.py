@@ -384,7 +384,8 @@ class Client:
     def generate_spec(self, **fields: Any) -> JobSpec:
         """A validated generate spec. Generate options (``max_tokens``, ``temperature``,
         ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``, ``target_model``) are
-        taken from ``fields``; the rest are spec fields (input, keep, threshold, ...).
+        taken from ``fields``; the rest are spec fields (input, keep, threshold, and for chat
+        input ``tools`` and ``template_args``, which the chat template renders, ...).
         ``seed`` seeds both the sampling and the draft's lookahead (``lookahead_seed``);
         ``lookahead_temperature`` and ``lookahead_top_p`` are spec fields like the rest."""
         extra = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}

@@ -41,6 +41,8 @@ class JobResult:
     cached_tokens: int = 0          # draft prompt tokens restored from the block store
     blocks_written: int = 0
     memo_hit: bool = False
+    boundary_reason: str | None = None  # why protected_prefix is 0 (no system block, a failed render)
+    fallback: str | None = None     # why the draft's part was skipped after a failure
     timings: dict[str, float] = field(default_factory=dict)        # seconds per phase
     tokens_per_s: dict[str, float] = field(default_factory=dict)   # per phase
     draft_name: str = ""            # the draft model as the job named it ("draft": the default)
@@ -97,7 +99,8 @@ class GenerateResult(JobResult):
 
     ``kept`` counts the prompt tokens prefilled into the target. ``ttft_s`` runs from the
     job's start on the worker (model loading included) to the first generated token.
-    ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string, which is not part of
+    ``fallback`` says why the draft's part was skipped after a failure (the target then
+    prefilled every token). ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string, which is not part of
     ``text``) or ``"length"`` (``max_tokens`` reached).
     """
 
@@ -110,6 +113,10 @@ class GenerateResult(JobResult):
     target_model: str = ""
     target_name: str = ""           # the target as the job named it ("target": the default)
     draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
+    # The target's prompt tokens: restored from the block store, prefilled in full (the
+    # contiguous prefix), prefilled sparse; and its prefix blocks written.
+    target_tokens: dict[str, int] = field(default_factory=dict)
+    ttft_phases: dict[str, float] = field(default_factory=dict)  # seconds before the first token
     kind: str = "generate"
 
     @property

@@ -100,6 +100,17 @@ class Settings:
     # queue's Redis; the block store's client never retries (its errors are misses).
     redis_retries: int = 3
     memo_ttl_s: int = 24 * 3600
+    # Store the target's KV of fully prefilled prompt prefixes (system prompt, tools, short
+    # earlier turns) as blocks under its fingerprint, and restore them for the next job.
+    target_prefix_cache: bool = True
+
+    # When the draft's scoring, its block store or the sparse prefill fails, a generate job
+    # answers with a plain full prefill and a prefill job keeps every token, both saying
+    # why (``fallback``). Strict: the job fails instead.
+    fallback_strict: bool = False
+    # The draft's scoring time budget per job: past it the draft stops (a stop of the draft
+    # only) and the job falls back as above. 0: no budget.
+    draft_timeout_s: float = 0.0
 
     # Limits.
     max_prompt_tokens: int = 131072

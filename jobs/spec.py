@@ -33,10 +33,19 @@ MAX_CHAT_MESSAGES = 10_000
 CHARS_PER_TOKEN_BOUND = 32
 # Generate jobs carry their options in ``extra`` (see :class:`GenerateOptions`).
 GENERATE_OPTIONS = ("target_model", "max_tokens", "temperature", "top_p", "seed", "greedy",
-                    "stop", "full_prefill", "tools")
+                    "stop", "full_prefill")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
+MAX_TEMPLATE_ARGS = 32
+# apply_chat_template's own parameters: a job's template arguments may not set them.
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "tokenize",
+                                    "add_generation_prompt", "continue_final_message", "chat_template",
+                                    "return_dict", "return_tensors", "padding", "truncation",
+                                    "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# Spec fields left out of the payload (and so of the job id) while empty: jobs without them
+# keep the ids they had before the fields existed.
+OMITTED_WHEN_EMPTY = ("tools", "template_args")
 
 
 class JobSpecError(ValueError):
@@ -100,16 +109,10 @@ class GenerateOptions:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     full_prefill: bool = False
-    # OpenAI-style tool definitions for the chat template; carried with the job (and in its
-    # id), not rendered yet: the worker's template call does not pass them on.
-    tools: tuple[Mapping[str, Any], ...] = ()
 
     def to_extra(self) -> dict[str, Any]:
         d = {name: getattr(self, name) for name in GENERATE_OPTIONS}
         d["stop"] = list(self.stop)
-        d["tools"] = [dict(t) for t in self.tools]
-        if not self.tools:
-            del d["tools"]  # jobs without tools keep the ids they had before tools existed
         return d
 
 
@@ -125,6 +128,10 @@ class JobSpec:
     tokens: tuple[int, ...] | None = None
     text: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs
+    # Rendered by the chat template with the messages (and so part of the system block):
+    # OpenAI-style tool definitions and template keyword arguments (e.g. enable_thinking).
+    tools: tuple[Mapping[str, Any], ...] = ()
+    template_args: Mapping[str, Any] = field(default_factory=dict)
     # Defaults are the settings' defaults; the client fills in the deployment's own values.
     keep: float = Settings.keep
     chunk_size: int = Settings.chunk_size
@@ -146,8 +153,7 @@ class JobSpec:
         """The generate options of a validated ``kind="generate"`` spec."""
         if self.kind != "generate":
             raise ValueError(f"kind: {self.kind!r} job has no generate options")
-        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ())),
-                                  "tools": tuple(self.extra.get("tools", ()))})
+        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ()))})
 
     @property
     def input_kind(self) -> str:
@@ -171,6 +177,11 @@ class JobSpec:
         d["messages"] = ([{"role": r, "content": c} for r, c in self.messages]
                          if self.messages is not None else None)
         d["extra"] = dict(self.extra)
+        d["tools"] = [dict(t) for t in self.tools]
+        d["template_args"] = dict(self.template_args)
+        for name in OMITTED_WHEN_EMPTY:
+            if not d[name]:
+                del d[name]
         d["v"] = PAYLOAD_VERSION
         return d
 
@@ -316,7 +327,38 @@ def _tools(value: Any) -> tuple[Mapping[str, Any], ...]:
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise JobSpecError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": "
                                "{\"name\": ..., \"parameters\": ...}}")
+    try:  # rendered by the worker's template and carried on the JSON queue
+        json.dumps(list(value), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        raise JobSpecError("tools: must be plain JSON (no NaN, no custom objects)") from None
     return tuple(dict(t) for t in value)
+
+
+def _template_args(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise JobSpecError("template_args: expected an object of chat-template keyword arguments")
+    if len(value) > MAX_TEMPLATE_ARGS:
+        raise JobSpecError(f"template_args: {len(value)} arguments, allowed 0..{MAX_TEMPLATE_ARGS}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise JobSpecError(f"template_args: {k!r:.60} is not a keyword name")
+        if k in RESERVED_TEMPLATE_ARGS:
+            raise JobSpecError(f"template_args.{k}: set by the worker itself, not a template argument")
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise JobSpecError(f"template_args.{k}: expected a string, number, boolean or null, "
+                               f"got {type(v).__name__}")
+    return dict(value)
+
+
+def _moved_tools(v: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``extra`` without a generate job's ``tools`` (their old home), and the tools given."""
+    extra, tools = v.get("extra", {}), v.get("tools")
+    if v.get("kind") == "generate" and isinstance(extra, Mapping) and "tools" in extra:
+        if tools:
+            raise JobSpecError("tools: given twice (as a spec field and in extra); give it once")
+        extra = {k: x for k, x in extra.items() if k != "tools"}
+        tools = v["extra"]["tools"]
+    return extra, tools
 
 
 def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptions:
@@ -341,7 +383,6 @@ def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptio
         greedy=_bool("greedy", extra.get("greedy", d.greedy)),
         stop=_stop_strings(extra.get("stop", d.stop)),
         full_prefill=_bool("full_prefill", extra.get("full_prefill", d.full_prefill)),
-        tools=_tools(extra.get("tools", d.tools)),
     )
 
 
@@ -425,7 +466,11 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
     kind = v.get("kind", "prefill")
     if kind not in JOB_KINDS:
         raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
-    extra = _extra(v.get("extra", {}))
+    extra, tools = _moved_tools(v)
+    extra = _extra(extra)
+    for name, given in (("tools", tools), ("template_args", v.get("template_args"))):
+        if given and "messages" not in inputs:
+            raise JobSpecError(f"{name}: only for chat input (messages); the chat template renders them")
     if kind == "generate":  # stored normalised, so equal requests get equal job ids
         extra = _generate_options(extra, limits).to_extra()
     n_lookahead = _int("n_lookahead", v.get("n_lookahead"), 0, 256)
@@ -438,6 +483,8 @@ def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
         tokens=_tokens(v["tokens"], limits) if "tokens" in inputs else None,
         text=_text(v["text"], limits) if "text" in inputs else None,
         messages=_messages(v["messages"], limits) if "messages" in inputs else None,
+        tools=_tools(tools if tools is not None else ()),
+        template_args=_template_args(v.get("template_args") or {}),
         keep=_float("keep", v.get("keep"), 0.0, 1.0, lo_open=True),
         chunk_size=_int("chunk_size", v.get("chunk_size"), 1, 8192),
         tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, MAX_TOKEN_ID),

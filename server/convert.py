@@ -14,7 +14,8 @@ from server.errors import APIError, bad_request
 from server.openai_types import SPECPREFILL_FIELDS, ChatCompletionRequest, CompletionRequest
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-# Phases before the first token, in the order they run (GenerateResult.timings keys).
+# Phases before the first token, in the order they run (GenerateResult.timings keys), for
+# results of workers that do not report ``ttft_phases`` themselves.
 TTFT_PHASES = ("load_models", "tokenize", "draft_scoring", "selection", "target_prefill")
 
 
@@ -65,6 +66,8 @@ def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:
         fields["max_tokens"] = max_tokens
     if req.tools and req.tool_choice != "none":
         fields["tools"] = req.tools
+    if req.chat_template_kwargs:
+        fields["template_args"] = req.chat_template_kwargs
     return fields
 
 
@@ -104,8 +107,11 @@ def specprefill_info(result: GenerateResult) -> dict[str, Any]:
         "full_prefill": result.full_prefill,
         "reason": result.reason,
         "keep_effect": result.keep_effect,  # why more was kept than keep asked for, if it was
+        "fallback": result.fallback,
+        "target_tokens": dict(result.target_tokens),
         "ttft_s": result.ttft_s,
-        "ttft_phases_s": {p: result.timings[p] for p in TTFT_PHASES if p in result.timings},
+        "ttft_phases_s": dict(result.ttft_phases) or {p: result.timings[p] for p in TTFT_PHASES
+                                                      if p in result.timings},
         "draft_phases_s": dict(result.draft_timings),
     }
 

@@ -132,9 +132,9 @@ class ServerMetrics:
         self.ttft.observe(result.ttft_s)
         self.prompt_tokens.inc(result.total)
         self.completion_tokens.inc(result.generated_tokens)
-        self.target_tokens.inc(result.kept)
+        self.target_tokens.inc(max(0, result.kept - result.target_tokens.get("restored", 0)))
         self.cached_tokens.inc(result.cached_tokens)
-        if not (result.memo_hit or result.full_prefill):
+        if result.draft_model and not (result.memo_hit or result.full_prefill):  # the draft ran
             self.draft_tokens.inc(max(0, result.total - result.cached_tokens))
 
     def exposition(self) -> bytes:

@@ -73,6 +73,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # Keyword arguments of the chat template (vLLM's and SGLang's name), e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None

@@ -185,3 +185,30 @@ def test_demo_documents_have_two_rounds():
         for round_no in (1, 2):
             start, end = d.needle_span(round_no)
             assert d.text.split()[start] == d.questions[round_no].split()[-1] and end == start + 4
+
+
+def test_tools_and_template_args_go_with_chat_input(tmp_path):
+    p = build_parser()
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {}}}]
+    tools_file = tmp_path / "tools.json"
+    tools_file.write_text(json.dumps(tools))
+    for cmd in ("submit", "generate"):
+        args = p.parse_args([cmd, "--messages", json.dumps(msgs), "--tools", str(tools_file),
+                             "--template-arg", "enable_thinking=false", "--template-arg", "style=terse"])
+        assert prompt_fields(args) == {"messages": msgs, "tools": tools,
+                                       "template_args": {"enable_thinking": False, "style": "terse"}}
+        with pytest.raises(ValueError, match="only with --messages"):
+            prompt_fields(p.parse_args([cmd, "--text", "x", "--tools", str(tools_file)]))
+        with pytest.raises(ValueError, match="--template-arg: expected KEY=VALUE"):
+            prompt_fields(p.parse_args([cmd, "--messages", json.dumps(msgs), "--template-arg", "oops"]))
+
+
+def test_generate_summary_names_the_restored_prefix_and_a_fallback():
+    from cli.generate import summary_line
+
+    data = {"job_id": "g", "generated_tokens": 3, "finish_reason": "eos", "ttft_s": 0.5, "kept": 10,
+            "total": 10, "ratio": 1.0, "full_prefill": False, "target_tokens": {"restored": 256},
+            "fallback": "fallback: draft failed: RuntimeError: x"}
+    line = summary_line(data)
+    assert "256 restored for the target" in line and line.endswith("[fallback: draft failed: RuntimeError: x]")

@@ -237,13 +237,13 @@ def test_transient_redis_error_is_retried_in_process(redis_url):
     memo_store = {}
     rt.backend.memo = lambda client, fp, s: FlakyMemo(memo_store)
     c = client_for(redis_url, retry_max=2)
-    h = c.submit(tokens=list(range(2, 40)))
+    h = c.submit(tokens=list(range(2, 100)))  # above the threshold: admission does not skip the memo
     handlers = _signal.getsignal(_signal.SIGINT), _signal.getsignal(_signal.SIGTERM)
     try:
         run_worker(rt, ["specprefill"], burst=True, name=f"inproc-{os.getpid()}")
     finally:
         _signal.signal(_signal.SIGINT, handlers[0])
         _signal.signal(_signal.SIGTERM, handlers[1])
-    assert h.status() == "finished" and h.result(timeout=5).kept == 38
+    assert h.status() == "finished" and h.result(timeout=5).total == 98
     kinds = [e.kind for e in h.events(timeout=5)]
     assert "retrying" in kinds and kinds[-1] == "done" and kinds.count("done") == 1

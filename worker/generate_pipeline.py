@@ -1,41 +1,68 @@
-"""The generate pipeline: select with the draft, sparse-prefill the target, decode, stream.
+"""The generate pipeline: restore the target's prefix, admit, select with the draft, sparse-prefill
+the target, decode, stream, store the target's prefix.
 
-The draft side is exactly a prefill job (:func:`worker.selection_pipeline.select_prompt`:
-memo, block store, scoring, selection); then the target (from the same model pool)
-prefills the kept tokens at their original positions inside a ``sparse_session`` (or,
-with ``full_prefill``, every token without the draft) and decodes. The reporter's stop
-check runs after every target prefill chunk and before every generated token; the
-session restores the model on any exit.
+1. The target is loaded and tokenizes the prompt with its own chat template (tools and
+   template arguments included); the protected prefix is the rendered system block.
+2. The target's prefix KV is restored from the block store (``worker.target_prefix``).
+3. Admission (``worker.admission``), before any draft work: a prompt whose unrestored part,
+   or whose conversation after the system block, is not longer than the threshold is
+   prefilled plainly, without loading the draft.
+4. Otherwise the draft selects (a prefill job's work, :func:`select_prompt`) with everything
+   the target restored protected, and the target prefills the kept tokens at their original
+   positions on top of the restored prefix; a failure of the draft or of the sparse prefill
+   falls back to a plain prefill (``worker.fallback``).
+5. The target decodes; then the full blocks of the prompt's contiguously prefilled prefix
+   are stored for the next job (after the answer, so they cost no TTFT).
+
+The reporter's stop check runs after every target prefill chunk and before every generated
+token; the sparse session restores the model on any exit. The target's prefill and decode go
+through ``worker.target_prefill``, the one seam to ``specprefill.sparse``.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from jobs.results import GenerateResult, PrefillResult, rates
 from jobs.spec import GenerateOptions, JobSpec
+from worker import target_prefill
+from worker.admission import admission_reason
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
+from worker.fallback import fallback_reason
 from worker.models import LoadedModel
-from worker.prompt import check_prompt, tokenize
+from worker.prompt import PromptTokens, check_prompt, tokenize_prompt
 from worker.reporting import JobReporter
 from worker.selection_pipeline import load_model, prompt_warnings, select_prompt
+from worker.target_prefix import TargetPrefixCache, contiguous_prefix
 from worker.tokenizer_pair import check_pair_once
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Prompt:
-    """What the target prefills: the prompt, and the draft's selection (None: full prefill)."""
+    """What the target prefills: the prompt, what it restored, and the draft's selection
+    (None: a plain prefill, for ``reason``)."""
 
     target: LoadedModel
-    tokens: list[int]
-    protected_prefix: int
-    selection: PrefillResult | None
-    warnings: list[str]
+    prompt: PromptTokens
+    restored_cache: list | None = None
+    restored: int = 0
+    prefix: TargetPrefixCache | None = None
+    selection: PrefillResult | None = None
+    reason: str | None = None
+    fallback: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
 
 
 @dataclass
@@ -45,71 +72,136 @@ class _Decoded:
     ttft_s: float | None
     state: Any  # specprefill.sparse.PrefillState
     tokens: int
+    contiguous: int  # leading prompt tokens the target's cache holds in order
+    target: dict[str, int] = field(default_factory=dict)
     kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
 
 
 def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
-    """A generate job: select, sparse-prefill the target, generate; the GenerateResult JSON."""
+    """A generate job: restore, admit, select, prefill the target, generate; the result JSON."""
     opts = spec.generate
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    prompt = (_full_prompt(spec, opts, ctx, timings) if opts.full_prefill
-              else _selected_prompt(spec, opts, ctx, timings))
-    check_prompt(prompt.tokens, prompt.target, ctx.settings)
+    prompt = _target_prompt(spec, opts, ctx, timings)
+    _plan(spec, opts, ctx, prompt, timings)
     decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0)
     timings["total"] = time.perf_counter() - t0
     return _result(prompt, opts, ctx, decoded, timings).to_json()
 
 
-def _full_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
-                 timings: dict[str, float]) -> _Prompt:
-    """Every token for the target, tokenized by the target (no draft)."""
+def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
+                   timings: dict[str, float]) -> _Prompt:
+    """Load the target, tokenize with its template, restore its cached prefix."""
     target, timings["load_models"] = load_model(ctx, opts.target_model, "target")
     t = time.perf_counter()
-    tokens, protected_prefix = tokenize(spec, target.tokenizer)
+    prompt = tokenize_prompt(spec, target.tokenizer)
+    check_prompt(prompt.tokens, target, ctx.settings)
     timings["tokenize"] = time.perf_counter() - t
-    return _Prompt(target, tokens, protected_prefix, None, prompt_warnings(ctx, tokens, target))
+    out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target),
+                  warnings=prompt_warnings(ctx, prompt.tokens, target))
+    if out.prefix is not None:
+        out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
+        timings.update(out.prefix.timings)
+        ctx.publisher.publish("target_cache_lookup", hit_tokens=out.restored, total=len(prompt.tokens))
+    return out
 
 
-def _selected_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
-                     timings: dict[str, float]) -> _Prompt:
-    """The draft's selection (a prefill job's work) for the target."""
-    # Both models and their tokenizers first: a bad target fails before the draft scores.
-    target, timings["load_models"] = load_model(ctx, opts.target_model, "target")
+def _prefix_cache(ctx: JobContext, target: LoadedModel) -> TargetPrefixCache | None:
+    """The target's prefix store, or None (turned off, or it cannot be made here: a miss)."""
+    backend = ctx.runtime.backend
+    if not ctx.settings.target_prefix_cache or backend.target_store is None:
+        return None
+    try:
+        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
+    except Exception as exc:  # the job runs without it, exactly as it would with a miss
+        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
+        return None
+
+
+def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
+          timings: dict[str, float]) -> None:
+    """Admission, then the draft's selection, or the reason for a plain prefill."""
+    if opts.full_prefill:
+        prompt.reason = "full_prefill requested"
+        return
+    prompt.reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
+                                     restored=prompt.restored,
+                                     protected_prefix=prompt.prompt.protected_prefix)
+    if prompt.reason is not None:
+        ctx.publisher.publish("admission", admitted=False, reason=prompt.reason)
+        return
+    try:
+        prompt.selection = _draft_selection(spec, ctx, prompt, timings)
+    except Exception as exc:
+        prompt.reason = prompt.fallback = fallback_reason(ctx, "draft", exc)
+
+
+def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
+                     timings: dict[str, float]) -> PrefillResult:
+    """The draft's selection of the target's tokens; what the target restored stays protected."""
     draft, load_s = load_model(ctx, spec.draft_model, "draft")
     timings["load_models"] += load_s
-    check_pair_once(ctx.runtime, draft, target)
+    check_pair_once(ctx.runtime, draft, prompt.target)
     t = time.perf_counter()
-    selection, tokens = select_prompt(spec, ctx, draft)
+    p = prompt.prompt
+    protected = PromptTokens(p.tokens, max(p.protected_prefix, prompt.restored), p.boundary_reason)
+    selection, _ = select_prompt(spec, ctx, draft, prompt=protected)
     st = selection.timings
-    timings["tokenize"] = st.get("tokenize", 0.0)
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
     timings["selection"] = st.get("selection", 0.0)
-    return _Prompt(target, tokens, selection.protected_prefix, selection, selection.warnings)
+    return selection
+
+
+def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobReporter,
+             timings: dict[str, float]) -> tuple[Any, list, Any, int, list[tuple[int, int]] | None]:
+    """The target's prefill (sparse, or plain after a fallback): logits, cache, state, the
+    leading prompt tokens its cache holds in order, and the ranges it prefilled (None: all).
+    The protected prefix is prefilled first, in block steps
+    (:func:`target_prefill.prefill_prefix`), on top of what was restored."""
+    target, tokens, step = prompt.target, prompt.tokens, ctx.settings.prefill_step
+    if prompt.selection is not None:
+        # The kept tokens go through the session also when the selection kept them all:
+        # positions are then contiguous and the rope's own fast path runs.
+        kept = prompt.selection.kept_indices()
+        protected = prompt.selection.protected_prefix
+        try:
+            cache = _prefix(prompt, ctx, reporter, protected, timings)
+            logits, cache, state, keep = target_prefill.sparse_prefill(
+                stack, target.model, target.target_profile, tokens, kept, protected_prefix=protected,
+                kv_cache=cache, prefill_step=step, progress=reporter.begin())
+            return logits, cache, state, contiguous_prefix(keep), target_prefill.ranges(keep)
+        except Exception as exc:
+            prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
+            stack.close()  # the genuine ropes back before the plain prefill
+            prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
+    cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    bits, group = ctx.settings.kv_quantization("target")
+    logits, cache, state = target_prefill.plain_prefill(
+        target.model, tokens, kv_cache=cache, prefill_step=step, progress=reporter.begin(),
+        kv_bits=bits, kv_group_size=group)
+    return logits, cache, state, len(tokens), None
+
+
+def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
+            timings: dict[str, float]) -> list | None:
+    t = time.perf_counter()
+    bits, group = ctx.settings.kv_quantization("target")
+    cache = target_prefill.prefill_prefix(prompt.target.model, prompt.tokens, prompt.restored_cache, end,
+                                          block_size=ctx.settings.block_size, progress=reporter.begin(),
+                                          kv_bits=bits, kv_group_size=group)
+    timings["target_prefix"] = time.perf_counter() - t
+    return cache
 
 
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                         timings: dict[str, float], t0: float) -> _Decoded:
-    """Prefill the target (sparse inside a session, or full), then decode to the end."""
-    from specprefill.attention.target import required_tail
-    from specprefill.sparse import Sampling, full_prefill, generate_tokens, sparse_session
+    """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
+    from specprefill.sparse import Sampling
 
-    target, tokens, settings = prompt.target, prompt.tokens, ctx.settings
-    reporter = JobReporter(ctx)
+    target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
-        # Without full_prefill the kept tokens always go through the session, also when the
-        # selection kept them all: positions are then contiguous and the rope's own fast path runs.
-        if prompt.selection is not None:
-            session = stack.enter_context(sparse_session(target.model, target.target_profile))
-            keep = _target_keep(prompt.selection.kept_indices(), len(tokens), required_tail(session.profile))
-            logits, cache, state = session.prefill(
-                tokens, keep, protected_prefix=prompt.protected_prefix,
-                prefill_step=settings.prefill_step, progress=reporter.begin())
-        else:
-            bits, group = settings.kv_quantization("target")
-            logits, cache, state = full_prefill(target.model, tokens, prefill_step=settings.prefill_step,
-                                                progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
+        logits, cache, state, contiguous, kept_ranges = _prefill(prompt, ctx, stack, reporter, timings)
         timings["target_prefill"] = state.seconds
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
@@ -117,9 +209,9 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
                             greedy=opts.greedy)
         ttft, finish = None, "length"
-        for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
-                                     sampling=sampling, stop_tokens=stop_token_ids(target.tokenizer),
-                                     progress=reporter):
+        for token in target_prefill.decode(target.model, logits, cache, state, max_tokens=opts.max_tokens,
+                                           sampling=sampling, stop_tokens=stop_token_ids(target.tokenizer),
+                                           progress=reporter):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             reporter.token(token)
@@ -131,43 +223,60 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                 finish = "eos"
         reporter.finish_decode()
         timings["decode"] = time.perf_counter() - reporter.decode_started
-        del logits, cache
-    return _Decoded(stream, finish, ttft, state, reporter.tokens,
-                    _ranges(keep) if prompt.selection is not None else None)
+    _store_prefix(prompt, ctx, cache, contiguous, timings)
+    del logits, cache
+    return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges)
 
 
-def _target_keep(kept: list[int], total: int, window: int) -> np.ndarray:
-    """The draft's kept indices plus the last prompt token and, for a target with sliding-window
-    layers, the last ``window`` prompt tokens (as omlx keeps them), so windowed layers see what a
-    full prefill would (the result's ``kept`` counts them)."""
-    return np.union1d(np.asarray(kept, dtype=np.int64), np.arange(max(0, total - max(window, 1)), total))
+def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int,
+                  timings: dict[str, float]) -> None:
+    if prompt.prefix is None:
+        return
+    written = prompt.prefix.save(prompt.tokens, cache, contiguous)
+    timings["target_store"] = prompt.prefix.timings.get("target_store", 0.0)
+    ctx.publisher.publish("target_cache_store", blocks=written)
 
 
-def _ranges(keep: np.ndarray) -> list[tuple[int, int]]:
-    breaks = np.flatnonzero(np.diff(keep) > 1)
-    starts, ends = np.r_[keep[0], keep[breaks + 1]], np.r_[keep[breaks], keep[-1]] + 1
-    return [(int(s), int(e)) for s, e in zip(starts, ends)]
+def _target_counts(prompt: _Prompt, decoded: _Decoded) -> dict[str, int]:
+    """Prompt tokens the target restored, prefilled in full (contiguously) and sparsely."""
+    state, restored = decoded.state, prompt.restored
+    full = max(0, decoded.contiguous - restored)
+    return {"restored": restored, "prefilled_full": full,
+            "prefilled_sparse": max(0, state.kept_tokens - restored - full),
+            "blocks_written": prompt.prefix.blocks_written if prompt.prefix is not None else 0}
+
+
+def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
+    """TTFT split into what ran before the first token (the rest: the first decode step)."""
+    names = ("load_models", "tokenize", "target_restore", "draft_scoring", "selection", "target_prefix",
+             "target_prefill")
+    phases = {k: timings[k] for k in names if k in timings}
+    phases["first_token"] = max(0.0, ttft - sum(phases.values()))
+    return {k: round(v, 6) for k, v in phases.items()}
 
 
 def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
+    used = sel if prompt.fallback is None else None  # the selection the target prefilled
     scored = {"draft_scoring": total - sel.cached_tokens} if sel is not None and not sel.memo_hit else {}
+    counts = _target_counts(prompt, decoded)
+    ttft = decoded.ttft_s if decoded.ttft_s is not None else timings["total"]
     return GenerateResult(
         job_id=ctx.job_id, text=decoded.stream.text, finish_reason=decoded.finish_reason,
-        token_ids=decoded.stream.ids,
-        ttft_s=round(decoded.ttft_s if decoded.ttft_s is not None else timings["total"], 6),
+        token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=opts.full_prefill,
-        reason="full_prefill requested" if sel is None else sel.reason,
-        keep_effect="keep had no effect: full_prefill requested" if sel is None else sel.keep_effect,
-        kept_ranges=[(0, total)] if sel is None else decoded.kept_ranges,
-        protected_prefix=prompt.protected_prefix,
+        reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
+        keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
+        kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
+        protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
         blocks_written=sel.blocks_written if sel is not None else 0,
         memo_hit=sel.memo_hit if sel is not None else False,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
         draft_name=sel.draft_name if sel is not None else "", target_name=opts.target_model,
         warnings=prompt.warnings,
+        target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft),
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
                                      "decode": decoded.tokens, **scored}),

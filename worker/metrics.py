@@ -44,6 +44,10 @@ class WorkerMetrics:
         self.blocks_written = Counter(p + "block_store_blocks_written", "Blocks this worker stored",
                                       registry=registry)
         self.memo_hits = Counter(p + "memo_hits", "Jobs answered from the selection memo", registry=registry)
+        self.target_restored = Counter(p + "target_prefix_restored_tokens", "Prompt tokens the target "
+                                       "restored from its prefix blocks", registry=registry)
+        self.fallbacks = Counter(p + "fallbacks", "Jobs answered without the draft after it failed",
+                                 ("kind",), registry=registry)
         self.busy = Counter(p + "busy_seconds", "Seconds spent running jobs", registry=registry)
         self.models_loaded = Gauge(p + "models_loaded", "Models in this worker's pool", registry=registry)
 
@@ -58,12 +62,17 @@ class WorkerMetrics:
         self.prompt_tokens.labels(kind).inc(total)
         self.cached_tokens.inc(cached)
         self.blocks_written.inc(int(result.get("blocks_written", 0)))
+        if result.get("fallback"):
+            self.fallbacks.labels(kind).inc()
+        draft_ran = bool(result.get("draft_model") or result.get("model"))  # not admission, not fallback
         if result.get("memo_hit"):
             self.memo_hits.inc()
-        elif not result.get("full_prefill"):
+        elif draft_ran and not result.get("full_prefill"):
             self.draft_tokens.inc(max(0, total - cached))
         if kind == "generate":
-            self.target_tokens.inc(int(result.get("kept", 0)))
+            restored = int((result.get("target_tokens") or {}).get("restored", 0))
+            self.target_restored.inc(restored)
+            self.target_tokens.inc(max(0, int(result.get("kept", 0)) - restored))
             self.generated_tokens.inc(int(result.get("generated_tokens", 0)))
             self.ttft.observe(float(result.get("ttft_s", 0.0)))
 

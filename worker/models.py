@@ -169,6 +169,17 @@ def _default_loader(name: str) -> tuple[Any, Any]:
     return mlx_lm.load(name)
 
 
+def _default_prompt_tools(name: str) -> tuple[Any, int | None]:
+    """A model's tokenizer and vocabulary size without its weights (config and tokenizer files)."""
+    from mlx_lm.utils import _download, load_config, load_tokenizer
+
+    path = _download(name)
+    config = load_config(path)
+    size = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    return (load_tokenizer(path, eos_token_ids=config.get("eos_token_id")),
+            int(size) if isinstance(size, int) else None)
+
+
 def draft_profiler(kv_bits: int | None = None, kv_group_size: int = 64) -> Callable[[Any], ModelProfile]:
     """The draft verification with the worker's KV quantization (``Settings.draft_kv_bits``)."""
     def profile(model: Any) -> ModelProfile:
@@ -227,7 +238,8 @@ class ModelPool:
                  fingerprint: Callable[[Any, str, int], str] = _default_fingerprint,
                  identify: Callable[[str], str] | None = None,
                  warm: Callable[[Any], None] = warm_up,
-                 catalog: ModelCatalog | None = None, allow_downloads: bool = False) -> None:
+                 catalog: ModelCatalog | None = None, allow_downloads: bool = False,
+                 prompt_tools: Callable[[str], tuple[Any, int | None]] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
@@ -239,6 +251,11 @@ class ModelPool:
         self.catalog, self.allow_downloads = catalog, allow_downloads
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()  # by the path loaded
         self.loads = 0
+        if prompt_tools is None:  # a custom loader: its tokenizer (and model args) stand in
+            prompt_tools = (_default_prompt_tools if loader is _default_loader else
+                            lambda name: (lambda m, t: (t, _vocab_size(m)))(*loader(name)))
+        self._prompt_tools = prompt_tools
+        self._tokenizers: OrderedDict[str, tuple[Any, int | None]] = OrderedDict()
 
     def _catalog(self) -> ModelCatalog:
         if self.catalog is None:
@@ -326,6 +343,24 @@ class ModelPool:
         if key is not None:
             self._models[key] = verified
         return verified
+
+    def prompt_tools(self, name: str, field: str = "draft_model",
+                     on_download: Callable[[], None] | None = None) -> tuple[Any, int | None]:
+        """``name``'s tokenizer and vocabulary size, without loading its weights if it is not
+        loaded (admission decides whether a job needs the model at all)."""
+        loaded = next((m for m in self._models.values() if m.name == name), None)
+        if loaded is not None:
+            return loaded.tokenizer, loaded.vocab_size
+        if name not in self._tokenizers:
+            source = self._catalog().source(name)
+            try:
+                where = self._locate(name, on_download)
+                self._tokenizers[name] = self._prompt_tools(where.path)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None
+            while len(self._tokenizers) > 4 * self.capacity:
+                self._tokenizers.popitem(last=False)
+        return self._tokenizers[name]
 
     def _evict(self) -> None:
         _, loaded = self._models.popitem(last=False)

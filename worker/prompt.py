@@ -1,12 +1,16 @@
 """A job's prompt as token ids, and its protected prefix (the chat system block).
 
-Text and tokens are taken as they are; chat messages are rendered with the draft's chat
-template. The protected prefix is the rendered system/developer block, found as omlx does:
-render the template twice with two different throwaway user turns after the leading
-system messages; their common prefix is the system block, whatever the template adds.
+Text and tokens are taken as they are; chat messages are rendered with the model's chat
+template, with the job's tools and template arguments (e.g. ``enable_thinking``). The
+protected prefix is the rendered leading system/developer block (and the tools the template
+puts there), found as omlx does: render the template twice with two different throwaway
+user turns after the leading system messages; their common prefix is the system block,
+whatever the template adds. A probe render that fails protects nothing (boundary 0, with
+the reason); only the leading block is ever protected, never a later system message.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from jobs.settings import Settings
@@ -15,6 +19,27 @@ from worker.models import LoadedModel
 
 CHAT_PROBES = ("probe-A: 17 apples?", "probe-Z: what is 42")  # two throwaway user turns
 SYSTEM_ROLES = ("system", "developer")
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """A tokenized prompt: its ids, the protected prefix, and why that prefix is 0 if it is."""
+
+    tokens: list[int]
+    protected_prefix: int = 0
+    boundary_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Template:
+    """What the chat template renders besides the messages."""
+
+    tools: tuple[Any, ...] = ()
+    args: Any = None  # template keyword arguments (a mapping) or None
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> "Template":
+        return cls(tuple(spec.tools), dict(spec.template_args) or None)
 
 
 def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -26,52 +51,89 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, str]], template: Template = Template()) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise JobSpecError("messages: the draft model's tokenizer has no chat template; "
+        raise JobSpecError("messages: the model's tokenizer has no chat template; "
                            "send text or tokens instead")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    kwargs = dict(template.args or {})
+    if template.tools:
+        kwargs["tools"] = [dict(t) for t in template.tools]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
 def _encode(tokenizer: Any, text: str, *, special: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=special))
 
 
-def protected_prefix_length(tokenizer: Any, messages: list[dict[str, str]], tokens: list[int]) -> int:
-    """Tokens of the rendered system/developer block at the start of ``tokens`` (0 if none)."""
+def _leading_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     head = []
     for m in messages:
         if m["role"] not in SYSTEM_ROLES:
             break
         head.append(m)
-    if not head:
-        return 0
-    renders = [_render(tokenizer, head + [{"role": "user", "content": p}]) for p in CHAT_PROBES]
+    return head
+
+
+def system_boundary(tokenizer: Any, messages: list[dict[str, str]], tokens: list[int],
+                    template: Template = Template()) -> tuple[int, str | None]:
+    """Tokens of the rendered leading system block at the start of ``tokens``, and the reason
+    when that is 0. With tools the block exists without a system message (the template renders
+    the tools there)."""
+    head = _leading_system(messages)
+    if not head and not template.tools:
+        return 0, "no leading system or developer message"
+    try:
+        renders = [_render(tokenizer, head + [{"role": "user", "content": p}], template)
+                   for p in CHAT_PROBES]
+    except Exception as exc:  # templates raise anything (jinja errors, their own exceptions)
+        return 0, f"the chat template failed on the system block: {type(exc).__name__}: {exc}"[:500]
     prefix_text = renders[0][:_common_prefix_len(*renders)]
-    return _common_prefix_len(_encode(tokenizer, prefix_text, special=False), tokens)
+    n = _common_prefix_len(_encode(tokenizer, prefix_text, special=False), tokens)
+    return n, None if n else "the system block renders to nothing the prompt starts with"
+
+
+def protected_prefix_length(tokenizer: Any, messages: list[dict[str, str]], tokens: list[int],
+                            template: Template = Template()) -> int:
+    """Tokens of the rendered system/developer block at the start of ``tokens`` (0 if none)."""
+    return system_boundary(tokenizer, messages, tokens, template)[0]
+
+
+def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
+    """Prompt token ids, the protected prefix and its reason for ``spec``'s input."""
+    if spec.tokens is not None:
+        return PromptTokens(list(spec.tokens), 0, "token input has no system block")
+    if spec.text is not None:
+        return PromptTokens(_encode(tokenizer, spec.text, special=True), 0, "text input has no system block")
+    messages = [{"role": r, "content": c} for r, c in spec.messages or ()]
+    template = Template.of(spec)
+    try:
+        text = _render(tokenizer, messages, template)
+    except JobSpecError:
+        raise
+    except Exception as exc:
+        raise JobSpecError(f"messages: the chat template failed: {type(exc).__name__}: {exc}"[:500]) from None
+    tokens = _encode(tokenizer, text, special=False)
+    return PromptTokens(tokens, *system_boundary(tokenizer, messages, tokens, template))
 
 
 def tokenize(spec: JobSpec, tokenizer: Any) -> tuple[list[int], int]:
     """Prompt token ids and the protected prefix length for ``spec``'s input."""
-    if spec.tokens is not None:
-        return list(spec.tokens), 0
-    if spec.text is not None:
-        return _encode(tokenizer, spec.text, special=True), 0
-    messages = [{"role": r, "content": c} for r, c in spec.messages or ()]
-    tokens = _encode(tokenizer, _render(tokenizer, messages), special=False)
-    return tokens, protected_prefix_length(tokenizer, messages, tokens)
+    p = tokenize_prompt(spec, tokenizer)
+    return p.tokens, p.protected_prefix
 
 
-def check_prompt(tokens: list[int], loaded: LoadedModel, settings: Settings) -> None:
-    """Refuse an empty or too long prompt, or ids outside ``loaded``'s vocabulary."""
+def check_prompt(tokens: list[int], loaded: LoadedModel | int | None, settings: Settings) -> None:
+    """Refuse an empty or too long prompt, or ids outside ``loaded``'s vocabulary (a model, or
+    its vocabulary size)."""
+    vocab_size = loaded if loaded is None or isinstance(loaded, int) else loaded.vocab_size
     if not tokens:
         raise JobSpecError("input: tokenizes to 0 tokens")
     if len(tokens) > settings.max_prompt_tokens:
         raise JobSpecError(f"input: {len(tokens)} tokens, the limit is "
                            f"{settings.max_prompt_tokens} (max_prompt_tokens)")
-    if loaded.vocab_size is not None and max(tokens) >= loaded.vocab_size:
+    if vocab_size is not None and max(tokens) >= vocab_size:
         raise JobSpecError(f"tokens: id {max(tokens)} is outside the model's vocabulary "
-                           f"[0, {loaded.vocab_size - 1}]")
+                           f"[0, {vocab_size - 1}]")
 
 
 UNKNOWN_TOKEN_SHARE = 0.01  # more of the prompt than this as the unknown token: warn

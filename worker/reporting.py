@@ -15,6 +15,7 @@ from worker.context import JobContext
 from worker.detokenize import TextStream
 
 PHASE_EVENTS = ("lookahead", "importance")  # one event when the phase starts
+DRAFT_PHASES = ("prefill", *PHASE_EVENTS)  # the draft's scoring phases (its time budget)
 
 
 def _per_s(count: float, since: float) -> float:
@@ -42,6 +43,8 @@ class JobReporter:
 
     def __call__(self, processed: int, total: int, phase: str) -> None:
         self.ctx.check_stop()
+        if phase in DRAFT_PHASES:
+            self.ctx.check_draft()
         if phase == "prefill":  # the draft's prefill while scoring
             rate = _per_s(max(0, processed - self.restored_tokens), self._t0)
             eta = (total - processed) / rate if rate > 0 else None

@@ -29,6 +29,8 @@ class SelectionBackend:
     admission_reason: Callable[..., str | None]
     block_store: Callable[[redis.Redis, LoadedModel, Settings], Any]
     memo: Callable[[redis.Redis, str, Settings], Any]
+    # The target's prefix KV store (a DraftCache over the target's blocks); None: none.
+    target_store: Callable[[redis.Redis, LoadedModel, Settings], Any] | None = None
     selection_rule: int = 0  # part of the memo key: a new rule never reuses old selections
 
     @classmethod
@@ -41,14 +43,14 @@ class SelectionBackend:
             selection_rule=SELECTION_RULE,
             score_with_cache=score_with_cache, plan_selection=plan_selection,
             to_ranges=to_ranges, admission_reason=admission_reason,
-            block_store=_block_store,
+            block_store=_block_store, target_store=_block_store,
             memo=lambda client, fp, s: SelectionMemo(client, fp, namespace=s.namespace,
                                                      ttl_s=s.memo_ttl_s),
         )
 
 
 def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
-    """The draft model's ``DraftCache``: the Redis block store (which rejects blocks of another
+    """A model's ``DraftCache`` (the draft's, or the target's prefix KV): the Redis block store (which rejects blocks of another
     cache layout than the model's profile as corrupt) behind the KV-cache ↔ raw-arrays adapter."""
     from cache_store import RedisBlockStore
     from specprefill.draft_cache import BlockDraftCache

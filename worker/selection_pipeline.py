@@ -2,7 +2,9 @@
 
 It is the whole of a prefill job and the first half of a generate job: load the draft,
 tokenize, look the selection up in the memo, else score with the block store (restore the
-prefix it holds, store the new blocks) and select, then remember the selection.
+prefix it holds, store the new blocks) and select, then remember the selection. A prefill
+job checks admission first (a short prompt keeps every token without loading the draft)
+and keeps every token, saying why, when the draft fails (``worker.fallback``).
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from typing import Any
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
 from specprefill.options import ScoringOptions, SelectionOptions
+from worker.admission import admission_reason
 from worker.context import JobContext
+from worker.fallback import fallback_reason
 from worker.models import LoadedModel
-from worker.prompt import check_prompt, tokenize, unknown_token_warning
+from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
 from worker.reporting import JobReporter, ReportingDraftCache
 
 log = logging.getLogger(__name__)
@@ -35,8 +39,38 @@ class _Selected:
 
 
 def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
-    """A prefill job: score ``spec``'s prompt with its draft model, return the selection (JSON)."""
-    return select_prompt(spec, ctx)[0].to_json()
+    """A prefill job: score ``spec``'s prompt with its draft model, return the selection (JSON).
+
+    Admission comes first, from the draft's tokenizer alone: a prompt it keeps whole is
+    answered without the draft's weights (unless the job asks for the importance scores)."""
+    t0 = t = time.perf_counter()
+    tokenizer, vocab_size = ctx.runtime.models.prompt_tools(spec.draft_model)
+    prompt = tokenize_prompt(spec, tokenizer)
+    check_prompt(prompt.tokens, vocab_size, ctx.settings)
+    timings = {"tokenize": time.perf_counter() - t}
+    reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
+                              protected_prefix=prompt.protected_prefix)
+    if reason is not None and not spec.return_importance:
+        ctx.publisher.publish("admission", admitted=False, reason=reason)
+        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0).to_json()
+    try:
+        return select_prompt(spec, ctx, prompt=prompt)[0].to_json()
+    except Exception as exc:
+        reason = fallback_reason(ctx, "draft", exc)
+        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0, fallback=reason).to_json()
+
+
+def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: Any, reason: str,
+             timings: dict[str, float], t0: float, fallback: str | None = None) -> PrefillResult:
+    """Every token kept, with the reason (admission or a fallback); the draft did not answer."""
+    total = len(prompt.tokens)
+    spans = [KeptSpan(0, total, tokenizer.decode(prompt.tokens))] if spec.return_spans else None
+    ctx.publisher.publish("selection", kept=total, total=total)
+    timings = {**timings, "total": time.perf_counter() - t0}
+    return PrefillResult(
+        job_id=ctx.job_id, kept_ranges=[(0, total)], kept=total, total=total, reason=reason,
+        protected_prefix=prompt.protected_prefix, boundary_reason=prompt.boundary_reason,
+        fallback=fallback, model="", timings={k: round(v, 6) for k, v in timings.items()}, spans=spans)
 
 
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
@@ -51,17 +85,20 @@ def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[Loa
     return loaded, time.perf_counter() - t
 
 
-def select_prompt(spec: JobSpec, ctx: JobContext,
-                  draft: LoadedModel | None = None) -> tuple[PrefillResult, list[int]]:
+def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = None,
+                  prompt: PromptTokens | None = None) -> tuple[PrefillResult, list[int]]:
     """Tokenize, then select through the memo or by draft scoring: the result and the tokens.
 
-    ``draft`` is the draft model when the caller has loaded it already (generate jobs do)."""
+    ``draft`` is the draft model when the caller has loaded it already (generate jobs do);
+    ``prompt`` the tokens when the caller has them (a generate job's, by the target's
+    template; its protected prefix covers what the target restored)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     if draft is None:
         draft, timings["load_model"] = load_model(ctx, spec.draft_model)
     t = time.perf_counter()
-    tokens, protected_prefix = tokenize(spec, draft.tokenizer)
+    prompt = prompt or tokenize_prompt(spec, draft.tokenizer)
+    tokens, protected_prefix = prompt.tokens, prompt.protected_prefix
     check_prompt(tokens, draft, ctx.settings)
     warnings = prompt_warnings(ctx, tokens, draft)
     timings["tokenize"] = time.perf_counter() - t
@@ -80,6 +117,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext,
     timings["total"] = time.perf_counter() - t0
     result = _result(spec, ctx, draft, tokens, protected_prefix, selected, timings)
     result.warnings = warnings
+    result.boundary_reason = prompt.boundary_reason
     return result, tokens
 
 
@@ -109,9 +147,13 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
     store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
-    score = backend.score_with_cache(
-        draft.profile, tokens, store, progress=reporter.begin(),
-        options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
+    ctx.start_draft()
+    try:
+        score = backend.score_with_cache(
+            draft.profile, tokens, store, progress=reporter.begin(),
+            options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
+    finally:
+        ctx.draft_deadline = None
     timings.update(score.timings)
     timings.update(store.timings)
     ctx.check_stop()

@@ -77,7 +77,7 @@ def test_stop_and_tools_pass_through(openai_client, stack):
     r = chat(openai_client, words(200, seed=5), max_tokens=4, stop=["zzz"], tools=tools)
     job = Job.fetch(r.model_extra["specprefill"]["job_id"], connection=redis.Redis.from_url(stack.redis_url),
                     serializer=JSONSerializer)
-    assert job.args[0]["extra"]["stop"] == ["zzz"] and job.args[0]["extra"]["tools"] == tools
+    assert job.args[0]["extra"]["stop"] == ["zzz"] and job.args[0]["tools"] == tools
 
 
 def test_bad_requests_name_the_field(openai_client):

@@ -42,7 +42,11 @@ def test_chat_request_maps_to_generate_fields():
                       "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
                       "tools": [{"type": "function", "function": {"name": "f"}}]}
     spec = generate_spec(**fields)
-    assert spec.generate.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
+    kwargs = chat_fields(parse(ChatCompletionRequest, {
+        "model": "t", "messages": [{"role": "user", "content": "a"}],
+        "chat_template_kwargs": {"enable_thinking": False}}))
+    assert kwargs["template_args"] == {"enable_thinking": False}
+    assert spec.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
 
 
 def test_unsupported_request_fields_are_refused_by_name():
@@ -153,18 +157,24 @@ def test_worker_metrics_count_what_results_report():
     registry = CollectorRegistry()
     m = WorkerMetrics(registry)
     m.job_ended("generate", "finished", 0.5, {"total": 1000, "cached_tokens": 256, "kept": 300,
-                                              "generated_tokens": 7, "ttft_s": 0.2, "blocks_written": 2})
+                                              "generated_tokens": 7, "ttft_s": 0.2, "blocks_written": 2,
+                                              "draft_model": "local:d"})
+    # answered without the draft (admission, here after restoring 200 tokens): no draft tokens
+    m.job_ended("generate", "finished", 0.5, {"total": 250, "kept": 250, "draft_model": "",
+                                              "target_tokens": {"restored": 200}, "fallback": "fallback: x"})
     m.job_ended("prefill", "finished", 0.1, {"total": 500, "cached_tokens": 500, "memo_hit": True})
     m.job_ended("generate", "failed", 0.05, None)
     value = registry.get_sample_value
-    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "finished"}) == 1
+    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "finished"}) == 2
     assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "failed"}) == 1
     assert value("specprefill_worker_draft_tokens_prefilled_total") == 744  # the memo hit computed none
-    assert value("specprefill_worker_target_tokens_prefilled_total") == 300
+    assert value("specprefill_worker_target_tokens_prefilled_total") == 350
+    assert value("specprefill_worker_target_prefix_restored_tokens_total") == 200
+    assert value("specprefill_worker_fallbacks_total", {"kind": "generate"}) == 1
     assert value("specprefill_worker_block_store_hit_tokens_total") == 756
     assert value("specprefill_worker_memo_hits_total") == 1
-    assert value("specprefill_worker_ttft_seconds_count") == 1
-    assert value("specprefill_worker_busy_seconds_total") == pytest.approx(0.65)
+    assert value("specprefill_worker_ttft_seconds_count") == 2
+    assert value("specprefill_worker_busy_seconds_total") == pytest.approx(1.15)
 
 
 def test_served_models_lists_defaults_preloads_and_loaded():

@@ -1,0 +1,108 @@
+"""The target's prompt-prefix KV through the shared block store.
+
+Chat and agent prompts re-send the same system prompt and tools with every request. After
+a generate job has prefilled a contiguous prefix of its prompt in full (the protected system
+block, or the whole prompt of a plain prefill), the target's KV of that prefix is stored as
+blocks under the *target's* fingerprint: the same codec, keys, integrity checks and TTL as the
+draft's blocks (``cache_store.RedisBlockStore`` behind ``specprefill.draft_cache.BlockDraftCache``).
+The next job with the same prefix, on any worker, restores it and prefills only the rest.
+
+A causal model's KV of token ``i`` depends only on tokens ``0..i``, so the KV of a prefix
+prefilled contiguously is a full prefill's, whatever was kept after it. Every job prefills its
+system prefix in steps that end at block boundaries (``worker.target_prefill.prefill_prefix``),
+so a restored block holds, bit for bit, what the restoring job would have computed itself (a
+block beyond the system prefix, from a plain prefill's larger steps, agrees to float rounding:
+the same sums in another order). A restore that does not fit the target (length, layout) or a
+corrupt block is a miss, never an error.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from worker.models import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def contiguous_prefix(kept: Sequence[int]) -> int:
+    """How many leading prompt tokens ``kept`` (sorted indices) holds without a gap."""
+    n = 0
+    for i in kept:
+        if i != n:
+            break
+        n += 1
+    return n
+
+
+def prefix_view(kv_cache: list[Any], n_tokens: int) -> list[Any] | None:
+    """Caches holding the first ``n_tokens`` tokens of ``kv_cache`` (views, no copy), or None
+    when a layer cannot be cut there (recurrent state exists only where the pass stopped, a
+    sliding window has dropped early tokens).
+
+    A quantized K/V layer is passed as it is: the block store cuts its blocks by the tokens it
+    is given, which are the prefix's."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    out = []
+    for c in kv_cache:
+        if type(c) is KVCache and c.offset >= n_tokens:
+            view = KVCache()
+            view.state = (c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :], n_tokens)
+            out.append(view)
+        elif (type(c) is QuantizedKVCache and c.offset >= n_tokens) or getattr(c, "offset", None) == n_tokens:
+            out.append(c)
+        else:
+            return None
+    return out
+
+
+class TargetPrefixCache:
+    """Restore and store one target's prompt prefixes (``store`` is a ``DraftCache``)."""
+
+    def __init__(self, store: Any, target: LoadedModel) -> None:
+        self.store, self.target = store, target
+        self.restored = 0
+        self.blocks_written = 0
+        self.timings: dict[str, float] = {}
+
+    def restore(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """The target's cache of the longest stored prefix of ``tokens`` (never all of them)."""
+        from specprefill.profile import layout_mismatch
+
+        t = time.perf_counter()
+        try:
+            cache, n = self.store.fetch(list(tokens))
+        except Exception as exc:  # a store fault is a miss
+            log.warning("target prefix: fetch failed, prefilling in full: %s: %s", type(exc).__name__, exc)
+            cache, n = None, 0
+        self.timings["target_restore"] = time.perf_counter() - t
+        if cache is None:
+            return None, 0
+        reason = None
+        if not 0 < n < len(tokens) or any(getattr(c, "offset", None) != n for c in cache):
+            reason = f"{n} tokens for a {len(tokens)}-token prompt"
+        elif self.target.profile is not None:
+            reason = layout_mismatch(cache, self.target.profile.kv_layout)
+        if reason:
+            log.warning("target prefix: restore does not fit the target (%s); prefilling in full", reason)
+            return None, 0
+        self.restored = n
+        return cache, n
+
+    def save(self, tokens: Sequence[int], kv_cache: list[Any], n_tokens: int) -> int:
+        """Store the full blocks of the first ``n_tokens`` tokens ``kv_cache`` holds; blocks written."""
+        if n_tokens < 1:
+            return 0
+        view = prefix_view(kv_cache, n_tokens)
+        if view is None:
+            log.info("target prefix: the target's cache cannot be cut at %d tokens; not stored", n_tokens)
+            return 0
+        t = time.perf_counter()
+        try:
+            self.blocks_written += self.store.store(list(tokens[:n_tokens]), view)
+        except Exception as exc:  # storing is best effort: the job's answer is already made
+            log.warning("target prefix: store failed: %s: %s", type(exc).__name__, exc)
+        self.timings["target_store"] = self.timings.get("target_store", 0.0) + time.perf_counter() - t
+        return self.blocks_written
