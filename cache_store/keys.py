@@ -136,6 +136,11 @@ def stats_key(namespace: str, fingerprint: str) -> str:
     return f"{namespace}:kvstats:{fingerprint}"
 
 
+def layout_key(namespace: str, fingerprint: str) -> str:
+    """The record of what one model's blocks hold per layer (checked by ``cache verify``)."""
+    return f"{namespace}:kvlayout:{fingerprint}"
+
+
 def key_patterns(namespace: str) -> dict[str, str]:
     """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo entries."""
     return {"blocks": f"{namespace}:kv:*", "stats": stats_key(namespace, "*"),

@@ -1,4 +1,5 @@
-"""``specprefill cache stats``: the block store's and the memo's counters in one namespace."""
+"""``specprefill cache stats|verify``: the block store's and the memo's counters in one namespace,
+and a scan that counts and removes every block or memo entry failing a check."""
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,31 @@ def cache_stats(client: redis.Redis, namespace: str) -> dict[str, Any]:
             "totals": totals, "models": per_model}
 
 
+def run_verify(client: redis.Redis, args: argparse.Namespace, namespace: str) -> int:
+    """Scan the namespace (``cache_store.verify``); exit 0 (also when bad keys were found and removed)."""
+    from cache_store.verify import verify_namespace
+
+    report = verify_namespace(client, namespace, batch=args.batch, remove=not args.dry_run)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+        return 0
+    bad_blocks, bad_memo = sum(report.bad_blocks.values()), sum(report.bad_memo.values())
+    print(f"namespace {namespace}: {report.blocks} blocks checked, {report.valid_blocks} valid, {bad_blocks} bad; "
+          f"{report.memo_entries} memo entries, {bad_memo} bad; "
+          f"{report.removed} {'would be ' if args.dry_run else ''}removed")
+    for kind, counts in (("blocks", report.bad_blocks), ("memo", report.bad_memo)):
+        for reason, n in sorted(counts.items()):
+            print(f"  bad {kind} ({reason}): {n}")
+    for key, reason in report.bad_keys[:20]:
+        print(f"  {reason:<11} {key}")
+    return 0
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    stats = cache_stats(checked_connection(args.redis_url or settings.block_store_url, settings),
-                        settings.namespace)
+    client = checked_connection(args.redis_url or settings.block_store_url, settings)
+    if args.action == "verify":
+        return run_verify(client, args, settings.namespace)
+    stats = cache_stats(client, settings.namespace)
     if args.json:
         print(json.dumps(stats))
         return 0
@@ -52,6 +75,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 def register(sub: Any, shared: SharedOptions) -> None:
     p = sub.add_parser("cache", parents=[shared.common], help="block store information")
-    p.add_argument("action", choices=["stats"])
+    p.add_argument("action", choices=["stats", "verify"],
+                   help="stats: counters; verify: check every block and memo entry, remove bad ones")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--batch", type=int, default=100, help="verify: keys per SCAN step and pipelined GET")
+    p.add_argument("--dry-run", action="store_true", help="verify: count bad keys without removing them")
     p.set_defaults(func=run)
