@@ -109,7 +109,10 @@ def _model_layouts(client: redis.Redis, namespace: str) -> dict[str, Any]:
 
 def verify_namespace(client: redis.Redis, namespace: str, *, batch: int = DEFAULT_BATCH,
                      remove: bool = True) -> VerifyReport:
-    """Check every block and memo entry under ``namespace``; count and (``remove``) delete bad ones."""
+    """Check every block and memo entry under ``namespace``; count and (``remove``) delete bad ones.
+
+    Bad keys are added to their model's counters only when removed (a dry run writes nothing).
+    """
     if not isinstance(batch, int) or not 1 <= batch <= 10000:
         raise ValueError(f"batch: {batch!r}; allowed integers in [1, 10000]")
     report = VerifyReport(namespace)
@@ -149,14 +152,17 @@ def _get_many(client: redis.Redis, keys: list[bytes]) -> list[Any]:
 
 def _settle(client: redis.Redis, delete: Any, namespace: str, bad: list[tuple], fingerprints: set[str],
             report: VerifyReport, remove: bool) -> None:
-    """Delete (if still unchanged) and count one batch's bad keys."""
+    """Delete (if still unchanged) and count one batch's bad keys; without ``remove``, only report
+    them (nothing is written: ``removed`` says how many would go)."""
     if not bad:
         return
-    pipe = client.pipeline(transaction=False)
-    for key, value, _, _ in bad:
-        if remove:
+    if remove:
+        pipe = client.pipeline(transaction=False)
+        for key, value, _, _ in bad:
             delete(keys=[key], args=[value if isinstance(value, bytes) else b""], client=pipe)
-    results = pipe.execute(raise_on_error=False) if remove else [0] * len(bad)
+        results = pipe.execute(raise_on_error=False)
+    else:
+        results = [1] * len(bad)
     counts: dict[tuple[str, str], int] = {}
     for (key, _, reason, counter), removed in zip(bad, results):
         text = as_text(key)
@@ -165,7 +171,7 @@ def _settle(client: redis.Redis, delete: Any, namespace: str, bad: list[tuple], 
         if removed is True or (isinstance(removed, int) and removed > 0):
             report.removed += 1
         fp = _full_fingerprint(text, fingerprints)
-        if counter and fp:
+        if counter and fp and remove:
             counts[(fp, counter)] = counts.get((fp, counter), 0) + 1
     if counts:
         pipe = client.pipeline(transaction=False)
