@@ -99,6 +99,9 @@ def test_sliding_window_models_are_not_storable():
     (lambda: model_fingerprint({"m": float("nan")}, "x", block_size=16), "description"),
 ])
 def test_bad_arguments_are_value_errors(call, field):
+    """(Infinities are data: ``time_step_limit = (0, inf)`` in mamba2 and nemotron-h configs.)"""
+    assert model_fingerprint({"limit": [0.0, float("inf")]}, "x", block_size=16) != model_fingerprint(
+        {"limit": [0.0, 1e308]}, "x", block_size=16)
     with pytest.raises(ValueError, match=field):
         call()
 
