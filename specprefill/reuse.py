@@ -44,18 +44,32 @@ def score_with_cache(
 ) -> ScoreResult:
     """:func:`~specprefill.scoring.score_tokens` that prefills only what ``draft_cache`` lacks.
 
-    Fetches the longest stored prefix of ``tokens``, scores the suffix on top of it,
-    then stores the prompt's cache. ``result.cached_tokens`` says how many tokens came
+    Fetches the longest stored prefix of ``tokens``, scores the suffix on top of it (with
+    prefill steps ending at block boundaries and the draft cache's recorder as ``on_step`` when
+    it needs one: recurrent state and sliding windows are kept per block end during the one
+    prefill), then stores the prompt's new full blocks. ``result.cached_tokens`` says how many tokens came
     from the store. ``None`` scores cold and stores nothing. A restore that does not
     describe a proper prefix (wrong length) or does not fit the model (layer count, KV
     shapes, dtypes) is ignored and logged, and the prompt is scored cold.
     """
     tokens = list(tokens)
     restored = _restore(profile, tokens, draft_cache) if draft_cache is not None else None
-    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress)
+    recorder = _recorder(draft_cache)
+    blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
+    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress, **blocks)
     if draft_cache is not None:
-        draft_cache.store(tokens, result.kv_cache)
+        draft_cache.store(tokens, result.kv_cache, recorder) if recorder is not None else draft_cache.store(
+            tokens, result.kv_cache)
     return result
+
+
+def _recorder(draft_cache: DraftCache | None) -> Any:
+    """The draft cache's ``on_step`` hook, if it needs one (recurrent state, sliding windows).
+
+    ``recorder()`` is optional in a :class:`DraftCache`: stores of K/V-only caches need none.
+    """
+    make = getattr(draft_cache, "recorder", None)
+    return make() if make is not None else None
 
 
 def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:

@@ -154,3 +154,19 @@ def test_recorder_interface_is_the_prototype_one():
     assert isinstance(store.recorder(), BlockRecorder) and store.recorder().block_size == BLOCK
     dense = F.build("llama", seed=1)
     assert BlockDraftCache(type("Raw", (), {"block_size": BLOCK})(), lambda: make_cache(dense)).recorder() is None
+
+
+@pytest.mark.parametrize("name, kv_bits", [("qwen3_5", None), ("llama", 4)])
+def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, kv_bits):
+    """worker.runtime's block store for a loaded draft: the model's own cache types and KV bits."""
+    from types import SimpleNamespace
+
+    from jobs.settings import Settings
+    from worker.runtime import _block_store
+
+    model = F.build(name, seed=4, **(F.for_kv_quantization(name) if kv_bits else {}))
+    fresh = lambda: make_cache(model, kv_bits, 32)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), "wired", block_size=BLOCK)
+    loaded = SimpleNamespace(fingerprint=fp, profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
+    store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
+    warm_equals_cold(model, profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)

@@ -98,9 +98,19 @@ class ReportingDraftCache:
         self.reporter.publish("cache_lookup", hit_tokens=n, total=len(tokens))
         return cache, n
 
-    def store(self, tokens: Sequence[int], cache: list) -> int:
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    def recorder(self) -> Any:
+        """The inner cache's ``on_step`` hook (None if it needs none)."""
+        make = getattr(self.inner, "recorder", None)
+        return make() if make is not None else None
+
+    def store(self, tokens: Sequence[int], cache: list, recorder: Any = None) -> int:
         t0 = time.perf_counter()
-        self.blocks_written = self.inner.store(tokens, cache)
+        self.blocks_written = (self.inner.store(tokens, cache, recorder) if recorder is not None
+                               else self.inner.store(tokens, cache))
         self.timings["cache_store"] = time.perf_counter() - t0
         self.reporter.publish("cache_store", blocks=self.blocks_written)
         return self.blocks_written

@@ -48,14 +48,34 @@ class SelectionBackend:
 
 def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
     """The draft model's ``DraftCache``: the Redis block store (which rejects blocks of another
-    cache layout than the model's profile as corrupt) behind the KV-cache ↔ raw-arrays adapter."""
+    layout than the model's as corrupt) behind the cache ↔ raw-arrays adapter, for every cache
+    type the draft's fresh cache (with its KV quantization) holds."""
     from cache_store import RedisBlockStore
+    from specprefill.attention.probe import make_cache
     from specprefill.draft_cache import BlockDraftCache
-    from specprefill.kv_arrays import block_layout
+
+    model = loaded.profile.model
+    kv = (getattr(loaded.profile, "kv_bits", None), getattr(loaded.profile, "kv_group_size", 64))
+
+    def fresh() -> list:
+        return make_cache(model, *kv)
 
     raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=block_layout(loaded.profile.kv_layout))
-    return BlockDraftCache(raw_store)
+                                ttl_s=s.block_ttl_s, layout=_block_layout(loaded.fingerprint, model, fresh))
+    return BlockDraftCache(raw_store, fresh)
+
+
+_LAYOUTS: dict[str, list] = {}  # fingerprint -> block layout: one forward pass per model, not per job
+
+
+def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> list:
+    from specprefill.draft_cache import block_layout_of
+
+    if fingerprint not in _LAYOUTS:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[fingerprint] = block_layout_of(model, fresh)
+    return _LAYOUTS[fingerprint]
 
 
 @dataclass
