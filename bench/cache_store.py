@@ -212,15 +212,18 @@ QWEN25_05B = dict(model_type="qwen2", vocab_size=1024, hidden_size=896, intermed
 
 
 def shaped_model(config: dict):
-    """A random-weight bfloat16 model of ``config`` (an mlx-lm model type's ``ModelArgs``)."""
+    """A bfloat16 model of ``config`` (an mlx-lm model type's ``ModelArgs``) with mlx's random
+    initial weights (the sizes measured here depend on shapes and dtypes only)."""
     import importlib
 
-    from mlx.utils import tree_map
+    from mlx.utils import tree_flatten, tree_unflatten
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(dict(config)))
     mx.random.seed(0)
-    model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.bfloat16), model.parameters()))
+    model = module.Model(module.ModelArgs.from_dict(dict(config)))
+    cast = getattr(model, "cast_predicate", lambda _: True)  # what mlx-lm's convert keeps in float32
+    model.update(tree_unflatten([(path, p.astype(mx.bfloat16) if cast(path) else p)
+                                 for path, p in tree_flatten(model.parameters())]))
     mx.eval(model.parameters())
     return model
 
