@@ -259,10 +259,9 @@ class RedisBlockStore:
         ``blocks``: ``(end, layers)`` per block of tokens ``[end - block_size, end)``, ``end`` a
         multiple of ``block_size`` within ``tokens``; ``layers`` per layer its named arrays:
         token arrays holding exactly that block's tokens, state arrays as after token
-        ``end - 1``. One pipelined EXPIRE over every full block of ``tokens`` up to the last
-        given (which refreshes the TTL of the blocks already stored and tells which are
-        missing), then pipelines of ``SET NX EX ttl`` for the missing given blocks (so
-        concurrent writers leave one intact copy).
+        ``end - 1``. One pipelined EXPIRE over the given blocks (which refreshes the TTL of
+        those already stored and tells which are missing), then pipelines of ``SET NX EX ttl``
+        for the missing ones (so concurrent writers leave one intact copy).
         """
         bs = self.block_size
         given = {}
@@ -274,13 +273,14 @@ class RedisBlockStore:
             return 0
         digests = block_digests(self.fingerprint, np.asarray(tokens)[:(max(given) + 1) * bs], bs)
         keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
+        order = sorted(given)
         written = n_bytes = 0
         try:
             pipe = self.client.pipeline(transaction=False)
-            for key in keys:
+            for i in order:
                 # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
-                pipe.expire(key, self.ttl_s)
-            missing = [i for i, present in enumerate(pipe.execute()) if not present and i in given]
+                pipe.expire(keys[i], self.ttl_s)
+            missing = [i for i, present in zip(order, pipe.execute()) if not present]
             if not missing:
                 return 0
             for start in range(0, len(missing), _BATCH_BLOCKS):

@@ -8,12 +8,13 @@ named arrays of raw bits (``cache_store.RedisBlockStore`` is one, structurally).
 The interface between scoring and the store (stable; the kernel-capture scorer and the
 worker both use it):
 
-* ``draft_cache.recorder()`` gives the ``on_step`` hook for
+* ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
   ``specprefill.attention.scoring.score_prompt(..., block_size=draft_cache.block_size,
   on_step=recorder)``; the scorer then ends prefill steps at block boundaries and the hook
   keeps what exists only then (recurrent state after each block's last token, sliding-window
-  K/V) — no second pass over the prompt. ``None`` when nothing needs recording (plain or
-  quantized K/V only) or the cache cannot be stored.
+  K/V) — no second pass over the prompt — and writes each block as soon as it ends (memory:
+  one block). ``None`` when nothing needs recording (plain or quantized K/V only) or the cache
+  cannot be stored. ``recorder()`` without tokens keeps the blocks until ``store``.
 * ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks;
   ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
   objects (K/V of all its blocks, recurrent state of its last), ready for ``cache=``.
@@ -127,12 +128,32 @@ class BlockDraftCache:
                 self._metas = layer_metas(fresh)
                 self._needs_recorder = needs_recorder(self._metas)
 
-    def recorder(self) -> Any:
+    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
         """The ``on_step`` hook scoring must run with for :meth:`store` to store this model's
-        blocks, or None when none is needed (K/V only) or the cache cannot be stored."""
+        blocks, or None when none is needed (K/V only) or the cache cannot be stored.
+
+        Given the prompt's ``tokens``, the hook writes each block to the store as soon as the
+        prefill passes its end (one block held at a time, whatever the prompt's length);
+        :meth:`store` then has nothing left to write and returns the blocks written.
+        """
         from specprefill.attention.caches import BlockRecorder
 
-        return BlockRecorder(self.block_size) if self._needs_recorder else None
+        if not self._needs_recorder:
+            return None
+        if tokens is None:
+            return BlockRecorder(self.block_size)
+        recorder = BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(recorder, tokens,
+                                                                                            end, layers))
+        recorder.written = 0
+        return recorder
+
+    def _write_now(self, recorder: Any, tokens: Sequence[int], end: int, layers: list[dict[str, mx.array]]) -> None:
+        """Store one block the moment the prefill passes its end; a failure is a store that wrote nothing."""
+        try:
+            recorder.written += self.raw_store.store_blocks(tokens, _raw_blocks([(end, layers)]))
+        except Exception as exc:  # never raise into scoring: storage is best effort
+            self.local_counters["stream_errors"] = self.local_counters.get("stream_errors", 0) + 1
+            log.warning("draft cache: could not store block ending at %d: %s: %s", end, type(exc).__name__, exc)
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         if self.unsupported_reason is not None:
@@ -176,6 +197,8 @@ class BlockDraftCache:
             if recorder is None:
                 return self._unsupported("store: this cache holds recurrent state or sliding windows; scoring "
                                          "must run with draft_cache.recorder() as on_step")
+            if recorder.sink is not None:  # written while the prefill ran
+                return recorder.written
             blocks = recorder.blocks(kv_cache, n_tokens)
         else:
             blocks = sliced_blocks(kv_cache, n_tokens, self.block_size)

@@ -54,7 +54,7 @@ def score_with_cache(
     """
     tokens = list(tokens)
     restored = _restore(profile, tokens, draft_cache) if draft_cache is not None else None
-    recorder = _recorder(draft_cache)
+    recorder = _recorder(draft_cache, tokens)
     blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
     result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress, **blocks)
     if draft_cache is not None:
@@ -63,13 +63,12 @@ def score_with_cache(
     return result
 
 
-def _recorder(draft_cache: DraftCache | None) -> Any:
-    """The draft cache's ``on_step`` hook, if it needs one (recurrent state, sliding windows).
-
-    ``recorder()`` is optional in a :class:`DraftCache`: stores of K/V-only caches need none.
-    """
+def _recorder(draft_cache: DraftCache | None, tokens: list[int]) -> Any:
+    """The draft cache's ``on_step`` hook for this prompt, if it needs one (recurrent state,
+    sliding windows). ``recorder(tokens)`` is optional in a :class:`DraftCache`: stores of
+    K/V-only caches need none."""
     make = getattr(draft_cache, "recorder", None)
-    return make() if make is not None else None
+    return make(tokens) if make is not None else None
 
 
 def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:
@@ -110,7 +109,7 @@ def score_prompt_with_cache(model: Any, tokens: Sequence[int], profile: Any, dra
     if draft_cache is None:
         return score_prompt(model, tokens, profile, **score_args)
     restored = _restore_prompt_cache(draft_cache, tokens)
-    recorder = draft_cache.recorder()
+    recorder = draft_cache.recorder(tokens)
     result = score_prompt(model, tokens, profile, cache=restored, block_size=draft_cache.block_size,
                           on_step=recorder, **score_args)
     draft_cache.store(tokens, result.kv_cache, recorder)

@@ -170,3 +170,21 @@ def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, k
     loaded = SimpleNamespace(fingerprint=fp, profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
     store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
     warm_equals_cold(model, profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)
+
+
+def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
+    """recorder(tokens) holds one block at a time: each is in Redis before the prefill goes on."""
+    model = F.build("granitemoehybrid", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    keys = store.raw_store.block_keys(PROMPT)
+    recorder = store.recorder(PROMPT)
+    seen = []
+    sink = recorder.sink
+    recorder.sink = lambda end, layers: (sink(end, layers), seen.append(sum(client.exists(k) for k in keys)))
+    result = score_prompt(model, PROMPT, profile_model(model), block_size=BLOCK, on_step=recorder, **SCORE)
+    assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
+    assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
+    warm = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    assert warm.cached_tokens == 64
+    np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)

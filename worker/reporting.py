@@ -102,10 +102,10 @@ class ReportingDraftCache:
     def block_size(self) -> int:
         return self.inner.block_size
 
-    def recorder(self) -> Any:
-        """The inner cache's ``on_step`` hook (None if it needs none)."""
+    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
+        """The inner cache's ``on_step`` hook for ``tokens`` (None if it needs none)."""
         make = getattr(self.inner, "recorder", None)
-        return make() if make is not None else None
+        return make(tokens) if make is not None else None
 
     def store(self, tokens: Sequence[int], cache: list, recorder: Any = None) -> int:
         t0 = time.perf_counter()

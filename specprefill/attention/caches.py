@@ -20,7 +20,7 @@ class any more) or ``CacheList`` (falcon-h1: Mamba state and KV in one layer), o
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
@@ -217,10 +217,16 @@ class BlockRecorder:
     last token), and while the prefill runs it keeps each sliding window's newest tokens
     (the window lets them go later). The K/V of unbounded layers are sliced from the final
     cache instead (:meth:`blocks`), so holding nothing here pins a KV buffer being written.
+
+    With ``sink``, each block is handed over complete as soon as it ends instead
+    (``sink(end, per-layer arrays)``, K/V sliced from the cache at that step) and nothing is
+    kept: memory stays one block's worth however long the prompt (a Qwen3.5-0.8B block holds
+    18 MiB of recurrent state). The sink must copy what it keeps before returning.
     """
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], None] | None = None):
         self.block_size = block_size
+        self.sink = sink
         self.states: dict[int, list[dict[str, mx.array]]] = {}  # block end -> per layer
         self._pieces: dict[tuple[int, str], list[mx.array]] = {}
 
@@ -239,6 +245,12 @@ class BlockRecorder:
             for name in _window_arrays(meta, arrays):
                 layer[name] = mx.concatenate(self._pieces.pop((i, name)), axis=2)
             kept.append(layer)
+        if self.sink is not None:
+            per_layer = [{**block_arrays(meta, {n: a for n, a in arrays.items() if is_token_array(n) and n not in
+                                                recorded}, end - self.block_size, end), **recorded}
+                         for (meta, arrays), recorded in zip(layers, kept)]
+            self.sink(end, per_layer)
+            return
         mx.eval(kept)
         self.states[end] = kept
 
