@@ -20,12 +20,8 @@ def _restore(profile: ModelProfile, tokens: list[int], draft_cache: DraftCache) 
     store fault or a foreign layout would otherwise raise deep in the forward pass, or
     silently mix dtypes.
     """
-    restored, n_tokens = draft_cache.fetch(tokens)
+    restored = _restore_prompt_cache(draft_cache, tokens)
     if restored is None:
-        return None
-    if not 0 < n_tokens < len(tokens) or any(getattr(c, "offset", None) != n_tokens for c in restored):
-        log.warning("draft cache returned an unusable prefix (%s tokens for a %s-token prompt); scoring cold",
-                    n_tokens, len(tokens))
         return None
     reason = layout_mismatch(restored, profile.kv_layout)
     if reason:
@@ -72,7 +68,8 @@ def _recorder(draft_cache: DraftCache | None, tokens: list[int]) -> Any:
 
 
 def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:
-    """The restored prefix if it is a proper prefix of ``tokens`` with one length in every KV layer."""
+    """The restored prefix if it is a proper prefix of ``tokens`` with one length in every KV layer
+    (recurrent layers hold state, not tokens), else None (logged)."""
     from specprefill.attention.scoring import cached_length
 
     restored, n_tokens = draft_cache.fetch(tokens)

@@ -188,3 +188,19 @@ def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
     warm = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
     assert warm.cached_tokens == 64
     np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "nemotron_h"])
+def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
+    """specprefill.reuse's restore check (the worker's score_with_cache path) reads the length from
+    the KV layers: recurrent layers hold state, not an offset."""
+    from types import SimpleNamespace
+
+    from specprefill.profile import cache_layout
+    from specprefill.reuse import _restore
+
+    model = F.build(name, seed=3)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
+    assert restored is not None and len(restored) == len(make_cache(model))
