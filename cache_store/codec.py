@@ -176,13 +176,11 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     arrays = [a for named in per_layer for _, a in named]
     if not arrays:
         raise ValueError("layers: a block needs at least one array")
-    for named in per_layer:
-        for name, a in named:
-            _check_encodable(name, a, n_tokens)
     payload_size = sum(a.bits.nbytes for a in arrays)
     if payload_size >= 1 << 32:
         raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
     specs = tuple(tuple((name, a.dtype, a.bits.shape) for name, a in named) for named in per_layer)
+    _check_encodable(specs, tuple(a.bits.dtype.itemsize for a in arrays), n_tokens)
     prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
     start = len(prefix)
     end = start + payload_size
@@ -190,23 +188,33 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     out = np.empty(end + 9, dtype=np.uint8)
     out[:start] = np.frombuffer(prefix, dtype=np.uint8)
     out[start - _DIGEST_TAIL:start - 5] = np.frombuffer(digest, dtype=np.uint8)
-    pos = start
-    for a in arrays:
-        np.copyto(out[pos:pos + a.bits.nbytes].view(a.bits.dtype).reshape(a.bits.shape), a.bits)
-        pos += a.bits.nbytes
+    first = arrays[0].bits
+    if all(a.bits.dtype == first.dtype and a.bits.shape == first.shape for a in arrays):
+        # The usual K/V block: one stacked view, one copy per array.
+        stacked = out[start:end].view(first.dtype).reshape((len(arrays),) + first.shape)
+        for i, a in enumerate(arrays):
+            np.copyto(stacked[i], a.bits)
+    else:
+        pos = start
+        for a in arrays:
+            np.copyto(out[pos:pos + a.bits.nbytes].view(a.bits.dtype).reshape(a.bits.shape), a.bits)
+            pos += a.bits.nbytes
     view = memoryview(out)
     checksum = payload_checksum(view[start:end])
     out[end:] = np.frombuffer(bytes([_UINT64]) + checksum.to_bytes(8, "big"), dtype=np.uint8)
     return view.toreadonly()
 
 
-def _check_encodable(name: str, a: RawArray, n_tokens: int) -> None:
-    if a.dtype not in DTYPES or a.bits.dtype.itemsize != DTYPES[a.dtype].itemsize:
-        raise ValueError(f"{name}: dtype {a.dtype!r} (bits {a.bits.dtype}) not storable; allowed: {', '.join(DTYPES)}")
-    if is_token_array(name) and (a.bits.ndim != 4 or a.bits.shape[2] != n_tokens):
-        raise ValueError(f"{name}: a token array must be 4-D with {n_tokens} tokens on axis 2, got {a.bits.shape}")
-    if not 1 <= a.bits.ndim <= MAX_RANK or 0 in a.bits.shape:
-        raise ValueError(f"{name}: shape {a.bits.shape}; allowed 1-{MAX_RANK} positive dimensions")
+@functools.lru_cache(maxsize=64)
+def _check_encodable(specs: tuple, itemsizes: tuple, n_tokens: int) -> None:
+    """``ValueError`` naming the first array a block cannot hold (cached: a store's blocks share specs)."""
+    for (name, dtype, shape), itemsize in zip((a for layer in specs for a in layer), itemsizes):
+        if dtype not in DTYPES or itemsize != DTYPES[dtype].itemsize:
+            raise ValueError(f"{name}: dtype {dtype!r} ({itemsize}-byte bits) not storable; allowed: {', '.join(DTYPES)}")
+        if is_token_array(name) and (len(shape) != 4 or shape[2] != n_tokens):
+            raise ValueError(f"{name}: a token array must be 4-D with {n_tokens} tokens on axis 2, got {shape}")
+        if not 1 <= len(shape) <= MAX_RANK or 0 in shape:
+            raise ValueError(f"{name}: shape {shape}; allowed 1-{MAX_RANK} positive dimensions")
 
 
 @dataclass(frozen=True)
@@ -297,6 +305,7 @@ class _Format:
     payload_start: int
     payload_length: int
     masked: bool  # the digest sits where the encoder puts it (see _DIGEST_TAIL)
+    uniform: bool  # every array has one dtype and shape (a plain K/V block)
 
 
 # Parsed prefixes seen recently, most recent last: every block of a store has the same one
@@ -312,12 +321,22 @@ def _masked(view: memoryview | bytes, n: int) -> bytes:
     return bytes(view[:n - _DIGEST_TAIL]) + bytes(DIGEST_BYTES) + bytes(view[n - 5:n])
 
 
+def _same_prefix(view: memoryview, fmt: _Format) -> bool:
+    n = len(fmt.prefix)
+    if len(view) <= n:
+        return False
+    if not fmt.masked:
+        return view[:n] == fmt.prefix
+    cut = n - _DIGEST_TAIL
+    return view[:cut] == fmt.prefix[:cut] and view[n - 5:n] == fmt.prefix[n - 5:n]
+
+
 def _known_format(view: memoryview) -> tuple[_Format, bytes] | None:
     """A remembered format this value has, and the value's digest."""
     with _FORMATS_LOCK:
         for key, fmt in _FORMATS.items():
             n = len(fmt.prefix)
-            if len(view) > n and (_masked(view, n) if fmt.masked else bytes(view[:n])) == key:
+            if _same_prefix(view, fmt):
                 _FORMATS.move_to_end(key)  # iteration ends here, so moving is safe
                 return fmt, (bytes(view[n - _DIGEST_TAIL:n - 5]) if fmt.masked else fmt.header["digest"])
     return None
@@ -377,7 +396,8 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
               and bytes(view[start - _DIGEST_TAIL - 2:start - _DIGEST_TAIL]) == b"\xc4\x20"
               and bytes(view[start - _DIGEST_TAIL:start - 5]) == digest)
     layout = tuple(tuple((name, dtype, shape) for name, dtype, _, shape, _ in layer) for layer in specs)
-    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, masked)
+    flat = [(a[1], a[3]) for layer in specs for a in layer]
+    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, masked, flat.count(flat[0]) == len(flat))
     _remember_format(fmt)
     return fmt
 
@@ -412,12 +432,16 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
     stored = int.from_bytes(view[end + 1:end + 9], "big")
     if payload_checksum(payload) != stored:
         raise CorruptBlockError("checksum: payload does not match", "checksum")
-    data = np.frombuffer(payload, dtype=np.uint8)
-    layers, pos = [], 0
-    for layer in fmt.specs:
-        arrays = {}
-        for name, dtype, bits_dtype, shape, size in layer:
-            arrays[name] = RawArray(dtype, data[pos:pos + size].view(bits_dtype).reshape(shape))
-            pos += size
-        layers.append(arrays)
-    return DecodedBlock(n_tokens, layers, fmt.layout)
+    return DecodedBlock(n_tokens, _payload_arrays(np.frombuffer(payload, dtype=np.uint8), fmt), fmt.layout)
+
+
+def _payload_arrays(data: np.ndarray, fmt: _Format) -> list[dict[str, RawArray]]:
+    """Per layer, views of its arrays in the payload bytes ``data``."""
+    specs = [a for layer in fmt.specs for a in layer]
+    _, dtype, bits_dtype, shape, _ = specs[0]
+    if fmt.uniform:  # the usual K/V block: one view, indexed per array
+        views = iter(data.view(bits_dtype).reshape((len(specs),) + shape))
+    else:
+        offsets = np.cumsum([0] + [size for *_, size in specs])
+        views = iter(data[offsets[i]:offsets[i + 1]].view(spec[2]).reshape(spec[3]) for i, spec in enumerate(specs))
+    return [{name: RawArray(dtype, next(views)) for name, dtype, *_ in layer} for layer in fmt.specs]
