@@ -117,7 +117,7 @@ class BlockDraftCache:
 
         self.raw_store = raw_store
         self.block_size = raw_store.block_size
-        self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0}
+        self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0, "stream_errors": 0}
         self.unsupported_reason: str | None = None
         self._metas = None
         self._needs_recorder = False
@@ -142,18 +142,17 @@ class BlockDraftCache:
             return None
         if tokens is None:
             return BlockRecorder(self.block_size)
-        recorder = BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(recorder, tokens,
-                                                                                            end, layers))
-        recorder.written = 0
-        return recorder
+        tokens = list(tokens)
+        return BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(tokens, end, layers))
 
-    def _write_now(self, recorder: Any, tokens: Sequence[int], end: int, layers: list[dict[str, mx.array]]) -> None:
+    def _write_now(self, tokens: list[int], end: int, layers: list[dict[str, mx.array]]) -> int:
         """Store one block the moment the prefill passes its end; a failure is a store that wrote nothing."""
         try:
-            recorder.written += self.raw_store.store_blocks(tokens, _raw_blocks([(end, layers)]))
+            return self.raw_store.store_blocks(tokens, _raw_blocks([(end, layers)]))
         except Exception as exc:  # never raise into scoring: storage is best effort
-            self.local_counters["stream_errors"] = self.local_counters.get("stream_errors", 0) + 1
+            self.local_counters["stream_errors"] += 1
             log.warning("draft cache: could not store block ending at %d: %s: %s", end, type(exc).__name__, exc)
+            return 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         if self.unsupported_reason is not None:

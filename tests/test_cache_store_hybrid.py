@@ -181,7 +181,14 @@ def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
     recorder = store.recorder(PROMPT)
     seen = []
     sink = recorder.sink
-    recorder.sink = lambda end, layers: (sink(end, layers), seen.append(sum(client.exists(k) for k in keys)))
+
+
+    def spy(end, layers):
+        written = sink(end, layers)
+        seen.append(sum(client.exists(k) for k in keys))
+        return written
+
+    recorder.sink = spy
     result = score_prompt(model, PROMPT, profile_model(model), block_size=BLOCK, on_step=recorder, **SCORE)
     assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
     assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
@@ -204,3 +211,17 @@ def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
     score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
     restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
     assert restored is not None and len(restored) == len(make_cache(model))
+
+
+def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
+    model = F.build("lfm2", seed=2)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+
+    def broken(*_):
+        raise MemoryError("no room for the block here")
+
+    monkeypatch.setattr(store.raw_store, "store_blocks", broken)
+    cold = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
+    monkeypatch.undo()
+    assert store.fetch(PROMPT) == (None, 0)

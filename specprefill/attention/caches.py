@@ -221,12 +221,14 @@ class BlockRecorder:
     With ``sink``, each block is handed over complete as soon as it ends instead
     (``sink(end, per-layer arrays)``, K/V sliced from the cache at that step) and nothing is
     kept: memory stays one block's worth however long the prompt (a Qwen3.5-0.8B block holds
-    18 MiB of recurrent state). The sink must copy what it keeps before returning.
+    18 MiB of recurrent state). The sink must copy what it keeps before returning; it returns
+    how many blocks it stored, summed in ``written``.
     """
 
-    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], None] | None = None):
+    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], int] | None = None):
         self.block_size = block_size
         self.sink = sink
+        self.written = 0
         self.states: dict[int, list[dict[str, mx.array]]] = {}  # block end -> per layer
         self._pieces: dict[tuple[int, str], list[mx.array]] = {}
 
@@ -249,7 +251,7 @@ class BlockRecorder:
             per_layer = [{**block_arrays(meta, {n: a for n, a in arrays.items() if is_token_array(n) and n not in
                                                 recorded}, end - self.block_size, end), **recorded}
                          for (meta, arrays), recorded in zip(layers, kept)]
-            self.sink(end, per_layer)
+            self.written += self.sink(end, per_layer) or 0
             return
         mx.eval(kept)
         self.states[end] = kept
