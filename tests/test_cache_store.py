@@ -146,12 +146,14 @@ def bad_values(good: bytes, foreign: bytes, other_block: bytes):
         "bit_flip": good[:-50] + bytes([good[-50] ^ 4]) + good[-49:],
         "not_msgpack": b"\xc1\xc1\xc1",
         "wrong_version": msgpack.packb([{**header, "version": 99}, payload, checksum]),
+        "format_1": msgpack.packb([{k: v for k, v in header.items() if k != "digest"} | {"version": 1}, payload,
+                                   checksum]),
         "wrong_fingerprint": msgpack.packb([{**header, "fingerprint": "ee" * 32}, payload, checksum]),
         "foreign_layout": foreign,
     }
 
 
-@pytest.mark.parametrize("kind", ["truncated", "bit_flip", "not_msgpack", "wrong_version",
+@pytest.mark.parametrize("kind", ["truncated", "bit_flip", "not_msgpack", "wrong_version", "format_1",
                                   "wrong_fingerprint", "foreign_layout", "swapped_valid_block", "rebound_digest"])
 def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
     model, fp = llama
