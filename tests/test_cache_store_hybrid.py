@@ -225,3 +225,20 @@ def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
     assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
     monkeypatch.undo()
     assert store.fetch(PROMPT) == (None, 0)
+
+
+def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from worker.reporting import ReportingDraftCache
+
+    events = []
+    reporter = type("Reporter", (), {"publish": lambda self, kind, **f: events.append((kind, f))})()
+    model = F.build("llama", seed=1)
+    raw = RedisBlockStore(redis.Redis.from_url(redis_url), "ab" * 32, block_size=BLOCK)
+    pinned = lambda: [RotatingKVCache(max_size=32, keep=4) for _ in make_cache(model)]  # noqa: E731
+    store = ReportingDraftCache(BlockDraftCache(raw, pinned), reporter)
+    assert store.recorder(PROMPT) is None and store.fetch(PROMPT) == (None, 0)
+    assert store.store(PROMPT, pinned()) == 0
+    assert events[-1] == ("cache_store", {"blocks": 0, "skipped": "cache layer 0: RotatingKVCache with keep=4 "
+                                                               "(tokens pinned at the start)"})

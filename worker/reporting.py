@@ -112,5 +112,8 @@ class ReportingDraftCache:
         self.blocks_written = (self.inner.store(tokens, cache, recorder) if recorder is not None
                                else self.inner.store(tokens, cache))
         self.timings["cache_store"] = time.perf_counter() - t0
-        self.reporter.publish("cache_store", blocks=self.blocks_written)
+        # A cache the store cannot hold says why (e.g. a window with pinned tokens), so the
+        # watcher knows it is not a miss by chance.
+        reason = getattr(self.inner, "unsupported_reason", None)
+        self.reporter.publish("cache_store", blocks=self.blocks_written, **({"skipped": reason} if reason else {}))
         return self.blocks_written
