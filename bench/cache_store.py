@@ -13,8 +13,13 @@
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
+4. Sizes: bytes per token and per 256-token block actually stored (``STRLEN`` of the values,
+   headers included) for a Qwen3.5-0.8B-shaped hybrid draft (its real 24 layers, widths and
+   3:1 Gated-DeltaNet/attention pattern; random bfloat16 weights, a 1024-word vocabulary since
+   the vocabulary changes no cached byte) next to a dense Qwen2.5-0.5B-shaped one, each with
+   bfloat16 and 4-bit KV; split into K/V bytes and recurrent-state bytes.
 
-    .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 3]
+    .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 3] [--no-sizes]
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import redis  # noqa: E402
 from redis._parsers import _HiredisParser, _RESP2Parser  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from cache_store import RedisBlockStore, SelectionMemo  # noqa: E402
+from cache_store import RedisBlockStore, SelectionMemo, is_token_array  # noqa: E402
 from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum  # noqa: E402
 from cli.embedded_redis import EmbeddedRedis  # noqa: E402
 from specprefill.draft_cache import BlockDraftCache  # noqa: E402
@@ -48,8 +53,9 @@ from specprefill.selection import plan_selection, to_ranges  # noqa: E402
 GB = 1e9
 BLOCK = 256
 FP = hashlib.sha256(b"bench/cache_store").hexdigest()
+DIGEST = hashlib.sha256(b"a block's chain digest").digest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
-GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02, "hiredis": 1.2}
+GOALS = {"codec": 0.5, "transport": 0.8, "warm": 0.25, "memo": 0.02, "hiredis": 1.2, "kv4_dense": 0.3}
 PARSERS = {"hiredis": _HiredisParser, "python": _RESP2Parser}
 
 
@@ -93,11 +99,11 @@ def bench_codec() -> dict[str, float]:
     block = [{name: RawArray(dtype, bits[:, :, span]) for name, (dtype, bits) in layer.items()} for layer in layers]
     arrays = [a for layer in block for a in layer.values()]
     n_bytes = sum(a.bits.nbytes for a in arrays)
-    value = bytes(encode_block(FP, BLOCK, block))
+    value = bytes(encode_block(FP, BLOCK, block, digest=DIGEST))
 
     def codec_round_trip():
-        encoded = encode_block(FP, BLOCK, block)
-        decoded = decode_block(encoded, fingerprint=FP, n_tokens=BLOCK)
+        encoded = encode_block(FP, BLOCK, block, digest=DIGEST)
+        decoded = decode_block(encoded, fingerprint=FP, n_tokens=BLOCK, digest=DIGEST)
         to_mlx_many([a for layer in decoded.layers for a in layer.values()])
 
     def plain_round_trip():
@@ -229,10 +235,78 @@ def transport_rows(server: EmbeddedRedis, rows: list) -> list[tuple[str, float, 
              GOALS["hiredis"])]
 
 
+# Real text configs (vocabulary reduced: it changes no cached byte).
+QWEN35_08B = dict(model_type="qwen3_5", vocab_size=1024, hidden_size=1024, intermediate_size=3584,
+                  num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                  linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=262144,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+QWEN25_05B = dict(model_type="qwen2", vocab_size=1024, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=32768)
+
+
+def shaped_model(config: dict):
+    """A bfloat16 model of ``config`` (an mlx-lm model type's ``ModelArgs``) with mlx's random
+    initial weights (the sizes measured here depend on shapes and dtypes only)."""
+    import importlib
+
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(dict(config)))
+    cast = getattr(model, "cast_predicate", lambda _: True)  # what mlx-lm's convert keeps in float32
+    model.update(tree_unflatten([(path, p.astype(mx.bfloat16) if cast(path) else p)
+                                 for path, p in tree_flatten(model.parameters())]))
+    mx.eval(model.parameters())
+    return model
+
+
+def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str) -> dict[str, float]:
+    """Bytes of one stored block (value, K/V arrays, state arrays) after scoring BLOCK + 1 tokens."""
+    from cache_store import model_fingerprint
+    from specprefill.attention.probe import make_cache, profile_model as probe_model
+    from specprefill.draft_cache import block_description, block_layout_of
+    from specprefill.reuse import score_prompt_with_cache
+
+    def fresh():
+        return make_cache(model, kv_bits, 64)
+
+    fp = model_fingerprint(block_description(model, fresh), namespace, block_size=BLOCK)
+    raw = RedisBlockStore(client, fp, namespace=namespace, block_size=BLOCK, layout=block_layout_of(model, fresh))
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 1024, BLOCK + 1)]
+    score_prompt_with_cache(model, tokens, probe_model(model, kv_bits=kv_bits, kv_group_size=64),
+                            BlockDraftCache(raw, fresh), n_lookahead=2)
+    (key,) = raw.block_keys(tokens)
+    layers, _ = raw.fetch(tokens + [0])
+    arrays = [(name, a) for layer in layers for name, a in layer.items()]
+    kv = sum(a.bits.nbytes for name, a in arrays if is_token_array(name))
+    return {"value": client.strlen(key), "kv": kv, "state": sum(a.bits.nbytes for _, a in arrays) - kv}
+
+
+def bench_sizes(client: redis.Redis) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
+    """Rows of the size table, and the 4-bit / bfloat16 block-size ratio per model."""
+    rows, ratios = [], {}
+    for label, config in (("Qwen3.5-0.8B-shaped hybrid (6 attention + 18 DeltaNet layers)", QWEN35_08B),
+                          ("Qwen2.5-0.5B-shaped dense (24 attention layers)", QWEN25_05B)):
+        model = shaped_model(config)
+        sizes = {bits: stored_sizes(client, model, bits, f"size-{config['model_type']}-{bits}") for bits in (None, 4)}
+        for bits, size in sizes.items():
+            rows.append((f"{label}, {'bf16' if bits is None else '4-bit'} KV",
+                         f"{size['value'] / BLOCK:,.0f} B/token", f"{size['value'] / 2**20:.2f} MiB/block",
+                         f"K/V {size['kv'] / 2**20:.2f} + state {size['state'] / 2**20:.2f} MiB"))
+        ratios[config["model_type"]] = sizes[4]["value"] / sizes[None]["value"]
+        del model
+    return rows, ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-sizes", action="store_true", help="skip the per-model block sizes (4.)")
     opts = parser.parse_args()
 
     print(f"BLAS: {blas_in_use()}")
@@ -272,6 +346,14 @@ def main() -> int:
                          f"cold {e['cold']:.3f} s", f"{e['memo'] / e['cold']:.5f}"))
             verdicts.append((f"warm_vs_cold_{length}", e["warm"] / e["cold"], "<=", GOALS["warm"]))
             verdicts.append((f"memo_vs_cold_{length}", e["memo"] / e["cold"], "<=", GOALS["memo"]))
+        if not opts.no_sizes:
+            size_rows, ratios = bench_sizes(client)
+            rows.append(("**stored sizes** (one 256-token block, header included)", "per token", "per block",
+                         "split"))
+            rows.extend(size_rows)
+            # 4-bit K/V with a bfloat16 scale and bias per 64 values: 36 / 128 of bfloat16.
+            verdicts.append(("quantized_kv_block_over_bf16_dense", ratios["qwen2"], "<=", GOALS["kv4_dense"]))
+            print(f"hybrid 4-bit / bf16 block size: {ratios['qwen3_5']:.3f} (recurrent state is not quantized)")
         client.close()
 
     print()

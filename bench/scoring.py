@@ -10,9 +10,14 @@ is MLX's peak during each call. Then a 2K prefill is timed again in a child proc
 ``SPECPREFILL_OPENBLAS=0`` to show what the OpenBLAS preload buys on Linux.
 
 A hybrid draft (qwen3_5 arguments: the real 3:1 recurrent / attention pattern at small widths)
-gets the same comparison at 4K (``--hybrid-lengths``).
+gets the same comparison at 4K (``--hybrid-lengths``), and a warm / cold one
+(:func:`hybrid_warm_over_cold`, ``--hybrid-warm-lengths``): the same draft scores a 4K prompt
+cold (no store) and warm (its first 90 % stored as blocks in a private Redis: K/V of the
+attention layers, the DeltaNet state after each block's last token), through the store as
+the worker wires it; the selections must agree.
 
     .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
+        [--hybrid-warm-lengths 4096]
 """
 from __future__ import annotations
 
@@ -101,6 +106,10 @@ def hybrid_draft(seed: int = 0):
     return model
 
 
+HYBRID_WARM_GOAL = 0.25
+HYBRID_BLOCK = 256
+
+
 def hybrid_section(lengths: list[int], repeats: int) -> bool:
     """Scoring / plain prefill for the hybrid draft, side by side; True when its target passes."""
     model = hybrid_draft()
@@ -127,6 +136,65 @@ def hybrid_section(lengths: list[int], repeats: int) -> bool:
     return passed
 
 
+def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
+    """Cold and warm (90 % stored) scoring seconds of the hybrid draft, best of ``repeats``."""
+    import redis
+
+    from cache_store import RedisBlockStore, model_fingerprint
+    from cli.embedded_redis import EmbeddedRedis
+    from specprefill.attention.probe import make_cache, profile_model as probe_model
+    from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
+    from specprefill.options import SelectionOptions
+    from specprefill.reuse import score_prompt_with_cache
+    from specprefill.selection import plan_selection
+
+    model = hybrid_draft()
+    profile = probe_model(model)
+    fresh = lambda: make_cache(model)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), "bench-hybrid", block_size=HYBRID_BLOCK)
+    select = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
+    rows = []
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        raw = RedisBlockStore(client, fp, block_size=HYBRID_BLOCK, layout=block_layout_of(model, fresh))
+        store = BlockDraftCache(raw, fresh)
+        score_prompt_with_cache(model, prompt_of(300), profile, None)  # warm-up
+        for length in lengths:
+            tokens = prompt_of(length)
+            cold, warm, cached = [], [], 0
+            for _ in range(repeats):
+                seconds, _, _ = measured(lambda: cold.append(score_prompt_with_cache(model, tokens, profile, None)))
+                cold[-1] = (seconds, cold[-1])
+                client.flushall()
+                score_prompt_with_cache(model, tokens[:int(0.9 * length)], profile, store)  # the stored 90 %
+                seconds, _, _ = measured(lambda: warm.append(score_prompt_with_cache(model, tokens, profile, store)))
+                warm[-1] = (seconds, warm[-1])
+                cached = warm[-1][1].cached_tokens
+                same = (plan_selection(warm[-1][1].importance, select).indices.tolist()
+                        == plan_selection(cold[-1][1].importance, select).indices.tolist())
+                assert same, "hybrid warm and cold selections differ"
+                cold[-1], warm[-1] = cold[-1][0], warm[-1][0]
+            rows.append(dict(length=length, cold=min(cold), warm=min(warm), cached=cached,
+                             block_mb=client.strlen(raw.block_keys(tokens)[0]) / MB))
+        client.close()
+    return rows
+
+
+def print_hybrid(rows: list[dict]) -> bool:
+    """The hybrid table and its target lines; whether all passed."""
+    print("\nhybrid draft qwen3_5 (8 layers 3:1 DeltaNet/attention, hidden 256), blocks of 256 tokens")
+    print("| tokens | restored | cold s | warm s | warm / cold | block MiB |")
+    print("|-------:|---------:|-------:|-------:|------------:|----------:|")
+    for r in rows:
+        print(f"| {r['length']:6d} | {r['cached']:8d} | {r['cold']:6.3f} | {r['warm']:6.3f} | "
+              f"{r['warm'] / r['cold']:11.3f} | {r['block_mb']:9.2f} |")
+    ok = True
+    for r in rows:
+        ok &= verdict(f"hybrid_warm_over_cold_{r['length']}", r["warm"] / r["cold"], "<=", HYBRID_WARM_GOAL,
+                      f"{r['warm'] / r['cold']:.3f}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
@@ -135,6 +203,8 @@ def main() -> int:
                         help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
     parser.add_argument("--hybrid-lengths", type=int, nargs="*", default=[4096],
                         help="prompt lengths of the hybrid (qwen3_5) draft comparison (none skips it)")
+    parser.add_argument("--hybrid-warm-lengths", type=int, nargs="*", default=[4096],
+                        help="prompt lengths of the hybrid warm/cold comparison (none skips it)")
     parser.add_argument("--prefill-only", type=int, default=0, help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
@@ -188,8 +258,11 @@ def main() -> int:
         print(f"\nprefill of {opts.blas_length} tokens: {with_blas:.3f} s with OpenBLAS, "
               f"{stock['seconds']:.3f} s with {stock['blas']} -> OpenBLAS speed-up {stock['seconds'] / with_blas:.1f}x")
 
+    hybrid = hybrid_warm_over_cold(opts.hybrid_warm_lengths, opts.repeats) if opts.hybrid_warm_lengths else []
+    hybrid_ok = print_hybrid(hybrid) if hybrid else True
+
     print()
-    failed = False
+    failed = not hybrid_ok
     for r in rows:
         if r["length"] in RATIO_TARGET_LENGTHS:
             failed |= not verdict(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,

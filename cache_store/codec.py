@@ -1,27 +1,37 @@
-"""One KV block as one msgpack value: per layer, named raw arrays in, the same out.
+"""One block as one msgpack value: per layer, named raw arrays in, the same out.
 
-A block holds, for every layer, the arrays named :data:`LAYER_ARRAYS` (``keys`` then
-``values``), each as raw little-endian bits with a dtype name and a 4-D shape whose axis 2
-is the block's tokens. A value is the msgpack array ``[header, payload, checksum]``:
+A block holds, for every layer, any number of named arrays (none for a layer without a
+cache), each as raw little-endian bits with a dtype name and a shape. Two kinds, told apart
+by the name (:func:`is_token_array`):
 
-- ``header``: a map with ``version``, ``fingerprint``, ``tokens`` (tokens in the
-  block) and ``layers``, one ``[keys_dtype, keys_shape, values_dtype,
-  values_shape]`` entry per layer; ``pad`` only aligns the payload.
-- ``payload``: one ``bin`` holding every layer's keys then values, in layer order,
-  as the arrays' raw little-endian bits (C order). It starts 16-byte aligned in
-  the value so readers can view it in place.
+- token arrays (a dot-separated part of the name is ``keys`` or ``values``: ``keys``,
+  ``values.scales``, ``1.keys``): 4-D, axis 2 is the block's tokens; a prefix joins its
+  blocks' token arrays along that axis (attention K/V, quantized K/V parts as they are);
+- state arrays (anything else, e.g. ``state.0``): a fixed-size snapshot as it is after the
+  block's last token (recurrent state); a prefix takes its last block's.
+
+A value is the msgpack array ``[header, payload, checksum]``:
+
+- ``header``: a map with ``version``, ``fingerprint``, ``tokens`` (tokens in the block),
+  ``layers`` (per layer a list of ``[name, dtype, shape]`` in name order), ``pad`` (only
+  aligns the payload) and ``digest``: the block's chain digest (the last part of its key),
+  so a valid block under another key is detected (:func:`decode_block` ``digest=``);
+- ``payload``: one ``bin`` holding every layer's arrays, in layer then name order, as raw
+  little-endian bits (C order). It starts 16-byte aligned in the value so readers can view
+  it in place;
 - ``checksum``: the payload's 64-bit XXH3 (see :func:`payload_checksum`).
 
 Any msgpack reader can read a value; :func:`decode_block` reads it without copying the
 payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so float32, float16 and
-bfloat16 round-trip bit-exactly. Other per-layer array kinds (recurrent state snapshots,
-quantized K/V parts) would be new names in a new format version; the store handles layers
-as named arrays already.
+bfloat16 round-trip bit-exactly. Version 1 (keys and values only, no digest) is refused
+(:class:`OldFormatError`, a miss): its blocks live under other keys anyway, since the
+model fingerprint covers the version.
 """
 from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,26 +41,55 @@ import msgpack
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
-# The named arrays of every layer of a version-1 block, in payload order.
+# The named arrays of a plain attention layer (the KV cache), in payload order.
 LAYER_ARRAYS = ("keys", "values")
-_LAYER_NAMES = frozenset(LAYER_ARRAYS)
+TOKEN_PARTS = frozenset(LAYER_ARRAYS)
+ARRAY_NAME = re.compile(r"[A-Za-z0-9_]{1,32}(\.[A-Za-z0-9_]{1,32}){0,3}")
+MAX_RANK = 6
+DIGEST_BYTES = 32
 
 # dtype name -> numpy dtype of the same width that carries the bits
 DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<u4"),
     "float16": np.dtype("<u2"),
     "bfloat16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),  # quantized K/V's packed values
 }
 
 _ALIGN = 16
 _BIN32 = 0xC6
 _UINT64 = 0xCF
+# The encoder writes the digest last in the header (bin8 marker and length, then its 32
+# bytes), right before the payload's bin32 marker and 4-byte length: it starts this many
+# bytes before the payload. Known prefixes are matched with that span masked.
+_DIGEST_TAIL = DIGEST_BYTES + 5
+
+
+def is_token_array(name: str) -> bool:
+    """Token-indexed (tokens on axis 2: ``keys``, ``values.packed``, ``1.keys``) rather than state."""
+    return bool(TOKEN_PARTS & set(name.split(".")))
 
 
 class CorruptBlockError(ValueError):
-    """A stored value that is not a valid block for this store (bad, stale or foreign)."""
+    """A stored value that is not a valid block for this store (bad, stale or foreign).
+
+    ``reason`` names the failed check: ``header`` (not a block, malformed or inconsistent
+    header, wrong token count), ``version``, ``fingerprint``, ``key`` (a valid block of
+    another key), ``checksum`` or ``layout`` (not this model's layers).
+    """
+
+    def __init__(self, message: str, reason: str = "header") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class OldFormatError(CorruptBlockError):
+    """A block of an earlier format version: never read (its keys are another fingerprint's)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "version")
 
 
 class RawArray(NamedTuple):
@@ -68,19 +107,23 @@ class RawArray(NamedTuple):
 
 
 Layer = Mapping[str, RawArray]  # one layer's named arrays
-# Per layer, per named array (in LAYER_ARRAYS order): (name, dtype, shape). Comparable.
+# Per layer, per named array (in name order): (name, dtype, shape). Comparable.
 BlockLayout = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...]
 
 
-def layer_arrays(layer: Mapping[str, Sequence]) -> list[RawArray]:
-    """The arrays of one layer in payload order, as :class:`RawArray`; ``ValueError`` if the
-    layer does not hold exactly the :data:`LAYER_ARRAYS`."""
+def layer_arrays(layer: Mapping[str, Sequence]) -> list[tuple[str, RawArray]]:
+    """``(name, array)`` of one layer's arrays in payload (name) order; ``ValueError`` for a
+    layer that is not a mapping of valid names (see :data:`ARRAY_NAME`) to raw arrays."""
     keys = getattr(layer, "keys", None)
-    if keys is None or keys() != _LAYER_NAMES:
-        names = sorted(keys()) if keys is not None else type(layer).__name__
-        raise ValueError(f"layers: each layer holds exactly {', '.join(LAYER_ARRAYS)}, got {names}")
-    arrays = [layer[name] for name in LAYER_ARRAYS]
-    return [a if type(a) is RawArray else RawArray(*a) for a in arrays]
+    if keys is None:
+        raise ValueError(f"layers: each layer is a mapping of named arrays, got {type(layer).__name__}")
+    out = []
+    for name in sorted(keys()):
+        if not isinstance(name, str) or not ARRAY_NAME.fullmatch(name):
+            raise ValueError(f"layers: array name {name!r}; allowed dot-separated parts of letters, digits, '_'")
+        a = layer[name]
+        out.append((name, a if type(a) is RawArray else RawArray(*a)))
+    return out
 
 
 def payload_checksum(payload: memoryview) -> int:
@@ -93,24 +136,25 @@ def payload_checksum(payload: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def _check_digest(digest: bytes) -> bytes:
+    if not isinstance(digest, (bytes, bytearray)) or len(digest) != DIGEST_BYTES:
+        raise ValueError(f"digest: expected the block's {DIGEST_BYTES}-byte chain digest")
+    return bytes(digest)
+
+
 @functools.lru_cache(maxsize=64)
 def _aligned_prefix(fingerprint: str, n_tokens: int, specs: tuple, payload_size: int) -> bytes:
-    """``fixarray(3)``, the header and the payload's bin32 marker, padded so the payload is aligned.
-
-    ``specs``: ``(dtype, shape)`` of every array in payload order. Cached: every block of one
-    store has the same header.
-    """
-    n = len(LAYER_ARRAYS)
+    """``fixarray(3)``, the header (a zero digest) and the payload's bin32 marker, padded so
+    the payload is aligned. ``specs``: per layer, ``(name, dtype, shape)`` of its arrays."""
     header = {
         "version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "tokens": n_tokens,
-        "layers": [[x for dtype, shape in specs[i:i + n] for x in (dtype, list(shape))]
-                   for i in range(0, len(specs), n)],
+        "layers": [[[name, dtype, list(shape)] for name, dtype, shape in layer] for layer in specs],
     }
 
     def prefix(pad: int) -> bytes:
-        return (b"\x93" + msgpack.packb({**header, "pad": b"\0" * pad})
+        return (b"\x93" + msgpack.packb({**header, "pad": b"\0" * pad, "digest": bytes(DIGEST_BYTES)})
                 + bytes([_BIN32]) + payload_size.to_bytes(4, "big"))
 
     pad = -len(prefix(0)) % _ALIGN
@@ -120,27 +164,33 @@ def _aligned_prefix(fingerprint: str, n_tokens: int, specs: tuple, payload_size:
     return out
 
 
-def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer]) -> memoryview:
-    """Serialise one block (per layer: its named arrays as raw bits) into one value.
+def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, digest: bytes) -> memoryview:
+    """Serialise one block (per layer: its named arrays as raw bits) into one value bound to
+    ``digest`` (its chain digest, the last part of its key).
 
     Copies each array once, straight into the value buffer (so a slice of a big
     cache does not pin it). Returns a read-only memoryview redis-py sends as is.
     """
-    arrays = [a for layer in layers for a in layer_arrays(layer)]
+    digest = _check_digest(digest)
+    per_layer = [layer_arrays(layer) for layer in layers]
+    arrays = [a for named in per_layer for _, a in named]
     if not arrays:
-        raise ValueError("layers: a block needs at least one layer")
+        raise ValueError("layers: a block needs at least one array")
     payload_size = sum(a.bits.nbytes for a in arrays)
     if payload_size >= 1 << 32:
         raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
-    specs = tuple((a.dtype, a.bits.shape) for a in arrays)
+    specs = tuple(tuple((name, a.dtype, a.bits.shape) for name, a in named) for named in per_layer)
+    _check_encodable(specs, tuple(a.bits.dtype.itemsize for a in arrays), n_tokens)
     prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
     start = len(prefix)
     end = start + payload_size
     # np.empty, not bytearray: no zero-fill pass over memory that is overwritten next.
     out = np.empty(end + 9, dtype=np.uint8)
     out[:start] = np.frombuffer(prefix, dtype=np.uint8)
+    out[start - _DIGEST_TAIL:start - 5] = np.frombuffer(digest, dtype=np.uint8)
     first = arrays[0].bits
     if all(a.bits.dtype == first.dtype and a.bits.shape == first.shape for a in arrays):
+        # The usual K/V block: one stacked view, one copy per array.
         stacked = out[start:end].view(first.dtype).reshape((len(arrays),) + first.shape)
         for i, a in enumerate(arrays):
             np.copyto(stacked[i], a.bits)
@@ -155,12 +205,24 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer]) -> me
     return view.toreadonly()
 
 
+@functools.lru_cache(maxsize=64)
+def _check_encodable(specs: tuple, itemsizes: tuple, n_tokens: int) -> None:
+    """``ValueError`` naming the first array a block cannot hold (cached: a store's blocks share specs)."""
+    for (name, dtype, shape), itemsize in zip((a for layer in specs for a in layer), itemsizes):
+        if dtype not in DTYPES or itemsize != DTYPES[dtype].itemsize:
+            raise ValueError(f"{name}: dtype {dtype!r} ({itemsize}-byte bits) not storable; allowed: {', '.join(DTYPES)}")
+        if is_token_array(name) and (len(shape) != 4 or shape[2] != n_tokens):
+            raise ValueError(f"{name}: a token array must be 4-D with {n_tokens} tokens on axis 2, got {shape}")
+        if not 1 <= len(shape) <= MAX_RANK or 0 in shape:
+            raise ValueError(f"{name}: shape {shape}; allowed 1-{MAX_RANK} positive dimensions")
+
+
 @dataclass(frozen=True)
 class DecodedBlock:
     """A validated block; arrays are views into the stored value (no copy yet)."""
 
     n_tokens: int
-    layers: list[dict[str, RawArray]]  # per layer, its LAYER_ARRAYS by name
+    layers: list[dict[str, RawArray]]  # per layer, its arrays by name
     layout: BlockLayout
 
 
@@ -179,44 +241,43 @@ def _is_dim(d: object) -> bool:
     return isinstance(d, int) and not isinstance(d, bool) and d >= 1
 
 
-def _array_spec(dtype: object, shape: object, n_tokens: int) -> tuple[str, np.dtype, tuple[int, ...], int]:
-    """(dtype name, bits dtype, shape, bytes) of one header array entry, validated."""
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CorruptBlockError(f"layer dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or len(shape) != 4 or not all(_is_dim(d) for d in shape):
-        raise CorruptBlockError(f"layer shape: {shape!r} is not 4 positive ints")
-    if shape[2] != n_tokens:
-        raise CorruptBlockError(f"layer shape: {shape!r} does not hold {n_tokens} tokens")
-    bits_dtype = DTYPES[dtype]
-    return dtype, bits_dtype, tuple(shape), bits_dtype.itemsize * math.prod(shape)
+def _array_spec(entry: object, n_tokens: int) -> tuple[str, str, np.dtype, tuple[int, ...], int]:
+    """(name, dtype name, bits dtype, shape, bytes) of one header array entry, validated.
 
-
-def _layer_specs(entries: list, n_tokens: int) -> list[tuple[str, np.dtype, tuple[int, ...], int]]:
-    """Keys then values spec of every layer; identical layers are validated once.
-
-    Every field is type-checked before it is hashed or multiplied: a crafted header
-    (a list where a dtype belongs) is a :class:`CorruptBlockError`, never a ``TypeError``.
+    Every field is type-checked before it is hashed or multiplied: a crafted header (a list
+    where a dtype belongs) is a :class:`CorruptBlockError`, never a ``TypeError``.
     """
-    seen: dict[tuple, list] = {}
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise CorruptBlockError(f"layers: array entry {entry!r} is not [name, dtype, shape]")
+    name, dtype, shape = entry
+    if not isinstance(name, str) or not ARRAY_NAME.fullmatch(name):
+        raise CorruptBlockError(f"layers: array name {name!r} is not a valid name")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CorruptBlockError(f"{name}: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= MAX_RANK or not all(_is_dim(d) for d in shape):
+        raise CorruptBlockError(f"{name}: shape {shape!r} is not 1-{MAX_RANK} positive ints")
+    if is_token_array(name) and (len(shape) != 4 or shape[2] != n_tokens):
+        raise CorruptBlockError(f"{name}: shape {shape!r} does not hold {n_tokens} tokens on axis 2")
+    bits_dtype = DTYPES[dtype]
+    return name, dtype, bits_dtype, tuple(shape), bits_dtype.itemsize * math.prod(shape)
+
+
+def _layer_specs(entries: list, n_tokens: int) -> list[list[tuple]]:
+    """Per layer, the validated spec of each array; identical layers are validated once."""
+    seen: dict[str, list] = {}
     specs = []
     for entry in entries:
-        if not isinstance(entry, list) or len(entry) != 4:
-            raise CorruptBlockError("layers: entry is not [k_dtype, k_shape, v_dtype, v_shape]")
-        k_dtype, k_shape, v_dtype, v_shape = entry
-        if not (isinstance(k_shape, list) and isinstance(v_shape, list)):
-            raise CorruptBlockError(f"layer shapes: {k_shape!r}, {v_shape!r} are not lists")
-        key = (k_dtype, tuple(k_shape), v_dtype, tuple(v_shape))
-        try:
-            pair = seen.get(key)
-        except TypeError:  # an unhashable dtype or dim: not a layer entry
-            raise CorruptBlockError(f"layers: malformed entry {entry!r}") from None
-        if pair is None:
-            pair = [_array_spec(k_dtype, k_shape, n_tokens), _array_spec(v_dtype, v_shape, n_tokens)]
-            if k_shape[:3] != v_shape[:3]:
-                raise CorruptBlockError(f"layer shapes: keys {k_shape} and values {v_shape} differ in "
-                                        "batch, heads or tokens")
-            seen[key] = pair
-        specs.extend(pair)
+        if not isinstance(entry, list):
+            raise CorruptBlockError("layers: a layer entry is not a list of arrays")
+        key = repr(entry)  # entries are msgpack data: repr is a faithful, always-hashable key
+        layer = seen.get(key)
+        if layer is None:
+            layer = [_array_spec(a, n_tokens) for a in entry]
+            names = [a[0] for a in layer]
+            if names != sorted(set(names)):
+                raise CorruptBlockError(f"layers: array names {names} are not unique and in order")
+            seen[key] = layer
+        specs.append(layer)
     return specs
 
 
@@ -239,38 +300,61 @@ class _Format:
 
     prefix: bytes
     header: dict
-    specs: list  # (dtype name, bits dtype, shape, bytes) of every array, in payload order
+    specs: list  # per layer, (name, dtype name, bits dtype, shape, bytes) of its arrays
     layout: BlockLayout
     payload_start: int
     payload_length: int
+    masked: bool  # the digest sits where the encoder puts it (see _DIGEST_TAIL)
+    uniform: bool  # every array has one dtype and shape (a plain K/V block)
 
 
-# Parsed prefixes seen recently, most recent last: every block of a store has the same
-# one, so a fetch of many blocks parses the header once (a pure memo, like ``re``'s
-# pattern cache). Bounded LRU; the lock makes lookups safe from several threads.
+# Parsed prefixes seen recently, most recent last: every block of a store has the same one
+# but for its digest, so a fetch of many blocks parses the header once (a pure memo, like
+# ``re``'s pattern cache). Bounded LRU; the lock makes lookups safe from several threads.
 _FORMATS: OrderedDict[bytes, _Format] = OrderedDict()
 _FORMATS_LOCK = threading.Lock()
 _MAX_FORMATS = 16
 
 
-def _known_format(view: memoryview) -> _Format | None:
+def _masked(view: memoryview | bytes, n: int) -> bytes:
+    """The first ``n`` bytes with the digest span zeroed (where the encoder writes it)."""
+    return bytes(view[:n - _DIGEST_TAIL]) + bytes(DIGEST_BYTES) + bytes(view[n - 5:n])
+
+
+def _same_prefix(view: memoryview, fmt: _Format) -> bool:
+    n = len(fmt.prefix)
+    if len(view) <= n:
+        return False
+    if not fmt.masked:
+        return view[:n] == fmt.prefix
+    cut = n - _DIGEST_TAIL
+    return view[:cut] == fmt.prefix[:cut] and view[n - 5:n] == fmt.prefix[n - 5:n]
+
+
+def _known_format(view: memoryview) -> tuple[_Format, bytes] | None:
+    """A remembered format this value has, and the value's digest."""
     with _FORMATS_LOCK:
-        for prefix, fmt in _FORMATS.items():
-            if view[:len(prefix)] == prefix:
-                _FORMATS.move_to_end(prefix)  # iteration ends here, so moving is safe
-                return fmt
+        for key, fmt in _FORMATS.items():
+            n = len(fmt.prefix)
+            if _same_prefix(view, fmt):
+                _FORMATS.move_to_end(key)  # iteration ends here, so moving is safe
+                return fmt, (bytes(view[n - _DIGEST_TAIL:n - 5]) if fmt.masked else fmt.header["digest"])
     return None
 
 
 def _remember_format(fmt: _Format) -> None:
+    key = _masked(fmt.prefix, len(fmt.prefix)) if fmt.masked else fmt.prefix
     with _FORMATS_LOCK:
-        _FORMATS[fmt.prefix] = fmt
-        _FORMATS.move_to_end(fmt.prefix)
+        _FORMATS[key] = fmt
+        _FORMATS.move_to_end(key)
         while len(_FORMATS) > _MAX_FORMATS:
             _FORMATS.popitem(last=False)
 
 
-def _read_format(view: memoryview, n_tokens: int) -> _Format:
+def read_header(value: bytes | memoryview) -> tuple[dict, int]:
+    """The header map of a stored value and where the payload's marker starts; no checks
+    beyond "a 3-element msgpack array whose first element is a map"."""
+    view = memoryview(value)
     try:
         unpacker = msgpack.Unpacker(_ViewReader(view), read_size=4096)
         if unpacker.read_array_header() != 3:
@@ -283,8 +367,21 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
         raise CorruptBlockError(f"value: not a block ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise CorruptBlockError("header: not a map")
+    return header, payload_at
+
+
+def _read_format(view: memoryview, n_tokens: int) -> _Format:
+    header, payload_at = read_header(view)
+    if header.get("version") != FORMAT_VERSION:
+        version = header.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and 1 <= version < FORMAT_VERSION:
+            raise OldFormatError(f"version: {version}, an earlier format; this store reads {FORMAT_VERSION}")
+        raise CorruptBlockError(f"version: {version!r}, expected {FORMAT_VERSION}", "version")
     if not _is_dim(header.get("tokens")) or header["tokens"] != n_tokens:
         raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
+    digest = header.get("digest")
+    if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+        raise CorruptBlockError("digest: missing or not a 32-byte chain digest", "key")
     layer_specs = header.get("layers")
     if not isinstance(layer_specs, list) or not layer_specs:
         raise CorruptBlockError("layers: missing or empty")
@@ -292,58 +389,59 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
         raise CorruptBlockError("value: truncated before the payload")
     start, length = _payload_span(view, payload_at)
     specs = _layer_specs(layer_specs, n_tokens)
-    if sum(size for _, _, _, size in specs) != length:
-        raise CorruptBlockError(f"payload: {length} bytes, layers describe {sum(s for *_, s in specs)}")
-    fmt = _Format(bytes(view[:start]), header, specs, _spec_layout(specs), start, length)
+    described = sum(a[4] for layer in specs for a in layer)
+    if described != length or not described:
+        raise CorruptBlockError(f"payload: {length} bytes, layers describe {described}")
+    masked = (start >= _DIGEST_TAIL + 2 and list(header)[-1] == "digest"
+              and bytes(view[start - _DIGEST_TAIL - 2:start - _DIGEST_TAIL]) == b"\xc4\x20"
+              and bytes(view[start - _DIGEST_TAIL:start - 5]) == digest)
+    layout = tuple(tuple((name, dtype, shape) for name, dtype, _, shape, _ in layer) for layer in specs)
+    flat = [(a[1], a[3]) for layer in specs for a in layer]
+    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, masked, flat.count(flat[0]) == len(flat))
     _remember_format(fmt)
     return fmt
 
 
-def _spec_layout(specs: list) -> BlockLayout:
-    n = len(LAYER_ARRAYS)
-    return tuple(tuple((name, dtype, shape) for name, (dtype, _, shape, _) in zip(LAYER_ARRAYS, specs[i:i + n]))
-                 for i in range(0, len(specs), n))
-
-
-def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int) -> DecodedBlock:
+def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
+                 digest: bytes) -> DecodedBlock:
     """Parse and validate a stored value; raise :class:`CorruptBlockError` saying why not.
 
-    Checks the format version, fingerprint, token count, dtypes and shapes against
-    the payload size, and the checksum. The returned arrays view ``value``.
+    Checks the format version, fingerprint, token count, key binding (the header's digest
+    is ``digest``, the chain digest its key names), dtypes and shapes against the payload
+    size, and the checksum. The returned arrays view ``value``.
     """
     view = memoryview(value)
-    fmt = _known_format(view) or _read_format(view, n_tokens)
+    known = _known_format(view)
+    if known is None:
+        fmt = _read_format(view, n_tokens)
+        stored_digest = fmt.header["digest"]
+    else:
+        fmt, stored_digest = known
     header = fmt.header
-    if header.get("version") != FORMAT_VERSION:
-        raise CorruptBlockError(f"version: {header.get('version')!r}, expected {FORMAT_VERSION}")
     if header.get("fingerprint") != fingerprint:
-        raise CorruptBlockError("fingerprint: block belongs to another model or layout")
+        raise CorruptBlockError("fingerprint: block belongs to another model or layout", "fingerprint")
     if header.get("tokens") != n_tokens:
         raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
+    if stored_digest != digest:
+        raise CorruptBlockError("key: a valid block of another key (its digest names another prefix)", "key")
     start, length = fmt.payload_start, fmt.payload_length
     end = start + length
     if end + 9 != len(view) or view[end] != _UINT64:
         raise CorruptBlockError(f"value: {len(view)} bytes, payload says {end + 9} (truncated or padded)")
     payload = view[start:end]
-    specs = fmt.specs
     stored = int.from_bytes(view[end + 1:end + 9], "big")
     if payload_checksum(payload) != stored:
-        raise CorruptBlockError("checksum: payload does not match")
-
-    arrays = _payload_arrays(np.frombuffer(payload, dtype=np.uint8), specs)
-    n = len(LAYER_ARRAYS)
-    layers = [dict(zip(LAYER_ARRAYS, arrays[i:i + n])) for i in range(0, len(arrays), n)]
-    return DecodedBlock(n_tokens, layers, fmt.layout)
+        raise CorruptBlockError("checksum: payload does not match", "checksum")
+    return DecodedBlock(n_tokens, _payload_arrays(np.frombuffer(payload, dtype=np.uint8), fmt), fmt.layout)
 
 
-def _payload_arrays(data: np.ndarray, specs: list) -> list[RawArray]:
-    """Views of every array in the payload bytes ``data``, in payload order."""
-    if specs.count(specs[0]) == len(specs):  # the usual block: one view, indexed per array
-        name, bits_dtype, shape, _ = specs[0]
-        stacked = data.view(bits_dtype).reshape((len(specs),) + shape)
-        return [RawArray(name, stacked[i]) for i in range(len(specs))]
-    arrays, pos = [], 0
-    for name, bits_dtype, shape, size in specs:
-        arrays.append(RawArray(name, data[pos:pos + size].view(bits_dtype).reshape(shape)))
-        pos += size
-    return arrays
+def _payload_arrays(data: np.ndarray, fmt: _Format) -> list[dict[str, RawArray]]:
+    """Per layer, views of its arrays in the payload bytes ``data``."""
+    specs = [a for layer in fmt.specs for a in layer]
+    _, dtype, bits_dtype, shape, _ = specs[0]
+    if fmt.uniform:  # the usual K/V block: one view, indexed per array
+        views = iter(data.view(bits_dtype).reshape((len(specs),) + shape))
+    else:
+        offsets = np.cumsum([0] + [size for *_, size in specs])
+        views = iter(data[offsets[i]:offsets[i + 1]].view(spec[2]).reshape(spec[3]) for i, spec in enumerate(specs))
+    return [{name: RawArray(dtype, next(views)) for name, dtype, *_ in layer} for layer in fmt.specs]

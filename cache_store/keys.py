@@ -65,11 +65,23 @@ def model_fingerprint(description: Mapping[str, Any], identity: str, *, block_si
         raise ValueError("description: expected a mapping describing the model, without "
                          f"{', '.join(_FINGERPRINT_FIELDS)}")
     try:
-        text = canonical_json({**description, "format_version": FORMAT_VERSION, "identity": identity,
+        text = canonical_json({**_finite(description), "format_version": FORMAT_VERSION, "identity": identity,
                                "block_size": block_size})
     except ValueError as exc:
         raise ValueError(f"description: {exc}") from None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with infinities as tagged strings: configs hold them (mamba2's and nemotron-h's
+    ``time_step_limit`` = (0, inf)), and JSON has no spelling for them. NaN stays refused."""
+    if isinstance(obj, float) and abs(obj) == float("inf"):
+        return f"float:{obj}"
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def check_block_size(block_size: int) -> int:
@@ -139,6 +151,11 @@ def stats_key(namespace: str, fingerprint: str) -> str:
 def models_key(namespace: str) -> str:
     """The hash naming each fingerprint's model as results name it (fingerprint -> JSON)."""
     return f"{namespace}:kvmodels"
+
+
+def layout_key(namespace: str, fingerprint: str) -> str:
+    """The record of what one model's blocks hold per layer (checked by ``cache verify``)."""
+    return f"{namespace}:kvlayout:{fingerprint}"
 
 
 def key_patterns(namespace: str) -> dict[str, str]:

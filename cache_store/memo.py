@@ -3,8 +3,10 @@
 Agents and retries resend byte-identical prompts; answering them from here skips
 the draft model entirely. The key covers the model fingerprint, the prompt's full
 digest and every selection-changing setting (canonical JSON, sorted keys), so any
-change in them is a different entry. Redis errors make ``get`` a miss and ``put``
-a no-op, logged and counted in this process.
+change in them is a different entry. Each entry carries its key's digest and the prompt's
+digest, so an entry found under another key (a misdirected write, a wrong restore) is
+rejected, deleted and counted as ``memo_corrupt``. Redis errors make ``get`` a miss and
+``put`` a no-op, logged and counted in this process.
 """
 from __future__ import annotations
 
@@ -15,12 +17,12 @@ import msgpack
 import numpy as np
 import redis
 
-from .keys import check_fingerprint, check_namespace, check_ttl, memo_key, stats_key
+from .keys import check_fingerprint, check_namespace, check_ttl, memo_key, prompt_digest, stats_key
 from .replies import as_int
 
 log = logging.getLogger(__name__)
 
-MEMO_VERSION = 1
+MEMO_VERSION = 2  # 2: entries carry their key's digest and the prompt's digest
 
 # Counters kept in Redis in the model's stats hash (shared with the block store).
 MEMO_COUNTERS = ("memo_lookups", "memo_hits", "memo_writes", "memo_corrupt")
@@ -67,10 +69,11 @@ class SelectionMemo:
             return None
         if value is None:
             return None
-        ranges = self._decode(value, len(np.asarray(tokens)))
+        ranges, reason = decode_entry(value, key, self.fingerprint, len(np.asarray(tokens)))
         if ranges is None:
-            log.warning("selection memo: deleting a bad entry %s", key)
-            self._after_lookup([("delete", key), ("hincrby", self._stats_key, "memo_corrupt", 1)])
+            log.warning("selection memo: deleting a bad entry %s: %s", key, reason)
+            counted = [] if reason == "version" else [("hincrby", self._stats_key, "memo_corrupt", 1)]
+            self._after_lookup([("delete", key), *counted])
             return None
         # A prompt in use stays remembered: its TTL counts from the last hit.
         self._after_lookup([("expire", key, self.ttl_s), ("hincrby", self._stats_key, "memo_hits", 1)])
@@ -99,9 +102,10 @@ class SelectionMemo:
         flat = [int(x) for pair in ranges for x in pair]
         if len(flat) != 2 * len(ranges) or not _valid_ranges(flat, n_tokens):
             raise ValueError(f"ranges: expected sorted, disjoint [start, end) pairs within [0, {n_tokens}]")
-        value = msgpack.packb({"version": MEMO_VERSION, "fingerprint": self.fingerprint,
-                               "tokens": n_tokens, "ranges": flat})
         key = self.key(tokens, settings)
+        value = msgpack.packb({"version": MEMO_VERSION, "fingerprint": self.fingerprint,
+                               "key": key.rsplit(":", 1)[1], "prompt": prompt_digest(self.fingerprint, tokens),
+                               "tokens": n_tokens, "ranges": flat})
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.set(key, value, ex=self.ttl_s)
@@ -127,19 +131,38 @@ class SelectionMemo:
             counters[name] = as_int(value)
         return {**counters, **self.local_counters}
 
-    def _decode(self, value: bytes, n_tokens: int) -> list[tuple[int, int]] | None:
-        try:
-            entry = msgpack.unpackb(value)
-        except Exception:  # msgpack raises several unrelated types for garbage
-            return None
-        if (not isinstance(entry, dict) or entry.get("version") != MEMO_VERSION
-                or entry.get("fingerprint") != self.fingerprint or entry.get("tokens") != n_tokens):
-            return None
-        flat = entry.get("ranges")
-        if (not isinstance(flat, list) or len(flat) % 2
-                or not all(isinstance(x, int) for x in flat) or not _valid_ranges(flat, n_tokens)):
-            return None
-        return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+
+def decode_entry(value: bytes, key: str, fingerprint: str | None,
+                 n_tokens: int | None) -> tuple[list[tuple[int, int]] | None, str]:
+    """``(ranges, "")`` for a valid entry stored under ``key``, else ``(None, reason)``.
+
+    ``reason``: ``version`` (an earlier entry format: dropped, not counted as corrupt),
+    ``header`` (not an entry), ``fingerprint``, ``key`` (an entry of another key) or
+    ``ranges``. ``fingerprint``/``n_tokens`` None: checked against the key only (a scan).
+    """
+    try:
+        entry = msgpack.unpackb(value)
+    except Exception:  # msgpack raises several unrelated types for garbage
+        return None, "header"
+    if not isinstance(entry, dict):
+        return None, "header"
+    if entry.get("version") != MEMO_VERSION:
+        old = entry.get("version")
+        return None, "version" if isinstance(old, int) and 1 <= old < MEMO_VERSION else "header"
+    stored_fp = entry.get("fingerprint")
+    key_fp = key.rsplit(":", 2)[-2]
+    if (not isinstance(stored_fp, str) or not stored_fp.startswith(key_fp)
+            or (fingerprint is not None and stored_fp != fingerprint)):
+        return None, "fingerprint"
+    if entry.get("key") != key.rsplit(":", 1)[1] or not isinstance(entry.get("prompt"), str):
+        return None, "key"
+    tokens, flat = entry.get("tokens"), entry.get("ranges")
+    if not isinstance(tokens, int) or (n_tokens is not None and tokens != n_tokens):
+        return None, "key"
+    if (not isinstance(flat, list) or len(flat) % 2
+            or not all(isinstance(x, int) for x in flat) or not _valid_ranges(flat, tokens)):
+        return None, "ranges"
+    return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)], ""
 
 
 def _valid_ranges(flat: list[int], n_tokens: int) -> bool:

@@ -11,6 +11,7 @@ this process; a bad value is deleted, counted in Redis and treated as a miss.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -18,9 +19,9 @@ import numpy as np
 import redis
 
 from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
-                    encode_block, layer_arrays)
+                    encode_block, is_token_array, layer_arrays)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
-                   check_namespace, check_ttl, key_patterns, models_key, stats_key)
+                   check_namespace, check_ttl, key_patterns, layout_key, models_key, stats_key)
 from .memo import MEMO_COUNTERS
 from .replies import as_int, as_text
 
@@ -46,7 +47,11 @@ _BATCH_BLOCKS = 64  # blocks per pipelined round trip; bounds the memory of one 
 
 
 def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> BlockLayout:
-    """A full block's expected ``DecodedBlock.layout`` from per-layer ``{name: [dtype, heads, dim]}``."""
+    """A full block's expected ``DecodedBlock.layout`` from per-layer ``{name: [dtype, shape]}``.
+
+    ``shape`` is the array's shape in a block (a token array's axis 2 is set to ``block_size``);
+    ``[dtype, kv_heads, head_dim]`` is accepted for ``keys``/``values`` (a plain KV layer).
+    """
     if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
         raise ValueError("layout: expected a non-empty list of per-layer entries")
     return tuple(_expected_layer(i, entry, block_size) for i, entry in enumerate(layout))
@@ -54,13 +59,22 @@ def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> Block
 
 def _expected_layer(i: int, entry: Any, block_size: int) -> tuple:
     try:
-        if not isinstance(entry, Mapping) or entry.keys() != set(LAYER_ARRAYS):
+        if not isinstance(entry, Mapping):
             raise ValueError
-        return tuple((name, dtype, (1, heads, block_size, dim))
-                     for name in LAYER_ARRAYS for dtype, heads, dim in [entry[name]])
-    except (TypeError, ValueError):
-        raise ValueError(f"layout[{i}]: expected exactly {', '.join(LAYER_ARRAYS)}, each as "
-                         "[dtype, kv_heads, head_dim]") from None
+        out = []
+        for name in sorted(entry):
+            spec = list(entry[name])
+            if len(spec) == 3 and name in LAYER_ARRAYS and all(isinstance(d, int) for d in spec[1:]):
+                dtype, shape = spec[0], [1, spec[1], block_size, spec[2]]
+            else:
+                dtype, shape = spec[0], [int(d) for d in spec[1]]
+            if is_token_array(name):
+                shape[2] = block_size
+            out.append((str(name), str(dtype), tuple(shape)))
+        return tuple(out)
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"layout[{i}]: expected a mapping of array names to [dtype, shape] "
+                         "(or [dtype, kv_heads, head_dim] for keys and values)") from None
 
 
 class RedisBlockStore:
@@ -68,11 +82,11 @@ class RedisBlockStore:
 
     ``fingerprint`` comes from :func:`cache_store.keys.model_fingerprint` with the
     same ``block_size``. Give ``client`` a ``socket_timeout`` so a hung Redis cannot
-    hang a job. ``layout`` (per layer, each of ``keys`` and ``values`` as ``[dtype,
-    kv_heads, head_dim]``: ``specprefill.kv_arrays.block_layout`` of the model) makes
-    ``fetch`` reject, as corrupt, well-formed blocks that do not hold this model's layers;
-    without it every block must match the chain's first one. Either way each block's
-    layout is compared once.
+    hang a job. ``layout`` (per layer ``{name: [dtype, shape]}`` of the arrays a block holds,
+    or ``[dtype, kv_heads, head_dim]`` for plain ``keys``/``values``:
+    ``specprefill.kv_arrays.block_layout`` of the model) makes ``fetch`` reject, as corrupt,
+    well-formed blocks that do not hold this model's layers; without it every block must
+    match the chain's first one. Either way each block's layout is compared once.
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
@@ -101,20 +115,22 @@ class RedisBlockStore:
     def fetch(self, tokens: Sequence[int]) -> tuple[list[dict[str, RawArray]] | None, int]:
         """Restore the longest valid stored prefix of ``tokens`` (never its last token).
 
-        Returns ``(layers, n_tokens)``: per layer its named arrays holding the first
-        ``n_tokens`` tokens (new arrays, the stored bytes are not pinned), or ``(None, 0)``.
-        Stops at the first missing, corrupt or mismatched block; corrupt ones are deleted
-        and counted. A Redis error ends the lookup there: the blocks validated before it
-        are still returned.
+        Returns ``(layers, n_tokens)``: per layer its named arrays (new arrays, the stored
+        bytes are not pinned): token arrays holding the first ``n_tokens`` tokens (the
+        blocks' joined), state arrays as the prefix's last block holds them; or ``(None, 0)``.
+        Stops at the first missing, corrupt or mismatched block; corrupt ones (a valid block
+        under another key included) are deleted and counted, and their TTL never renewed.
+        A Redis error ends the lookup there: the blocks validated before it are still returned.
         """
-        keys = self.block_keys(np.asarray(tokens)[:-1])
+        digests = block_digests(self.fingerprint, np.asarray(tokens)[:-1], self.block_size)
+        keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
         blocks: list[DecodedBlock] = []
         corrupt: list[str] = []
         bytes_read = 0
         try:
             for start in range(0, max(len(keys), 1), _BATCH_BLOCKS):
-                complete, n_read = self._fetch_batch(keys[start:start + _BATCH_BLOCKS], start == 0,
-                                                     blocks, corrupt)
+                span = slice(start, start + _BATCH_BLOCKS)
+                complete, n_read = self._fetch_batch(keys[span], digests[span], start == 0, blocks, corrupt)
                 bytes_read += n_read
                 if not complete:
                     break
@@ -132,7 +148,7 @@ class RedisBlockStore:
         self._record_fetch(keys[:len(blocks)], len(keys) - len(blocks), n_tokens, bytes_read, corrupt)
         return layers, n_tokens
 
-    def _fetch_batch(self, batch: list[str], first: bool, blocks: list[DecodedBlock],
+    def _fetch_batch(self, batch: list[str], digests: list[bytes], first: bool, blocks: list[DecodedBlock],
                      corrupt: list[str]) -> tuple[bool, int]:
         """GET one batch of keys (and count the lookup with the first); take its valid blocks."""
         pipe = self.client.pipeline(transaction=False)
@@ -142,13 +158,13 @@ class RedisBlockStore:
             pipe.hincrby(self._stats_key, "lookups", 1)
         results = pipe.execute(raise_on_error=False)
         self._count_stats_failures(results[len(batch):])
-        return self._take_valid(batch, results[:len(batch)], blocks, corrupt)
+        return self._take_valid(batch, digests, results[:len(batch)], blocks, corrupt)
 
-    def _take_valid(self, batch: list[str], values: list[Any], blocks: list[DecodedBlock],
-                    corrupt: list[str]) -> tuple[bool, int]:
+    def _take_valid(self, batch: list[str], digests: list[bytes], values: list[Any],
+                    blocks: list[DecodedBlock], corrupt: list[str]) -> tuple[bool, int]:
         """Append the valid leading blocks of a batch; return (whole batch valid, bytes read)."""
         n_read = 0
-        for key, value in zip(batch, values):
+        for key, digest, value in zip(batch, digests, values):
             if value is None:
                 return False, n_read
             if isinstance(value, Exception):
@@ -157,7 +173,7 @@ class RedisBlockStore:
                 return False, n_read
             n_read += len(value)
             try:
-                block = self._decode(value, blocks)
+                block = self._decode(value, digest, blocks)
             except MemoryError:  # this process's trouble, not the block's
                 self.local_counters["fetch_errors"] += 1
                 log.warning("block store: out of memory decoding %s, treating as a miss", key)
@@ -169,19 +185,23 @@ class RedisBlockStore:
             blocks.append(block)
         return True, n_read
 
-    def _decode(self, value: bytes, blocks: list[DecodedBlock]) -> DecodedBlock:
-        """The validated block in ``value``, laid out as this model's (or, without a layout, the chain's first)."""
-        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size)
+    def _decode(self, value: bytes, digest: bytes, blocks: list[DecodedBlock]) -> DecodedBlock:
+        """The validated block in ``value`` bound to ``digest``, laid out as this model's (or,
+        without a layout, the chain's first)."""
+        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest)
         expected = self._expected if self._expected is not None else blocks[0].layout if blocks else block.layout
         if block.layout != expected:
             raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(block.layers)} "
-                                    f"layers, expected {len(expected)}, or other dtypes or shapes)")
+                                    f"layers, expected {len(expected)}, or other names, dtypes or shapes)",
+                                    "layout")
         return block
 
     def _joined(self, blocks: list[DecodedBlock]) -> list[dict[str, RawArray]] | None:
-        """Per layer, each array of the blocks joined along the tokens; None (a miss) if that fails here."""
+        """Per layer, the blocks' token arrays joined along the tokens and the last block's state
+        arrays (copied); None (a miss) if that fails here."""
         try:
-            return [{name: RawArray(first.dtype, np.concatenate([b.layers[i][name].bits for b in blocks], axis=2))
+            return [{name: RawArray(first.dtype, np.concatenate([b.layers[i][name].bits for b in blocks], axis=2)
+                                    if is_token_array(name) else blocks[-1].layers[i][name].bits.copy())
                      for name, first in layer.items()}
                     for i, layer in enumerate(blocks[0].layers)]
         except Exception as exc:  # never raise out of fetch; the blocks passed validation,
@@ -216,33 +236,61 @@ class RedisBlockStore:
     # -- store ---------------------------------------------------------------
 
     def store(self, tokens: Sequence[int], layers: Sequence[Layer]) -> int:
-        """Write the full blocks of ``layers`` (describing ``tokens``) that are not stored yet.
+        """Write the full blocks of ``layers`` (token arrays only, describing ``tokens``) not stored yet.
 
-        ``layers``: per layer its named arrays as ``(dtype name, bits)`` pairs, tokens on
-        axis 2 (the shortest array bounds what is stored). One pipelined EXPIRE (which
-        refreshes the TTL of the blocks already stored and tells which are missing), then
-        one pipeline of ``SET NX EX ttl`` for the missing blocks (so concurrent writers
-        leave one intact copy). Returns blocks written.
+        ``layers``: per layer its named token arrays as ``(dtype name, bits)`` pairs, tokens
+        on axis 2 (the shortest array bounds what is stored). A layer with state arrays
+        (recurrent state exists per block end only) goes through :meth:`store_blocks`.
+        Returns blocks written.
         """
-        per_layer = [layer_arrays(layer) for layer in layers]
+        per_layer = [dict(layer_arrays(layer)) for layer in layers]
         if not per_layer:
             return 0
-        n_held = min(a.bits.shape[2] for arrays in per_layer for a in arrays)
-        ids = np.asarray(tokens)
-        keys = self.block_keys(ids[:min(len(ids), n_held)])
-        if not keys:
+        states = [name for layer in per_layer for name in layer if not is_token_array(name)]
+        if states:
+            raise ValueError(f"layers: {states[0]!r} is a state array; store per block with store_blocks")
+        lengths = [a.bits.shape[2] for layer in per_layer for a in layer.values()]
+        if not lengths:
             return 0
+        bs = self.block_size
+        n_blocks = min(len(np.asarray(tokens)), min(lengths)) // bs
+        blocks = [((i + 1) * bs, [{name: RawArray(a.dtype, a.bits[:, :, i * bs:(i + 1) * bs])
+                                   for name, a in layer.items()} for layer in per_layer])
+                  for i in range(n_blocks)]
+        return self.store_blocks(tokens, blocks)
+
+    def store_blocks(self, tokens: Sequence[int], blocks: Sequence[tuple[int, Sequence[Layer]]]) -> int:
+        """Write the given blocks of ``tokens`` that are not stored yet; returns blocks written.
+
+        ``blocks``: ``(end, layers)`` per block of tokens ``[end - block_size, end)``, ``end`` a
+        multiple of ``block_size`` within ``tokens``; ``layers`` per layer its named arrays:
+        token arrays holding exactly that block's tokens, state arrays as after token
+        ``end - 1``. One pipelined EXPIRE over the given blocks (which refreshes the TTL of
+        those already stored and tells which are missing), then pipelines of ``SET NX EX ttl``
+        for the missing ones (so concurrent writers leave one intact copy).
+        """
+        bs = self.block_size
+        given = {}
+        for end, layers in blocks:
+            if not isinstance(end, int) or end <= 0 or end % bs or end > len(np.asarray(tokens)):
+                raise ValueError(f"blocks: end {end!r} is not a multiple of {bs} within the {len(tokens)} tokens")
+            given[end // bs - 1] = layers
+        if not given:
+            return 0
+        digests = block_digests(self.fingerprint, np.asarray(tokens)[:(max(given) + 1) * bs], bs)
+        keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
+        order = sorted(given)
         written = n_bytes = 0
         try:
             pipe = self.client.pipeline(transaction=False)
-            for key in keys:
+            for i in order:
                 # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
-                pipe.expire(key, self.ttl_s)
-            missing = [i for i, present in enumerate(pipe.execute()) if not present]
+                pipe.expire(keys[i], self.ttl_s)
+            missing = [i for i, present in zip(order, pipe.execute()) if not present]
             if not missing:
                 return 0
             for start in range(0, len(missing), _BATCH_BLOCKS):
-                w, b = self._write_blocks(keys, missing[start:start + _BATCH_BLOCKS], per_layer)
+                w, b = self._write_blocks(keys, digests, missing[start:start + _BATCH_BLOCKS], given)
                 written += w
                 n_bytes += b
         except redis.RedisError as exc:
@@ -260,21 +308,19 @@ class RedisBlockStore:
             if written:
                 pipe.hincrby(self._stats_key, "blocks_written", written)
                 pipe.hincrby(self._stats_key, "bytes_written", n_bytes)
+                if self._expected is not None:  # what `cache verify` checks this model's blocks against
+                    pipe.set(layout_key(self.namespace, self.fingerprint), json.dumps(self._expected), ex=self.ttl_s)
             self._count_stats_failures(pipe.execute(raise_on_error=False))
         except redis.RedisError as exc:
             self.local_counters["store_errors"] += 1
             log.warning("block store: could not record store statistics: %s", exc)
 
-    def _write_blocks(self, keys: list[str], indices: list[int],
-                      per_layer: list[list[RawArray]]) -> tuple[int, int]:
-        bs = self.block_size
+    def _write_blocks(self, keys: list[str], digests: list[bytes], indices: list[int],
+                      given: dict[int, Sequence[Layer]]) -> tuple[int, int]:
         pipe = self.client.pipeline(transaction=False)
         sizes = []
         for i in indices:
-            span = slice(i * bs, (i + 1) * bs)
-            value = encode_block(self.fingerprint, bs, [
-                {name: RawArray(a.dtype, a.bits[:, :, span]) for name, a in zip(LAYER_ARRAYS, arrays)}
-                for arrays in per_layer])
+            value = encode_block(self.fingerprint, self.block_size, given[i], digest=digests[i])
             pipe.set(keys[i], value, nx=True, ex=self.ttl_s)
             sizes.append(len(value))
         written = n_bytes = 0
@@ -306,6 +352,15 @@ class RedisBlockStore:
             self.local_counters["stats_errors"] += 1
             log.warning("block store: could not read statistics: %s", exc)
         return {**counters, **self.local_counters}
+
+
+def recorded_layout(value: Any) -> BlockLayout | None:
+    """The layout a store recorded (see :func:`cache_store.keys.layout_key`), or None if unreadable."""
+    try:
+        return tuple(tuple((str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in layer)
+                     for layer in json.loads(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def counters_by_model(client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:

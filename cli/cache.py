@@ -1,5 +1,6 @@
-"""``specprefill cache stats|clear``: the block store's and the memo's counters, hit rates and
-memory in this deployment's namespace; ``clear`` empties that namespace (``--yes``)."""
+"""``specprefill cache stats|clear|verify``: the block store's and the memo's counters, hit
+rates and memory in this deployment's namespace; ``clear`` empties that namespace (``--yes``);
+``verify`` scans it and counts and removes every block or memo entry failing a check."""
 from __future__ import annotations
 
 import argparse
@@ -77,10 +78,32 @@ def _clear(client: redis.Redis, namespace: str, args: argparse.Namespace) -> int
     return 0
 
 
+def run_verify(client: redis.Redis, args: argparse.Namespace, namespace: str) -> int:
+    """Scan the namespace (``cache_store.verify``); exit 0 (also when bad keys were found and removed)."""
+    from cache_store.verify import verify_namespace
+
+    report = verify_namespace(client, namespace, batch=args.batch, remove=not args.dry_run)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+        return 0
+    bad_blocks, bad_memo = sum(report.bad_blocks.values()), sum(report.bad_memo.values())
+    print(f"namespace {namespace}: {report.blocks} blocks checked, {report.valid_blocks} valid, {bad_blocks} bad; "
+          f"{report.memo_entries} memo entries, {bad_memo} bad; "
+          f"{report.removed} {'would be ' if args.dry_run else ''}removed")
+    for kind, counts in (("blocks", report.bad_blocks), ("memo", report.bad_memo)):
+        for reason, n in sorted(counts.items()):
+            print(f"  bad {kind} ({reason}): {n}")
+    for key, reason in report.bad_keys[:20]:
+        print(f"  {reason:<11} {key}")
+    return 0
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     client = checked_connection(args.redis_url or settings.block_store_url, settings)
     if args.action == "clear":
         return _clear(client, settings.namespace, args)
+    if args.action == "verify":
+        return run_verify(client, args, settings.namespace)
     stats = cache_stats(client, settings.namespace)
     if args.json:
         print(json.dumps(stats))
@@ -91,11 +114,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 def register(sub: Any, shared: SharedOptions) -> None:
     p = sub.add_parser("cache", parents=[shared.common],
-                       help="block store statistics (stats) or emptying this namespace's (clear)")
-    p.add_argument("action", choices=["stats", "clear"],
+                       help="block store statistics (stats), emptying this namespace's (clear), "
+                            "or checking every stored block (verify)")
+    p.add_argument("action", choices=["stats", "clear", "verify"],
                    help="stats: counters, hit rates, memory; clear: delete this namespace's "
-                        "blocks, memo entries and counters")
+                        "blocks, memo entries and counters; verify: check every block and memo "
+                        "entry, remove the bad ones")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--yes", action="store_true",
                    help="clear: really delete (without it, only says what would be deleted)")
+    p.add_argument("--batch", type=int, default=100,
+                   help="verify: keys per SCAN step and pipelined GET (default: 100)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="verify: count bad keys without removing them")
     p.set_defaults(func=run)

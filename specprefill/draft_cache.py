@@ -3,22 +3,45 @@
 Scoring depends only on :class:`DraftCache` (mlx-lm caches in and out), so it runs and is
 tested without Redis. Storage knows no mlx: a :class:`RawBlockStore` keeps, per layer,
 named arrays of raw bits (``cache_store.RedisBlockStore`` is one, structurally). A
-:class:`BlockDraftCache` joins the two: it turns the model's ``KVCache`` layers into named
-raw arrays and back (:mod:`specprefill.kv_arrays`) around any raw store; the worker wires
-them together.
+:class:`BlockDraftCache` joins the two; the worker wires them together.
+
+The interface between scoring and the store (stable; the kernel-capture scorer and the
+worker both use it):
+
+* ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
+  ``specprefill.attention.scoring.score_prompt(..., block_size=draft_cache.block_size,
+  on_step=recorder)``; the scorer then ends prefill steps at block boundaries and the hook
+  keeps what exists only then (recurrent state after each block's last token, sliding-window
+  K/V) — no second pass over the prompt — and writes each block as soon as it ends (memory:
+  one block). ``None`` when nothing needs recording (plain or quantized K/V only) or the cache
+  cannot be stored. ``recorder()`` without tokens keeps the blocks until ``store``.
+* ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks;
+  ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
+  objects (K/V of all its blocks, recurrent state of its last), ready for ``cache=``.
+  :func:`specprefill.reuse.score_prompt_with_cache` does the three steps.
+* A :class:`RawBlockStore` block is, per layer, ``{name: (dtype, bits)}``: token arrays
+  (``keys``, ``values``, ``keys.packed``, ``1.values``... tokens on axis 2) and state arrays
+  (``state.<i>``, ``<member>.state.<i>``), named as :func:`specprefill.attention.caches.layer_arrays`
+  names them.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from specprefill.kv_arrays import LayerArrays, kv_arrays, kv_cache_from_arrays, unstorable_reason
+import mlx.core as mx
+import mlx.nn as nn
+
+from specprefill.kv_arrays import (LayerArrays, kv_arrays, kv_cache_from_arrays, raw_bits_many, to_mlx_many,
+                                   unstorable_reason)
 
 log = logging.getLogger(__name__)
 
+Blocks = Sequence[tuple[int, Sequence[LayerArrays]]]  # (block end, per-layer named raw arrays)
+
 
 class DraftCache(Protocol):
-    """Stores and restores the draft model's KV cache for token prefixes."""
+    """Stores and restores the draft model's cache for token prefixes."""
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         """Restore the longest stored prefix of ``tokens``.
@@ -29,8 +52,9 @@ class DraftCache(Protocol):
         """
         ...
 
-    def store(self, tokens: Sequence[int], kv_cache: list[Any]) -> int:
-        """Store the full blocks of ``kv_cache`` (which describes ``tokens``) not yet stored.
+    def store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any = None) -> int:
+        """Store the full blocks of ``kv_cache`` (which describes ``tokens``) not yet stored;
+        ``recorder`` is the ``on_step`` hook the prefill ran with, if any.
 
         Returns the number of blocks written. Never raises for storage faults.
         """
@@ -38,16 +62,25 @@ class DraftCache(Protocol):
 
 
 class RawBlockStore(Protocol):
-    """Stores per-layer named raw arrays (tokens on axis 2) in blocks keyed by token prefixes."""
+    """Stores per-layer named raw arrays in blocks keyed by token prefixes."""
+
+    block_size: int
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Mapping[str, Any]] | None, int]:
         """The longest stored prefix of ``tokens`` (never all of them): per layer, its named
-        arrays as ``(dtype name, bits)`` pairs holding ``n_tokens`` tokens; ``(None, 0)`` on a
-        miss. Never raises for storage faults."""
+        arrays as ``(dtype name, bits)`` pairs, token arrays holding ``n_tokens`` tokens and
+        state arrays as after the prefix's last token; ``(None, 0)`` on a miss. Never raises
+        for storage faults."""
         ...
 
     def store(self, tokens: Sequence[int], layers: Sequence[LayerArrays]) -> int:
-        """Store the full blocks of ``layers`` (describing ``tokens``) not stored yet; blocks written."""
+        """Store the full blocks of ``layers`` (token arrays only, describing ``tokens``)
+        not stored yet; blocks written."""
+        ...
+
+    def store_blocks(self, tokens: Sequence[int], blocks: Blocks) -> int:
+        """Store the given blocks ``(end, per-layer arrays of tokens [end - block_size, end))``
+        of ``tokens`` not stored yet; blocks written."""
         ...
 
     def stats(self) -> dict[str, int]:
@@ -55,25 +88,80 @@ class RawBlockStore(Protocol):
         ...
 
 
-class BlockDraftCache:
-    """A :class:`DraftCache` over a :class:`RawBlockStore`: ``KVCache`` layers as named raw arrays.
+def _raw_blocks(blocks: list[tuple[int, list[dict[str, mx.array]]]]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """mlx blocks as raw bits, evaluated together."""
+    names = [(i, j, name) for i, (_, layers) in enumerate(blocks) for j, layer in enumerate(layers)
+             for name in layer]
+    raws = raw_bits_many([blocks[i][1][j][name] for i, j, name in names]) if names else []
+    out = [(end, [{} for _ in layers]) for end, layers in blocks]
+    for (i, j, name), raw in zip(names, raws):
+        out[i][1][j][name] = raw
+    return out
 
-    Only caches whose layers are all plain ``KVCache`` are stored; for others (sliding-window
-    ``RotatingKVCache`` layers, quantized or recurrent caches) ``store`` writes nothing, so
-    ``fetch`` always misses. A fetched prefix that cannot be rebuilt here (memory, say) is a
-    miss; the stored blocks stay for other workers.
+
+class BlockDraftCache:
+    """A :class:`DraftCache` over a :class:`RawBlockStore` for every cache type mlx-lm gives a layer.
+
+    ``make_cache`` (the model's fresh cache: ``specprefill.attention.probe.make_cache`` with
+    the draft's KV settings) tells which cache object each layer gets back; with it, blocks of
+    ``KVCache``, ``QuantizedKVCache`` (packed/scales/biases as they are), ``RotatingKVCache``,
+    ``ArraysCache`` (recurrent state) and ``CacheList`` layers are stored and restored. Without
+    it only all-``KVCache`` caches are (the ``specprefill.scoring`` path). A cache that cannot be
+    stored makes ``store`` write nothing (counted in ``unsupported_stores``, the reason logged
+    once and kept in ``unsupported_reason``), so ``fetch`` misses. A fetched prefix that cannot
+    be rebuilt here (memory, say) is a miss; the stored blocks stay for other workers.
     """
 
-    def __init__(self, raw_store: RawBlockStore) -> None:
+    def __init__(self, raw_store: RawBlockStore, make_cache: Callable[[], list] | None = None) -> None:
+        from specprefill.attention.caches import layer_metas, needs_recorder, storable_reason
+
         self.raw_store = raw_store
-        self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0}
+        self.block_size = raw_store.block_size
+        self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0, "stream_errors": 0}
+        self.unsupported_reason: str | None = None
+        self._metas = None
+        self._needs_recorder = False
+        if make_cache is not None:
+            fresh = make_cache()
+            self.unsupported_reason = storable_reason(fresh)
+            if self.unsupported_reason is None:
+                self._metas = layer_metas(fresh)
+                self._needs_recorder = needs_recorder(self._metas)
+
+    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
+        """The ``on_step`` hook scoring must run with for :meth:`store` to store this model's
+        blocks, or None when none is needed (K/V only) or the cache cannot be stored.
+
+        Given the prompt's ``tokens``, the hook writes each block to the store as soon as the
+        prefill passes its end (one block held at a time, whatever the prompt's length);
+        :meth:`store` then has nothing left to write and returns the blocks written.
+        """
+        from specprefill.attention.caches import BlockRecorder
+
+        if not self._needs_recorder:
+            return None
+        if tokens is None:
+            return BlockRecorder(self.block_size)
+        tokens = list(tokens)
+        return BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(tokens, end, layers))
+
+    def _write_now(self, tokens: list[int], end: int, layers: list[dict[str, mx.array]]) -> int:
+        """Store one block the moment the prefill passes its end; a failure is a store that wrote nothing."""
+        try:
+            return self.raw_store.store_blocks(tokens, _raw_blocks([(end, layers)]))
+        except Exception as exc:  # never raise into scoring: storage is best effort
+            self.local_counters["stream_errors"] += 1
+            log.warning("draft cache: could not store block ending at %d: %s: %s", end, type(exc).__name__, exc)
+            return 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        if self.unsupported_reason is not None:
+            return None, 0
         layers, n_tokens = self.raw_store.fetch(tokens)
         if layers is None:
             return None, 0
         try:
-            return kv_cache_from_arrays(layers), n_tokens
+            return self._rebuild(layers, n_tokens), n_tokens
         except Exception as exc:  # never raise out of fetch: the blocks passed validation, so
             # the failure is this process's; other workers keep the blocks.
             self.local_counters["rebuild_errors"] += 1
@@ -81,15 +169,76 @@ class BlockDraftCache:
                         "%s: %s", n_tokens, type(exc).__name__, exc)
             return None, 0
 
-    def store(self, tokens: Sequence[int], kv_cache: list[Any]) -> int:
-        reason = unstorable_reason(kv_cache)
-        if reason:
-            if not self.local_counters["unsupported_stores"]:
-                log.warning("draft cache: not storing this model's cache: %s", reason)
-            self.local_counters["unsupported_stores"] += 1
+    def _rebuild(self, layers: list[Mapping[str, Any]], n_tokens: int) -> list[Any]:
+        if self._metas is None:
+            return kv_cache_from_arrays(layers)
+        from specprefill.attention.caches import restore
+
+        names = [(i, name) for i, layer in enumerate(layers) for name in layer]
+        arrays = to_mlx_many([layers[i][name] for i, name in names])
+        per_layer: list[dict[str, mx.array]] = [{} for _ in layers]
+        for (i, name), a in zip(names, arrays):
+            per_layer[i][name] = a
+        cache = restore(self._metas, per_layer, n_tokens)
+        mx.eval([c.state for c in cache if c is not None])
+        return cache
+
+    def store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any = None) -> int:
+        if self._metas is None:
+            reason = self.unsupported_reason or unstorable_reason(kv_cache)
+            if reason:
+                return self._unsupported(reason)
+            return self.raw_store.store(tokens, kv_arrays(kv_cache))
+        from specprefill.attention.caches import sliced_blocks
+
+        n_tokens = len(tokens)
+        if self._needs_recorder:
+            if recorder is None:
+                return self._unsupported("store: this cache holds recurrent state or sliding windows; scoring "
+                                         "must run with draft_cache.recorder() as on_step")
+            if recorder.sink is not None:  # written while the prefill ran
+                return recorder.written
+            blocks = recorder.blocks(kv_cache, n_tokens)
+        else:
+            blocks = sliced_blocks(kv_cache, n_tokens, self.block_size)
+        if not blocks:
             return 0
-        return self.raw_store.store(tokens, kv_arrays(kv_cache))
+        return self.raw_store.store_blocks(tokens, _raw_blocks(blocks))
+
+    def _unsupported(self, reason: str) -> int:
+        if not self.local_counters["unsupported_stores"]:
+            log.warning("draft cache: not storing this model's cache: %s", reason)
+        self.local_counters["unsupported_stores"] += 1
+        self.unsupported_reason = self.unsupported_reason or reason
+        return 0
 
     def stats(self) -> dict[str, int]:
         """The raw store's counters plus this process's conversion counters."""
         return {**self.raw_store.stats(), **self.local_counters}
+
+
+def block_layout_of(model: nn.Module, make_cache: Callable[[], list]) -> list[dict[str, list]]:
+    """Per layer ``{name: [dtype, shape]}`` of what one stored block holds (a token array's axis 2
+    is the block's tokens), found by running one token through a fresh cache: the
+    ``layout=`` of ``cache_store.RedisBlockStore`` for this model and KV setting."""
+    from specprefill.attention.caches import array_layout
+
+    cache = make_cache()
+    model(mx.array([[0]], dtype=mx.int32), cache=cache)
+    mx.eval([c.state for c in cache if c is not None])
+    return array_layout(cache)
+
+
+def block_description(model: nn.Module, make_cache: Callable[[], list]) -> dict[str, Any]:
+    """What the block-store fingerprint hashes for this model and KV setting (besides the weights'
+    identity): class, architecture arguments, parameter dtypes, and per layer the cache class,
+    its settings and the arrays a block holds."""
+    from specprefill.attention.caches import layer_metas
+    from specprefill.profile import model_description
+
+    def static(meta: dict[str, Any]) -> dict[str, Any]:  # the offset is the prompt's, not the model's
+        return {k: [static(m) for m in v] if k == "members" else v for k, v in meta.items() if k != "offset"}
+
+    layers = [{"meta": static(meta), "arrays": arrays}
+              for meta, arrays in zip(layer_metas(make_cache()), block_layout_of(model, make_cache))]
+    return model_description(model, layers)

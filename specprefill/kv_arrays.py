@@ -25,9 +25,10 @@ DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
     "float32": (mx.float32, np.dtype("<u4")),
     "float16": (mx.float16, np.dtype("<u2")),
     "bfloat16": (mx.bfloat16, np.dtype("<u2")),
+    "uint32": (mx.uint32, np.dtype("<u4")),  # a quantized cache's packed values
 }
 DTYPE_NAMES: dict[mx.Dtype, str] = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
-_NUMPY_FLOATS = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+_NUMPY_FLOATS = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "uint32": np.dtype("<u4")}
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 from specprefill.draft_cache import DraftCache
 from specprefill.options import ScoringOptions
@@ -20,12 +20,8 @@ def _restore(profile: ModelProfile, tokens: list[int], draft_cache: DraftCache) 
     store fault or a foreign layout would otherwise raise deep in the forward pass, or
     silently mix dtypes.
     """
-    restored, n_tokens = draft_cache.fetch(tokens)
+    restored = _restore_prompt_cache(draft_cache, tokens)
     if restored is None:
-        return None
-    if not 0 < n_tokens < len(tokens) or any(getattr(c, "offset", None) != n_tokens for c in restored):
-        log.warning("draft cache returned an unusable prefix (%s tokens for a %s-token prompt); scoring cold",
-                    n_tokens, len(tokens))
         return None
     reason = layout_mismatch(restored, profile.kv_layout)
     if reason:
@@ -44,15 +40,74 @@ def score_with_cache(
 ) -> ScoreResult:
     """:func:`~specprefill.scoring.score_tokens` that prefills only what ``draft_cache`` lacks.
 
-    Fetches the longest stored prefix of ``tokens``, scores the suffix on top of it,
-    then stores the prompt's cache. ``result.cached_tokens`` says how many tokens came
+    Fetches the longest stored prefix of ``tokens``, scores the suffix on top of it (with
+    prefill steps ending at block boundaries and the draft cache's recorder as ``on_step`` when
+    it needs one: recurrent state and sliding windows are kept per block end during the one
+    prefill), then stores the prompt's new full blocks. ``result.cached_tokens`` says how many tokens came
     from the store. ``None`` scores cold and stores nothing. A restore that does not
     describe a proper prefix (wrong length) or does not fit the model (layer count, KV
     shapes, dtypes) is ignored and logged, and the prompt is scored cold.
     """
     tokens = list(tokens)
     restored = _restore(profile, tokens, draft_cache) if draft_cache is not None else None
-    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress)
+    recorder = _recorder(draft_cache, tokens)
+    blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
+    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress, **blocks)
     if draft_cache is not None:
-        draft_cache.store(tokens, result.kv_cache)
+        draft_cache.store(tokens, result.kv_cache, recorder) if recorder is not None else draft_cache.store(
+            tokens, result.kv_cache)
+    return result
+
+
+def _recorder(draft_cache: DraftCache | None, tokens: list[int]) -> Any:
+    """The draft cache's ``on_step`` hook for this prompt, if it needs one (recurrent state,
+    sliding windows). ``recorder(tokens)`` is optional in a :class:`DraftCache`: stores of
+    K/V-only caches need none."""
+    make = getattr(draft_cache, "recorder", None)
+    return make(tokens) if make is not None else None
+
+
+def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:
+    """The restored prefix if it is a proper prefix of ``tokens`` with one length in every KV layer
+    (recurrent layers hold state, not tokens), else None (logged)."""
+    from specprefill.attention.scoring import cached_length
+
+    restored, n_tokens = draft_cache.fetch(tokens)
+    if restored is None:
+        return None
+    try:
+        held = cached_length(restored, len(tokens))
+    except ValueError as exc:
+        log.warning("draft cache returned an unusable prefix (%s); scoring cold", exc)
+        return None
+    if held != n_tokens or not 0 < n_tokens < len(tokens):
+        log.warning("draft cache returned an unusable prefix (%s tokens, %s held, for a %s-token prompt); "
+                    "scoring cold", n_tokens, held, len(tokens))
+        return None
+    return restored
+
+
+def score_prompt_with_cache(model: Any, tokens: Sequence[int], profile: Any, draft_cache: DraftCache | None,
+                            **score_args: Any) -> ScoreResult:
+    """:func:`specprefill.attention.scoring.score_prompt` that prefills only what ``draft_cache`` lacks.
+
+    Fetches the longest stored prefix (K/V of all its blocks, recurrent state of its last),
+    scores the rest on top of it with prefill steps ending at block boundaries and the draft
+    cache's recorder as ``on_step`` (so recurrent state is kept at each block end during the one
+    prefill), then stores the new full blocks. ``result.cached_tokens`` says how many tokens came
+    from the store; a warm run starts at a block boundary and every step ends at one, so cold and
+    warm runs take the same prefill steps after it (warm = cold). ``None``
+    scores cold and stores nothing. ``score_args``: the scorer's keyword arguments (not
+    ``cache``, ``block_size`` or ``on_step``).
+    """
+    from specprefill.attention.scoring import score_prompt
+
+    tokens = [int(t) for t in tokens]
+    if draft_cache is None:
+        return score_prompt(model, tokens, profile, **score_args)
+    restored = _restore_prompt_cache(draft_cache, tokens)
+    recorder = draft_cache.recorder(tokens)
+    result = score_prompt(model, tokens, profile, cache=restored, block_size=draft_cache.block_size,
+                          on_step=recorder, **score_args)
+    draft_cache.store(tokens, result.kv_cache, recorder)
     return result

@@ -137,20 +137,24 @@ def test_hole_gives_shorter_hit_and_store_fills_it(client, llama):
     assert store.fetch(tokens)[1] == 96
 
 
-def bad_values(good: bytes, foreign: bytes):
+def bad_values(good: bytes, foreign: bytes, other_block: bytes):
     header, payload, checksum = msgpack.unpackb(good)
     return {
+        "swapped_valid_block": other_block,  # valid, same model, another key's
+        "rebound_digest": msgpack.packb([{**header, "digest": bytes(32)}, payload, checksum]),
         "truncated": good[:-7],
         "bit_flip": good[:-50] + bytes([good[-50] ^ 4]) + good[-49:],
         "not_msgpack": b"\xc1\xc1\xc1",
         "wrong_version": msgpack.packb([{**header, "version": 99}, payload, checksum]),
+        "format_1": msgpack.packb([{k: v for k, v in header.items() if k != "digest"} | {"version": 1}, payload,
+                                   checksum]),
         "wrong_fingerprint": msgpack.packb([{**header, "fingerprint": "ee" * 32}, payload, checksum]),
         "foreign_layout": foreign,
     }
 
 
-@pytest.mark.parametrize("kind", ["truncated", "bit_flip", "not_msgpack", "wrong_version",
-                                  "wrong_fingerprint", "foreign_layout"])
+@pytest.mark.parametrize("kind", ["truncated", "bit_flip", "not_msgpack", "wrong_version", "format_1",
+                                  "wrong_fingerprint", "foreign_layout", "swapped_valid_block", "rebound_digest"])
 def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
     model, fp = llama
     tokens = prompt(100, seed=8)
@@ -161,8 +165,9 @@ def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
     # A block that decodes (right fingerprint) but whose layout disagrees with the chain's.
     other = make_model("llama", seed=0, num_key_value_heads=1)
     oc, _ = prefilled(other, tokens[:16])
-    foreign = bytes(encode_block(fp, BS, [kv_layer(c.keys[:, :, :16], c.values[:, :, :16]) for c in oc]))
-    client.set(keys[3], bad_values(client.get(keys[3]), foreign)[kind])
+    foreign = bytes(encode_block(fp, BS, [kv_layer(c.keys[:, :, :16], c.values[:, :, :16]) for c in oc],
+                                 digest=bytes.fromhex(keys[3].rsplit(":", 1)[1])))
+    client.set(keys[3], bad_values(client.get(keys[3]), foreign, client.get(keys[1]))[kind])
     restored, n = store.fetch(tokens)
     assert n == 48
     assert_prefix_equal(restored, cache, 48)
@@ -295,7 +300,7 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
     store.store(tokens, prefilled(model, tokens)[0])
     keys = keys_of(store, tokens)
     header, payload, checksum = msgpack.unpackb(client.get(keys[1]))
-    header["layers"] = [[[e[0]], e[1], e[2], e[3]] for e in header["layers"]]
+    header["layers"] = [[[e[0], [e[1]], e[2]] for e in layer] for layer in header["layers"]]
     client.set(keys[1], msgpack.packb([header, payload, checksum]))
     restored, n = store.fetch(tokens)
     assert n == 16 and restored[0].offset == 16
@@ -350,7 +355,8 @@ def _write_foreign_chain(client, store, tokens, cache):
     for i, key in enumerate(keys_of(store, tokens)):
         span = slice(i * BS, (i + 1) * BS)
         value = encode_block(store.raw_store.fingerprint, BS, [kv_layer(c.keys[:, :, span], c.values[:, :, span])
-                                                              for c in cache])
+                                                              for c in cache],
+                             digest=bytes.fromhex(key.rsplit(":", 1)[1]))
         client.set(key, bytes(value))
 
 
@@ -382,9 +388,9 @@ def test_layout_must_describe_kv_layers(client, llama):
     with pytest.raises(ValueError, match="layout"):
         make_store(client, llama[1], layout=[{"cache": "KVCache"}])
     with pytest.raises(ValueError, match="layout"):
-        make_store(client, llama[1], layout=[])
+        make_store(client, llama[1], layout=[{"keys": ["float32"]}])
     with pytest.raises(ValueError, match="layout"):
-        make_store(client, llama[1], layout=[{"keys": ["float32", 2, 16]}])
+        make_store(client, llama[1], layout=[])
     with pytest.raises(ValueError, match="kv_layout"):
         block_layout([{"cache": "ArraysCache", "state": []}])
 

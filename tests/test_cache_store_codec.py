@@ -10,6 +10,11 @@ from kv_blocks import raw_bits, same_bits, to_mlx
 from specprefill.kv_arrays import raw_bits_many
 
 FP = "0f" * 32
+D = bytes(range(32))  # the chain digest every test block is bound to
+
+
+def encode(n_tokens, layers, digest=D):
+    return encode_block(FP, n_tokens, layers, digest=digest)
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 
@@ -32,8 +37,8 @@ def block_of(arrays, start, end):
 def test_round_trip_is_bit_exact(dtype):
     full = [(random_cache_array(dtype, seed=2 * i), random_cache_array(dtype, seed=2 * i + 1)) for i in range(3)]
     raws = [(raw_bits(k), raw_bits(v)) for k, v in full]
-    value = encode_block(FP, 16, block_of(raws, 16, 32))
-    block = decode_block(bytes(value), fingerprint=FP, n_tokens=16)
+    value = encode(16, block_of(raws, 16, 32))
+    block = decode_block(bytes(value), fingerprint=FP, n_tokens=16, digest=D)
     assert len(block.layers) == 3
     for (k, v), layer in zip(full, block.layers):
         assert same_bits(to_mlx(layer["keys"]), k[:, :, 16:32])
@@ -44,10 +49,11 @@ def test_round_trip_is_bit_exact(dtype):
 
 def test_value_is_plain_msgpack_with_aligned_payload():
     k = random_cache_array(mx.float16)
-    value = bytes(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
+    value = bytes(encode(8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
     header, payload, checksum = msgpack.unpackb(value)
     assert header["version"] == FORMAT_VERSION and header["fingerprint"] == FP and header["tokens"] == 8
-    assert header["layers"] == [["float16", [1, 2, 8, 8], "float16", [1, 2, 8, 8]]]
+    assert header["layers"] == [[["keys", "float16", [1, 2, 8, 8]], ["values", "float16", [1, 2, 8, 8]]]]
+    assert header["digest"] == D and list(header)[-1] == "digest"
     assert len(payload) == 2 * 2 * 8 * 8 * 2
     assert payload[:len(payload) // 2] == np.asarray(k.view(mx.uint16))[:, :, 0:8].tobytes()
     assert isinstance(checksum, int)
@@ -56,8 +62,8 @@ def test_value_is_plain_msgpack_with_aligned_payload():
 
 def test_decoded_arrays_do_not_depend_on_the_value_buffer():
     k = random_cache_array(mx.float32)
-    value = bytearray(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
-    restored = to_mlx(decode_block(value, fingerprint=FP, n_tokens=8).layers[0]["keys"])
+    value = bytearray(encode(8, block_of([(raw_bits(k), raw_bits(k))], 0, 8)))
+    restored = to_mlx(decode_block(value, fingerprint=FP, n_tokens=8, digest=D).layers[0]["keys"])
     value[:] = bytes(len(value))  # scribble over the stored bytes
     assert same_bits(restored, k[:, :, 0:8])
 
@@ -65,7 +71,7 @@ def test_decoded_arrays_do_not_depend_on_the_value_buffer():
 def test_encoding_copies_the_slice():
     k = random_cache_array(mx.float32)
     raw = raw_bits(k)
-    value = encode_block(FP, 8, block_of([(raw, raw)], 8, 16))
+    value = encode(8, block_of([(raw, raw)], 8, 16))
     assert not np.shares_memory(np.frombuffer(value, np.uint8), raw.bits)
 
 
@@ -83,7 +89,7 @@ def test_checksum_sees_flips_truncation_and_swapped_segments():
 
 def good_value(dtype=mx.float32):
     k = random_cache_array(dtype)
-    return bytes(encode_block(FP, 8, block_of([(raw_bits(k), raw_bits(k))] * 2, 0, 8)))
+    return bytes(encode(8, block_of([(raw_bits(k), raw_bits(k))] * 2, 0, 8)))
 
 
 def repack(value, edit):
@@ -111,9 +117,12 @@ BAD_VALUES = {
     "wrong_fingerprint": lambda v: repack(v, lambda h, p, c: ({**h, "fingerprint": "ab" * 32}, p, c)),
     "wrong_token_count": lambda v: repack(v, lambda h, p, c: ({**h, "tokens": 9}, p, c)),
     "unknown_dtype": lambda v: repack(v, lambda h, p, c: (
-        {**h, "layers": [["int8", s1, d2, s2] for _, s1, d2, s2 in h["layers"]]}, p, c)),
+        {**h, "layers": [[[n, "int8", s] for n, _, s in layer] for layer in h["layers"]]}, p, c)),
     "shape_disagrees_with_payload": lambda v: repack(v, lambda h, p, c: (
-        {**h, "layers": [[d1, [1, 1, 8, 8], d2, s2] for d1, _, d2, s2 in h["layers"]]}, p, c)),
+        {**h, "layers": [[[n, d, [1, 1, 8, 8]] for n, d, _ in layer] for layer in h["layers"]]}, p, c)),
+    "other_key": lambda v: repack(v, lambda h, p, c: ({**h, "digest": bytes(32)}, p, c)),
+    "no_digest": lambda v: repack(v, lambda h, p, c: ({k: x for k, x in h.items() if k != "digest"}, p, c)),
+    "version_1": lambda v: repack(v, lambda h, p, c: ({**h, "version": 1}, p, c)),
     "wrong_checksum": lambda v: repack(v, lambda h, p, c: (h, p, (c + 1) % 2**64)),
     "payload_not_bytes": lambda v: repack(v, lambda h, p, c: (h, "x" * len(p), c)),
 }
@@ -122,9 +131,9 @@ BAD_VALUES = {
 @pytest.mark.parametrize("kind", sorted(BAD_VALUES))
 def test_bad_values_are_rejected(kind):
     value = good_value()
-    assert decode_block(value, fingerprint=FP, n_tokens=8).n_tokens == 8  # the unedited value is fine
+    assert decode_block(value, fingerprint=FP, n_tokens=8, digest=D).n_tokens == 8  # the unedited value is fine
     with pytest.raises(CorruptBlockError):
-        decode_block(BAD_VALUES[kind](value), fingerprint=FP, n_tokens=8)
+        decode_block(BAD_VALUES[kind](value), fingerprint=FP, n_tokens=8, digest=D)
 
 
 def test_repacked_good_value_still_decodes():
@@ -132,8 +141,8 @@ def test_repacked_good_value_still_decodes():
     value = good_value(mx.bfloat16)
     again = repack(value, lambda h, p, c: (h, p, c))
     assert again != value
-    a = decode_block(value, fingerprint=FP, n_tokens=8).layers[0]["keys"]
-    b = decode_block(again, fingerprint=FP, n_tokens=8).layers[0]["keys"]
+    a = decode_block(value, fingerprint=FP, n_tokens=8, digest=D).layers[0]["keys"]
+    b = decode_block(again, fingerprint=FP, n_tokens=8, digest=D).layers[0]["keys"]
     assert np.array_equal(a.bits, b.bits)
 
 
@@ -142,40 +151,89 @@ def test_unsupported_dtype_is_a_value_error():
         raw_bits_many([mx.zeros((1, 1, 2, 2), dtype=mx.int32)])
 
 
-@pytest.mark.parametrize("layer", [{"keys": None}, {"keys": None, "values": None, "state": None}, ()],
-                         ids=["values_missing", "unknown_array", "not_a_mapping"])
-def test_a_layer_must_hold_exactly_the_named_arrays(layer):
-    k = RawArray("float32", np.zeros((1, 1, 8, 4), dtype="<u4"))
-    named = {name: k for name in layer} if isinstance(layer, dict) else layer
-    with pytest.raises(ValueError, match="keys, values"):
-        encode_block(FP, 8, [named])
+@pytest.mark.parametrize("layer, match", [
+    ({"keys": ("int8", np.zeros((1, 1, 8, 4), dtype="<u1"))}, "dtype"),
+    ({"keys": ("float32", np.zeros((1, 1, 7, 4), dtype="<u4"))}, "8 tokens"),
+    ({"values.scales": ("float32", np.zeros((1, 8, 4), dtype="<u4"))}, "8 tokens"),
+    ({"bad name!": ("float32", np.zeros((2,), dtype="<u4"))}, "name"),
+    ({"state.0": ("float32", np.zeros((1, 0, 3), dtype="<u4"))}, "positive"),
+    ((), "mapping"),
+], ids=["dtype", "token_axis", "token_rank", "name", "empty_dim", "not_a_mapping"])
+def test_a_layer_is_a_mapping_of_valid_named_arrays(layer, match):
+    with pytest.raises(ValueError, match=match):
+        encode(8, [layer])
+
+
+def test_hybrid_layers_round_trip():
+    """Token arrays (K/V, quantized parts), state arrays of any rank and empty layers, bit-exact."""
+    rng = np.random.default_rng(3)
+    u32 = lambda *shape: rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype("<u4")  # noqa: E731
+    layers = [
+        {"state.0": ("float32", u32(1, 3, 40)), "state.1": ("bfloat16", u32(1, 4, 8, 8).view("<u2")[..., :8])},
+        {},
+        {"keys.packed": ("uint32", u32(1, 2, 8, 4)), "keys.scales": ("float16", u32(1, 2, 8, 1).view("<u2")[..., :1]),
+         "keys.biases": ("float16", u32(1, 2, 8, 1).view("<u2")[..., :1]), "values.packed": ("uint32", u32(1, 2, 8, 4)),
+         "values.scales": ("float16", u32(1, 2, 8, 2).view("<u2")[..., :1]),
+         "values.biases": ("float16", u32(1, 2, 8, 2).view("<u2")[..., :1])},
+        {"0.state.0": ("float32", u32(1, 5)), "1.keys": ("float32", u32(1, 1, 8, 4)),
+         "1.values": ("float32", u32(1, 1, 8, 6))},
+    ]
+    block = decode_block(bytes(encode(8, layers)), fingerprint=FP, n_tokens=8, digest=D)
+    assert [sorted(layer) for layer in block.layers] == [sorted(layer) for layer in layers]
+    for ours, theirs in zip(block.layers, layers):
+        for name, (dtype, bits) in theirs.items():
+            assert ours[name].dtype == dtype and np.array_equal(ours[name].bits, bits)
+
+
+def test_a_valid_block_under_another_key_is_named_as_such():
+    value = good_value()
+    with pytest.raises(CorruptBlockError, match="another key") as info:
+        decode_block(value, fingerprint=FP, n_tokens=8, digest=bytes(32))
+    assert info.value.reason == "key"
+    # the same bytes re-encoded by another msgpack writer: the digest is still read and checked
+    again = repack(value, lambda h, p, c: (h, p, c))
+    with pytest.raises(CorruptBlockError, match="another key"):
+        decode_block(again, fingerprint=FP, n_tokens=8, digest=bytes(32))
+    assert decode_block(again, fingerprint=FP, n_tokens=8, digest=D).n_tokens == 8
+
+
+def test_version_1_is_refused_as_an_old_format():
+    from cache_store import OldFormatError
+
+    with pytest.raises(OldFormatError, match="earlier format"):
+        decode_block(BAD_VALUES["version_1"](good_value()), fingerprint=FP, n_tokens=8, digest=D)
 
 
 def test_plain_pairs_are_raw_arrays():
     """What the KV conversion hands the store, (dtype name, bits) pairs, encodes like RawArrays."""
     bits = np.arange(32, dtype="<u4").reshape(1, 1, 8, 4)
-    pairs = bytes(encode_block(FP, 8, [{"keys": ("float32", bits), "values": ("float32", bits)}]))
-    raws = bytes(encode_block(FP, 8, [{"keys": RawArray("float32", bits), "values": RawArray("float32", bits)}]))
+    pairs = bytes(encode(8, [{"keys": ("float32", bits), "values": ("float32", bits)}]))
+    raws = bytes(encode(8, [{"keys": RawArray("float32", bits), "values": RawArray("float32", bits)}]))
     assert pairs == raws
 
 
 def _edit_layers(edit):
-    return lambda v: repack(v, lambda h, p, c: ({**h, "layers": [edit(list(e)) for e in h["layers"]]}, p, c))
+    return lambda v: repack(v, lambda h, p, c: (
+        {**h, "layers": [[edit(list(e)) for e in layer] for layer in h["layers"]]}, p, c))
 
 
 # Headers whose field types are wrong: the checksum still matches (payload untouched).
 MALFORMED_HEADERS = {
-    "dtype_is_a_list": _edit_layers(lambda e: [[e[0]], e[1], e[2], e[3]]),
-    "dtype_is_a_map": _edit_layers(lambda e: [{"d": e[0]}, e[1], e[2], e[3]]),
-    "shape_dim_is_a_list": _edit_layers(lambda e: [e[0], [[1], 2, 8, 8], e[2], e[3]]),
-    "shape_dim_is_a_map": _edit_layers(lambda e: [e[0], e[1], e[2], [1, {"x": 2}, 8, 8]]),
-    "shape_dim_is_a_bool": _edit_layers(lambda e: [e[0], [True, 2, 8, 8], e[2], e[3]]),
-    "shape_dim_is_a_float": _edit_layers(lambda e: [e[0], [1.0, 2, 8, 8], e[2], e[3]]),
-    "shape_of_wrong_rank": _edit_layers(lambda e: [e[0], [2, 8, 8], e[2], e[3]]),
-    "shape_is_a_string": _edit_layers(lambda e: [e[0], "1288", e[2], e[3]]),
-    "keys_and_values_disagree": _edit_layers(lambda e: [e[0], [1, 4, 8, 8], e[2], [1, 1, 8, 8]]),
+    "dtype_is_a_list": _edit_layers(lambda e: [e[0], [e[1]], e[2]]),
+    "dtype_is_a_map": _edit_layers(lambda e: [e[0], {"d": e[1]}, e[2]]),
+    "shape_dim_is_a_list": _edit_layers(lambda e: [e[0], e[1], [[1], 2, 8, 8]]),
+    "shape_dim_is_a_map": _edit_layers(lambda e: [e[0], e[1], [1, {"x": 2}, 8, 8]]),
+    "shape_dim_is_a_bool": _edit_layers(lambda e: [e[0], e[1], [True, 2, 8, 8]]),
+    "shape_dim_is_a_float": _edit_layers(lambda e: [e[0], e[1], [1.0, 2, 8, 8]]),
+    "shape_of_wrong_rank": _edit_layers(lambda e: [e[0], e[1], [2, 8, 8]]),
+    "shape_is_a_string": _edit_layers(lambda e: [e[0], e[1], "1288"]),
+    "name_is_an_int": _edit_layers(lambda e: [7, e[1], e[2]]),
+    "entry_is_short": _edit_layers(lambda e: e[:2]),
+    "duplicate_names": _edit_layers(lambda e: ["keys", e[1], e[2]]),
     "layers_is_a_map": lambda v: repack(v, lambda h, p, c: ({**h, "layers": {"a": 1}}, p, c)),
+    "layer_is_a_map": lambda v: repack(v, lambda h, p, c: ({**h, "layers": [{"a": 1}]}, p, c)),
     "tokens_is_a_list": lambda v: repack(v, lambda h, p, c: ({**h, "tokens": [8]}, p, c)),
+    "digest_is_a_string": lambda v: repack(v, lambda h, p, c: ({**h, "digest": "x" * 32}, p, c)),
 }
 
 
@@ -183,17 +241,17 @@ MALFORMED_HEADERS = {
 def test_malformed_header_types_are_corrupt_not_type_errors(kind):
     value = good_value()
     with pytest.raises(CorruptBlockError):
-        decode_block(MALFORMED_HEADERS[kind](value), fingerprint=FP, n_tokens=8)
+        decode_block(MALFORMED_HEADERS[kind](value), fingerprint=FP, n_tokens=8, digest=D)
 
 
 def test_reviewer_header_is_corrupt():
     """The reported case: a list where the keys' dtype belongs, valid checksum."""
     k = RawArray("float32", np.zeros((1, 1, 16, 4), dtype="<u4"))
-    good = bytes(encode_block(FP, 16, [{"keys": k, "values": k}]))
+    good = bytes(encode(16, [{"keys": k, "values": k}]))
     header, payload, checksum = msgpack.unpackb(good)
-    header["layers"] = [[["float32"], [1, 1, 16, 4], "float32", [1, 1, 16, 4]]]
+    header["layers"] = [[["keys", ["float32"], [1, 1, 16, 4]], ["values", "float32", [1, 1, 16, 4]]]]
     with pytest.raises(CorruptBlockError):
-        decode_block(msgpack.packb([header, payload, checksum]), fingerprint=FP, n_tokens=16)
+        decode_block(msgpack.packb([header, payload, checksum]), fingerprint=FP, n_tokens=16, digest=D)
 
 
 def test_parsed_header_cache_is_bounded_and_thread_safe():
@@ -206,14 +264,14 @@ def test_parsed_header_cache_is_bounded_and_thread_safe():
     values = []
     for heads in range(1, 25):  # 24 formats, more than the cache keeps
         k = RawArray("float32", np.full((1, heads, 8, 4), heads, dtype="<u4"))
-        values.append((heads, bytes(encode_block(FP, 8, [{"keys": k, "values": k}]))))
+        values.append((heads, bytes(encode(8, [{"keys": k, "values": k}]))))
     errors = []
 
     def work(offset):
         try:
             for i in range(300):
                 heads, value = values[(i + offset) % len(values)]
-                block = decode_block(value, fingerprint=FP, n_tokens=8)
+                block = decode_block(value, fingerprint=FP, n_tokens=8, digest=D)
                 assert block.layers[0]["keys"].shape == (1, heads, 8, 4)
         except Exception as exc:  # reported below
             errors.append(exc)

@@ -75,10 +75,10 @@ def test_fingerprint_is_stable_and_covers_what_changes_kv():
 def test_fingerprint_hashes_the_description_it_is_given():
     description = {"model_type": "m", "args": {"hidden_size": 64, "rope_theta": 1e4}, "layers": [{"cache": "KVCache"}]}
     fp = model_fingerprint(description, "repo@rev", block_size=16)
-    expected = {**description, "format_version": 1, "identity": "repo@rev", "block_size": 16}
+    expected = {**description, "format_version": 2, "identity": "repo@rev", "block_size": 16}
     assert fp == hashlib.sha256(canonical_json(expected).encode()).hexdigest()
     # Pinned: a change here renames every stored block (bump FORMAT_VERSION instead).
-    assert fp == "8fe0758ed29273c3eed1db20b16ff5d1d4145f5df27a9fdb3208f26371e450be"
+    assert fp == "55e4e817d0097e39098a66706cc8bc9118323e38112e8fcc5c77484cc86e02dd"
     assert fp == model_fingerprint(dict(reversed(list(description.items()))), "repo@rev", block_size=16)
     assert fp != model_fingerprint({**description, "args": {"hidden_size": 65, "rope_theta": 1e4}},
                                    "repo@rev", block_size=16)
@@ -99,6 +99,9 @@ def test_sliding_window_models_are_not_storable():
     (lambda: model_fingerprint({"m": float("nan")}, "x", block_size=16), "description"),
 ])
 def test_bad_arguments_are_value_errors(call, field):
+    """(Infinities are data: ``time_step_limit = (0, inf)`` in mamba2 and nemotron-h configs.)"""
+    assert model_fingerprint({"limit": [0.0, float("inf")]}, "x", block_size=16) != model_fingerprint(
+        {"limit": [0.0, 1e308]}, "x", block_size=16)
     with pytest.raises(ValueError, match=field):
         call()
 

@@ -47,22 +47,57 @@ def test_other_prompt_or_model_misses(memo):
     assert SelectionMemo(memo.client, "4d" * 32).get(TOKENS, SETTINGS) is None
 
 
-@pytest.mark.parametrize("value", [
-    b"junk",
-    msgpack.packb({"version": 2, "fingerprint": FP, "tokens": 300, "ranges": [0, 32]}),
-    msgpack.packb({"version": 1, "fingerprint": "4d" * 32, "tokens": 300, "ranges": [0, 32]}),
-    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 299, "ranges": [0, 32]}),
-    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 32, 64]}),
-    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [32, 0]}),
-    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 301]}),
-    msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 40, 30, 50]}),
-])
-def test_bad_entries_are_misses_and_deleted(memo, value):
+def entry_edits(memo, edit):
+    """This prompt's valid entry, edited."""
+    memo.put(TOKENS, SETTINGS, RANGES)
+    entry = msgpack.unpackb(memo.client.get(memo.key(TOKENS, SETTINGS)))
+    return msgpack.packb(edit(entry))
+
+
+BAD_ENTRIES = {
+    "junk": lambda e: "junk",
+    "future_version": lambda e: {**e, "version": 3},
+    "other_fingerprint": lambda e: {**e, "fingerprint": "4d" * 32},
+    "other_key": lambda e: {**e, "key": "00" * 32},
+    "no_key": lambda e: {k: v for k, v in e.items() if k != "key"},
+    "no_prompt_digest": lambda e: {k: v for k, v in e.items() if k != "prompt"},
+    "other_length": lambda e: {**e, "tokens": 299},
+    "odd_ranges": lambda e: {**e, "ranges": [0, 32, 64]},
+    "reversed_range": lambda e: {**e, "ranges": [32, 0]},
+    "range_past_the_end": lambda e: {**e, "ranges": [0, 301]},
+    "overlapping_ranges": lambda e: {**e, "ranges": [0, 40, 30, 50]},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_ENTRIES))
+def test_bad_entries_are_misses_and_deleted(memo, kind):
     key = memo.key(TOKENS, SETTINGS)
-    memo.client.set(key, value)
+    memo.client.set(key, entry_edits(memo, BAD_ENTRIES[kind]))
     assert memo.get(TOKENS, SETTINGS) is None
     assert not memo.client.exists(key)
     assert memo.stats()["memo_corrupt"] == 1
+
+
+def test_a_valid_entry_under_another_key_is_rejected_counted_and_deleted(memo):
+    """A misdirected write: another prompt's (or other settings') entry under this key."""
+    other = [t + 1 for t in TOKENS]
+    memo.put(other, SETTINGS, [(0, 300)])
+    memo.put(TOKENS, {**SETTINGS, "keep": 0.5}, [(0, 300)])
+    for source in (memo.key(other, SETTINGS), memo.key(TOKENS, {**SETTINGS, "keep": 0.5})):
+        key = memo.key(TOKENS, SETTINGS)
+        memo.client.set(key, memo.client.get(source))
+        memo.client.expire(key, 30)
+        assert memo.get(TOKENS, SETTINGS) is None
+        assert not memo.client.exists(key)  # deleted, not renewed
+    assert memo.stats()["memo_corrupt"] == 2
+    assert memo.get(other, SETTINGS) == [(0, 300)]  # the real owner's entry is untouched
+
+
+def test_an_entry_of_the_earlier_version_is_dropped_without_counting(memo):
+    key = memo.key(TOKENS, SETTINGS)
+    memo.client.set(key, msgpack.packb({"version": 1, "fingerprint": FP, "tokens": 300, "ranges": [0, 32]}))
+    assert memo.get(TOKENS, SETTINGS) is None
+    assert not memo.client.exists(key) and memo.stats()["memo_corrupt"] == 0
 
 
 @pytest.mark.parametrize("ranges", [[(0, 301)], [(5, 5)], [(10, 20), (15, 30)], [(1, 2, 3)]])

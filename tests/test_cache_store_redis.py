@@ -70,10 +70,12 @@ tokens = {tokens!r}
 cache, _ = prefilled(model, tokens)
 client = redis.Redis.from_url({url!r})
 store = draft_store(client, fp, block_size={bs})
+digests = store.raw_store.block_keys(tokens)
 hashes = []
 for i in range(len(tokens) // {bs}):
     s = slice(i * {bs}, (i + 1) * {bs})
-    value = encode_block(fp, {bs}, [kv_layer(c.keys[:, :, s], c.values[:, :, s]) for c in cache])
+    value = encode_block(fp, {bs}, [kv_layer(c.keys[:, :, s], c.values[:, :, s]) for c in cache],
+                         digest=bytes.fromhex(digests[i].rsplit(":", 1)[1]))
     hashes.append(hashlib.sha256(value).hexdigest())
 client.rpush("ready", 1)
 client.blpop("go")

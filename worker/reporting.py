@@ -101,9 +101,22 @@ class ReportingDraftCache:
         self.reporter.publish("cache_lookup", hit_tokens=n, total=len(tokens))
         return cache, n
 
-    def store(self, tokens: Sequence[int], cache: list) -> int:
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
+        """The inner cache's ``on_step`` hook for ``tokens`` (None if it needs none)."""
+        make = getattr(self.inner, "recorder", None)
+        return make(tokens) if make is not None else None
+
+    def store(self, tokens: Sequence[int], cache: list, recorder: Any = None) -> int:
         t0 = time.perf_counter()
-        self.blocks_written = self.inner.store(tokens, cache)
+        self.blocks_written = (self.inner.store(tokens, cache, recorder) if recorder is not None
+                               else self.inner.store(tokens, cache))
         self.timings["cache_store"] = time.perf_counter() - t0
-        self.reporter.publish("cache_store", blocks=self.blocks_written)
+        # A cache the store cannot hold says why (e.g. a window with pinned tokens), so the
+        # watcher knows it is not a miss by chance.
+        reason = getattr(self.inner, "unsupported_reason", None)
+        self.reporter.publish("cache_store", blocks=self.blocks_written, **({"skipped": reason} if reason else {}))
         return self.blocks_written

@@ -43,27 +43,66 @@ class SelectionBackend:
             selection_rule=SELECTION_RULE,
             score_with_cache=score_with_cache, plan_selection=plan_selection,
             to_ranges=to_ranges, admission_reason=admission_reason,
-            block_store=_block_store, target_store=_block_store,
+            block_store=_block_store, target_store=_target_store,
             memo=lambda client, fp, s: SelectionMemo(client, fp, namespace=s.namespace,
                                                      ttl_s=s.memo_ttl_s),
         )
 
 
-def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
-    """A model's ``DraftCache`` (the draft's, or the target's prefix KV): the Redis block store (which rejects blocks of another
-    cache layout than the model's profile as corrupt) behind the KV-cache ↔ raw-arrays adapter."""
+def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: str = "draft") -> Any:
+    """A model's ``DraftCache``, the draft's KV (or, with ``role="target"``, the target's
+    prefix KV): the Redis block store (which rejects blocks of another layout than the
+    model's as corrupt) behind the cache <-> raw-arrays adapter, for every cache type the
+    model's fresh cache (with that role's KV quantization) holds."""
     from cache_store import RedisBlockStore
+    from specprefill.attention.probe import make_cache
     from specprefill.draft_cache import BlockDraftCache
-    from specprefill.kv_arrays import block_layout
 
-    try:
-        layout = block_layout(loaded.profile.kv_layout)
-    except ValueError:  # not all plain KV layers (recurrent, quantized): nothing is stored, fetches miss
-        layout = None
-    raw_store = RedisBlockStore(client, loaded.fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=layout,
+    model = loaded.model
+    verified = loaded.profile if role == "draft" else loaded.target_profile
+    kv = (getattr(verified, "kv_bits", None), getattr(verified, "kv_group_size", 64))
+
+    def fresh() -> list:
+        return make_cache(model, *kv)
+
+    fingerprint = (loaded.fingerprint if role == "draft"
+                   else _target_fingerprint(loaded, fresh, kv, s.block_size))
+    raw_store = RedisBlockStore(client, fingerprint, namespace=s.namespace, block_size=s.block_size,
+                                ttl_s=s.block_ttl_s, layout=_block_layout(fingerprint, model, fresh),
                                 model={"model": loaded.identity, "name": loaded.name})
-    return BlockDraftCache(raw_store)
+    return BlockDraftCache(raw_store, fresh)
+
+
+def _target_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
+    """The target's prefix store (blocks under the target's own fingerprint)."""
+    return _block_store(client, loaded, s, role="target")
+
+
+_LAYOUTS: dict[str, list] = {}  # fingerprint -> block layout: one forward pass per model, not per job
+_TARGET_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> list:
+    from specprefill.draft_cache import block_layout_of
+
+    if fingerprint not in _LAYOUTS:
+        if len(_LAYOUTS) >= 64:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[fingerprint] = block_layout_of(model, fresh)
+    return _LAYOUTS[fingerprint]
+
+
+def _target_fingerprint(loaded: LoadedModel, fresh: Callable[[], list], kv: tuple, block_size: int) -> str:
+    """Names the target's prefix blocks: its weights, its cache description and the role (the
+    target prefills its prefix in block steps of its own, so its blocks are not the draft's)."""
+    key = (loaded.identity, kv, block_size)
+    if key not in _TARGET_FINGERPRINTS:
+        from cache_store import model_fingerprint
+        from specprefill.draft_cache import block_description
+
+        description = {"role": "target prefix", **block_description(loaded.model, fresh)}
+        _TARGET_FINGERPRINTS[key] = model_fingerprint(description, loaded.identity, block_size=block_size)
+    return _TARGET_FINGERPRINTS[key]
 
 
 @dataclass

@@ -20,7 +20,7 @@ class any more) or ``CacheList`` (falcon-h1: Mamba state and KV in one layer), o
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
@@ -217,10 +217,18 @@ class BlockRecorder:
     last token), and while the prefill runs it keeps each sliding window's newest tokens
     (the window lets them go later). The K/V of unbounded layers are sliced from the final
     cache instead (:meth:`blocks`), so holding nothing here pins a KV buffer being written.
+
+    With ``sink``, each block is handed over complete as soon as it ends instead
+    (``sink(end, per-layer arrays)``, K/V sliced from the cache at that step) and nothing is
+    kept: memory stays one block's worth however long the prompt (a Qwen3.5-0.8B block holds
+    18 MiB of recurrent state). The sink must copy what it keeps before returning; it returns
+    how many blocks it stored, summed in ``written``.
     """
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], int] | None = None):
         self.block_size = block_size
+        self.sink = sink
+        self.written = 0
         self.states: dict[int, list[dict[str, mx.array]]] = {}  # block end -> per layer
         self._pieces: dict[tuple[int, str], list[mx.array]] = {}
 
@@ -239,6 +247,12 @@ class BlockRecorder:
             for name in _window_arrays(meta, arrays):
                 layer[name] = mx.concatenate(self._pieces.pop((i, name)), axis=2)
             kept.append(layer)
+        if self.sink is not None:
+            per_layer = [{**block_arrays(meta, {n: a for n, a in arrays.items() if is_token_array(n) and n not in
+                                                recorded}, end - self.block_size, end), **recorded}
+                         for (meta, arrays), recorded in zip(layers, kept)]
+            self.written += self.sink(end, per_layer) or 0
+            return
         mx.eval(kept)
         self.states[end] = kept
 
@@ -258,3 +272,49 @@ class BlockRecorder:
 def layer_metas(cache: list) -> list[dict[str, Any]]:
     """Every layer's ``meta`` (what :func:`assemble` needs besides the blocks)."""
     return [layer_arrays(entry)[0] for entry in cache]
+
+
+def storable_reason(cache: list) -> str | None:
+    """Why blocks of this cache (fresh or filled) cannot be stored and restored exactly, or None."""
+    for i, entry in enumerate(cache):
+        for member in getattr(entry, "caches", None) or (entry,):
+            if isinstance(member, RotatingKVCache) and member.keep:
+                return f"cache layer {i}: RotatingKVCache with keep={member.keep} (tokens pinned at the start)"
+            if isinstance(member, ArraysCache) and (member.left_padding is not None or member.lengths is not None):
+                return f"cache layer {i}: batched (padded) ArraysCache"
+            if member is not None and not isinstance(member, (KVCache, QuantizedKVCache, RotatingKVCache,
+                                                              ArraysCache)):
+                return f"cache layer {i}: {type(member).__name__} has no storage layout"
+    return None
+
+
+def needs_recorder(metas: Sequence[dict[str, Any]]) -> bool:
+    """Whether blocks need a :class:`BlockRecorder` (recurrent state or sliding windows), i.e. cannot
+    be sliced from the final cache alone."""
+    def member_needs(meta: dict[str, Any]) -> bool:
+        if meta["class"] == "CacheList":
+            return any(member_needs(m) for m in meta["members"])
+        return meta["class"] in ("ArraysCache", "RotatingKVCache")
+    return any(member_needs(m) for m in metas)
+
+
+def sliced_blocks(cache: list, n_tokens: int, block_size: int) -> list[tuple[int, list[dict[str, mx.array]]]]:
+    """``(end, per-layer arrays)`` of every full block, sliced from a cache of K/V layers only
+    (``KVCache``/``QuantizedKVCache``; see :func:`needs_recorder`)."""
+    layers = [layer_arrays(entry) for entry in cache]
+    return [(end, [block_arrays(meta, arrays, end - block_size, end) for meta, arrays in layers])
+            for end in range(block_size, n_tokens + 1, block_size)]
+
+
+def restore(metas: Sequence[dict[str, Any]], layers: Sequence[dict[str, mx.array]], n_tokens: int) -> list:
+    """The cache of a prefix of ``n_tokens`` from its stored arrays: per layer the blocks' K/V joined
+    and the last block's state (as a block store's fetch returns them)."""
+    if len(metas) != len(layers):
+        raise ValueError(f"restore: {len(layers)} stored layers, the model's cache has {len(metas)}")
+    return [assemble(meta, [arrays], n_tokens) for meta, arrays in zip(metas, layers)]
+
+
+def array_layout(cache: list) -> list[dict[str, list]]:
+    """Per layer ``{name: [dtype, shape]}`` of the arrays :func:`layer_arrays` gives for ``cache``."""
+    return [{name: [str(a.dtype).split(".")[-1], list(a.shape)] for name, a in layer_arrays(entry)[1].items()}
+            for entry in cache]

@@ -4,6 +4,7 @@ cold run); a block store whose Redis is down makes jobs run cold; a Redis with a
 far below the working set and allkeys-lru serves every job with correct selections."""
 from __future__ import annotations
 
+import json
 import time
 
 import msgpack
@@ -91,7 +92,52 @@ def test_corrupt_blocks_are_deleted_counted_and_missed(redis_url, workers, model
         np.testing.assert_allclose(warm.importance, cold.importance, rtol=1e-4, atol=1e-6)
         assert store.stats()["corrupt_blocks"] == n, name
         assert r.get(keys[2]) != bad
-        decode_block(r.get(keys[2]), fingerprint=fingerprint, n_tokens=BLOCK)  # valid again
+        decode_block(r.get(keys[2]), fingerprint=fingerprint, n_tokens=BLOCK,  # valid again
+                     digest=bytes.fromhex(keys[2].rsplit(":", 1)[1]))
+
+
+def memo_keys(r) -> set[bytes]:
+    return set(r.scan_iter(match="specprefill:memo:*"))
+
+
+def test_swapped_valid_block_and_memo_entry_are_rejected_counted_and_deleted(redis_url, workers, model_dir,
+                                                                             fingerprint, capsys):
+    """Issue 14.3: a valid block (and a valid memo entry) of another prompt, written under this
+    prompt's key, is never used: the job runs as cold, the value is counted and deleted (its TTL
+    is not renewed), and `cache verify` afterwards finds nothing left."""
+    from cache_store import SelectionMemo
+    from cli.main import main
+
+    s = real_settings(model_dir)
+    workers.real(redis_url, s, preload=model_dir)
+    c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+    r = redis.Redis.from_url(redis_url)
+    a, b = doc(21), doc(22)
+    cold_a = c.submit(tokens=a, return_importance=True).result(timeout=90)
+    memo_a = memo_keys(r)
+    cold_b = c.submit(tokens=b, return_importance=True).result(timeout=90)
+    (memo_b,) = memo_keys(r) - memo_a
+    (memo_a,) = memo_a
+    assert cold_a.kept_ranges != cold_b.kept_ranges
+    store = RedisBlockStore(r, fingerprint, block_size=BLOCK)
+    ka, kb = store.block_keys(a), store.block_keys(b)
+    r.set(ka[2], r.get(kb[2]))  # a valid block of the same model under another key
+    warm = run_again(c, a, return_importance=True)
+    assert warm.cached_tokens == 2 * BLOCK and warm.kept_ranges == cold_a.kept_ranges
+    np.testing.assert_allclose(warm.importance, cold_a.importance, rtol=1e-4, atol=1e-6)
+    assert store.stats()["corrupt_blocks"] == 1
+    decode_block(r.get(ka[2]), fingerprint=fingerprint, n_tokens=BLOCK,  # rewritten by the job
+                 digest=bytes.fromhex(ka[2].rsplit(":", 1)[1]))
+
+    r.set(memo_a, r.get(memo_b))  # b's remembered selection under a's key
+    again = run_again(c, a)
+    assert not again.memo_hit and again.kept_ranges == cold_a.kept_ranges
+    assert SelectionMemo(r, fingerprint).stats()["memo_corrupt"] == 1
+    assert run_again(c, a).memo_hit  # the job wrote a's own entry back
+
+    assert main(["cache", "verify", "--json", "--redis-url", redis_url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bad_blocks"] == {} and report["bad_memo"] == {} and report["blocks"] == 10
 
 
 def test_block_store_redis_down_means_cold_jobs_not_failures(redis_url, workers, model_dir):
