@@ -167,7 +167,7 @@ def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, k
     model = F.build(name, seed=4, **(F.for_kv_quantization(name) if kv_bits else {}))
     fresh = lambda: make_cache(model, kv_bits, 32)  # noqa: E731
     fp = model_fingerprint(block_description(model, fresh), "wired", block_size=BLOCK)
-    loaded = SimpleNamespace(fingerprint=fp, profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
+    loaded = SimpleNamespace(fingerprint=fp, identity="tiny:" + name, name="draft", profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
     store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
     warm_equals_cold(model, profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)
 

@@ -23,7 +23,7 @@ from worker.admission import admission_reason
 from worker.context import JobContext
 from worker.models import ModelPool
 from worker.prompt import system_boundary, tokenize_prompt
-from worker.runtime import WorkerRuntime, _block_store
+from worker.runtime import WorkerRuntime, _target_store
 from worker.target_prefix import TargetPrefixCache, contiguous_prefix
 from worker.tasks import execute
 
@@ -70,7 +70,7 @@ def runtime(redis_client=None, backend=None, family="llama", **over):
                                   tail_tokens=16, chunk_size=8, keep=0.25, block_size=16), **over})
     loads: list[str] = []
     be = backend or fake_backend()
-    be.target_store = _block_store
+    be.target_store = _target_store
     r = redis_client or fakeredis.FakeRedis()
     rt = WorkerRuntime(settings, r, r, make_pool(loads, family), backend_factory=lambda: be)
     return rt, loads
@@ -284,7 +284,7 @@ def test_restored_prefix_logits_equal_a_full_prefill():
     rt, _ = runtime()
     target = rt.models.get("tiny-target", "target_model")
     tokens = list(np.random.RandomState(0).randint(3, 200, 90))
-    store = _block_store(rt.cache_client, target, rt.settings)
+    store = _target_store(rt.cache_client, target, rt.settings)
     prefix = TargetPrefixCache(store, target)
     logits, cache, _ = target_prefill.plain_prefill(target.model, tokens[:50], kv_cache=None,
                                                     prefill_step=64, progress=lambda *a: None)
@@ -308,7 +308,8 @@ def test_corrupt_target_block_is_a_miss():
     rt, _ = runtime(r, keep=1.0)
     run(rt, "a", messages=chat(0), extra=GREEDY)
     target = rt.models.get("tiny-target", "target_model")
-    keys = list(r.scan_iter(f"specprefill:kv:{target.fingerprint[:16]}:*"))
+    fingerprint = _target_store(rt.cache_client, target, rt.settings).raw_store.fingerprint  # the target's own
+    keys = list(r.scan_iter(f"specprefill:kv:{fingerprint[:16]}:*"))
     assert keys
     for key in keys:
         value = bytearray(r.get(key))
@@ -316,7 +317,7 @@ def test_corrupt_target_block_is_a_miss():
         r.set(key, bytes(value))
     second = run(rt, "b", messages=chat(1), extra=GREEDY)
     assert second.target_tokens["restored"] == 0
-    assert int(r.hget(f"specprefill:kvstats:{target.fingerprint}", "corrupt_blocks")) == 1
+    assert int(r.hget(f"specprefill:kvstats:{fingerprint}", "corrupt_blocks")) == 1
     fresh, _ = runtime(keep=1.0)
     assert second.token_ids == run(fresh, "c", messages=chat(1), extra=GREEDY).token_ids
 

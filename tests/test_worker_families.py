@@ -48,7 +48,9 @@ SERVED = ["gemma2", "gpt_oss", "ministral3", "gemma4_text", "deepseek_v3", "llam
 
 @pytest.mark.parametrize("name", SERVED)
 def test_family_as_draft_and_target_through_the_worker(name):
-    rt = runtime({"draft": lambda: F.build(name, seed=3), "target": lambda: F.build(name, seed=4)})
+    # Without the target's prefix store: g3 must prefill its own (sparse) prompt, not restore g1's.
+    rt = runtime({"draft": lambda: F.build(name, seed=3), "target": lambda: F.build(name, seed=4)},
+                 target_prefix_cache=False)
     prefill = run(rt, "prefill", "p", return_importance=True)
     direct = score_tokens(profile_model(F.build(name, seed=3)), [1] + [2 + ord(c) % 200 for c in TEXT],
                           ScoringOptions(n_lookahead=3, prefill_step=32))
@@ -63,9 +65,11 @@ def test_family_as_draft_and_target_through_the_worker(name):
 
 
 def test_pure_ssm_is_refused_as_draft_and_served_as_target():
-    rt = runtime({"draft": lambda: F.build("mamba2", seed=3), "target": lambda: F.build("mamba2", seed=4)})
+    models = {"draft": lambda: F.build("mamba2", seed=3), "target": lambda: F.build("mamba2", seed=4)}
     with pytest.raises(ValueError, match="^draft_model: 'draft': .*no full-attention layer"):
-        run(rt, "prefill")
+        run(runtime(models, fallback_strict=True), "prefill")
+    kept_all = run(runtime(models), "prefill")  # by default a refused draft is a fallback (issue 17)
+    assert kept_all.kept == kept_all.total and "no full-attention layer" in kept_all.fallback
     rt = runtime({"draft": lambda: F.build("llama", seed=3), "target": lambda: F.build("mamba2", seed=4)})
     res = run(rt, "generate", extra={"max_tokens": 4, "greedy": True})
     assert res.kept < res.total and res.generated_tokens > 0
@@ -90,7 +94,7 @@ def test_quantized_draft_and_target_kv():
 
 def test_quantized_kv_with_sliding_windows_is_refused_at_load():
     rt = runtime({"draft": lambda: F.build("gemma3_text", seed=3), "target": lambda: F.build("gemma3_text", seed=4)},
-                 draft_kv_bits=4, target_kv_bits=4)
+                 draft_kv_bits=4, target_kv_bits=4, fallback_strict=True)
     with pytest.raises(ValueError, match="^draft_model: 'draft': .*kv_bits: mlx-lm cannot quantize RotatingKVCache"):
         run(rt, "prefill")
     with pytest.raises(ValueError, match="^target_model: 'target': .*kv_bits"):
@@ -98,9 +102,9 @@ def test_quantized_kv_with_sliding_windows_is_refused_at_load():
 
 
 def test_kv_settings_are_validated():
-    with pytest.raises(ValueError, match="draft_kv_bits: 7"):
+    with pytest.raises(ValueError, match=r"draft_kv_bits \(SPECPREFILL_DRAFT_KV_BITS\): must be one of .*got 7"):
         Settings(draft_kv_bits=7)
-    with pytest.raises(ValueError, match="target_kv_group_size: 16"):
+    with pytest.raises(ValueError, match=r"target_kv_group_size \(SPECPREFILL_TARGET_KV_GROUP_SIZE\).*got 16"):
         Settings(target_kv_group_size=16)
     assert Settings(draft_kv_bits=4).kv_quantization("draft") == (4, 64)
     assert Settings().kv_quantization("target") == (None, 64)

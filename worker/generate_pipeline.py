@@ -98,7 +98,7 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     check_prompt(prompt.tokens, target, ctx.settings)
     timings["tokenize"] = time.perf_counter() - t
     out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target),
-                  warnings=prompt_warnings(ctx, prompt.tokens, target))
+                  warnings=prompt_warnings(ctx, prompt.tokens, target.tokenizer))
     if out.prefix is not None:
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
         timings.update(out.prefix.timings)

@@ -58,8 +58,8 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
     from specprefill.attention.probe import make_cache
     from specprefill.draft_cache import BlockDraftCache
 
-    model = loaded.model
     verified = loaded.profile if role == "draft" else loaded.target_profile
+    model = verified.model if role == "draft" else loaded.model  # the profile's model: what was verified
     kv = (getattr(verified, "kv_bits", None), getattr(verified, "kv_group_size", 64))
 
     def fresh() -> list:

@@ -44,7 +44,8 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     Admission comes first, from the draft's tokenizer alone: a prompt it keeps whole is
     answered without the draft's weights (unless the job asks for the importance scores)."""
     t0 = t = time.perf_counter()
-    tokenizer, vocab_size = ctx.runtime.models.prompt_tools(spec.draft_model)
+    tokenizer, vocab_size = ctx.runtime.models.prompt_tools(
+        spec.draft_model, on_download=lambda: ctx.publisher.publish("downloading", model=spec.draft_model))
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
     timings = {"tokenize": time.perf_counter() - t}
@@ -70,7 +71,19 @@ def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: An
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=[(0, total)], kept=total, total=total, reason=reason,
         protected_prefix=prompt.protected_prefix, boundary_reason=prompt.boundary_reason,
-        fallback=fallback, model="", timings={k: round(v, 6) for k, v in timings.items()}, spans=spans)
+        fallback=fallback, keep_effect=_keep_all_effect(spec, total, prompt, fallback), model="",
+        timings={k: round(v, 6) for k, v in timings.items()}, spans=spans,
+        warnings=prompt_warnings(ctx, prompt.tokens, tokenizer))
+
+
+def _keep_all_effect(spec: JobSpec, total: int, prompt: PromptTokens, fallback: str | None) -> str:
+    from specprefill.selection import keep_effect
+
+    if fallback is not None:
+        return f"keep had no effect: {fallback}"
+    options = SelectionOptions(keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+                               threshold=spec.threshold)
+    return keep_effect(total, total, options, prompt.protected_prefix) or "keep had no effect: every token kept"
 
 
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
@@ -100,7 +113,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     prompt = prompt or tokenize_prompt(spec, draft.tokenizer)
     tokens, protected_prefix = prompt.tokens, prompt.protected_prefix
     check_prompt(tokens, draft, ctx.settings)
-    warnings = prompt_warnings(ctx, tokens, draft)
+    warnings = prompt_warnings(ctx, tokens, draft.tokenizer)
     timings["tokenize"] = time.perf_counter() - t
     backend = ctx.runtime.backend
     # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
@@ -121,9 +134,9 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     return result, tokens
 
 
-def prompt_warnings(ctx: JobContext, tokens: list[int], loaded: LoadedModel) -> list[str]:
+def prompt_warnings(ctx: JobContext, tokens: list[int], tokenizer: Any) -> list[str]:
     """What to tell the client about the prompt (also logged on the worker)."""
-    warning = unknown_token_warning(tokens, loaded.tokenizer)
+    warning = unknown_token_warning(tokens, tokenizer)
     if warning is None:
         return []
     log.warning("job %s: %s", ctx.job_id, warning)

@@ -45,9 +45,12 @@ def prefix_view(kv_cache: list[Any], n_tokens: int) -> list[Any] | None:
     is given, which are the prefix's."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+    from specprefill.attention.target import PositionedKVCache
+
+    plain = (KVCache, PositionedKVCache)  # a sparse session's caches mask by position, same arrays
     out = []
     for c in kv_cache:
-        if type(c) is KVCache and c.offset >= n_tokens:
+        if type(c) in plain and c.offset >= n_tokens:
             view = KVCache()
             view.state = (c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :], n_tokens)
             out.append(view)
