@@ -181,10 +181,17 @@ def test_iter_documents_reads_files_and_jsonl(tmp_path):
 def test_demo_documents_have_two_rounds():
     docs = load_demo()
     assert len(docs) >= 2 and all({1, 2} <= set(d.questions) for d in docs)
-    for d in docs:  # each question's needle is where the document says
+    from tools import recall_task
+
+    task = recall_task.load()
+    for d in docs:  # each question's needle is where the document says, in the prompt's tokens
         for round_no in (1, 2):
             start, end = d.needle_span(round_no)
-            assert d.text.split()[start] == d.questions[round_no].split()[-1] and end == start + 4
+            tokens = task.encode(d.prompt(round_no))
+            key = d.questions[round_no].split()[-1]
+            assert task.decode(tokens[start:end]).split() == [key, *d.answers[round_no].split()]
+            assert d.answered(round_no, f" {d.answers[round_no]}<|end|>")
+            assert not d.answered(round_no, "wrong words here")
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +225,8 @@ def test_demo_runs_two_rounds_and_stops_everything(demo_model):
     assert int(rows[0][3]) < int(rows[0][2])  # real selections: tokens were dropped
     kept, asked = map(int, re.search(r"kept in (\d+)/(\d+) prompts", out).groups())
     assert asked == 6 and kept >= 5  # the shipped draft keeps what the questions ask for
+    right, answers = map(int, re.search(r"target answered (\d+)/(\d+) questions right", out).groups())
+    assert answers == 6 and right >= 5  # ... and the shipped target answers from the kept text
     assert not _port_open(port)
 
 
