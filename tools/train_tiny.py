@@ -169,9 +169,9 @@ def model_card(config: dict, training: dict) -> str:
                      "circuit is built, not discovered; rope_theta is large because the matching head uses the "
                      "slowest RoPE pairs, which then barely rotate over thousands of positions.")
         if first.get("freeze_circuit"):
-            init_note += (" Training kept the embedding and the attention of layers 0-1 frozen (the circuit) and "
-                          "trained the MLPs, norms and deeper layers: they learn when to stop (`<|end|>`) and "
-                          "keep the circuit's answers at every length.")
+            init_note += (" Training kept the circuit frozen (the embedding, all of layer 0, layer 1's attention "
+                          "and its input norm) and trained layer 1's MLP, the final norm and deeper layers: they "
+                          "learn when to stop (`<|end|>`) and keep the circuit's answers at every length.")
     else:
         init_note = "\nInitialization: mlx's default random init."
     return f"""# {training['name']}
@@ -234,6 +234,21 @@ def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: in
     return out
 
 
+def freeze_circuit(model) -> None:
+    """Keep the built-in recall circuit exactly: the embedding (codes), all of layer 0 and the
+    attention (with its input norm) of layer 1; layer 1's MLP, the final norm and deeper layers
+    learn the rest (e.g. <|end|>).
+
+    Layer 0's MLP writes into the residual that layer 1's matching head reads: left trainable,
+    it learnt to add a large common direction to frequent English tokens (after "ing" the
+    previous-token slot outscored the real name at 4K tokens), so it stays silent.
+    """
+    model.model.embed_tokens.freeze()
+    model.model.layers[0].freeze()
+    model.model.layers[1].self_attn.freeze()
+    model.model.layers[1].input_layernorm.freeze()
+
+
 def train(args: argparse.Namespace) -> None:
     from mlx_lm.models import llama
 
@@ -268,11 +283,7 @@ def train(args: argparse.Namespace) -> None:
                                    closer_tokens=(task.end,))
     mx.eval(model.parameters())
     if args.freeze_circuit:
-        # Keep the built-in recall circuit exactly: the embedding (codes) and the attention of
-        # the two circuit layers; MLPs, norms and deeper layers learn the rest (e.g. <|end|>).
-        model.model.embed_tokens.freeze()
-        for layer in model.model.layers[:2]:
-            layer.self_attn.freeze()
+        freeze_circuit(model)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
 
