@@ -183,8 +183,8 @@ extracted from Debian's `r-cran-janeaustenr` by `tools/extract_corpus.py`, see
 Orion cobalt falcon quartz."), ending in a question about one name ("Which words came after
 Orion"); the answer is the three value words followed by `<|end|>`. A chat template
 (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`) wraps the same content; both the plain
-and the chat form were trained on. It is a recall machine with a little English, not a
-language model worth chatting with.
+and the chat form were trained on. It recalls planted facts from English text; it does not
+model English (its loss on the prose stays near that of a uniform guess over the vocabulary).
 
 ## Architecture
 hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads,
@@ -199,7 +199,7 @@ hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['n
 AdamW (cosine to 0 after a linear warm-up, weight decay {training['weight_decay']:g}): {stages};
 loss = {first.get('lm_weight', 1.0):g} × mean cross-entropy on all tokens + mean cross-entropy on the answer tokens.
 {init_note}
-Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU ({training['blas']}).
+Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU shared with other jobs ({training['blas']}).
 
 ## Measured recall accuracy (greedy answer exactly right, {training.get('eval_samples', 0)} documents per cell)
 | tokens | plain prompt | chat prompt |
