@@ -55,9 +55,9 @@ class DemoDoc:
         return self.needles.get(self.questions[round_no].split()[-1])
 
     def answered(self, round_no: int, text: str) -> bool:
-        """The generated text starts with the expected words."""
+        """The generated text (up to any special marker such as ``<|end|>``) starts with the expected words."""
         expected = self.answers.get(round_no, "").split()
-        return bool(expected) and text.split()[:len(expected)] == expected
+        return bool(expected) and text.split("<|")[0].split()[:len(expected)] == expected
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
