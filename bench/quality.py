@@ -19,6 +19,7 @@ import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before
 from benchlib import ROOT, blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -33,6 +34,7 @@ from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.selection import select_chunks, tail_chunk_count  # noqa: E402
 from tools import recall_task  # noqa: E402
+from tools.make_demo import SEPARATOR  # noqa: E402
 
 # (include_last_query, n_lookahead); the first is the default the targets are judged on.
 SETTINGS = ((True, 8), (True, 4), (True, 0), (False, 8), (False, 4))
@@ -79,18 +81,20 @@ def make_prompts(task: recall_task.RecallTask, length: int, n_needles: int, samp
     return [task.make_example(rng, length, n_needles) for _ in range(samples)]
 
 
-def demo_prompts(task: recall_task.RecallTask) -> list[tuple[list[int], tuple[int, int], list[int]]]:
-    """(prompt tokens, needle span, answer tokens) for every question of the shipped demo."""
-    from cli.demo import load_demo
+def demo_prompts(task: recall_task.RecallTask, directory: Path = ROOT / "models" / "demo"
+                 ) -> list[tuple[list[int], tuple[int, int], list[int]]]:
+    """(prompt tokens, needle span, answer tokens) for every question of the shipped demo.
 
+    The prompt is built as the demo builds it: the document, a blank line, the question."""
+    docs = {d["id"]: d for d in map(json.loads, (directory / "documents.jsonl").read_text().splitlines())}
     out = []
-    for doc in load_demo():
-        for round_no in sorted(doc.questions):
-            tokens = task.encode(doc.prompt(round_no))
-            if tokens[:len(task.encode(doc.text))] != task.encode(doc.text):
-                raise AssertionError(f"{doc.id}: the prompt does not start with the document's tokens")
-            out.append((tokens, doc.needle_span(round_no),
-                        [task.value_id[w] for w in doc.answers[round_no].split()]))
+    for q in map(json.loads, (directory / "questions.jsonl").read_text().splitlines()):
+        doc = docs[q["doc_id"]]
+        tokens = task.encode(f"{doc['text']}{SEPARATOR}{q['question']}")
+        if tokens[:doc["n_tokens"]] != task.encode(doc["text"]):
+            raise AssertionError(f"{doc['id']}: the prompt does not start with the document's tokens")
+        needle = next(n for n in doc["needles"] if n["key"] == q["question"].split()[-1])
+        out.append((tokens, tuple(needle["token_span"]), [task.value_id[w] for w in q["answer"].split()]))
     return out
 
 
