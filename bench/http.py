@@ -115,8 +115,8 @@ def main() -> None:
     from server.openai_types import ChatCompletionRequest
 
     draft, target = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
-    vocab = sorted(w for w in json.loads((SHIPPED_MODELS / "draft-tiny" / "tokenizer.json").read_text())
-                   ["model"]["vocab"] if w.isalpha() and w.islower())
+    vocab = sorted(w[1:] for w in json.loads((SHIPPED_MODELS / "draft-tiny" / "tokenizer.json").read_text())
+                   ["model"]["vocab"] if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower())
     tmp = Path(tempfile.mkdtemp(prefix="bench-http-"))
     rng = random.Random(0)
     with EmbeddedRedis() as server:

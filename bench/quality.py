@@ -1,20 +1,25 @@
 """Selection quality: does SpecPrefill keep the part of the prompt the question needs?
 
-Ground truth comes from the shipped tiny models and their recall task (``tools/recall_task.py``):
-a haystack with planted needles ``kXX vA vB vC`` ends in the query ``? kXX``. For 1K/2K/4K-token
-haystacks with 4 and 8 needles, the shipped draft scores every prompt and chunks are selected at
-keep 0.1/0.2/0.3; the table gives the rate at which every chunk of the queried needle is kept,
-next to the exact rate for a random selection of the same budget (same mandatory tail), for
-each scoring setting: the last prompt token's query included or not, 0/4/8 lookahead tokens.
-Then the shipped target answers each prompt after a full prefill and after a sparse prefill of
-the chunks chosen with the default setting (last query + 8 lookahead).
+Ground truth comes from the shipped tiny models and their English recall task
+(``tools/recall_task.py``): Jane Austen's prose with facts planted in it ("On the card she
+found the words Orion cobalt falcon quartz.") ends in a question ("Which words came after
+Orion"). For 1K/2K/4K-token documents with 4 and 8 needles, the shipped draft scores every
+prompt and chunks are selected at keep 0.1/0.2/0.3; the table gives the rate at which every
+chunk of the queried needle (the name and its three words) is kept, next to the exact rate for
+a random selection of the same budget (same mandatory tail), for each scoring setting: the last
+prompt token's query included or not, 0/4/8 lookahead tokens. Then the shipped target answers
+each prompt after a full prefill and after a sparse prefill of the chunks chosen with the
+default setting (last query + 8 lookahead), and the same for the shipped demo's questions
+(``models/demo``).
 
     .venv/bin/python bench/quality.py [--samples 40] [--lengths 1024,2048,4096]
+    .venv/bin/python bench/quality.py --quick      # CI-sized: fewer prompts, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
 from benchlib import ROOT, blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 import sys  # noqa: E402
@@ -28,12 +33,15 @@ from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
 from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.selection import select_chunks, tail_chunk_count  # noqa: E402
-from tools import recall_task as task  # noqa: E402
+from tools import recall_task  # noqa: E402
+from tools.make_demo import SEPARATOR  # noqa: E402
 
 # (include_last_query, n_lookahead); the first is the default the targets are judged on.
 SETTINGS = ((True, 8), (True, 4), (True, 0), (False, 8), (False, 4))
-GOAL_KEPT_2K = 0.98
+GOAL_KEPT = {2048: 0.98, 4096: 0.95}  # needle kept at keep 0.1, by prompt length
 GOAL_SPARSE_RATIO = 0.95
+GOAL_DEMO_FULL = 0.95
+DRAFT_ONLY = "--draft-only"
 
 
 def setting_name(setting: tuple[bool, int]) -> str:
@@ -67,14 +75,32 @@ def kept(indices: np.ndarray, span: tuple[int, int]) -> bool:
     return bool(np.isin(np.arange(*span), indices).all())
 
 
-def make_prompts(length: int, n_needles: int, samples: int, seed: int) -> list[task.Example]:
+def make_prompts(task: recall_task.RecallTask, length: int, n_needles: int, samples: int,
+                 seed: int) -> list[recall_task.Example]:
     rng = random.Random(seed * 1_000_003 + length * 31 + n_needles)
     return [task.make_example(rng, length, n_needles) for _ in range(samples)]
 
 
-def answer(model, prompt: list[int], keep_indices, n_tokens: int, sparse) -> list[int]:
+def demo_prompts(task: recall_task.RecallTask, directory: Path = ROOT / "models" / "demo"
+                 ) -> list[tuple[list[int], tuple[int, int], list[int]]]:
+    """(prompt tokens, needle span, answer tokens) for every question of the shipped demo.
+
+    The prompt is built as the demo builds it: the document, a blank line, the question."""
+    docs = {d["id"]: d for d in map(json.loads, (directory / "documents.jsonl").read_text().splitlines())}
+    out = []
+    for q in map(json.loads, (directory / "questions.jsonl").read_text().splitlines()):
+        doc = docs[q["doc_id"]]
+        tokens = task.encode(f"{doc['text']}{SEPARATOR}{q['question']}")
+        if tokens[:doc["n_tokens"]] != task.encode(doc["text"]):
+            raise AssertionError(f"{doc['id']}: the prompt does not start with the document's tokens")
+        needle = next(n for n in doc["needles"] if n["key"] == q["question"].split()[-1])
+        out.append((tokens, tuple(needle["token_span"]), [task.value_id[w] for w in q["answer"].split()]))
+    return out
+
+
+def answer(model, prompt: list[int], keep_indices, n_tokens: int, sparse, end: int) -> list[int]:
     """Greedy answer of the target after a full (keep_indices None) or sparse prefill."""
-    stop = [task.TOKEN_ID[task.END]]
+    stop = [end]
     if keep_indices is None:
         logits, cache, state = sparse.full_prefill(model, prompt)
         return list(sparse.generate_tokens(model, logits, cache, state, max_tokens=n_tokens, stop_tokens=stop))
@@ -83,7 +109,7 @@ def answer(model, prompt: list[int], keep_indices, n_tokens: int, sparse) -> lis
         return list(sparse.generate_tokens(model, logits, cache, state, max_tokens=n_tokens, stop_tokens=stop))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default=str(ROOT / "models" / "draft-tiny"))
     p.add_argument("--target", default=str(ROOT / "models" / "target-tiny"))
@@ -95,68 +121,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-tokens", type=int, default=32,
                    help="mandatory tail; one chunk here, so the selection is the draft's choice")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized: 12 prompts per cell at 2K and 4K tokens, the demo's first 8 questions")
+    p.add_argument("--draft-only", action="store_true",
+                   help="only the draft's selections (needle kept): no target answers, no target goals")
     args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    needle_counts = [int(x) for x in args.needles.split(",")]
-    keeps = [float(x) for x in args.keeps.split(",")]
+    if args.quick:
+        args.samples, args.lengths, args.demo_questions = 12, "2048,4096", 8
+    else:
+        args.demo_questions = None
+    return args
 
-    try:
-        from specprefill import sparse
-    except ImportError as e:  # the target half needs the sparse prefill
-        sparse, sparse_error = None, str(e)
-    draft = profile_model(load(args.draft)[0])  # verified once, as the worker does at load
-    if sparse is not None and not (Path(args.target) / "config.json").exists():
-        sparse, sparse_error = None, f"no target model at {args.target}"
-    target_model = load(args.target)[0] if sparse is not None else None
-    print(f"BLAS: {blas_in_use()}; {args.samples} prompts per cell; chunk {args.chunk_size}, "
-          f"tail {args.tail_tokens} tokens; draft {Path(args.draft).name}, target {Path(args.target).name}")
 
-    # kept_counts[(L, n, keep, setting)], random_sum[(L, n, keep)], answers[(L, n, keep or "full")]
-    kept_counts: dict[tuple, int] = {}
-    random_sum: dict[tuple, float] = {}
-    answers: dict[tuple, int] = {}
-    started = time.perf_counter()
-    scoring_seconds = target_seconds = 0.0
-    for length in lengths:
-        for n_needles in needle_counts:
-            for i, ex in enumerate(make_prompts(length, n_needles, args.samples, args.seed)):
-                prompt = ex.tokens[:ex.prompt_len]
-                default_indices = {}
-                for keep in keeps:
-                    random_sum[length, n_needles, keep] = random_sum.get((length, n_needles, keep), 0.0) + \
-                        random_keep_rate(len(prompt), ex.needle_span, keep, args.chunk_size, args.tail_tokens)
-                cache = None
-                for setting in SETTINGS:
-                    t0 = time.perf_counter()
-                    # The draft prefill is shared: later settings restore all but the last prompt
-                    # token from the first one's cache (warm scoring equals cold scoring).
-                    options = ScoringOptions(include_last_query=setting[0], n_lookahead=setting[1],
-                                             seed=args.seed + i)
-                    scored = score_tokens(draft, prompt, options, kv_cache=cache)
-                    scoring_seconds += time.perf_counter() - t0
-                    cache = scored.kv_cache
-                    for layer_cache in cache:
-                        layer_cache.trim(1)
-                    for keep in keeps:
-                        selection = SelectionOptions(keep=keep, chunk_size=args.chunk_size,
-                                                     tail_tokens=args.tail_tokens)
-                        indices = select_chunks(scored.importance, selection)
-                        key = (length, n_needles, keep, setting)
-                        kept_counts[key] = kept_counts.get(key, 0) + kept(indices, ex.needle_span)
-                        if setting == SETTINGS[0]:
-                            default_indices[keep] = indices
-                    del scored
-                if target_model is None:
-                    continue
-                t0 = time.perf_counter()
-                for keep in [None, *keeps]:
-                    out = answer(target_model, prompt, None if keep is None else default_indices[keep], len(ex.answer), sparse)
-                    key = (length, n_needles, "full" if keep is None else keep)
-                    answers[key] = answers.get(key, 0) + (out == ex.answer)
-                target_seconds += time.perf_counter() - t0
-            print(f"  done {length} tokens, {n_needles} needles ({time.perf_counter() - started:.0f}s)", flush=True)
+def score_prompt(draft, prompt: list[int], span: tuple[int, int], keeps: list[float], args,
+                 seed: int) -> tuple[dict, dict]:
+    """Per (keep, setting): was the needle kept; and the default setting's indices per keep."""
+    kept_flags, default_indices, cache = {}, {}, None
+    for setting in SETTINGS:
+        # The draft prefill is shared: later settings restore all but the last prompt token
+        # from the first one's cache (warm scoring equals cold scoring).
+        options = ScoringOptions(include_last_query=setting[0], n_lookahead=setting[1], seed=seed)
+        scored = score_tokens(draft, prompt, options, kv_cache=cache)
+        cache = scored.kv_cache
+        for layer_cache in cache:
+            layer_cache.trim(1)
+        for keep in keeps:
+            selection = SelectionOptions(keep=keep, chunk_size=args.chunk_size, tail_tokens=args.tail_tokens)
+            indices = select_chunks(scored.importance, selection)
+            kept_flags[keep, setting] = kept(indices, span)
+            if setting == SETTINGS[0]:
+                default_indices[keep] = indices
+        del scored
+    return kept_flags, default_indices
 
-    n = args.samples
+
+def target_answers(target_model, sparse, prompt, answer_ids, indices_by_keep, end) -> dict:
+    """Per keep ("full" for the full prefill): is the target's greedy answer exactly right."""
+    out = {}
+    for keep in ["full", *indices_by_keep]:
+        got = answer(target_model, prompt, None if keep == "full" else indices_by_keep[keep], len(answer_ids),
+                     sparse, end)
+        out[keep] = got == answer_ids
+    return out
+
+
+def print_kept_table(kept_counts, random_sum, lengths, needle_counts, keeps, n) -> None:
     print(f"\nNeedle kept rate (all of the queried needle's chunks selected), {n} prompts per row")
     header = f"{'tokens':>6} {'needles':>7} {'keep':>5} | {'random':>6} | " + " | ".join(
         f"{setting_name(s):>7}" for s in SETTINGS)
@@ -168,34 +177,107 @@ def main(argv: list[str] | None = None) -> int:
                 cells = " | ".join(f"{kept_counts[length, n_needles, keep, s] / n:7.3f}" for s in SETTINGS)
                 print(f"{length:>6} {n_needles:>7} {keep:>5.1f} | {random_sum[length, n_needles, keep] / n:6.3f} | {cells}")
 
-    if target_model is not None:
-        print(f"\nTarget answer accuracy (greedy, exact 3-token value), full vs sparse prefill "
-              f"(selection: {setting_name(SETTINGS[0])}), {n} prompts per row")
-        header = f"{'tokens':>6} {'needles':>7} | {'full':>6} | " + " | ".join(f"{'keep ' + str(k):>8}" for k in keeps)
-        print(header)
-        print("-" * len(header))
-        for length in lengths:
-            for n_needles in needle_counts:
-                cells = " | ".join(f"{answers[length, n_needles, k] / n:8.3f}" for k in keeps)
-                print(f"{length:>6} {n_needles:>7} | {answers[length, n_needles, 'full'] / n:6.3f} | {cells}")
-    print(f"\ndraft scoring {scoring_seconds:.0f}s, target prefill+decode {target_seconds:.0f}s, "
-          f"total {time.perf_counter() - started:.0f}s")
 
+def print_answer_table(answers, rows, keeps, counts) -> None:
+    print(f"\nTarget answer accuracy (greedy, exact 3-word answer), full vs sparse prefill "
+          f"(selection: {setting_name(SETTINGS[0])})")
+    header = f"{'prompts':>16} {'n':>4} | {'full':>6} | " + " | ".join(f"{'keep ' + str(k):>8}" for k in keeps)
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        n = counts[row]
+        cells = " | ".join(f"{answers[row, k] / n:8.3f}" for k in keeps)
+        print(f"{row:>16} {n:>4} | {answers[row, 'full'] / n:6.3f} | {cells}")
+
+
+def verdicts(kept_counts, answers, counts, lengths, needle_counts, keeps, n, target_error) -> list[bool]:
     passed = []
-    if 2048 in lengths and 0.1 in keeps:
-        rate = sum(kept_counts[2048, k, 0.1, SETTINGS[0]] for k in needle_counts) / (n * len(needle_counts))
-        passed.append(verdict("needle_kept_2k_keep0.1", rate, ">=", GOAL_KEPT_2K, f"{rate:.3f}"))
-    if 0.2 in keeps:
-        if target_model is None:
-            print(f"target sparse_vs_full_accuracy_keep0.2: not measured, specprefill.sparse: {sparse_error} "
-                  f"(goal >= {GOAL_SPARSE_RATIO}) FAIL")
+    for length, goal in GOAL_KEPT.items():
+        if length in lengths and 0.1 in keeps:
+            rate = sum(kept_counts[length, k, 0.1, SETTINGS[0]] for k in needle_counts) / (n * len(needle_counts))
+            passed.append(verdict(f"needle_kept_{length // 1024}k_keep0.1", rate, ">=", goal, f"{rate:.3f}"))
+    if 0.2 not in keeps or target_error == DRAFT_ONLY:
+        return passed
+    if target_error:
+        for name in ("sparse_vs_full_accuracy_keep0.2", "demo_full_accuracy", "demo_sparse_vs_full_keep0.2"):
+            print(f"target {name}: not measured, {target_error} FAIL")
             passed.append(False)
-        else:
-            full = sum(answers[L, k, "full"] for L in lengths for k in needle_counts)
-            part = sum(answers[L, k, 0.2] for L in lengths for k in needle_counts)
-            ratio = part / full if full else 0.0
-            passed.append(verdict("sparse_vs_full_accuracy_keep0.2", ratio, ">=", GOAL_SPARSE_RATIO,
-                                 f"{ratio:.3f} ({part}/{full} answers)"))
+        return passed
+    rows = [r for r in counts if r != "demo"]
+    full, part = sum(answers[r, "full"] for r in rows), sum(answers[r, 0.2] for r in rows)
+    ratio = part / full if full else 0.0
+    passed.append(verdict("sparse_vs_full_accuracy_keep0.2", ratio, ">=", GOAL_SPARSE_RATIO,
+                          f"{ratio:.3f} ({part}/{full} answers)"))
+    n_demo, full, part = counts["demo"], answers["demo", "full"], answers["demo", 0.2]
+    passed.append(verdict("demo_full_accuracy", full / n_demo, ">=", GOAL_DEMO_FULL,
+                          f"{full / n_demo:.3f} ({full}/{n_demo} questions)"))
+    ratio = part / full if full else 0.0
+    passed.append(verdict("demo_sparse_vs_full_keep0.2", ratio, ">=", GOAL_SPARSE_RATIO,
+                          f"{ratio:.3f} ({part}/{full} answers)"))
+    return passed
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    needle_counts = [int(x) for x in args.needles.split(",")]
+    keeps = [float(x) for x in args.keeps.split(",")]
+    task = recall_task.load(str(Path(args.draft) / "tokenizer.json"))
+    try:
+        from specprefill import sparse
+        target_error = None
+    except ImportError as e:  # the target half needs the sparse prefill
+        sparse, target_error = None, f"specprefill.sparse: {e}"
+    draft = profile_model(load(args.draft)[0])  # verified once, as the worker does at load
+    if args.draft_only:
+        target_error = DRAFT_ONLY
+    if target_error is None and not (Path(args.target) / "config.json").exists():
+        target_error = f"no target model at {args.target}"
+    target_model = load(args.target)[0] if target_error is None else None
+    print(f"BLAS: {blas_in_use()}; {args.samples} prompts per cell; chunk {args.chunk_size}, "
+          f"tail {args.tail_tokens} tokens; draft {Path(args.draft).name}, target {Path(args.target).name}")
+
+    kept_counts: dict[tuple, int] = {}   # (L, n, keep, setting)
+    random_sum: dict[tuple, float] = {}  # (L, n, keep)
+    answers: dict[tuple, int] = {}       # (row, keep or "full")
+    counts: dict[str, int] = {}          # row -> prompts
+    started = time.perf_counter()
+    seconds = {"scoring": 0.0, "target": 0.0}
+
+    def run(row: str, prompt, span, answer_ids, seed, cell=None) -> None:
+        t0 = time.perf_counter()
+        flags, indices = score_prompt(draft, prompt, span, keeps, args, seed)
+        seconds["scoring"] += time.perf_counter() - t0
+        if cell is not None:
+            for (keep, setting), ok in flags.items():
+                kept_counts[(*cell, keep, setting)] = kept_counts.get((*cell, keep, setting), 0) + ok
+            for keep in keeps:
+                random_sum[(*cell, keep)] = random_sum.get((*cell, keep), 0.0) + \
+                    random_keep_rate(len(prompt), span, keep, args.chunk_size, args.tail_tokens)
+        counts[row] = counts.get(row, 0) + 1
+        if target_model is not None:
+            t0 = time.perf_counter()
+            for keep, ok in target_answers(target_model, sparse, prompt, answer_ids, indices, task.end).items():
+                answers[row, keep] = answers.get((row, keep), 0) + ok
+            seconds["target"] += time.perf_counter() - t0
+
+    for length in lengths:
+        for n_needles in needle_counts:
+            for i, ex in enumerate(make_prompts(task, length, n_needles, args.samples, args.seed)):
+                run(f"{length} tok {n_needles} ndl", ex.tokens[:ex.prompt_len], ex.needle_span, ex.answer,
+                    args.seed + i, cell=(length, n_needles))
+            print(f"  done {length} tokens, {n_needles} needles ({time.perf_counter() - started:.0f}s)", flush=True)
+    demo = demo_prompts(task)[:args.demo_questions]
+    for i, (prompt, span, answer_ids) in enumerate(demo):
+        run("demo", prompt, span, answer_ids, args.seed + i)
+    print(f"  done {len(demo)} demo questions ({time.perf_counter() - started:.0f}s)", flush=True)
+
+    print_kept_table(kept_counts, random_sum, lengths, needle_counts, keeps, args.samples)
+    if target_model is not None:
+        print_answer_table(answers, list(counts), keeps, counts)
+    print(f"\ndraft scoring {seconds['scoring']:.0f}s, target prefill+decode {seconds['target']:.0f}s, "
+          f"total {time.perf_counter() - started:.0f}s")
+    passed = verdicts(kept_counts, answers, counts, lengths, needle_counts, keeps, args.samples, target_error)
     return 0 if all(passed) else 1
 
 

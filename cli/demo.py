@@ -1,10 +1,11 @@
 """``specprefill demo``: the whole service on one machine, from nothing but Python.
 
 Starts a private Redis (unless given a URL) and two worker processes, runs the shipped
-demo documents with one question each, then asks a second question about each document:
-the document prefix is now in the block store, so round two restores it instead of
-prefilling it again, and the summary shows the hit tokens, and in how many prompts the
-selection kept the needle the question asks for. Everything it started is stopped at the
+demo documents (English prose with planted facts) with one question each, then asks a second
+question about each document: the document prefix is now in the block store, so round two
+restores it instead of prefilling it again. The shipped target answers each question after
+the sparse prefill; the summary shows the hit tokens, in how many prompts the selection kept
+the needle the question asks for, and how many answers were right. Everything it started is stopped at the
 end, also on Ctrl-C.
 """
 from __future__ import annotations
@@ -33,37 +34,49 @@ from jobs.progress import BatchProgress
 from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
 
 DEMO_DIR = SHIPPED_MODELS / "demo"
-# The demo documents are ~1.6-2K tokens: admit them (threshold below their length) and
+# The demo documents are ~1.5-2K tokens: admit them (threshold below their length) and
 # keep a tail small enough that the selection visibly drops most of each document.
-NEEDLE_TOKENS = 4  # "kXX vA vB vC" (the tokenizer is word-level)
 DEMO_OPTIONS = dict(keep=0.25, chunk_size=32, tail_tokens=64, threshold=512)
+ANSWER_TOKENS = 8  # the answers are three words, then <|end|>
 
 
 @dataclass
 class DemoDoc:
     id: str
     text: str
-    questions: dict[int, str] = field(default_factory=dict)  # round -> "? kXX"
-    needles: dict[str, int] = field(default_factory=dict)  # key -> token index of the key
+    questions: dict[int, str] = field(default_factory=dict)  # round -> "Which words came after Orion"
+    answers: dict[int, str] = field(default_factory=dict)  # round -> "cobalt falcon quartz"
+    # name -> [start, end) in the shipped tokenizer's tokens of ``text`` (the prompt starts with it)
+    needles: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def prompt(self, round_no: int) -> str:
+        return f"{self.text}\n\n{self.questions[round_no]}"
 
     def needle_span(self, round_no: int) -> tuple[int, int] | None:
-        """Token span of the needle (key and 3-token value) that round's question asks for."""
-        start = self.needles.get(self.questions[round_no].split()[-1])
-        return None if start is None else (start, start + NEEDLE_TOKENS)
+        """Token span of the needle (the name and its value words) that round's question asks for."""
+        return self.needles.get(self.questions[round_no].split()[-1])
+
+    def answered(self, round_no: int, text: str) -> bool:
+        """The generated text (up to any special marker such as ``<|end|>``) starts with the expected words."""
+        expected = self.answers.get(round_no, "").split()
+        return bool(expected) and text.split("<|")[0].split()[:len(expected)] == expected
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def load_demo(directory: Path = DEMO_DIR) -> list[DemoDoc]:
     """Documents and their per-round questions from ``documents.jsonl``/``questions.jsonl``."""
     docs = {}
-    for line in (directory / "documents.jsonl").read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            docs[d["id"]] = DemoDoc(d["id"], d["text"],
-                                    needles={n["key"]: int(n["start"]) for n in d.get("needles", [])})
-    for line in (directory / "questions.jsonl").read_text().splitlines():
-        if line.strip():
-            q = json.loads(line)
-            docs[q["doc_id"]].questions[int(q.get("round", 1))] = q["question"]
+    for d in _jsonl(directory / "documents.jsonl"):
+        needles = {n["key"]: tuple(n["token_span"]) for n in d.get("needles", []) if "token_span" in n}
+        docs[d["id"]] = DemoDoc(d["id"], d["text"], needles=needles)
+    for q in _jsonl(directory / "questions.jsonl"):
+        doc, round_no = docs[q["doc_id"]], int(q.get("round", 1))
+        doc.questions[round_no] = q["question"]
+        if "answer" in q:
+            doc.answers[round_no] = q["answer"]
     return list(docs.values())
 
 
@@ -78,7 +91,7 @@ INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: cold shutdown, then SIGKILL, so the dem
 class WorkerProcesses:
     """Worker subprocesses in their own sessions (so Ctrl-C reaches only us)."""
 
-    def __init__(self, url: str, n: int, model: str, log_dir: Path, namespace: str) -> None:
+    def __init__(self, url: str, n: int, models: list[str], log_dir: Path, namespace: str) -> None:
         self.procs: list[subprocess.Popen] = []
         self.names = [f"demo-{os.getpid()}-{i}" for i in range(n)]
         self.logs = [log_dir / f"{name}.log" for name in self.names]
@@ -90,7 +103,8 @@ class WorkerProcesses:
         for name, log in zip(self.names, self.logs):
             with open(log, "w") as log_file:  # the child keeps its own descriptor
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "worker", "--redis-url", url, "--preload", model,
+                    [sys.executable, "-m", "worker", "--redis-url", url,
+                     *(a for m in models for a in ("--preload", m)),
                      "--name", name, "--log-level", "WARNING"],
                     stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                     start_new_session=True))
@@ -129,11 +143,20 @@ class WorkerProcesses:
                          for log in self.logs if log.exists())
 
 
-def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, out: TextIO,
-               timeout: float, job_ids: list[str]) -> dict[str, Any]:
+def _round_specs(client: Any, asked: list[DemoDoc], round_no: int, model: str,
+                 target: str | None) -> list[Any]:
+    """One job per document: a prefill job, or (with a target) a greedy generate job."""
+    if target is None:
+        return [dict(DEMO_OPTIONS, draft_model=model, text=d.prompt(round_no)) for d in asked]
+    return [client.generate_spec(**DEMO_OPTIONS, draft_model=model, target_model=target,
+                                 text=d.prompt(round_no), max_tokens=ANSWER_TOKENS, greedy=True)
+            for d in asked]
+
+
+def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, target: str | None,
+               out: TextIO, timeout: float, job_ids: list[str]) -> dict[str, Any]:
     asked = [d for d in docs if round_no in d.questions]
-    specs = [dict(DEMO_OPTIONS, draft_model=model, text=f"{d.text} {d.questions[round_no]}")
-             for d in asked]
+    specs = _round_specs(client, asked, round_no, model, target)
     print(f"\nround {round_no}: {len(specs)} documents, each with a new question", file=out)
     t0 = time.perf_counter()
     batch = client.submit_many(specs)
@@ -176,7 +199,10 @@ def _round_summary(results: list[Any], asked: list[DemoDoc], round_no: int,
 
     ok = [r for r in results if not isinstance(r, JobFailed)]
     spans = [(d.needle_span(round_no), r) for d, r in zip(asked, results) if not isinstance(r, JobFailed)]
+    answered = [(d, r) for d, r in zip(asked, results) if hasattr(r, "text") and d.answers.get(round_no)]
     return {
+        "answers": len(answered),
+        "answers_right": sum(d.answered(round_no, r.text) for d, r in answered),
         "round": round_no, "documents": len(asked), "failed": len(results) - len(ok),
         "needles": sum(span is not None for span, _ in spans),
         "needles_kept": sum(span is not None and _covered(span, r.kept_ranges) for span, r in spans),
@@ -198,18 +224,22 @@ def _covered(span: tuple[int, int], kept_ranges: list[tuple[int, int]]) -> bool:
 def _summary(rounds: list[dict[str, Any]], out: TextIO) -> None:
     print("\nsummary", file=out)
     print(f"  {'round':>5} {'docs':>5} {'tokens':>8} {'kept':>7} {'ratio':>6} "
-          f"{'store hit tokens':>17} {'memo':>5} {'wall s':>7} {'needle kept':>12}", file=out)
+          f"{'store hit tokens':>17} {'memo':>5} {'wall s':>7} {'needle kept':>12} {'answer right':>13}",
+          file=out)
     for r in rounds:
         ratio = r["kept"] / max(1, r["prompt_tokens"])
-        needles = f"{r['needles_kept']}/{r['needles']}" if r["needles"] else "-"
         print(f"  {r['round']:>5} {r['documents']:>5} {r['prompt_tokens']:>8} {r['kept']:>7} "
               f"{100 * ratio:>5.1f}% {r['cached_tokens']:>17} {r['memo_hits']:>5} "
-              f"{r['wall_s']:>7.2f} {needles:>12}", file=out)
+              f"{r['wall_s']:>7.2f} {_fraction(r['needles_kept'], r['needles']):>12} "
+              f"{_fraction(r['answers_right'], r['answers']):>13}", file=out)
     asked, found = sum(r["needles"] for r in rounds), sum(r["needles_kept"] for r in rounds)
     share = sum(r["kept"] for r in rounds) / max(1, sum(r["prompt_tokens"] for r in rounds))
     if asked:
         print(f"  the needle each question asks for was kept in {found}/{asked} prompts, "
               f"with {100 * share:.0f}% of the tokens", file=out)
+    answers, right = sum(r["answers"] for r in rounds), sum(r["answers_right"] for r in rounds)
+    if answers:
+        print(f"  the target answered {right}/{answers} questions right after the sparse prefill", file=out)
     if len(rounds) == 2 and rounds[1]["prompt_tokens"]:
         share = rounds[1]["cached_tokens"] / rounds[1]["prompt_tokens"]
         print(f"  round 2 restored {100 * share:.0f}% of its prompt tokens from the block store "
@@ -262,6 +292,10 @@ class DemoRedis:
             pass
 
 
+def _fraction(part: int, whole: int) -> str:
+    return f"{part}/{whole}" if whole else "-"
+
+
 def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     """Run the demo (see the module docstring); returns the exit status."""
     from jobs.client import Client
@@ -270,6 +304,7 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
     if not (Path(model).exists() or "/" in model and not model.startswith((".", "/"))):
         print(f"demo: draft model {model} not found (build it with tools/train_tiny.py)", file=sys.stderr)
         return 2
+    target = None if args.no_answers else args.target or settings.target_model
     docs = load_demo()
     if args.documents:
         docs = docs[:args.documents]
@@ -281,12 +316,13 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
         settings = settings.replace(redis_url=where.url, cache_redis_url="", namespace=where.namespace,
                                     queue_names=())
         conn = queue_connection(where.url, settings)
-        workers = WorkerProcesses(where.url, args.workers, model, log_dir, where.namespace)
+        workers = WorkerProcesses(where.url, args.workers, [model] + ([target] if target else []), log_dir,
+                                  where.namespace)
         print(f"starting {args.workers} workers with {model} (logs in {log_dir}, removed at the end)",
               file=out, flush=True)
         workers.wait_ready(conn, timeout=180)
         client = Client(conn, settings)
-        rounds = [_run_round(client, docs, n, model, out, args.timeout, job_ids) for n in (1, 2)]
+        rounds = [_run_round(client, docs, n, model, target, out, args.timeout, job_ids) for n in (1, 2)]
         _summary(rounds, out)
         status = 0 if all(r["failed"] == 0 for r in rounds) else 1
         return status
@@ -323,6 +359,8 @@ def register(sub: Any, shared: SharedOptions) -> None:
     p.add_argument("--documents", type=int, default=None,
                    help="use only the first N documents (default: all of models/demo)")
     p.add_argument("--model", help="the draft model the workers load (default: the shipped draft-tiny)")
+    p.add_argument("--target", help="the target model that answers (default: the shipped target-tiny)")
+    p.add_argument("--no-answers", action="store_true", help="prefill jobs only: no target, no answers")
     p.add_argument("--timeout", type=float, default=600, help="seconds each round may take")
     p.set_defaults(func=run)
 

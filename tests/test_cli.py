@@ -181,10 +181,17 @@ def test_iter_documents_reads_files_and_jsonl(tmp_path):
 def test_demo_documents_have_two_rounds():
     docs = load_demo()
     assert len(docs) >= 2 and all({1, 2} <= set(d.questions) for d in docs)
-    for d in docs:  # each question's needle is where the document says
+    from tools import recall_task
+
+    task = recall_task.load()
+    for d in docs:  # each question's needle is where the document says, in the prompt's tokens
         for round_no in (1, 2):
             start, end = d.needle_span(round_no)
-            assert d.text.split()[start] == d.questions[round_no].split()[-1] and end == start + 4
+            tokens = task.encode(d.prompt(round_no))
+            key = d.questions[round_no].split()[-1]
+            assert task.decode(tokens[start:end]).split() == [key, *d.answers[round_no].split()]
+            assert d.answered(round_no, f" {d.answers[round_no]}<|end|>")
+            assert not d.answered(round_no, "wrong words here")
 
 
 def test_tools_and_template_args_go_with_chat_input(tmp_path):

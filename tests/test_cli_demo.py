@@ -49,6 +49,8 @@ def test_finding10_demo_ignores_an_exported_redis_and_cleans_up(users_redis):
     assert int(rows[0][3]) < int(rows[0][2])  # real selections: tokens were dropped
     kept, asked = map(int, re.search(r"kept in (\d+)/(\d+) prompts", out).groups())
     assert asked == 6 and kept >= 5  # the shipped draft keeps what the questions ask for
+    right, answers = map(int, re.search(r"target answered (\d+)/(\d+) questions right", out).groups())
+    assert answers == 6 and right >= 5  # ... and the shipped target answers from the kept text
 
 
 def test_finding10_demo_with_redis_url_uses_its_own_namespace_and_removes_it(users_redis):

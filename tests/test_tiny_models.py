@@ -1,9 +1,11 @@
-"""The shipped tiny models, their training script and the demo data."""
+"""The shipped tiny models, their tokenizer, training script and the demo data."""
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +15,16 @@ import numpy as np
 import pytest
 from mlx_lm import generate, load
 
-from tools import make_demo, recall_task as task, train_tiny
+from tools import make_demo, recall_task, train_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 DRAFT = REPO / "models" / "draft-tiny"
 TARGET = REPO / "models" / "target-tiny"
 DOC_SEEDS = (11, 12, 13, 14, 15, 16)
+PARAGRAPH = ("It is a truth universally acknowledged, that a single man in possession of a good fortune "
+             "must be in want of a wife. Naïve café owners in Zürich paid 12.50 € for 🍰 and said “déjà vu”;\n"
+             "\tthe Python docs say: def f(x): return x ** 2  # ok")
+task = recall_task.load()
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +34,7 @@ def draft():
 
 def documents_512():
     """Six fixed 512-token recall prompts (plain form) with 4 needles each."""
-    out = []
-    for seed in DOC_SEEDS:
-        ex = task.make_example(random.Random(seed), 512, 4)
-        out.append(ex)
-    return out
+    return [task.make_example(random.Random(seed), 512, 4) for seed in DOC_SEEDS]
 
 
 @pytest.mark.parametrize("folder", [DRAFT, TARGET], ids=["draft", "target"])
@@ -40,13 +42,39 @@ def test_shipped_model_loads_offline(folder, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, tokenizer = load(str(folder))
     config = json.loads((folder / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["vocab_size"] == task.VOCAB_SIZE
-    assert tokenizer.eos_token_ids == {task.TOKEN_ID[task.END]}
-    assert tokenizer.encode("k07 v01 ? k07", add_special_tokens=False) == task.encode(["k07", "v01", "?", "k07"])
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "k07 v01 v02 v03 ? k07"}],
-                                         add_generation_prompt=True)
-    assert chat == task.encode(["<|user|>", "k07", "v01", "v02", "v03", "?", "k07", "<|end|>", "<|assistant|>"])
+    assert config["model_type"] == "llama" and config["vocab_size"] == task.tok.get_vocab_size()
+    assert tokenizer.eos_token_ids == {task.end}
+    text = "On the card she found the words Orion cobalt falcon quartz.\n\nWhich words came after Orion"
+    assert tokenizer.encode(text, add_special_tokens=False) == task.encode(text)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    assert chat == [task.id["<|user|>"], *task.encode(text), task.end, task.id["<|assistant|>"]]
     assert (folder / "README.md").exists()
+    assert (folder / "model.safetensors").stat().st_size < 16e6  # shipped in git: keep it small
+
+
+@pytest.mark.parametrize("folder", [DRAFT, TARGET], ids=["draft", "target"])
+def test_english_text_has_no_unknown_tokens(folder):
+    """Byte-level BPE: every UTF-8 string encodes (no unknown token exists) and decodes back."""
+    _, tokenizer = load(str(folder))
+    tok_json = json.loads((folder / "tokenizer.json").read_text())
+    assert tok_json["model"]["type"] == "BPE" and tok_json["model"].get("unk_token") is None
+    assert tokenizer.unk_token_id is None
+    ids = tokenizer.encode(PARAGRAPH, add_special_tokens=False)
+    assert ids and all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == PARAGRAPH
+    # Real English is mostly whole-word tokens, not a byte soup.
+    english = PARAGRAPH.split(" Naïve")[0]
+    assert len(tokenizer.encode(english, add_special_tokens=False)) < len(english) / 3
+
+
+def test_task_words_are_single_tokens_absent_from_the_corpus():
+    text = lzma.open(recall_task.CORPUS, "rt", encoding="utf-8").read().lower()
+    words = set(re.findall(r"[a-z]+", text))
+    planted = recall_task.KEYS + recall_task.VALUES
+    assert not [w for w in planted if w.lower() in words]
+    assert len(set(planted)) == len(planted)
+    assert len({task.key_id[k] for k in recall_task.KEYS} | {task.value_id[v] for v in recall_task.VALUES}) \
+        == len(planted)
 
 
 def test_target_has_at_least_four_times_the_draft_compute():
@@ -68,7 +96,7 @@ def test_shipped_model_answers_recall_on_512_token_documents(folder, draft):
     for ex in documents_512():
         prompt = tokenizer.decode(ex.tokens[:ex.prompt_len])
         text = generate(model, tokenizer, prompt=prompt, max_tokens=6)
-        correct += text.split() == [task.VOCAB[t] for t in ex.answer]
+        correct += text.split()[:3] == ex.document.needle(ex.key).value
     assert correct >= len(DOC_SEEDS) - 1
 
 
@@ -85,18 +113,20 @@ def test_draft_keeps_the_needle_chunk_at_keep_0_2(draft):
         indices = select_chunks(result.importance, SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=32))
         s, e = ex.needle_span
         kept += bool(np.isin(np.arange(s, e), indices).all())
-    # Random selection keeps a 1-chunk needle with probability 3/15 here.
+    # Random selection keeps a needle (1-2 chunks) with probability at most 3/15 here.
     assert kept >= len(DOC_SEEDS) - 1
 
 
 def test_training_script_runs_end_to_end(tmp_path):
     args = ["--hidden-size", "96", "--layers", "2", "--heads", "3", "--kv-heads", "3",
-            "--intermediate-size", "64", "--phases", "64:3,128-192:2", "--tokens-per-step", "256",
-            "--eval-samples", "2", "--eval-lengths", "128", "--log-every", "1", "--seed", "3"]
+            "--intermediate-size", "64", "--phases", "128:3,128-192:2", "--tokens-per-step", "256",
+            "--eval-samples", "2", "--eval-lengths", "128", "--log-every", "1", "--seed", "3",
+            "--tokenizer", str(DRAFT / "tokenizer.json")]
     train_tiny.main(args + ["--out", str(tmp_path / "a")])
     model, tokenizer = load(str(tmp_path / "a"))
-    logits = model(mx.array([task.encode(["k01", "v02", "?", "k01"])]))
-    assert logits.shape == (1, 4, task.VOCAB_SIZE)
+    ids = task.encode("Which words came after Orion")
+    assert model(mx.array([ids])).shape == (1, len(ids), task.tok.get_vocab_size())
+    assert tokenizer.encode(PARAGRAPH, add_special_tokens=False) == task.encode(PARAGRAPH)
     training = json.loads((tmp_path / "a" / "training.json").read_text())
     assert set(training["eval"]["128"]) == {"plain", "chat"}
     # Seeded: a second run gives the same weights.
@@ -106,17 +136,24 @@ def test_training_script_runs_end_to_end(tmp_path):
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
 
 
+def test_tokenizer_training_is_deterministic_and_matches_the_shipped_one():
+    from tools import english_tokenizer
+
+    tok = english_tokenizer.train_tokenizer(recall_task.paragraphs(), recall_task.KEYS + recall_task.VALUES)
+    assert tok.get_vocab() == task.tok.get_vocab()
+    assert tok.encode(PARAGRAPH).ids == task.encode(PARAGRAPH)
+
+
 def test_induction_init_answers_recall_before_any_training():
     from mlx_lm.models import llama
 
     from tools.induction_init import init_induction_circuit
 
-    config = train_tiny.model_config(rope_theta=1e6, **train_tiny.PRESETS["draft"])
+    config = train_tiny.model_config(task, rope_theta=1e6, **train_tiny.PRESETS["draft"])
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    init_induction_circuit(model, seed=0, relay_token=task.TOKEN_ID["<|assistant|>"],
-                           closer_tokens=(task.TOKEN_ID[task.END],))
+    init_induction_circuit(model, seed=0, relay_token=task.id["<|assistant|>"], closer_tokens=(task.end,))
     rng = random.Random(0)
-    for length, chat in ((128, False), (2048, False), (512, True)):
+    for length, chat in ((256, False), (2048, False), (512, True)):
         rows = np.array([task.make_example(rng, length, 4, chat=chat).tokens for _ in range(8)])
         logits = model(mx.array(rows[:, :-1]))
         # The three value tokens are induction steps (the first after the chat closers for
@@ -139,15 +176,31 @@ def test_phase_spec_is_validated():
 
 def test_documents_hold_their_needles_at_the_recorded_positions():
     rng = random.Random(5)
-    for n_words, n_needles in ((64, 2), (512, 8), (2000, 6)):
-        doc = task.make_document(rng, n_words, n_needles)
-        assert len(doc.words) == n_words and len(doc.needles) == n_needles
+    for n_tokens, n_needles in ((128, 2), (512, 8), (2000, 6)):
+        doc = task.make_document(rng, n_tokens, n_needles)
+        assert len(doc.tokens) == n_tokens and len(doc.needles) == n_needles
         assert len({n.key for n in doc.needles}) == n_needles
         for n in doc.needles:
             s, e = n.span
-            assert doc.words[s:e] == [n.key, *n.value]
+            assert doc.tokens[s:e] == [task.key_id[n.key], *(task.value_id[v] for v in n.value)]
+            assert doc.tokens.count(task.key_id[n.key]) == 1  # the name marks one place
+    loose = task.make_document(rng, 1500, 6, exact=False)  # demo documents: whole sentences
+    assert len(loose.tokens) <= 1500 and task.encode(loose.text) == loose.tokens
     with pytest.raises(ValueError, match="n_needles"):
         task.make_document(rng, 100, 0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_examples_end_in_the_question_and_answer(chat):
+    ex = task.make_example(random.Random(3), 768, 5, chat=chat, system_tokens=6 if chat else 0)
+    assert len(ex.tokens) == 768
+    prompt = task.decode(ex.tokens[:ex.prompt_len])
+    closer = "<|end|><|assistant|>" if chat else ""
+    assert prompt.endswith(f"\n\nWhich words came after {ex.key}{closer}")
+    assert ex.tokens[ex.prompt_len:] == ex.answer + [task.end]
+    assert ex.tokens[ex.needle_span[0]] == task.key_id[ex.key]
+    if chat:
+        assert prompt.startswith("<|system|>") and "<|end|><|user|>" in prompt
 
 
 def test_shipped_demo_files_are_reproducible(tmp_path):
@@ -156,10 +209,14 @@ def test_shipped_demo_files_are_reproducible(tmp_path):
         assert (tmp_path / name).read_text() == (REPO / "models" / "demo" / name).read_text()
     docs = {d["id"]: d for d in map(json.loads, (tmp_path / "documents.jsonl").read_text().splitlines())}
     for q in map(json.loads, (tmp_path / "questions.jsonl").read_text().splitlines()):
-        words = docs[q["doc_id"]]["text"].split()
-        key = q["question"].split()[1]
-        i = words.index(key)
-        assert " ".join(words[i + 1:i + 4]) == q["answer"]
+        doc = docs[q["doc_id"]]
+        key = q["question"].split()[-1]
+        needle = next(n for n in doc["needles"] if n["key"] == key)
+        s, e = needle["char_span"]
+        assert doc["text"][s:e].strip() == f"{key} {q['answer']}"
+        ts, te = needle["token_span"]
+        assert task.decode(task.encode(doc["text"])[ts:te]).strip() == f"{key} {q['answer']}"
+        assert doc["text"].count(key) == 1
 
 
 def test_hub_id_loads_from_the_local_hub_cache(tmp_path):

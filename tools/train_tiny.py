@@ -1,18 +1,19 @@
-"""Train a tiny mlx-lm llama on the associative-recall task and write a loadable model folder.
+"""Train a tiny mlx-lm llama on the English recall task and write a loadable model folder.
 
 Deterministic for a given seed (python ``random``, numpy, ``mx.random``). The folder holds
 ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``training.json`` and a ``README.md`` model card, and loads offline with ``mlx_lm.load``.
 
-Curriculum (what made the 2-layer draft learn on a 2-core CPU): a phase of very short
-sequences (64 tokens) before 128-1024; loss on every token plus on the answer tokens.
+The tokenizer is byte-level BPE (``tools/english_tokenizer.py``), trained here on the Austen
+corpus unless ``--tokenizer`` gives one (the target reuses the draft's, so both share it).
+Curriculum: short sequences before long ones; loss on every token plus on the answer tokens.
 Phases are given as ``LENGTHS:STEPS`` items, ``LENGTHS`` one length or ``A-B`` (the powers
 of two from A to B, plus 3/2 of each below B, sampled uniformly per step).
 
 Examples::
 
     python tools/train_tiny.py --preset draft --out models/draft-tiny
-    python tools/train_tiny.py --preset target --out models/target-tiny
+    python tools/train_tiny.py --preset target --tokenizer models/draft-tiny/tokenizer.json --out models/target-tiny
     python tools/train_tiny.py --init models/draft-tiny --phases 1024-2048:300 --lr 3e-4 --out /tmp/ft
     python tools/train_tiny.py --eval models/draft-tiny --eval-lengths 512,1024,2048
 """
@@ -40,8 +41,9 @@ import mlx.optimizers as optim  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from tools import recall_task as task  # noqa: E402
+from tools import english_tokenizer, recall_task  # noqa: E402
 from tools.induction_init import init_induction_circuit  # noqa: E402
+from tools.recall_task import VALUE_LEN, RecallTask  # noqa: E402
 
 PRESETS = {
     "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -49,11 +51,11 @@ PRESETS = {
     "target": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                    intermediate_size=512),
 }
-DEFAULT_PHASES = "64:1200,128-1024:1800"
+DEFAULT_PHASES = "128:50,256-2048:350"
 CHAT_FRACTION = 0.3
 
 
-def model_config(hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+def model_config(task: RecallTask, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                  num_key_value_heads: int, intermediate_size: int, rope_theta: float) -> dict:
     return {
         "model_type": "llama",
@@ -62,13 +64,13 @@ def model_config(hidden_size: int, num_hidden_layers: int, num_attention_heads: 
         "num_attention_heads": num_attention_heads,
         "num_key_value_heads": num_key_value_heads,
         "intermediate_size": intermediate_size,
-        "vocab_size": task.VOCAB_SIZE,
+        "vocab_size": task.tok.get_vocab_size(),
         "rms_norm_eps": 1e-5,
         "rope_theta": rope_theta,
         "tie_word_embeddings": True,
         "max_position_embeddings": 8192,
         "torch_dtype": "float32",
-        "eos_token_id": task.TOKEN_ID[task.END],
+        "eos_token_id": task.end,
     }
 
 
@@ -96,19 +98,20 @@ def parse_phases(spec: str) -> list[tuple[list[int], int]]:
     return phases
 
 
-def sample_batch(rng: random.Random, length: int, batch: int, *, chat_fraction: float = CHAT_FRACTION,
-                 repeat_prob: float = 0.03, max_needles: int = 8, max_queries: int = 1) -> tuple[mx.array, mx.array]:
+def sample_batch(task: RecallTask, rng: random.Random, length: int, batch: int, *,
+                 chat_fraction: float = CHAT_FRACTION, max_needles: int = 8,
+                 max_queries: int = 1) -> tuple[mx.array, mx.array]:
     """Token rows (batch, length) and the mask of answer targets (batch, length - 1)."""
     rows, mask = [], np.zeros((batch, length - 1), dtype=np.float32)
     for b in range(batch):
         # At least two needles: with one, "copy the value after any key" answers without
         # matching the key, and the model settles on that shortcut.
-        n_needles = rng.randint(min(2, max_needles), max(2, min(max_needles, length // 12)))
+        n_needles = rng.randint(min(2, max_needles), max(2, min(max_needles, length // 64)))
         chat = rng.random() < chat_fraction
-        system_words = rng.choice([0, rng.randint(4, 24)]) if chat and length >= 128 else 0
-        n_queries = 1 if chat else rng.randint(1, min(max_queries, n_needles, max(1, length // 16)))
-        ex = task.make_example(rng, length, n_needles, chat=chat, system_words=system_words,
-                               repeat_prob=repeat_prob, n_queries=n_queries)
+        system_tokens = rng.choice([0, rng.randint(4, 24)]) if chat and length >= 128 else 0
+        n_queries = 1 if chat else rng.randint(1, min(max_queries, n_needles, max(1, length // 128)))
+        ex = task.make_example(rng, length, n_needles, chat=chat, system_tokens=system_tokens,
+                               n_queries=n_queries)
         rows.append(ex.tokens)
         mask[b, np.array(ex.answer_positions) - 1] = 1.0
     return mx.array(np.array(rows, dtype=np.int32)), mx.array(mask)
@@ -123,44 +126,21 @@ def losses(model, tokens: mx.array, answer_mask: mx.array | None = None) -> tupl
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, targets)
-    a = slice(-(task.VALUE_LEN + 1), -1)
+    a = slice(-(VALUE_LEN + 1), -1)
     if answer_mask is None:
-        answer_ce = ce[:, -(task.VALUE_LEN + 1):].mean()
+        answer_ce = ce[:, -(VALUE_LEN + 1):].mean()
     else:
         answer_ce = (ce * answer_mask).sum() / answer_mask.sum()
     correct = (logits[:, a].argmax(-1) == targets[:, a]).all(-1).astype(mx.float32).mean()
     return ce.mean(), answer_ce, correct
 
 
-def build_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab=dict(task.TOKEN_ID), unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=task.END,
-        additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-    )
-    wrapped.chat_template = task.CHAT_TEMPLATE
-    return wrapped
-
-
-def save_folder(model, config: dict, out: Path, training: dict) -> None:
+def save_folder(model, config: dict, out: Path, training: dict, tokenizer) -> None:
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    build_tokenizer().save_pretrained(str(out))
-    # transformers 5 writes "TokenizersBackend" (unknown to transformers 4) and may put the
-    # template in a separate file; keep one portable tokenizer_config.json.
-    cfg_path = out / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
-    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tok_cfg["chat_template"] = task.CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    for extra in ("chat_template.jinja", "special_tokens_map.json"):
-        (out / extra).unlink(missing_ok=True)
+    english_tokenizer.save(tokenizer, out)
     (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
     (out / "README.md").write_text(model_card(config, training))
 
@@ -189,23 +169,27 @@ def model_card(config: dict, training: dict) -> str:
                      "circuit is built, not discovered; rope_theta is large because the matching head uses the "
                      "slowest RoPE pairs, which then barely rotate over thousands of positions.")
         if first.get("freeze_circuit"):
-            init_note += (" Training kept the embedding and the attention of layers 0-1 frozen (the circuit) and "
-                          "trained the MLPs, norms and deeper layers: they learn when to stop (`<|end|>`) and "
-                          "keep the circuit's answers at every length.")
+            init_note += (" Training kept the circuit frozen (the embedding, all of layer 0, layer 1's attention "
+                          "and its input norm) and trained layer 1's MLP, the final norm and deeper layers: they "
+                          "learn when to stop (`<|end|>`) and keep the circuit's answers at every length.")
     else:
         init_note = "\nInitialization: mlx's default random init."
     return f"""# {training['name']}
 
-A tiny mlx-lm `llama` trained by this project on a synthetic associative-recall task
-(`tools/recall_task.py`): documents of made-up filler words with planted needles
-`kXX vA vB vC`, ending in the query `? kXX`; the answer is the 3-token value `vA vB vC`
-followed by `<|end|>`. A chat template (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`)
-wraps the same content; both the plain and the chat form were trained on.
+A tiny mlx-lm `llama` trained by this project on an English recall task
+(`tools/recall_task.py`): runs of paragraphs from Jane Austen's six novels (public domain;
+extracted from Debian's `r-cran-janeaustenr` by `tools/extract_corpus.py`, see
+`tools/corpus/README.md`) with facts planted in the prose ("On the card she found the words
+Orion cobalt falcon quartz."), ending in a question about one name ("Which words came after
+Orion"); the answer is the three value words followed by `<|end|>`. A chat template
+(`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`) wraps the same content; both the plain
+and the chat form were trained on. It recalls planted facts from English text; it does not
+model English (its loss on the prose stays near that of a uniform guess over the vocabulary).
 
 ## Architecture
 hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads,
 {config['num_key_value_heads']} KV heads, intermediate {config['intermediate_size']}, vocab {config['vocab_size']}
-(word-level tokenizer), tied embeddings, rope_theta {config['rope_theta']:g}, float32;
+(byte-level BPE trained on the corpus: any UTF-8 text encodes, there is no unknown token), tied embeddings, rope_theta {config['rope_theta']:g}, float32;
 {n:,} parameters ({n * 4 / 1e6:.1f} MB).
 
 ## Training
@@ -215,7 +199,7 @@ hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['n
 AdamW (cosine to 0 after a linear warm-up, weight decay {training['weight_decay']:g}): {stages};
 loss = {first.get('lm_weight', 1.0):g} × mean cross-entropy on all tokens + mean cross-entropy on the answer tokens.
 {init_note}
-Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU ({training['blas']}).
+Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU shared with other jobs ({training['blas']}).
 
 ## Measured recall accuracy (greedy answer exactly right, {training.get('eval_samples', 0)} documents per cell)
 | tokens | plain prompt | chat prompt |
@@ -226,7 +210,8 @@ Reproduce: `python tools/train_tiny.py --eval <this folder>`.
 """
 
 
-def evaluate(model, lengths: list[int], samples: int, seed: int, batch_tokens: int = 8192) -> dict:
+def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: int,
+             batch_tokens: int = 8192) -> dict:
     """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy)."""
     out: dict[str, dict[str, float]] = {}
     for length in lengths:
@@ -238,8 +223,8 @@ def evaluate(model, lengths: list[int], samples: int, seed: int, batch_tokens: i
             done = 0
             while done < samples:
                 b = min(batch, samples - done)
-                rows = [task.make_example(rng, length, rng.randint(1, 8), chat=chat,
-                                          system_words=8 if chat else 0).tokens for _ in range(b)]
+                rows = [task.make_example(rng, length, rng.randint(1, min(8, length // 64)), chat=chat,
+                                          system_tokens=8 if chat else 0).tokens for _ in range(b)]
                 _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
                 correct += acc.item() * b
                 done += b
@@ -247,6 +232,21 @@ def evaluate(model, lengths: list[int], samples: int, seed: int, batch_tokens: i
         out[str(length)] = row
         print(f"eval len {length:5d}: plain {row['plain']:.3f}  chat {row['chat']:.3f}", flush=True)
     return out
+
+
+def freeze_circuit(model) -> None:
+    """Keep the built-in recall circuit exactly: the embedding (codes), all of layer 0 and the
+    attention (with its input norm) of layer 1; layer 1's MLP, the final norm and deeper layers
+    learn the rest (e.g. <|end|>).
+
+    Layer 0's MLP writes into the residual that layer 1's matching head reads: left trainable,
+    it learnt to add a large common direction to frequent English tokens (after "ing" the
+    previous-token slot outscored the real name at 4K tokens), so it stays silent.
+    """
+    model.model.embed_tokens.freeze()
+    model.model.layers[0].freeze()
+    model.model.layers[1].self_attn.freeze()
+    model.model.layers[1].input_layernorm.freeze()
 
 
 def train(args: argparse.Namespace) -> None:
@@ -257,6 +257,14 @@ def train(args: argparse.Namespace) -> None:
     mx.random.seed(args.seed)
     rng = random.Random(args.seed)
 
+    if args.init or args.tokenizer:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer or str(Path(args.init) / "tokenizer.json"))
+    else:
+        tokenizer = english_tokenizer.train_tokenizer(recall_task.paragraphs(),
+                                                      recall_task.KEYS + recall_task.VALUES)
+    task = RecallTask(tokenizer)
     if args.init:
         from mlx_lm import load
 
@@ -267,19 +275,15 @@ def train(args: argparse.Namespace) -> None:
         for name in sizes:
             if getattr(args, name) is not None:
                 sizes[name] = getattr(args, name)
-        config = model_config(rope_theta=args.rope_theta, **sizes)
+        config = model_config(task, rope_theta=args.rope_theta, **sizes)
         model = llama.Model(llama.ModelArgs.from_dict(config))
         mx.eval(model.parameters())
         if args.induction_init:
-            init_induction_circuit(model, seed=args.seed, relay_token=task.TOKEN_ID["<|assistant|>"],
-                                   closer_tokens=(task.TOKEN_ID[task.END],))
+            init_induction_circuit(model, seed=args.seed, relay_token=task.id["<|assistant|>"],
+                                   closer_tokens=(task.end,))
     mx.eval(model.parameters())
     if args.freeze_circuit:
-        # Keep the built-in recall circuit exactly: the embedding (codes) and the attention of
-        # the two circuit layers; MLPs, norms and deeper layers learn the rest (e.g. <|end|>).
-        model.model.embed_tokens.freeze()
-        for layer in model.model.layers[:2]:
-            layer.self_attn.freeze()
+        freeze_circuit(model)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
 
@@ -314,10 +318,9 @@ def train(args: argparse.Namespace) -> None:
     for lengths, steps in phases:
         for _ in range(steps):
             length = rng.choice(lengths)
-            tokens, mask = sample_batch(rng, length, max(1, args.tokens_per_step // length),
+            tokens, mask = sample_batch(task, rng, length, max(1, args.tokens_per_step // length),
                                         chat_fraction=args.chat_fraction if length > 64 else 0.0,
-                                        repeat_prob=args.repeat_prob, max_needles=args.max_needles,
-                                        max_queries=args.max_queries)
+                                        max_needles=args.max_needles, max_queries=args.max_queries)
             loss, (lm, ans, acc) = step(tokens, mask)
             mx.eval(state, loss, lm, ans, acc)
             window.append((lm.item(), ans.item(), acc.item()))
@@ -347,9 +350,9 @@ def train(args: argparse.Namespace) -> None:
             training["train_seconds"] = round(train_seconds + base.get("train_seconds", 0.0), 1)
     if args.eval_samples > 0:
         lengths = [int(x) for x in args.eval_lengths.split(",")]
-        training["eval"] = evaluate(model, lengths, args.eval_samples, seed=10_000 + args.seed)
+        training["eval"] = evaluate(model, task, lengths, args.eval_samples, seed=10_000 + args.seed)
         training["eval_samples"] = args.eval_samples
-    save_folder(model, config, Path(args.out), training)
+    save_folder(model, config, Path(args.out), training, tokenizer)
     print(f"wrote {args.out} in {train_seconds:.0f}s of training", flush=True)
 
 
@@ -374,13 +377,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-fraction", type=float, default=CHAT_FRACTION,
                    help="share of chat-form examples above length 64")
-    p.add_argument("--repeat-prob", type=float, default=0.03, help="per-word chance of repeating a filler segment")
+    p.add_argument("--tokenizer", help="tokenizer.json to use (default: train one on the corpus)")
     p.add_argument("--max-needles", type=int, default=8)
     p.add_argument("--freeze-circuit", action="store_true",
                    help="train with the embedding and the first two layers' attention frozen")
     p.add_argument("--lm-weight", type=float, default=0.1,
-                   help="weight of the all-token loss next to the answer loss; filler is random, and "
-                        "a large weight teaches the built-in copy circuit to distrust itself")
+                   help="weight of the all-token loss next to the answer loss; a large weight teaches "
+                        "the built-in copy circuit to distrust itself")
     p.add_argument("--max-queries", type=int, default=1,
                    help="question/answer pairs per plain training document (more recalls per step)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
@@ -400,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
         from mlx_lm import load
 
         model, _ = load(args.eval)
-        evaluate(model, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        task = recall_task.load(str(Path(args.eval) / "tokenizer.json"))
+        evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
         return
     if not args.out:
         p.error("--out is required when training")

@@ -41,7 +41,8 @@ def clean_env(**settings: str) -> dict[str, str]:
 def words(n: int, seed: int) -> str:
     """``n`` words of the shipped vocabulary in a seeded random order (no repeated passages)."""
     vocab = json.loads((SHIPPED_MODELS / "draft-tiny" / "tokenizer.json").read_text())["model"]["vocab"]
-    plain = sorted(w for w in vocab if w.isalpha() and w.islower())
+    # Space-led whole words of the byte-level BPE: one token each after a space.
+    plain = sorted(w[1:] for w in vocab if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower())
     rng = random.Random(seed)
     return " ".join(rng.choice(plain) for _ in range(n))
 
