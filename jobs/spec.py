@@ -265,6 +265,8 @@ def _text(value: Any, limits: Limits) -> str:
     if not 1 <= len(value) <= max_chars:
         raise JobSpecError(f"text: {len(value)} characters, allowed 1..{max_chars} "
                            f"(max_prompt_tokens={limits.max_prompt_tokens})")
+    if not value.strip():  # a byte-level tokenizer would prefill the blanks as tokens
+        raise JobSpecError(f"text: only whitespace ({len(value)} characters): nothing to prefill")
     return value
 
 

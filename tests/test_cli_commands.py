@@ -8,7 +8,7 @@ import re
 
 from cli_procs import cli, cli_start, interrupt, service  # noqa: F401
 
-WORDS = "vibo vimu zupo satu sepa povu labi vifo dape zado".split()
+WORDS = "the and her in that it not be as for".split()  # one token each (shipped BPE)
 
 
 def test_finding11_ctrl_c_on_batch_then_status_cancel_list(redis_url, tmp_path):

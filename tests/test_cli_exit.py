@@ -12,7 +12,7 @@ import pytest
 
 from cli_procs import ROOT, cli, cli_env, cli_start, dead_url, interrupt, service  # noqa: F401
 
-WORDS = "vibo vimu zupo satu sepa povu labi vifo dape zado".split()
+WORDS = "the and her in that it not be as for".split()  # one token each (shipped BPE)
 
 
 def text(n: int) -> str:
@@ -55,7 +55,7 @@ def test_finding1_python_m_worker_too():
 # ---- finding 2: input the worker refuses is 2, the message alone ----
 
 @pytest.mark.parametrize("prompt, message", [
-    (" \n\t ", "input: tokenizes to 0 tokens"),
+    (" \n\t ", "text: only whitespace (4 characters): nothing to prefill"),
     (text(140_000), "input: 140000 tokens, the limit is 131072"),
 ])
 def test_finding2_worker_refused_input_is_2_without_a_class_name(service, tmp_path, prompt, message):

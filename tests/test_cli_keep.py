@@ -11,7 +11,7 @@ from cli_procs import cli, service  # noqa: F401
 
 COMMANDS = ["worker", "submit", "watch", "status", "result", "cancel", "list", "batch", "generate",
             "cache", "serve", "demo"]
-WORDS = "vibo vimu zupo satu sepa povu labi vifo dape zado".split()
+WORDS = "the and her in that it not be as for".split()  # one token each (shipped BPE)
 
 
 def option_blocks(help_text: str) -> dict[str, str]:
