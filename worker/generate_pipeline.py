@@ -26,10 +26,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from jobs.results import GenerateResult, PrefillResult, rates
 from jobs.spec import GenerateOptions, JobSpec
+from specprefill.selection import to_ranges
 from worker import target_prefill
 from worker.admission import admission_reason
 from worker.context import JobContext
@@ -170,7 +169,7 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             logits, cache, state, keep = target_prefill.sparse_prefill(
                 stack, target.model, target.target_profile, tokens, kept, protected_prefix=protected,
                 kv_cache=cache, prefill_step=step, progress=reporter.begin())
-            return logits, cache, state, contiguous_prefix(keep), target_prefill.ranges(keep)
+            return logits, cache, state, contiguous_prefix(keep), [(int(s), int(e)) for s, e in to_ranges(keep)]
         except Exception as exc:
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
             stack.close()  # the genuine ropes back before the plain prefill

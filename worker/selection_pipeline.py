@@ -76,14 +76,19 @@ def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: An
         warnings=prompt_warnings(ctx, prompt.tokens, tokenizer))
 
 
+def selection_options(spec: JobSpec) -> SelectionOptions:
+    """The spec's selection knobs (the one place they become ``SelectionOptions``)."""
+    return SelectionOptions(keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
+                            threshold=spec.threshold)
+
+
 def _keep_all_effect(spec: JobSpec, total: int, prompt: PromptTokens, fallback: str | None) -> str:
     from specprefill.selection import keep_effect
 
     if fallback is not None:
         return f"keep had no effect: {fallback}"
-    options = SelectionOptions(keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
-                               threshold=spec.threshold)
-    return keep_effect(total, total, options, prompt.protected_prefix) or "keep had no effect: every token kept"
+    return (keep_effect(total, total, selection_options(spec), prompt.protected_prefix)
+            or "keep had no effect: every token kept")
 
 
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
@@ -173,9 +178,8 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
     # the target prefills from these indices and has no copy of the draft's KV.
-    selection = backend.plan_selection(score.importance, SelectionOptions(
-        keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
-        threshold=spec.threshold), protected_prefix=protected_prefix)
+    selection = backend.plan_selection(score.importance, selection_options(spec),
+                                       protected_prefix=protected_prefix)
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
     importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None
@@ -192,9 +196,7 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
              if spec.return_spans else None)
     from specprefill.selection import keep_effect
 
-    effect = keep_effect(total, selected.kept, SelectionOptions(
-        keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
-        threshold=spec.threshold), protected_prefix)
+    effect = keep_effect(total, selected.kept, selection_options(spec), protected_prefix)
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
         reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,

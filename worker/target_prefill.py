@@ -50,12 +50,6 @@ def sparse_prefill(stack: ExitStack, model: Any, profile: Any, tokens: Sequence[
     return logits, cache, state, keep
 
 
-def ranges(keep: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted indices as ``[start, end)`` runs."""
-    breaks = np.flatnonzero(np.diff(keep) > 1)
-    starts, ends = np.r_[keep[0], keep[breaks + 1]], np.r_[keep[breaks], keep[-1]] + 1
-    return [(int(s), int(e)) for s, e in zip(starts, ends)]
-
 
 def plain_prefill(model: Any, tokens: Sequence[int], *, kv_cache: list | None, prefill_step: int,
                   progress: Progress, kv_bits: int | None = None,
