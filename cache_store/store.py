@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import closing
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -23,7 +24,9 @@ from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, 
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, key_patterns, layout_key, models_key, stats_key)
 from .memo import MEMO_COUNTERS
+from .prefix import Allocate, PrefixAssembler
 from .replies import as_int, as_text
+from .streamed_gets import streamed_gets
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ REDIS_COUNTERS = (
 # Counters of this process only (Redis may be the thing that is down).
 LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors")
 
-_BATCH_BLOCKS = 64  # blocks per pipelined round trip; bounds the memory of one batch
+_BATCH_BLOCKS = 64  # blocks per pipelined SET round trip; bounds the memory of one batch
 
 
 def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> BlockLayout:
@@ -112,104 +115,122 @@ class RedisBlockStore:
 
     # -- fetch ---------------------------------------------------------------
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[dict[str, RawArray]] | None, int]:
+    def fetch(self, tokens: Sequence[int], allocate: Allocate | None = None
+              ) -> tuple[list[dict[str, RawArray]] | None, int]:
         """Restore the longest valid stored prefix of ``tokens`` (never its last token).
 
-        Returns ``(layers, n_tokens)``: per layer its named arrays (new arrays, the stored
-        bytes are not pinned): token arrays holding the first ``n_tokens`` tokens (the
-        blocks' joined), state arrays as the prefix's last block holds them; or ``(None, 0)``.
+        Returns ``(layers, n_tokens)``: per layer its named arrays (new arrays from ``allocate``,
+        default numpy; the stored bytes are not pinned): token arrays holding the first
+        ``n_tokens`` tokens (the blocks' joined), state arrays as the prefix's last block holds
+        them; or ``(None, 0)``. One round trip finds how many leading blocks are stored, then
+        their values stream in a few at a time, each checked and copied into place as it comes.
         Stops at the first missing, corrupt or mismatched block; corrupt ones (a valid block
         under another key included) are deleted and counted, and their TTL never renewed.
         A Redis error ends the lookup there: the blocks validated before it are still returned.
         """
         digests = block_digests(self.fingerprint, np.asarray(tokens)[:-1], self.block_size)
         keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
-        blocks: list[DecodedBlock] = []
-        corrupt: list[str] = []
-        bytes_read = 0
         try:
-            for start in range(0, max(len(keys), 1), _BATCH_BLOCKS):
-                span = slice(start, start + _BATCH_BLOCKS)
-                complete, n_read = self._fetch_batch(keys[span], digests[span], start == 0, blocks, corrupt)
-                bytes_read += n_read
-                if not complete:
-                    break
+            n_stored = self._stored_run(keys)
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
-            if not blocks:
-                log.warning("block store: fetch failed, treating as a miss: %s", exc)
-                return None, 0
-            # The blocks already validated are a correct prefix: use them.
-            log.warning("block store: fetch failed after %d blocks, using those: %s", len(blocks), exc)
-        layers = self._joined(blocks) if blocks else None
-        if layers is None:
-            blocks = []
-        n_tokens = len(blocks) * self.block_size
-        self._record_fetch(keys[:len(blocks)], len(keys) - len(blocks), n_tokens, bytes_read, corrupt)
-        return layers, n_tokens
+            log.warning("block store: fetch failed, treating as a miss: %s", exc)
+            return None, 0
+        prefix = PrefixAssembler(self.block_size, n_stored, allocate)
+        corrupt: list[str] = []
+        bytes_read = self._stream_into(prefix, keys[:n_stored], digests, corrupt)
+        layers = self._result(prefix)
+        n_blocks = prefix.n_blocks if layers is not None else 0
+        self._record_fetch(keys[:n_blocks], len(keys) - n_blocks, n_blocks * self.block_size, bytes_read, corrupt)
+        return layers, n_blocks * self.block_size
 
-    def _fetch_batch(self, batch: list[str], digests: list[bytes], first: bool, blocks: list[DecodedBlock],
-                     corrupt: list[str]) -> tuple[bool, int]:
-        """GET one batch of keys (and count the lookup with the first); take its valid blocks."""
+    def _stored_run(self, keys: list[str]) -> int:
+        """How many leading ``keys`` are stored (one pipelined round trip, which counts the lookup)."""
         pipe = self.client.pipeline(transaction=False)
-        for key in batch:
-            pipe.get(key)
-        if first:
-            pipe.hincrby(self._stats_key, "lookups", 1)
+        for key in keys:
+            pipe.exists(key)
+        pipe.hincrby(self._stats_key, "lookups", 1)
         results = pipe.execute(raise_on_error=False)
-        self._count_stats_failures(results[len(batch):])
-        return self._take_valid(batch, digests, results[:len(batch)], blocks, corrupt)
+        self._count_stats_failures(results[len(keys):])
+        n = 0
+        for present in results[:len(keys)]:
+            if isinstance(present, Exception):
+                self.local_counters["fetch_errors"] += 1
+                log.warning("block store: EXISTS failed, treating as a miss: %s", present)
+                break
+            if not present:
+                break
+            n += 1
+        return n
 
-    def _take_valid(self, batch: list[str], digests: list[bytes], values: list[Any],
-                    blocks: list[DecodedBlock], corrupt: list[str]) -> tuple[bool, int]:
-        """Append the valid leading blocks of a batch; return (whole batch valid, bytes read)."""
+    def _stream_into(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
+                     corrupt: list[str]) -> int:
+        """GET ``keys`` a few at a time, adding each valid block to ``prefix`` until one is not;
+        returns bytes read."""
         n_read = 0
-        for key, digest, value in zip(batch, digests, values):
-            if value is None:
-                return False, n_read
-            if isinstance(value, Exception):
-                self.local_counters["fetch_errors"] += 1
-                log.warning("block store: GET %s failed, treating as a miss: %s", key, value)
-                return False, n_read
-            n_read += len(value)
-            try:
-                block = self._decode(value, digest, blocks)
-            except MemoryError:  # this process's trouble, not the block's
-                self.local_counters["fetch_errors"] += 1
-                log.warning("block store: out of memory decoding %s, treating as a miss", key)
-                return False, n_read
-            except Exception as exc:  # decoding must never take a job down: any failure is corrupt
-                log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
-                corrupt.append(key)
-                return False, n_read
-            blocks.append(block)
-        return True, n_read
+        try:
+            with closing(streamed_gets(self.client, keys)) as values:
+                for key, digest, value in zip(keys, digests, values):
+                    if value is not None and not isinstance(value, Exception):
+                        n_read += len(value)
+                    if not self._take(key, digest, value, prefix, corrupt):
+                        break
+        except redis.RedisError as exc:
+            self.local_counters["fetch_errors"] += 1
+            # The blocks already validated are a correct prefix: use them.
+            log.warning("block store: fetch failed after %d blocks, using those: %s", prefix.n_blocks, exc)
+        return n_read
 
-    def _decode(self, value: bytes, digest: bytes, blocks: list[DecodedBlock]) -> DecodedBlock:
+    def _take(self, key: str, digest: bytes, value: Any, prefix: PrefixAssembler, corrupt: list[str]) -> bool:
+        """Add the block in ``value`` to ``prefix`` if it is valid; False ends the prefix there."""
+        if value is None:  # gone since it was found (TTL, eviction)
+            return False
+        if isinstance(value, Exception):
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: GET %s failed, treating as a miss: %s", key, value)
+            return False
+        try:
+            block = self._decode(value, digest, prefix)
+        except MemoryError:  # this process's trouble, not the block's
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: out of memory decoding %s, treating as a miss", key)
+            return False
+        except Exception as exc:  # decoding must never take a job down: any failure is corrupt
+            log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
+            corrupt.append(key)
+            return False
+        try:
+            prefix.add(block)
+        except Exception as exc:  # the block is valid: the failure is this process's (memory, say)
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: could not copy %s here, the prefix ends before it: %s: %s",
+                        key, type(exc).__name__, exc)
+            return False
+        return True
+
+    def _decode(self, value: bytes, digest: bytes, prefix: PrefixAssembler) -> DecodedBlock:
         """The validated block in ``value`` bound to ``digest``, laid out as this model's (or,
         without a layout, the chain's first)."""
         block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest)
-        expected = self._expected if self._expected is not None else blocks[0].layout if blocks else block.layout
+        if self._expected is None and prefix.first_layout is None:
+            return block
+        expected = self._expected if self._expected is not None else prefix.first_layout
         if block.layout != expected:
             raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(block.layers)} "
                                     f"layers, expected {len(expected)}, or other names, dtypes or shapes)",
                                     "layout")
         return block
 
-    def _joined(self, blocks: list[DecodedBlock]) -> list[dict[str, RawArray]] | None:
-        """Per layer, the blocks' token arrays joined along the tokens and the last block's state
-        arrays (copied); None (a miss) if that fails here."""
+    def _result(self, prefix: PrefixAssembler) -> list[dict[str, RawArray]] | None:
+        """The prefix's arrays; None (a miss) if that fails here."""
         try:
-            return [{name: RawArray(first.dtype, np.concatenate([b.layers[i][name].bits for b in blocks], axis=2)
-                                    if is_token_array(name) else blocks[-1].layers[i][name].bits.copy())
-                     for name, first in layer.items()}
-                    for i, layer in enumerate(blocks[0].layers)]
+            return prefix.result()
         except Exception as exc:  # never raise out of fetch; the blocks passed validation,
             # so the failure is this process's (memory, say): a miss, and other workers
             # keep the blocks.
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not join %d blocks here, treating as a miss: %s: %s",
-                        len(blocks), type(exc).__name__, exc)
+                        prefix.n_blocks, type(exc).__name__, exc)
             return None
 
     def _record_fetch(self, hit_keys: list[str], missed: int, n_tokens: int, bytes_read: int,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from specprefill.kv_arrays import (LayerArrays, kv_arrays, kv_cache_from_arrays, raw_bits_many, to_mlx_many,
+from specprefill.kv_arrays import (LayerArrays, MlxDestinations, kv_arrays, kv_cache_from_arrays, raw_bits_many,
                                    unstorable_reason)
 
 log = logging.getLogger(__name__)
@@ -66,11 +66,13 @@ class RawBlockStore(Protocol):
 
     block_size: int
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list[Mapping[str, Any]] | None, int]:
+    def fetch(self, tokens: Sequence[int], allocate: Callable[[str, tuple[int, ...]], Any] | None = None
+              ) -> tuple[list[Mapping[str, Any]] | None, int]:
         """The longest stored prefix of ``tokens`` (never all of them): per layer, its named
         arrays as ``(dtype name, bits)`` pairs, token arrays holding ``n_tokens`` tokens and
         state arrays as after the prefix's last token; ``(None, 0)`` on a miss. Never raises
-        for storage faults."""
+        for storage faults. ``allocate(dtype name, shape)`` makes the arrays the bits are
+        written into (writable, the bits' numpy dtype), e.g. :class:`MlxDestinations`."""
         ...
 
     def store(self, tokens: Sequence[int], layers: Sequence[LayerArrays]) -> int:
@@ -157,11 +159,12 @@ class BlockDraftCache:
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         if self.unsupported_reason is not None:
             return None, 0
-        layers, n_tokens = self.raw_store.fetch(tokens)
+        destinations = MlxDestinations()  # the store copies each block once, into mlx memory
+        layers, n_tokens = self.raw_store.fetch(tokens, allocate=destinations)
         if layers is None:
             return None, 0
         try:
-            return self._rebuild(layers, n_tokens), n_tokens
+            return self._rebuild(layers, n_tokens, destinations), n_tokens
         except Exception as exc:  # never raise out of fetch: the blocks passed validation, so
             # the failure is this process's; other workers keep the blocks.
             self.local_counters["rebuild_errors"] += 1
@@ -169,13 +172,13 @@ class BlockDraftCache:
                         "%s: %s", n_tokens, type(exc).__name__, exc)
             return None, 0
 
-    def _rebuild(self, layers: list[Mapping[str, Any]], n_tokens: int) -> list[Any]:
+    def _rebuild(self, layers: list[Mapping[str, Any]], n_tokens: int, destinations: MlxDestinations) -> list[Any]:
         if self._metas is None:
-            return kv_cache_from_arrays(layers)
+            return kv_cache_from_arrays(layers, destinations.to_mlx_many)
         from specprefill.attention.caches import restore
 
         names = [(i, name) for i, layer in enumerate(layers) for name in layer]
-        arrays = to_mlx_many([layers[i][name] for i, name in names])
+        arrays = destinations.to_mlx_many([layers[i][name] for i, name in names])
         per_layer: list[dict[str, mx.array]] = [{} for _ in layers]
         for (i, name), a in zip(names, arrays):
             per_layer[i][name] = a

@@ -64,6 +64,45 @@ def to_mlx_many(raws: Sequence[RawBits]) -> list[mx.array]:
     return out
 
 
+_CARRIERS = {np.dtype("<u2"): mx.uint16, np.dtype("<u4"): mx.uint32}
+
+
+class MlxDestinations:
+    """The ``allocate`` of a block store's fetch that puts the prefix straight into mlx memory.
+
+    Each destination is a writable numpy view of a new mlx array holding the bits (mlx documents
+    that writes through ``np.array(a, copy=False)`` are the array's), so the store copies each
+    block once, into the arrays the restored cache then holds: no join in numpy and no second
+    copy into mlx.
+    """
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[np.ndarray, mx.array]] = {}
+
+    def __call__(self, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        carrier = mx.zeros(shape, dtype=_CARRIERS[DTYPES[dtype][1]])
+        view = np.array(carrier, copy=False)  # evaluates the carrier: the view is its memory
+        self._made[id(view)] = (view, carrier)
+        return view
+
+    def to_mlx_many(self, raws: Sequence[RawBits]) -> list[mx.array]:
+        """mlx arrays of raw bits: the arrays behind this allocation's views as they are, any
+        other raw bits copied in (:func:`to_mlx_many`)."""
+        out: list[mx.array | None] = []
+        copies = []
+        for name, bits in raws:
+            made = self._made.get(id(bits))
+            if made is not None and made[0] is bits:
+                out.append(made[1] if made[1].dtype == DTYPES[name][0] else made[1].view(DTYPES[name][0]))
+            else:
+                out.append(None)
+                copies.append((name, bits))
+        copied = iter(to_mlx_many(copies))
+        out = [a if a is not None else next(copied) for a in out]
+        mx.eval(out)
+        return out
+
+
 def unstorable_reason(kv_cache: Sequence[Any]) -> str | None:
     """Why a model's cache cannot be stored as per-token blocks, or None if it can.
 
@@ -86,9 +125,9 @@ def kv_arrays(kv_cache: Sequence[KVCache]) -> list[dict[str, RawBits]]:
     return [dict(zip(KV_ARRAYS, arrays[i:i + 2])) for i in range(0, len(arrays), 2)]
 
 
-def kv_cache_from_arrays(layers: Sequence[LayerArrays]) -> list[KVCache]:
-    """One ``KVCache`` per layer holding the given keys and values (copied into mlx)."""
-    arrays = to_mlx_many([layer[name] for layer in layers for name in KV_ARRAYS])
+def kv_cache_from_arrays(layers: Sequence[LayerArrays], to_mlx=to_mlx_many) -> list[KVCache]:
+    """One ``KVCache`` per layer holding the given keys and values (``to_mlx``: copied into mlx)."""
+    arrays = to_mlx([layer[name] for layer in layers for name in KV_ARRAYS])
     kv_cache = []
     for keys, values in zip(arrays[0::2], arrays[1::2]):
         layer = KVCache()

@@ -395,7 +395,7 @@ def test_layout_must_describe_kv_layers(client, llama):
         block_layout([{"cache": "ArraysCache", "state": []}])
 
 
-def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeypatch):
+def test_redis_error_mid_stream_keeps_the_validated_prefix(client, monkeypatch):
     import redis
 
     model = make_model("llama", seed=2)
@@ -404,26 +404,24 @@ def test_redis_error_in_a_later_batch_keeps_the_validated_prefix(client, monkeyp
     cache, _ = prefilled(model, tokens)
     store = draft_store(client, fp, block_size=2)
     assert store.store(tokens, cache) == 150
-    real_pipeline, calls = client.pipeline, []
+    connection_class = client.connection_pool.connection_class
+    real_read, reads = connection_class.read_response, []
 
-    def pipeline(*args, **kwargs):
-        pipe = real_pipeline(*args, **kwargs)
-        real_execute = pipe.execute
-        calls.append(pipe)
-
-        def execute(*a, **kw):
-            if len(calls) == 2:  # the second 64-block GET batch
+    def read_response(self, *args, **kwargs):
+        reply = real_read(self, *args, **kwargs)
+        if kwargs.get("disable_decoding") and isinstance(reply, bytes):  # a block's value
+            reads.append(reply)
+            if len(reads) == 65:
                 raise redis.ConnectionError("connection lost mid-fetch")
-            return real_execute(*a, **kw)
+        return reply
 
-        pipe.execute = execute
-        return pipe
-
-    monkeypatch.setattr(client, "pipeline", pipeline)
+    monkeypatch.setattr(connection_class, "read_response", read_response)
     restored, n = store.fetch(tokens)
-    assert n == 128
+    assert n == 128  # the 64 blocks validated before the 65th's read failed
     assert_prefix_equal(restored, cache, 128)
     assert store.raw_store.local_counters["fetch_errors"] == 1
+    monkeypatch.undo()
+    assert store.fetch(tokens)[1] == 300  # the pool still works
 
 
 def test_store_refreshes_the_ttl_of_blocks_already_stored(client, llama):

@@ -1,0 +1,99 @@
+"""A prefix's arrays, built from its validated blocks as they arrive.
+
+Each block's token arrays are copied once, straight into their place in destinations sized
+for the whole chain (no per-block copies joined later); state arrays are taken from the last
+block only. The destinations come from ``allocate``, so a caller that wants the prefix in
+another library's memory (``specprefill.kv_arrays.MlxDestinations``: mlx arrays) gets it
+there without a second copy.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .codec import DTYPES, BlockLayout, DecodedBlock, RawArray, is_token_array
+
+# (dtype name, shape) -> a new writable C-contiguous array of that shape whose dtype is the
+# name's bits dtype (``codec.DTYPES``: "bfloat16" -> uint16); its contents are overwritten.
+Allocate = Callable[[str, tuple[int, ...]], np.ndarray]
+
+
+def numpy_empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The default ``allocate``: plain numpy memory."""
+    return np.empty(shape, dtype=DTYPES[dtype])
+
+
+class PrefixAssembler:
+    """Joins consecutive valid blocks of one chain (``add`` in prompt order) into one prefix."""
+
+    def __init__(self, block_size: int, n_blocks: int, allocate: Allocate | None = None) -> None:
+        self.block_size = block_size
+        self.capacity = n_blocks  # blocks the destinations are sized for
+        self.n_blocks = 0
+        self._allocate = allocate or numpy_empty
+        self._token_arrays: list[dict[str, np.ndarray]] | None = None
+        self._first_layout: BlockLayout | None = None
+        self._last: DecodedBlock | None = None
+
+    @property
+    def first_layout(self) -> BlockLayout | None:
+        """The layout of the chain's first block (every later one must match it), once added."""
+        return self._first_layout
+
+    def add(self, block: DecodedBlock) -> None:
+        """Copy ``block``'s token arrays into place (it follows the blocks added before)."""
+        if self.n_blocks >= self.capacity:
+            raise ValueError(f"prefix: more than the {self.capacity} blocks it was sized for")
+        if self._token_arrays is None:
+            self._token_arrays = [{name: self._new(a.dtype, _joined_shape(a.shape, self.capacity * self.block_size))
+                                   for name, a in layer.items() if is_token_array(name)}
+                                  for layer in block.layers]
+        span = slice(self.n_blocks * self.block_size, (self.n_blocks + 1) * self.block_size)
+        for destinations, layer in zip(self._token_arrays, block.layers):
+            for name, destination in destinations.items():
+                np.copyto(destination[:, :, span], layer[name].bits)
+        if self._first_layout is None:
+            self._first_layout = block.layout
+        self._last = block  # its state arrays are the prefix's (the one value kept)
+        self.n_blocks += 1
+
+    def result(self) -> list[dict[str, RawArray]] | None:
+        """Per layer its named arrays: token arrays of the blocks added, state arrays of the last
+        (copied, so the stored value is not pinned); None if no block was added."""
+        if self._last is None:
+            return None
+        n_tokens = self.n_blocks * self.block_size
+        out = []
+        for destinations, layer in zip(self._token_arrays, self._last.layers):
+            arrays = {}
+            for name, a in layer.items():
+                if name in destinations:
+                    arrays[name] = RawArray(a.dtype, self._trimmed(a.dtype, destinations[name], n_tokens))
+                else:
+                    state = self._new(a.dtype, a.shape)
+                    np.copyto(state, a.bits)
+                    arrays[name] = RawArray(a.dtype, state)
+            out.append(arrays)
+        return out
+
+    def _trimmed(self, dtype: str, destination: np.ndarray, n_tokens: int) -> np.ndarray:
+        """``destination`` if it holds exactly ``n_tokens``, else its first ``n_tokens`` in a new array
+        (a block that vanished or failed after the sizing: rare)."""
+        if destination.shape[2] == n_tokens:
+            return destination
+        out = self._new(dtype, _joined_shape(destination.shape, n_tokens))
+        np.copyto(out, destination[:, :, :n_tokens])
+        return out
+
+    def _new(self, dtype: str, shape: Sequence[int]) -> np.ndarray:
+        shape = tuple(int(d) for d in shape)
+        out = self._allocate(dtype, shape)
+        if out.shape != shape or out.dtype != DTYPES[dtype] or not out.flags.writeable:
+            raise ValueError(f"allocate: expected a writable {DTYPES[dtype]} array of shape {shape}, got "
+                             f"{out.dtype} {out.shape}")
+        return out
+
+
+def _joined_shape(shape: Sequence[int], n_tokens: int) -> tuple[int, ...]:
+    return (*shape[:2], n_tokens, *shape[3:])

@@ -1,0 +1,91 @@
+"""cache_store.streamed_gets on a real Redis and on fakeredis: order, misses, per-key errors,
+the window, early stops and dropped connections leave the pool clean."""
+import fakeredis
+import pytest
+import redis
+
+from cache_store.streamed_gets import streamed_gets
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+def client(request, redis_url):
+    c = redis.Redis.from_url(redis_url) if request.param == "redis" else fakeredis.FakeRedis()
+    yield c
+    c.close()
+
+
+def values(n):
+    return [bytes([i]) * (1000 + i) for i in range(n)]
+
+
+def test_values_in_order_with_misses_and_per_key_errors(client):
+    vals = values(10)
+    keys = [f"k{i}" for i in range(10)]
+    for key, value in zip(keys, vals):
+        client.set(key, value)
+    client.delete("k3")
+    client.delete("k5")
+    client.hset("k5", "field", "a hash: GET fails with WRONGTYPE")
+    got = list(streamed_gets(client, keys, window=3))
+    assert len(got) == 10
+    assert got[3] is None
+    assert isinstance(got[5], redis.ResponseError) and "WRONGTYPE" in str(got[5])
+    assert [g for i, g in enumerate(got) if i not in (3, 5)] == [v for i, v in enumerate(vals) if i not in (3, 5)]
+    assert client.get("k0") == vals[0]  # the connection is clean afterwards
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 64])
+def test_at_most_window_requests_in_flight(client, window, monkeypatch):
+    keys = [f"w{i}" for i in range(12)]
+    for key, value in zip(keys, values(12)):
+        client.set(key, value)
+    cls = client.connection_pool.connection_class
+    real_send, real_read = cls.send_packed_command, cls.read_response
+    in_flight, most = [0], [0]
+
+    def send(self, command, *args, **kwargs):
+        in_flight[0] += sum(bytes(part).count(b"\r\n$3\r\nGET\r\n") for part in command)
+        most[0] = max(most[0], in_flight[0])
+        return real_send(self, command, *args, **kwargs)
+
+    def read(self, *args, **kwargs):
+        in_flight[0] -= 1
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "send_packed_command", send)
+    monkeypatch.setattr(cls, "read_response", read)
+    assert list(streamed_gets(client, keys, window=window)) == values(12)
+    assert most[0] == min(window, len(keys))
+
+
+def test_stopping_early_drains_the_replies_in_flight(client):
+    keys = [f"s{i}" for i in range(20)]
+    for key, value in zip(keys, values(20)):
+        client.set(key, value)
+    client.set("other", b"the next command's own reply")
+    stream = streamed_gets(client, keys, window=8)
+    assert next(stream) == values(1)[0]
+    stream.close()  # seven replies still in flight
+    assert client.get("other") == b"the next command's own reply"
+    for value in streamed_gets(client, keys, window=8):  # a break, as callers stop at a miss
+        break
+    assert client.get("other") == b"the next command's own reply"
+    assert list(streamed_gets(client, [])) == []
+    with pytest.raises(ValueError, match="window"):
+        list(streamed_gets(client, keys, window=0))
+
+
+def test_a_dropped_connection_raises_and_the_pool_recovers(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    killer = redis.Redis.from_url(redis_url)
+    keys = [f"d{i}" for i in range(40)]
+    for key in keys:
+        client.set(key, b"x" * 200_000)
+    stream = streamed_gets(client, keys, window=2)
+    next(stream)
+    killer.client_kill_filter(_type="normal", skipme=True)
+    with pytest.raises(redis.RedisError):
+        list(stream)
+    assert len(list(streamed_gets(client, keys))) == 40
+    client.close()
+    killer.close()
