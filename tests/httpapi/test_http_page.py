@@ -79,8 +79,13 @@ def test_batch_view_updates_while_running(stack, page):
     page.wait_for_selector("#batch-progress")
     seen, deadline = [], time.monotonic() + 120
     while time.monotonic() < deadline:
-        bar = page.locator("#batch-progress")
-        state = (int(bar.get_attribute("data-done")), bar.get_attribute("data-status"))
+        # Both attributes in one read inside the page: it re-renders the bar between two reads.
+        read = page.evaluate("() => { const e = document.querySelector('#batch-progress');"
+                             " return e && [e.dataset.done, e.dataset.status]; }")
+        if read is None:  # between two renders
+            page.wait_for_timeout(50)
+            continue
+        state = (int(read[0]), read[1])
         if not seen or seen[-1] != state:
             seen.append(state)
             if len(seen) == 2:
