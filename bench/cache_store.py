@@ -19,7 +19,8 @@
    headers included) for a Qwen3.5-0.8B-shaped hybrid draft (its real 24 layers, widths and
    3:1 Gated-DeltaNet/attention pattern; random bfloat16 weights, a 1024-word vocabulary since
    the vocabulary changes no cached byte) next to a dense Qwen2.5-0.5B-shaped one, each with
-   bfloat16 and 4-bit KV; split into K/V bytes and recurrent-state bytes.
+   bfloat16 and 4-bit KV; split into K/V bytes and recurrent-state bytes; for the hybrid, the
+   bytes a fetch of a 127-block prefix (a 32K-token prompt) reads, K/V sections and one state.
 
     .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 3] [--no-sizes]
 """
@@ -293,7 +294,9 @@ def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str
     layers, _ = raw.fetch(tokens + [0])
     arrays = [(name, a) for layer in layers for name, a in layer.items()]
     kv = sum(a.bits.nbytes for name, a in arrays if is_token_array(name))
-    return {"value": client.strlen(key), "kv": kv, "state": sum(a.bits.nbytes for _, a in arrays) - kv}
+    value = client.strlen(key)
+    return {"value": value, "kv": kv, "state": sum(a.bits.nbytes for _, a in arrays) - kv,
+            "read_before_last": raw._token_end or value}  # what a fetch reads of a block before its last
 
 
 def bench_sizes(client: redis.Redis) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
@@ -307,6 +310,12 @@ def bench_sizes(client: redis.Redis) -> tuple[list[tuple[str, str, str, str]], d
             rows.append((f"{label}, {'bf16' if bits is None else '4-bit'} KV",
                          f"{size['value'] / BLOCK:,.0f} B/token", f"{size['value'] / 2**20:.2f} MiB/block",
                          f"K/V {size['kv'] / 2**20:.2f} + state {size['state'] / 2**20:.2f} MiB"))
+            if size["read_before_last"] < size["value"]:
+                # A 32K-token prompt restores 127 blocks: all but the last read up to their K/V's end.
+                whole, sections = 127 * size["value"], 126 * size["read_before_last"] + size["value"]
+                rows.append(("  fetch of a 127-block prefix: bytes read (K/V sections, then the last block whole)",
+                             f"{sections / 2**20:,.0f} MiB", f"whole blocks {whole / 2**20:,.0f} MiB",
+                             f"{sections / whole:.3f}"))
         ratios[config["model_type"]] = sizes[4]["value"] / sizes[None]["value"]
         del model
     return rows, ratios

@@ -14,18 +14,27 @@ A value is the msgpack array ``[header, payload, checksum]``:
 
 - ``header``: a map with ``version``, ``fingerprint``, ``tokens`` (tokens in the block),
   ``layers`` (per layer a list of ``[name, dtype, shape]`` in name order), ``pad`` (only
-  aligns the payload) and ``digest``: the block's chain digest (the last part of its key),
-  so a valid block under another key is detected (:func:`decode_block` ``digest=``);
-- ``payload``: one ``bin`` holding every layer's arrays, in layer then name order, as raw
-  little-endian bits (C order). It starts 16-byte aligned in the value so readers can view
-  it in place;
-- ``checksum``: the payload's 64-bit XXH3 (see :func:`payload_checksum`).
+  aligns the payload), ``token_checksum`` (8 bytes: the token section's 64-bit XXH3, big
+  endian) and ``digest``: the block's chain digest (the last part of its key), so a valid
+  block under another key is detected (:func:`decode_block` ``digest=``);
+- ``payload``: one ``bin`` holding the **token section** (every layer's token arrays, in
+  layer then name order) and then the **state section** (every layer's state arrays, same
+  order), as raw little-endian bits (C order). It starts 16-byte aligned in the value so
+  readers can view it in place;
+- ``checksum``: the state section's 64-bit XXH3 (see :func:`payload_checksum`; of no bytes
+  for a block without state).
+
+The value's first :func:`token_section_end` bytes (header and token section) are a unit a
+reader can fetch and check alone (``GETRANGE``; :func:`decode_block` ``state=False``): a
+prefix needs the K/V of every block but the recurrent state of its last one only, which
+is most of a hybrid model's block (18.6 of 21.6 MiB for Qwen3.5-0.8B).
 
 Any msgpack reader can read a value; :func:`decode_block` reads it without copying the
 payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so float32, float16 and
-bfloat16 round-trip bit-exactly. Version 1 (keys and values only, no digest) is refused
-(:class:`OldFormatError`, a miss): its blocks live under other keys anyway, since the
-model fingerprint covers the version.
+bfloat16 round-trip bit-exactly. Versions 1 (keys and values only, no digest) and 2 (one
+checksum over the payload, arrays in layer order) are refused (:class:`OldFormatError`, a
+miss): their blocks live under other keys anyway, since the model fingerprint covers the
+version.
 """
 from __future__ import annotations
 
@@ -41,7 +50,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 # The named arrays of a plain attention layer (the KV cache), in payload order.
 LAYER_ARRAYS = ("keys", "values")
@@ -61,10 +70,13 @@ DTYPES: dict[str, np.dtype] = {
 _ALIGN = 16
 _BIN32 = 0xC6
 _UINT64 = 0xCF
-# The encoder writes the digest last in the header (bin8 marker and length, then its 32
-# bytes), right before the payload's bin32 marker and 4-byte length: it starts this many
-# bytes before the payload. Known prefixes are matched with that span masked.
+_SUM_BYTES = 8
+# The encoder writes the token checksum and the digest last in the header, right before the
+# payload's bin32 marker and 4-byte length: ``c4 08 <8 bytes> a6 "digest" c4 20 <32 bytes>
+# c6 <4 bytes>``. The digest starts _DIGEST_TAIL bytes before the payload, the checksum
+# _SUM_TAIL bytes; known prefixes are matched with those two spans masked.
 _DIGEST_TAIL = DIGEST_BYTES + 5
+_SUM_TAIL = _DIGEST_TAIL + 2 + 7 + _SUM_BYTES
 
 
 def is_token_array(name: str) -> bool:
@@ -154,7 +166,8 @@ def _aligned_prefix(fingerprint: str, n_tokens: int, specs: tuple, payload_size:
     }
 
     def prefix(pad: int) -> bytes:
-        return (b"\x93" + msgpack.packb({**header, "pad": b"\0" * pad, "digest": bytes(DIGEST_BYTES)})
+        return (b"\x93" + msgpack.packb({**header, "pad": b"\0" * pad, "token_checksum": bytes(_SUM_BYTES),
+                                          "digest": bytes(DIGEST_BYTES)})
                 + bytes([_BIN32]) + payload_size.to_bytes(4, "big"))
 
     pad = -len(prefix(0)) % _ALIGN
@@ -173,14 +186,16 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     """
     digest = _check_digest(digest)
     per_layer = [layer_arrays(layer) for layer in layers]
-    arrays = [a for named in per_layer for _, a in named]
+    # Payload order: the token section, then the state section (each in layer, name order).
+    arrays = ([a for named in per_layer for name, a in named if is_token_array(name)]
+              + [a for named in per_layer for name, a in named if not is_token_array(name)])
     if not arrays:
         raise ValueError("layers: a block needs at least one array")
     payload_size = sum(a.bits.nbytes for a in arrays)
     if payload_size >= 1 << 32:
         raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
     specs = tuple(tuple((name, a.dtype, a.bits.shape) for name, a in named) for named in per_layer)
-    _check_encodable(specs, tuple(a.bits.dtype.itemsize for a in arrays), n_tokens)
+    _check_encodable(specs, tuple(a.bits.dtype.itemsize for named in per_layer for _, a in named), n_tokens)
     prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
     start = len(prefix)
     end = start + payload_size
@@ -188,6 +203,7 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     out = np.empty(end + 9, dtype=np.uint8)
     out[:start] = np.frombuffer(prefix, dtype=np.uint8)
     out[start - _DIGEST_TAIL:start - 5] = np.frombuffer(digest, dtype=np.uint8)
+    token_end = start + sum(a.bits.nbytes for named in per_layer for name, a in named if is_token_array(name))
     first = arrays[0].bits
     if all(a.bits.dtype == first.dtype and a.bits.shape == first.shape for a in arrays):
         # The usual K/V block: one stacked view, one copy per array.
@@ -200,9 +216,20 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
             np.copyto(out[pos:pos + a.bits.nbytes].view(a.bits.dtype).reshape(a.bits.shape), a.bits)
             pos += a.bits.nbytes
     view = memoryview(out)
-    checksum = payload_checksum(view[start:end])
+    token_sum = payload_checksum(view[start:token_end]).to_bytes(_SUM_BYTES, "big")
+    out[start - _SUM_TAIL:start - _SUM_TAIL + _SUM_BYTES] = np.frombuffer(token_sum, dtype=np.uint8)
+    checksum = payload_checksum(view[token_end:end])
     out[end:] = np.frombuffer(bytes([_UINT64]) + checksum.to_bytes(8, "big"), dtype=np.uint8)
     return view.toreadonly()
+
+
+def token_section_end(fingerprint: str, n_tokens: int, layout: BlockLayout) -> int:
+    """How many leading bytes of a block laid out as ``layout`` (``DecodedBlock.layout``) hold its
+    header and token section: what ``decode_block(..., state=False)`` needs."""
+    specs = tuple(tuple((name, dtype, tuple(shape)) for name, dtype, shape in layer) for layer in layout)
+    sizes = [(name, DTYPES[dtype].itemsize * math.prod(shape)) for layer in specs for name, dtype, shape in layer]
+    prefix = _aligned_prefix(fingerprint, n_tokens, specs, sum(size for _, size in sizes))
+    return len(prefix) + sum(size for name, size in sizes if is_token_array(name))
 
 
 @functools.lru_cache(maxsize=64)
@@ -304,7 +331,8 @@ class _Format:
     layout: BlockLayout
     payload_start: int
     payload_length: int
-    masked: bool  # the digest sits where the encoder puts it (see _DIGEST_TAIL)
+    token_length: int  # bytes of the token section (the payload's first part)
+    masked: bool  # the token checksum and digest sit where the encoder puts them (see _SUM_TAIL)
     uniform: bool  # every array has one dtype and shape (a plain K/V block)
 
 
@@ -317,8 +345,10 @@ _MAX_FORMATS = 16
 
 
 def _masked(view: memoryview | bytes, n: int) -> bytes:
-    """The first ``n`` bytes with the digest span zeroed (where the encoder writes it)."""
-    return bytes(view[:n - _DIGEST_TAIL]) + bytes(DIGEST_BYTES) + bytes(view[n - 5:n])
+    """The first ``n`` bytes with the token checksum and digest spans zeroed (where the encoder
+    writes them)."""
+    return (bytes(view[:n - _SUM_TAIL]) + bytes(_SUM_BYTES) + bytes(view[n - _SUM_TAIL + _SUM_BYTES:n - _DIGEST_TAIL])
+            + bytes(DIGEST_BYTES) + bytes(view[n - 5:n]))
 
 
 def _same_prefix(view: memoryview, fmt: _Format) -> bool:
@@ -327,18 +357,21 @@ def _same_prefix(view: memoryview, fmt: _Format) -> bool:
         return False
     if not fmt.masked:
         return view[:n] == fmt.prefix
-    cut = n - _DIGEST_TAIL
-    return view[:cut] == fmt.prefix[:cut] and view[n - 5:n] == fmt.prefix[n - 5:n]
+    spans = ((0, n - _SUM_TAIL), (n - _SUM_TAIL + _SUM_BYTES, n - _DIGEST_TAIL), (n - 5, n))
+    return all(view[a:b] == fmt.prefix[a:b] for a, b in spans)
 
 
-def _known_format(view: memoryview) -> tuple[_Format, bytes] | None:
-    """A remembered format this value has, and the value's digest."""
+def _known_format(view: memoryview) -> tuple[_Format, bytes, bytes] | None:
+    """A remembered format this value has, and the value's digest and token checksum."""
     with _FORMATS_LOCK:
         for key, fmt in _FORMATS.items():
             n = len(fmt.prefix)
             if _same_prefix(view, fmt):
                 _FORMATS.move_to_end(key)  # iteration ends here, so moving is safe
-                return fmt, (bytes(view[n - _DIGEST_TAIL:n - 5]) if fmt.masked else fmt.header["digest"])
+                if not fmt.masked:
+                    return fmt, fmt.header["digest"], fmt.header["token_checksum"]
+                return (fmt, bytes(view[n - _DIGEST_TAIL:n - 5]),
+                        bytes(view[n - _SUM_TAIL:n - _SUM_TAIL + _SUM_BYTES]))
     return None
 
 
@@ -382,6 +415,9 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
     digest = header.get("digest")
     if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
         raise CorruptBlockError("digest: missing or not a 32-byte chain digest", "key")
+    token_sum = header.get("token_checksum")
+    if not isinstance(token_sum, bytes) or len(token_sum) != _SUM_BYTES:
+        raise CorruptBlockError("token_checksum: missing or not 8 bytes")
     layer_specs = header.get("layers")
     if not isinstance(layer_specs, list) or not layer_specs:
         raise CorruptBlockError("layers: missing or empty")
@@ -392,31 +428,37 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
     described = sum(a[4] for layer in specs for a in layer)
     if described != length or not described:
         raise CorruptBlockError(f"payload: {length} bytes, layers describe {described}")
-    masked = (start >= _DIGEST_TAIL + 2 and list(header)[-1] == "digest"
+    masked = (start >= _SUM_TAIL + 2 and list(header)[-2:] == ["token_checksum", "digest"]
+              and bytes(view[start - _SUM_TAIL - 2:start - _SUM_TAIL]) == b"\xc4\x08"
+              and bytes(view[start - _SUM_TAIL:start - _SUM_TAIL + _SUM_BYTES]) == token_sum
               and bytes(view[start - _DIGEST_TAIL - 2:start - _DIGEST_TAIL]) == b"\xc4\x20"
               and bytes(view[start - _DIGEST_TAIL:start - 5]) == digest)
     layout = tuple(tuple((name, dtype, shape) for name, dtype, _, shape, _ in layer) for layer in specs)
     flat = [(a[1], a[3]) for layer in specs for a in layer]
-    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, masked, flat.count(flat[0]) == len(flat))
+    token_length = sum(a[4] for layer in specs for a in layer if is_token_array(a[0]))
+    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, token_length, masked,
+                  flat.count(flat[0]) == len(flat))
     _remember_format(fmt)
     return fmt
 
 
 def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
-                 digest: bytes) -> DecodedBlock:
+                 digest: bytes, state: bool = True) -> DecodedBlock:
     """Parse and validate a stored value; raise :class:`CorruptBlockError` saying why not.
 
     Checks the format version, fingerprint, token count, key binding (the header's digest
     is ``digest``, the chain digest its key names), dtypes and shapes against the payload
-    size, and the checksum. The returned arrays view ``value``.
+    size, and the checksums. The returned arrays view ``value``. With ``state=False``,
+    ``value`` may be just the first :func:`token_section_end` bytes (or a whole value): only
+    the token section is checked and returned (``layout`` still describes every array).
     """
     view = memoryview(value)
     known = _known_format(view)
     if known is None:
         fmt = _read_format(view, n_tokens)
-        stored_digest = fmt.header["digest"]
+        stored_digest, token_sum = fmt.header["digest"], fmt.header["token_checksum"]
     else:
-        fmt, stored_digest = known
+        fmt, stored_digest, token_sum = known
     header = fmt.header
     if header.get("fingerprint") != fingerprint:
         raise CorruptBlockError("fingerprint: block belongs to another model or layout", "fingerprint")
@@ -424,24 +466,34 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
         raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
     if stored_digest != digest:
         raise CorruptBlockError("key: a valid block of another key (its digest names another prefix)", "key")
-    start, length = fmt.payload_start, fmt.payload_length
-    end = start + length
-    if end + 9 != len(view) or view[end] != _UINT64:
+    start, end = fmt.payload_start, fmt.payload_start + fmt.payload_length
+    token_end = start + fmt.token_length
+    whole = end + 9 == len(view) and view[end] == _UINT64
+    if not whole and (state or len(view) != token_end):
         raise CorruptBlockError(f"value: {len(view)} bytes, payload says {end + 9} (truncated or padded)")
-    payload = view[start:end]
-    stored = int.from_bytes(view[end + 1:end + 9], "big")
-    if payload_checksum(payload) != stored:
-        raise CorruptBlockError("checksum: payload does not match", "checksum")
-    return DecodedBlock(n_tokens, _payload_arrays(np.frombuffer(payload, dtype=np.uint8), fmt), fmt.layout)
+    if payload_checksum(view[start:token_end]) != int.from_bytes(token_sum, "big"):
+        raise CorruptBlockError("checksum: token section does not match", "checksum")
+    if state and payload_checksum(view[token_end:end]) != int.from_bytes(view[end + 1:end + 9], "big"):
+        raise CorruptBlockError("checksum: state section does not match", "checksum")
+    data = np.frombuffer(view[start:end if state else token_end], dtype=np.uint8)
+    return DecodedBlock(n_tokens, _payload_arrays(data, fmt, state), fmt.layout)
 
 
-def _payload_arrays(data: np.ndarray, fmt: _Format) -> list[dict[str, RawArray]]:
-    """Per layer, views of its arrays in the payload bytes ``data``."""
-    specs = [a for layer in fmt.specs for a in layer]
-    _, dtype, bits_dtype, shape, _ = specs[0]
-    if fmt.uniform:  # the usual K/V block: one view, indexed per array
-        views = iter(data.view(bits_dtype).reshape((len(specs),) + shape))
-    else:
-        offsets = np.cumsum([0] + [size for *_, size in specs])
-        views = iter(data[offsets[i]:offsets[i + 1]].view(spec[2]).reshape(spec[3]) for i, spec in enumerate(specs))
-    return [{name: RawArray(dtype, next(views)) for name, dtype, *_ in layer} for layer in fmt.specs]
+def _payload_arrays(data: np.ndarray, fmt: _Format, state: bool = True) -> list[dict[str, RawArray]]:
+    """Per layer, views of its arrays in the payload bytes ``data`` (token section first, then,
+    with ``state``, the state section)."""
+    flat = [(i, spec) for i, layer in enumerate(fmt.specs) for spec in layer]
+    out: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
+    _, dtype, bits_dtype, shape, _ = flat[0][1]
+    if fmt.uniform and all(is_token_array(spec[0]) for _, spec in flat):  # a plain K/V block: one view
+        for (i, spec), view in zip(flat, data.view(bits_dtype).reshape((len(flat),) + shape)):
+            out[i][spec[0]] = RawArray(spec[1], view)
+        return out
+    ordered = [a for a in flat if is_token_array(a[1][0])] + ([a for a in flat if not is_token_array(a[1][0])]
+                                                              if state else [])
+    pos = 0
+    for i, (name, dtype, bits_dtype, shape, size) in ordered:
+        out[i][name] = RawArray(dtype, data[pos:pos + size].view(bits_dtype).reshape(shape))
+        pos += size
+    # Arrays of a layer in name order, as the header lists them.
+    return [{name: layer[name] for name in sorted(layer)} for layer in out]

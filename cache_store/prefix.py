@@ -2,7 +2,7 @@
 
 Each block's token arrays are copied once, straight into their place in destinations sized
 for the whole chain (no per-block copies joined later); state arrays are taken from the last
-block only. The destinations come from ``allocate``, so a caller that wants the prefix in
+block only, so the blocks before it may come without theirs (``decode_block(state=False)``). The destinations come from ``allocate``, so a caller that wants the prefix in
 another library's memory (``specprefill.kv_arrays.MlxDestinations``: mlx arrays) gets it
 there without a second copy.
 """
@@ -35,6 +35,7 @@ class PrefixAssembler:
         self._token_arrays: list[dict[str, np.ndarray]] | None = None
         self._first_layout: BlockLayout | None = None
         self._last: DecodedBlock | None = None
+        self._state: DecodedBlock | None = None  # the last block with its state arrays, if read
 
     @property
     def first_layout(self) -> BlockLayout | None:
@@ -55,17 +56,31 @@ class PrefixAssembler:
                 np.copyto(destination[:, :, span], layer[name].bits)
         if self._first_layout is None:
             self._first_layout = block.layout
-        self._last = block  # its state arrays are the prefix's (the one value kept)
+        self._last = block
+        self._state = block if _has_state(block) else None  # never an earlier block's state
         self.n_blocks += 1
+
+    @property
+    def needs_state(self) -> bool:
+        """True when the last block added came without the state arrays its layout has."""
+        return self._last is not None and self._state is None
+
+    def take_state(self, block: DecodedBlock) -> None:
+        """The state arrays of the last block added, from ``block``: that block read whole."""
+        if block.layout != self._last.layout or not _has_state(block):
+            raise ValueError("prefix: the state must come from the last block, read whole")
+        self._state = block
 
     def result(self) -> list[dict[str, RawArray]] | None:
         """Per layer its named arrays: token arrays of the blocks added, state arrays of the last
         (copied, so the stored value is not pinned); None if no block was added."""
         if self._last is None:
             return None
+        if self._state is None:
+            raise ValueError("prefix: the last block's state arrays were never read")
         n_tokens = self.n_blocks * self.block_size
         out = []
-        for destinations, layer in zip(self._token_arrays, self._last.layers):
+        for destinations, layer in zip(self._token_arrays, self._state.layers):
             arrays = {}
             for name, a in layer.items():
                 if name in destinations:
@@ -93,6 +108,12 @@ class PrefixAssembler:
             raise ValueError(f"allocate: expected a writable {DTYPES[dtype]} array of shape {shape}, got "
                              f"{out.dtype} {out.shape}")
         return out
+
+
+def _has_state(block: DecodedBlock) -> bool:
+    """Whether ``block`` holds every array its layout lists (a token-section read holds none of
+    the state arrays)."""
+    return all(name in arrays for layer, arrays in zip(block.layout, block.layers) for name, _, _ in layer)
 
 
 def _joined_shape(shape: Sequence[int], n_tokens: int) -> tuple[int, ...]:

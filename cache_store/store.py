@@ -20,13 +20,13 @@ import numpy as np
 import redis
 
 from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
-                    encode_block, is_token_array, layer_arrays)
+                    encode_block, is_token_array, layer_arrays, token_section_end)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, key_patterns, layout_key, models_key, stats_key)
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
 from .replies import as_int, as_text
-from .streamed_gets import streamed_gets
+from .streamed_gets import streamed_replies
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ def _expected_layer(i: int, entry: Any, block_size: int) -> tuple:
                          "(or [dtype, kv_heads, head_dim] for keys and values)") from None
 
 
+def _has_state(layout: BlockLayout) -> bool:
+    return any(not is_token_array(name) for layer in layout for name, _, _ in layer)
+
+
 class RedisBlockStore:
     """Stores and restores a model's per-layer arrays as content-addressed blocks in Redis.
 
@@ -107,6 +111,10 @@ class RedisBlockStore:
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(LOCAL_COUNTERS, 0)
         self._expected = None if layout is None else _block_layout(layout, self.block_size)
+        # Bytes of a block up to its token section's end, when a block also holds state (read
+        # whole only for a prefix's last block); None: blocks are read whole.
+        self._token_end = (token_section_end(self.fingerprint, self.block_size, self._expected)
+                           if self._expected is not None and _has_state(self._expected) else None)
 
     def block_keys(self, tokens) -> list[str]:
         """Redis keys of the full blocks of ``tokens``, in prompt order."""
@@ -139,6 +147,8 @@ class RedisBlockStore:
         prefix = PrefixAssembler(self.block_size, n_stored, allocate)
         corrupt: list[str] = []
         bytes_read = self._stream_into(prefix, keys[:n_stored], digests, corrupt)
+        if prefix.needs_state:  # the last stored block failed after the one before it was read in part
+            bytes_read += self._state_of_last(prefix, keys, digests, corrupt)
         layers = self._result(prefix)
         n_blocks = prefix.n_blocks if layers is not None else 0
         self._record_fetch(keys[:n_blocks], len(keys) - n_blocks, n_blocks * self.block_size, bytes_read, corrupt)
@@ -165,15 +175,22 @@ class RedisBlockStore:
 
     def _stream_into(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
                      corrupt: list[str]) -> int:
-        """GET ``keys`` a few at a time, adding each valid block to ``prefix`` until one is not;
-        returns bytes read."""
+        """Read ``keys`` a few at a time, adding each valid block to ``prefix`` until one is not;
+        returns bytes read. Only the last block's state is used, so with a layout that has state
+        arrays the blocks before it are read up to their token section's end (``GETRANGE``)."""
         n_read = 0
+        last = len(keys) - 1
+        commands = [("GET", key) if i == last or self._token_end is None
+                    else ("GETRANGE", key, 0, self._token_end - 1) for i, key in enumerate(keys)]
         try:
-            with closing(streamed_gets(self.client, keys)) as values:
-                for key, digest, value in zip(keys, digests, values):
+            with closing(streamed_replies(self.client, commands)) as values:
+                for i, (key, digest, value) in enumerate(zip(keys, digests, values)):
+                    whole = commands[i][0] == "GET"
+                    if value == b"" and not whole:  # GETRANGE of a key that is gone
+                        value = None
                     if value is not None and not isinstance(value, Exception):
                         n_read += len(value)
-                    if not self._take(key, digest, value, prefix, corrupt):
+                    if not self._take(key, digest, value, prefix, corrupt, state=whole):
                         break
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
@@ -181,8 +198,32 @@ class RedisBlockStore:
             log.warning("block store: fetch failed after %d blocks, using those: %s", prefix.n_blocks, exc)
         return n_read
 
-    def _take(self, key: str, digest: bytes, value: Any, prefix: PrefixAssembler, corrupt: list[str]) -> bool:
-        """Add the block in ``value`` to ``prefix`` if it is valid; False ends the prefix there."""
+    def _state_of_last(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
+                       corrupt: list[str]) -> int:
+        """Read the prefix's last block whole for its state arrays; returns bytes read. If that
+        fails, the prefix has no state and is a miss (never an earlier block's state)."""
+        i = prefix.n_blocks - 1
+        try:
+            value = self.client.get(keys[i])
+        except redis.RedisError as exc:
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: could not read the state of %s: %s", keys[i], exc)
+            return 0
+        if value is None:
+            return 0
+        try:
+            prefix.take_state(self._decode(value, digests[i], prefix))
+        except MemoryError:
+            self.local_counters["fetch_errors"] += 1
+        except Exception as exc:  # as in _take: a bad value is corrupt
+            log.warning("block store: deleting corrupt block %s: %s: %s", keys[i], type(exc).__name__, exc)
+            corrupt.append(keys[i])
+        return len(value)
+
+    def _take(self, key: str, digest: bytes, value: Any, prefix: PrefixAssembler, corrupt: list[str],
+              state: bool = True) -> bool:
+        """Add the block in ``value`` (with its state section or, ``state=False``, its token
+        section only) to ``prefix`` if it is valid; False ends the prefix there."""
         if value is None:  # gone since it was found (TTL, eviction)
             return False
         if isinstance(value, Exception):
@@ -190,7 +231,7 @@ class RedisBlockStore:
             log.warning("block store: GET %s failed, treating as a miss: %s", key, value)
             return False
         try:
-            block = self._decode(value, digest, prefix)
+            block = self._decode(value, digest, prefix, state)
         except MemoryError:  # this process's trouble, not the block's
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: out of memory decoding %s, treating as a miss", key)
@@ -208,10 +249,11 @@ class RedisBlockStore:
             return False
         return True
 
-    def _decode(self, value: bytes, digest: bytes, prefix: PrefixAssembler) -> DecodedBlock:
+    def _decode(self, value: bytes, digest: bytes, prefix: PrefixAssembler, state: bool = True) -> DecodedBlock:
         """The validated block in ``value`` bound to ``digest``, laid out as this model's (or,
         without a layout, the chain's first)."""
-        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest)
+        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest,
+                             state=state)
         if self._expected is None and prefix.first_layout is None:
             return block
         expected = self._expected if self._expected is not None else prefix.first_layout

@@ -1,4 +1,4 @@
-"""GET many large values over one connection, a few requests ahead of the reader.
+"""Read many large values over one connection, a few requests ahead of the reader.
 
 One pipeline of every GET makes Redis queue all the replies in its output buffer and the
 client hold them all before it can look at the first (64 one-MiB blocks: 64 MiB on both sides,
@@ -21,7 +21,15 @@ WINDOW = 4
 
 def streamed_gets(client: redis.Redis, keys: Sequence[str], window: int = WINDOW
                   ) -> Iterator[bytes | None | redis.ResponseError]:
-    """Each key's value in order (None if missing, the ``ResponseError`` if the GET failed).
+    """Each key's value in order (None if missing, the ``ResponseError`` if the GET failed);
+    see :func:`streamed_replies`."""
+    return streamed_replies(client, [("GET", key) for key in keys], window)
+
+
+def streamed_replies(client: redis.Redis, commands: Sequence[tuple], window: int = WINDOW
+                     ) -> Iterator[bytes | None | redis.ResponseError]:
+    """Each command's raw reply in order (``GET``, ``GETRANGE``...; a failed command's
+    ``ResponseError`` as its reply).
 
     The caller may stop early (break or close): the replies still in flight are read and
     dropped, so the connection goes back to the pool clean. A connection error raises
@@ -29,22 +37,22 @@ def streamed_gets(client: redis.Redis, keys: Sequence[str], window: int = WINDOW
     """
     if window < 1:
         raise ValueError(f"window: {window}; allowed >= 1")
-    if not keys:
+    if not commands:
         return
     pool, own = client.connection_pool, client.connection  # a single-connection client has its own
     conn = own or pool.get_connection()
     sent = received = 0
     try:
-        sent = min(window, len(keys))
-        conn.send_packed_command(conn.pack_commands([("GET", key) for key in keys[:sent]]))
-        while received < len(keys):
+        sent = min(window, len(commands))
+        conn.send_packed_command(conn.pack_commands(commands[:sent]))
+        while received < len(commands):
             try:
                 value = conn.read_response(disable_decoding=True)
-            except redis.ResponseError as exc:  # this key's error, the connection is fine
+            except redis.ResponseError as exc:  # this command's error, the connection is fine
                 value = exc
             received += 1
-            if sent < len(keys):  # ask for the next value before handing this one over
-                conn.send_packed_command(conn.pack_command("GET", keys[sent]))
+            if sent < len(commands):  # ask for the next value before handing this one over
+                conn.send_packed_command(conn.pack_command(*commands[sent]))
                 sent += 1
             yield value
     except GeneratorExit:

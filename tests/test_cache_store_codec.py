@@ -288,3 +288,58 @@ def test_parsed_header_cache_is_bounded_and_thread_safe():
         sys.setswitchinterval(switch)
     assert not errors, errors[:3]
     assert len(codec._FORMATS) <= codec._MAX_FORMATS
+
+
+def hybrid_layers(seed=7):
+    """Two layers: a recurrent one (state only) and an attention one (K/V), 8 tokens."""
+    rng = np.random.default_rng(seed)
+    u32 = lambda *shape: rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype("<u4")  # noqa: E731
+    return [{"state.0": ("float32", u32(1, 3, 40)), "state.1": ("float32", u32(1, 4, 8, 8))},
+            {"keys": ("float32", u32(1, 2, 8, 4)), "values": ("float32", u32(1, 2, 8, 4))}]
+
+
+def test_the_token_section_is_read_and_checked_alone():
+    from cache_store.codec import token_section_end
+
+    layers = hybrid_layers()
+    value = bytes(encode(8, layers))
+    full = decode_block(value, fingerprint=FP, n_tokens=8, digest=D)
+    end = token_section_end(FP, 8, full.layout)
+    assert end < len(value) - 3 * 40 * 4  # the state section (and checksum) left out
+    part = decode_block(value[:end], fingerprint=FP, n_tokens=8, digest=D, state=False)
+    assert part.layout == full.layout
+    assert part.layers == [{}, {"keys": part.layers[1]["keys"], "values": part.layers[1]["values"]}]
+    assert np.array_equal(part.layers[1]["keys"].bits, layers[1]["keys"][1])
+    assert decode_block(value, fingerprint=FP, n_tokens=8, digest=D, state=False).layers[0] == {}
+    for cut in (end - 1, end + 1):  # GETRANGE must return exactly the section
+        with pytest.raises(CorruptBlockError, match="truncated"):
+            decode_block(value[:cut], fingerprint=FP, n_tokens=8, digest=D, state=False)
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        decode_block(value[:end], fingerprint=FP, n_tokens=8, digest=D)
+
+
+def test_each_section_has_its_own_checksum():
+    from cache_store.codec import token_section_end
+
+    value = bytes(encode(8, hybrid_layers()))
+    end = token_section_end(FP, 8, decode_block(value, fingerprint=FP, n_tokens=8, digest=D).layout)
+    state_flipped = bytearray(value)
+    state_flipped[end + 3] ^= 0x01  # a bit of the state section
+    with pytest.raises(CorruptBlockError, match="state section") as info:
+        decode_block(bytes(state_flipped), fingerprint=FP, n_tokens=8, digest=D)
+    assert info.value.reason == "checksum"
+    # a reader of the token section alone does not see it (nor use it)
+    decode_block(bytes(state_flipped)[:end], fingerprint=FP, n_tokens=8, digest=D, state=False)
+    token_flipped = bytearray(value)
+    token_flipped[end - 3] ^= 0x01  # a bit of the last value array
+    for data, state in ((bytes(token_flipped), True), (bytes(token_flipped)[:end], False)):
+        with pytest.raises(CorruptBlockError, match="token section"):
+            decode_block(data, fingerprint=FP, n_tokens=8, digest=D, state=state)
+
+
+def test_version_2_is_refused_as_an_old_format():
+    from cache_store import OldFormatError
+
+    with pytest.raises(OldFormatError, match="earlier format"):
+        decode_block(repack(good_value(), lambda h, p, c: ({**h, "version": 2}, p, c)),
+                     fingerprint=FP, n_tokens=8, digest=D)

@@ -242,3 +242,54 @@ def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url)
     assert store.store(PROMPT, pinned()) == 0
     assert events[-1] == ("cache_store", {"blocks": 0, "skipped": "cache layer 0: RotatingKVCache with keep=4 "
                                                                "(tokens pinned at the start)"})
+
+
+def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
+    """Blocks before a prefix's last are read up to their token section's end (GETRANGE): the
+    recurrent state, most of a hybrid block, crosses the network once per fetch."""
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    raw = store.raw_store
+    keys = raw.block_keys(PROMPT)
+    assert len(keys) == 4 and raw._token_end is not None
+    before = raw.stats()["bytes_read"]
+    restored, n = store.fetch(PROMPT)
+    assert n == 64
+    assert raw.stats()["bytes_read"] - before == 3 * raw._token_end + client.strlen(keys[3])
+    assert raw._token_end < client.strlen(keys[0]) / 2  # most of a block is its state
+    cache = make_cache(model)
+    for start in range(0, 64, 16):
+        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for ours, theirs in zip(restored, cache):
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+
+
+def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis_url, monkeypatch):
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    keys = store.raw_store.block_keys(PROMPT)
+    value = bytearray(client.get(keys[3]))
+    value[-20] ^= 0x01  # in the state section: only a whole read sees it
+    client.set(keys[3], bytes(value))
+    restored, n = store.fetch(PROMPT)
+    assert n == 48 and not client.exists(keys[3]) and store.stats()["corrupt_blocks"] == 1
+    cache = make_cache(model)
+    for start in range(0, 48, 16):
+        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for ours, theirs in zip(restored, cache):  # block 3's state, read whole after the fact
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+    # If the one before cannot be read whole either, the fetch is a miss: never an earlier state.
+    value = bytearray(client.get(keys[2]))
+    value[-20] ^= 0x01
+    client.set(keys[2], bytes(value))
+    real_get = client.get
+    monkeypatch.setattr(client, "get", lambda key: None if key == keys[1] else real_get(key))
+    assert store.fetch(PROMPT) == (None, 0)
+    monkeypatch.undo()
+    assert store.fetch(PROMPT)[1] == 32
