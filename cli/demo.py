@@ -88,15 +88,21 @@ STOP_GRACE_S = 15.0  # an idle worker's warm shutdown
 INTERRUPT_GRACE_S = 1.5  # after Ctrl-C: cold shutdown, then SIGKILL, so the demo returns within 3 s
 
 
+# The name jobs use for the model a worker setting configures.
+ROLE_NAMES = {"SPECPREFILL_DRAFT_MODEL": "draft", "SPECPREFILL_TARGET_MODEL": "target"}
+
+
 class WorkerProcesses:
     """Worker subprocesses in their own sessions (so Ctrl-C reaches only us)."""
 
-    def __init__(self, url: str, n: int, models: list[str], log_dir: Path, namespace: str) -> None:
+    def __init__(self, url: str, n: int, models: dict[str, str], log_dir: Path, namespace: str) -> None:
+        """``models``: the workers' own settings for the models jobs name (``SPECPREFILL_DRAFT_MODEL``
+        ...); each is preloaded, and jobs name them ``draft`` / ``target`` (names, not paths)."""
         self.procs: list[subprocess.Popen] = []
         self.names = [f"demo-{os.getpid()}-{i}" for i in range(n)]
         self.logs = [log_dir / f"{name}.log" for name in self.names]
         env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
-        env.update(SPECPREFILL_NAMESPACE=namespace, PYTHONPATH=os.pathsep.join(
+        env.update(models, SPECPREFILL_NAMESPACE=namespace, PYTHONPATH=os.pathsep.join(
             [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         # Prefill the ~2K-token demo documents in several chunks so progress shows live.
         env.setdefault("SPECPREFILL_PREFILL_STEP", "256")
@@ -104,7 +110,7 @@ class WorkerProcesses:
             with open(log, "w") as log_file:  # the child keeps its own descriptor
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "worker", "--redis-url", url,
-                     *(a for m in models for a in ("--preload", m)),
+                     *(a for var in models for a in ("--preload", ROLE_NAMES[var])),
                      "--name", name, "--log-level", "WARNING"],
                     stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
                     start_new_session=True))
@@ -143,20 +149,20 @@ class WorkerProcesses:
                          for log in self.logs if log.exists())
 
 
-def _round_specs(client: Any, asked: list[DemoDoc], round_no: int, model: str,
-                 target: str | None) -> list[Any]:
-    """One job per document: a prefill job, or (with a target) a greedy generate job."""
-    if target is None:
-        return [dict(DEMO_OPTIONS, draft_model=model, text=d.prompt(round_no)) for d in asked]
-    return [client.generate_spec(**DEMO_OPTIONS, draft_model=model, target_model=target,
+def _round_specs(client: Any, asked: list[DemoDoc], round_no: int, answers: bool) -> list[Any]:
+    """One job per document: a prefill job, or (with a target) a greedy generate job. Jobs name
+    the workers' configured models (``draft``, ``target``), never a path on this machine."""
+    if not answers:
+        return [dict(DEMO_OPTIONS, draft_model="draft", text=d.prompt(round_no)) for d in asked]
+    return [client.generate_spec(**DEMO_OPTIONS, draft_model="draft", target_model="target",
                                  text=d.prompt(round_no), max_tokens=ANSWER_TOKENS, greedy=True)
             for d in asked]
 
 
-def _run_round(client: Any, docs: list[DemoDoc], round_no: int, model: str, target: str | None,
+def _run_round(client: Any, docs: list[DemoDoc], round_no: int, answers: bool,
                out: TextIO, timeout: float, job_ids: list[str]) -> dict[str, Any]:
     asked = [d for d in docs if round_no in d.questions]
-    specs = _round_specs(client, asked, round_no, model, target)
+    specs = _round_specs(client, asked, round_no, answers)
     print(f"\nround {round_no}: {len(specs)} documents, each with a new question", file=out)
     t0 = time.perf_counter()
     batch = client.submit_many(specs)
@@ -316,13 +322,14 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
         settings = settings.replace(redis_url=where.url, cache_redis_url="", namespace=where.namespace,
                                     queue_names=())
         conn = queue_connection(where.url, settings)
-        workers = WorkerProcesses(where.url, args.workers, [model] + ([target] if target else []), log_dir,
-                                  where.namespace)
+        models = {var: str(Path(m).resolve()) if Path(m).exists() else m  # the workers run in another folder
+                  for var, m in (("SPECPREFILL_DRAFT_MODEL", model), ("SPECPREFILL_TARGET_MODEL", target)) if m}
+        workers = WorkerProcesses(where.url, args.workers, models, log_dir, where.namespace)
         print(f"starting {args.workers} workers with {model} (logs in {log_dir}, removed at the end)",
               file=out, flush=True)
         workers.wait_ready(conn, timeout=180)
         client = Client(conn, settings)
-        rounds = [_run_round(client, docs, n, model, target, out, args.timeout, job_ids) for n in (1, 2)]
+        rounds = [_run_round(client, docs, n, target is not None, out, args.timeout, job_ids) for n in (1, 2)]
         _summary(rounds, out)
         status = 0 if all(r["failed"] == 0 for r in rounds) else 1
         return status

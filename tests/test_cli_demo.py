@@ -77,3 +77,22 @@ def test_finding10_ctrl_c_returns_within_3s_and_stops_everything(users_redis):
     assert not _port_open(port) and "interrupted" in out
     assert not os.path.exists(LOG_DIR.search(out).group(1))
     assert redis.Redis.from_url(users_redis.url).dbsize() == 0
+
+
+def test_demo_jobs_name_the_workers_models_not_paths():
+    """Named, not pathed: the demo's jobs ask for ``draft`` and ``target``, which its workers
+    resolve from their own settings (the paths go to the workers' environment only)."""
+    import fakeredis
+
+    from cli.demo import _round_specs, load_demo
+    from jobs.client import Client
+    from jobs.settings import Settings
+
+    client = Client(fakeredis.FakeRedis(), Settings())
+    docs = load_demo()[:2]
+    for answers in (True, False):
+        for spec in _round_specs(client, docs, 1, answers):
+            fields = spec if isinstance(spec, dict) else spec.__dict__
+            assert fields["draft_model"] == "draft"
+            assert fields.get("target_model", "target") == "target"
+            assert os.sep not in str(fields["draft_model"])
