@@ -149,7 +149,8 @@ class RedisBlockStore:
         bytes_read = self._stream_into(prefix, keys[:n_stored], digests, corrupt)
         if prefix.needs_state:  # the last stored block failed after the one before it was read in part
             bytes_read += self._state_of_last(prefix, keys, digests, corrupt)
-        layers = self._result(prefix)
+        # Without the last block's state there is no prefix (never an earlier block's state).
+        layers = None if prefix.needs_state else self._result(prefix)
         n_blocks = prefix.n_blocks if layers is not None else 0
         self._record_fetch(keys[:n_blocks], len(keys) - n_blocks, n_blocks * self.block_size, bytes_read, corrupt)
         return layers, n_blocks * self.block_size
