@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import closing
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import redis
@@ -210,21 +210,14 @@ class RedisBlockStore:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not read the state of %s: %s", keys[i], exc)
             return 0
-        if value is None:
-            return 0
-        try:
-            prefix.take_state(self._decode(value, digests[i], prefix))
-        except MemoryError:
-            self.local_counters["fetch_errors"] += 1
-        except Exception as exc:  # as in _take: a bad value is corrupt
-            log.warning("block store: deleting corrupt block %s: %s: %s", keys[i], type(exc).__name__, exc)
-            corrupt.append(keys[i])
-        return len(value)
+        self._take(keys[i], digests[i], value, prefix, corrupt, use=prefix.take_state)
+        return 0 if value is None else len(value)
 
     def _take(self, key: str, digest: bytes, value: Any, prefix: PrefixAssembler, corrupt: list[str],
-              state: bool = True) -> bool:
+              state: bool = True, use: Callable[[DecodedBlock], None] | None = None) -> bool:
         """Add the block in ``value`` (with its state section or, ``state=False``, its token
-        section only) to ``prefix`` if it is valid; False ends the prefix there."""
+        section only) to ``prefix`` (or hand it to ``use``) if it is valid; False ends the prefix
+        there."""
         if value is None:  # gone since it was found (TTL, eviction)
             return False
         if isinstance(value, Exception):
@@ -242,7 +235,7 @@ class RedisBlockStore:
             corrupt.append(key)
             return False
         try:
-            prefix.add(block)
+            (use or prefix.add)(block)
         except Exception as exc:  # the block is valid: the failure is this process's (memory, say)
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not copy %s here, the prefix ends before it: %s: %s",
