@@ -69,3 +69,25 @@ class MemoryBlockStore:
         decoded = [[{name: from_bytes(*r) for name, r in layer.items()} for layer in block] for block in found]
         cache = [assemble(meta, [block[i] for block in decoded], n) for i, meta in enumerate(self.metas)]
         return cache, n
+
+
+def same_arrays(a: dict, b: dict) -> bool:
+    """Same names, dtypes, shapes and values (bit for bit but NaN)."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def assert_warm_is_cold(warm: Any, cold: Any) -> None:
+    """A warm score (prefix restored) is the cold one: importance to 1e-5, the same selection,
+    the same cache arrays; lookahead tokens equal."""
+    from specprefill.attention.caches import layer_arrays
+    from specprefill.options import SelectionOptions
+    from specprefill.selection import plan_selection
+
+    assert warm.lookahead_tokens == cold.lookahead_tokens
+    np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
+    options = SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0)
+    assert (plan_selection(warm.importance, options=options).indices.tolist()
+            == plan_selection(cold.importance, options=options).indices.tolist())
+    for ours, theirs in zip(warm.kv_cache, cold.kv_cache):  # the warm cache is the cold one
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])

@@ -5,7 +5,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 import families as F
-from hybrid_blocks import MemoryBlockStore, from_bytes, to_bytes
+from hybrid_blocks import MemoryBlockStore, assert_warm_is_cold, from_bytes, same_arrays, to_bytes
 from specprefill.attention.caches import (
     BlockRecorder,
     assemble,
@@ -17,8 +17,6 @@ from specprefill.attention.caches import (
 )
 from specprefill.attention.probe import make_cache, profile_model
 from specprefill.attention.scoring import score_prompt
-from specprefill.options import SelectionOptions
-from specprefill.selection import plan_selection
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 WITH_ATTENTION = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]
@@ -33,11 +31,6 @@ def plain_cache(model, tokens, step=16, kv_bits=None):
     model(mx.array([tokens[-1:]]), cache=cache)
     mx.eval([c.state for c in cache])
     return cache
-
-
-def same_arrays(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and mx.array_equal(a[k], b[k]).item() for k in a)
 
 
 @pytest.mark.parametrize("name", WITH_ATTENTION)
@@ -120,13 +113,8 @@ def test_warm_equals_cold_through_blocks(name, block, step):
     restored, n = store.fetch(PROMPT)
     assert n == (len(PROMPT) - 1) // block * block > 0
     warm = score_prompt(model, PROMPT, profile, cache=restored, block_size=block, prefill_step=step, seed=2)
-    assert warm.cached_tokens == n and warm.lookahead_tokens == cold.lookahead_tokens
-    np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    plan = dict(options=SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0))
-    assert (plan_selection(warm.importance, **plan).indices.tolist()
-            == plan_selection(cold.importance, **plan).indices.tolist())
-    for ours, theirs in zip(warm.kv_cache, cold.kv_cache):  # the warm cache is the cold one
-        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+    assert warm.cached_tokens == n
+    assert_warm_is_cold(warm, cold)
 
 
 def test_quantized_blocks_hold_a_fifth_of_float32_and_restore_exactly():

@@ -8,14 +8,13 @@ import pytest
 import redis
 
 import families as F
+from hybrid_blocks import assert_warm_is_cold, same_arrays
 from cache_store import RedisBlockStore, model_fingerprint, verify_namespace
 from specprefill.attention.caches import BlockRecorder, layer_arrays
 from specprefill.attention.probe import make_cache, profile_model
 from specprefill.attention.scoring import score_prompt
 from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
-from specprefill.options import SelectionOptions
 from specprefill.reuse import score_prompt_with_cache
-from specprefill.selection import plan_selection
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 BLOCK = 16
@@ -31,24 +30,13 @@ def draft_cache(client, model, *, kv_bits=None, namespace="specprefill", layout=
     return BlockDraftCache(raw, fresh)
 
 
-def same_arrays(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and mx.array_equal(a[k], b[k]).item() for k in a)
-
-
 def warm_equals_cold(model, profile, store, prompt=PROMPT):
     cold = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
     assert cold.cached_tokens == 0
     warm = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
     n = (len(prompt) - 1) // BLOCK * BLOCK
     assert warm.cached_tokens == n > 0
-    assert warm.lookahead_tokens == cold.lookahead_tokens
-    np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    plan = dict(options=SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0))
-    assert (plan_selection(warm.importance, **plan).indices.tolist()
-            == plan_selection(cold.importance, **plan).indices.tolist())
-    for ours, theirs in zip(warm.kv_cache, cold.kv_cache):  # the warm cache is the cold one
-        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+    assert_warm_is_cold(warm, cold)
     return cold, warm
 
 
