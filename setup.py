@@ -4,15 +4,17 @@ there when no source checkout is around), so ``pip install`` + ``specprefill dem
 from any directory. Everything else is in pyproject.toml."""
 from setuptools import find_packages, setup
 
-CODE = ["specprefill*", "cache_store*", "jobs*", "worker*", "cli*", "server*"]
+# "specprefill*" also takes the command line (specprefill_cli) and the HTTP server (specprefill_server):
+# prefixed names, so installing the wheel never shadows another project's ``cli`` or ``server``.
+CODE = ["specprefill*", "cache_store*", "jobs*", "worker*"]
 
 # Data-only folders are listed as packages of their own (setuptools warns about importable
 # folders left out of ``packages``); the model folders' names are not importable, so they
 # travel as the data of ``specprefill_models``.
-DATA_PACKAGES = ["specprefill_models", "specprefill_models.demo", "server.static"]
+DATA_PACKAGES = ["specprefill_models", "specprefill_models.demo", "specprefill_server.web.static"]
 
 setup(
     packages=find_packages(include=CODE) + DATA_PACKAGES,
     package_dir={"specprefill_models": "models"},
-    package_data={"server.static": ["*"], "specprefill_models": ["*/*"], "specprefill_models.demo": ["*"]},
+    package_data={"specprefill_server.web.static": ["*"], "specprefill_models": ["*/*"], "specprefill_models.demo": ["*"]},
 )

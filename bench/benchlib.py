@@ -3,8 +3,8 @@
 Run a benchmark as a script (``python bench/ttft.py``): this folder is then first on
 ``sys.path``, so each script's first import is ``import benchlib``. Importing it moves
 this folder off the path (``bench/queue.py`` would otherwise shadow the standard
-library's ``queue``), puts the repository root and ``tests/`` (tiny model builders) on
-it, and loads the system OpenBLAS before anything imports mlx.
+library's ``queue``), puts the repository root on it (the tiny model builders are
+``tests.support``), and loads the system OpenBLAS before anything imports mlx.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [
+sys.path[:] = [str(ROOT)] + [
     p for p in sys.path if Path(p or ".").resolve() != HERE
 ]
 sys.modules.pop("queue", None)  # in case anything imported the shadowing module already

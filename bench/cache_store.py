@@ -46,7 +46,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from cache_store import RedisBlockStore, SelectionMemo, is_token_array  # noqa: E402
 from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum  # noqa: E402
 from cache_store.streamed_gets import streamed_gets  # noqa: E402
-from cli.embedded_redis import EmbeddedRedis  # noqa: E402
+from specprefill_cli.embedded_redis import EmbeddedRedis  # noqa: E402
 from specprefill.draft_cache import BlockDraftCache  # noqa: E402
 from specprefill.kv_arrays import block_layout, kv_arrays, to_mlx_many  # noqa: E402
 from specprefill.options import SelectionOptions  # noqa: E402

@@ -99,7 +99,7 @@ def one_round(client, target: str, texts: Texts, args, flip: bool) -> dict:
 def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from cli.embedded_redis import EmbeddedRedis
+    from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
     from jobs.settings import SHIPPED_MODELS, Settings
 

@@ -1,7 +1,7 @@
 """Family coverage table of the serving path: what the worker does with each mlx-lm family.
 
-For a tiny random instance of every family in ``tests/families.py`` (its own mlx-lm ``ModelArgs``),
-one row per family and dtype, with the checks of ``tests/family_coverage.py`` (the ones the
+For a tiny random instance of every family in ``tests/support/families.py`` (its own mlx-lm ``ModelArgs``),
+one row per family and dtype, with the checks of ``tests/support/family_coverage.py`` (the ones the
 worker runs: ``worker.models.draft_profiler`` / ``target_profiler``, ``specprefill.scoring``,
 the worker's block store, the generate pipeline's sparse session):
 
@@ -13,7 +13,7 @@ the worker's block store, the generate pipeline's sparse session):
 * ``target``: keep-all against a plain prefill and keep ≈ 0.5 against every kept token run at
   its true position, logits within 1e-5 (float32 rows only).
 * ``claimed``: whether every cell the project claims for the family (``family_coverage.claims``,
-  enforced by ``tests/test_family_coverage.py``) is ``ok``.
+  enforced by ``tests/specprefill/test_family_coverage.py``) is ``ok``.
 
     .venv/bin/python bench/families.py [--dtypes float32 bfloat16] [--only gemma2 ministral3]
 """
@@ -27,8 +27,8 @@ import logging  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
-import families as F  # noqa: E402
-import family_coverage as C  # noqa: E402
+import tests.support.families as F  # noqa: E402
+import tests.support.family_coverage as C  # noqa: E402
 
 COLUMNS = ["draft", "kv4", "store", "target"]
 

@@ -1,5 +1,5 @@
 """The HTTP front door's cost: a ~100 ms generate job through the OpenAI-compatible API
-(the ``openai`` SDK against ``python -m server``) vs the same job through the Python
+(the ``openai`` SDK against ``python -m specprefill_server``) vs the same job through the Python
 client, interleaved in one run against one worker on the shipped tiny models; and how
 long after the worker publishes a job's first text the first streamed chunk arrives.
 
@@ -108,11 +108,11 @@ def main() -> None:
     from openai import OpenAI
 
     from jobs.client import Client
-    from cli.embedded_redis import EmbeddedRedis, free_port
+    from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
     from jobs.progress import channel_name
     from jobs.settings import SHIPPED_MODELS, Settings
-    from server.convert import chat_fields
-    from server.openai_types import ChatCompletionRequest
+    from specprefill_server.convert import chat_fields
+    from specprefill_server.openai_types import ChatCompletionRequest
 
     draft, target = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
     vocab = sorted(w[1:] for w in json.loads((SHIPPED_MODELS / "draft-tiny" / "tokenizer.json").read_text())
@@ -125,7 +125,7 @@ def main() -> None:
                         "--preload", draft, "--preload", target], env_for(), tmp / "worker.log",
                        lambda: conn.exists("rq:worker:bench-http"))
         port = free_port()
-        api = start([sys.executable, "-m", "server", "--redis-url", server.url, "--port", str(port)],
+        api = start([sys.executable, "-m", "specprefill_server", "--redis-url", server.url, "--port", str(port)],
                     env_for(), tmp / "server.log", http_up(f"http://127.0.0.1:{port}"))
         try:
             settings = Settings.from_env(redis_url=server.url)

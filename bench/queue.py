@@ -26,7 +26,7 @@ def model_folder(tmp: Path) -> str:
     shipped = ROOT / "models" / "draft-tiny"
     if (shipped / "config.json").exists():
         return str(shipped)
-    from test_worker_e2e import save_random_model
+    from tests.support.model_folders import save_random_model
 
     return str(save_random_model(tmp / "draft-random"))
 
@@ -59,7 +59,7 @@ def main() -> None:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from cli.embedded_redis import EmbeddedRedis
+    from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
     from jobs.progress import ProgressPublisher
     from jobs.settings import Settings

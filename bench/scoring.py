@@ -141,7 +141,7 @@ def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
     import redis
 
     from cache_store import RedisBlockStore, model_fingerprint
-    from cli.embedded_redis import EmbeddedRedis
+    from specprefill_cli.embedded_redis import EmbeddedRedis
     from specprefill.attention.probe import make_cache, profile_model as probe_model
     from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
     from specprefill.options import SelectionOptions

@@ -5,7 +5,7 @@ preload_openblas()
 
 import pytest
 
-from cli.embedded_redis import EmbeddedRedis
+from specprefill_cli.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

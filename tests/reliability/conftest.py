@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from jobs.client import Client
-from cli.embedded_redis import EmbeddedRedis
+from specprefill_cli.embedded_redis import EmbeddedRedis
 from jobs.settings import Settings
-from worker_procs import WorkerProcess
+from tests.support.worker_procs import WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
@@ -24,7 +24,7 @@ ROOT = TESTS.parent
 # abandoned after 2 s, registries are swept every second.
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, maintenance_interval_s=1.0,
             retry_max=3, job_timeout_s=60)
-# The fake model's spec defaults (see tests/test_worker_tasks.py).
+# The fake model's spec defaults (see tests/support/fake_worker.py).
 FAKE = dict(draft_model="fake-draft", threshold=64, tail_tokens=16, chunk_size=8, keep=0.25)
 
 
@@ -108,7 +108,7 @@ def private_redis(tmp_path):
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny random-weight llama folder (vocabulary 512, word-level tokenizer)."""
-    from test_worker_e2e import save_random_model
+    from tests.support.model_folders import save_random_model
 
     return str(save_random_model(tmp_path_factory.mktemp("reliability-models") / "draft"))
 

@@ -16,9 +16,9 @@ from rq.results import Result
 
 from cache_store import FORMAT_VERSION, RedisBlockStore, decode_block
 from jobs.client import Client
-from cli.embedded_redis import free_port
+from specprefill_cli.embedded_redis import free_port
 from jobs.settings import Settings
-from reliability.conftest import real_settings
+from tests.reliability.conftest import real_settings
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 
@@ -106,7 +106,7 @@ def test_swapped_valid_block_and_memo_entry_are_rejected_counted_and_deleted(red
     prompt's key, is never used: the job runs as cold, the value is counted and deleted (its TTL
     is not renewed), and `cache verify` afterwards finds nothing left."""
     from cache_store import SelectionMemo
-    from cli.main import main
+    from specprefill_cli.main import main
 
     s = real_settings(model_dir)
     workers.real(redis_url, s, preload=model_dir)

@@ -14,7 +14,7 @@ from rq.serializers import JSONSerializer
 
 from jobs.client import JobFailed
 from jobs.spec import JobSpecError
-from reliability.conftest import client_for, fake_settings
+from tests.reliability.conftest import client_for, fake_settings
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 

@@ -13,9 +13,9 @@ from rq.serializers import JSONSerializer
 from jobs.client import JobFailed, JobLost
 from jobs.keys import stream_key
 from jobs.progress import parse_stream_events
-from reliability.conftest import client_for, fake_settings, read_jsonl
-from reliability.test_redis_restart import doc_tokens, finished_lines, run_batch_cli
-from worker_procs import wait_for
+from tests.reliability.conftest import client_for, fake_settings, read_jsonl
+from tests.reliability.test_redis_restart import doc_tokens, finished_lines, run_batch_cli
+from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,7 +8,7 @@ import redis
 
 from jobs.client import Client
 from jobs.settings import Settings
-from reliability.conftest import real_settings
+from tests.reliability.conftest import real_settings
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 

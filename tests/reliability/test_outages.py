@@ -21,8 +21,8 @@ from rq.serializers import JSONSerializer
 
 from jobs.keys import stream_key
 from jobs.progress import parse_stream_events
-from reliability.conftest import client_for, fake_settings
-from worker_procs import wait_for
+from tests.reliability.conftest import client_for, fake_settings
+from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import redis
 
-from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
-from worker_procs import wait_for
+from tests.reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
+from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 
@@ -25,7 +25,7 @@ def doc_tokens(i: int) -> list[int]:
 
 
 def run_batch_cli(url, docs, out, settings, timeout=120):
-    return subprocess.Popen([sys.executable, "-m", "cli", "batch", str(docs), "--out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "specprefill_cli", "batch", str(docs), "--out", str(out),
                              "--redis-url", url, "--json", "--timeout", str(timeout)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=env_for(settings))

@@ -10,9 +10,9 @@ import pytest
 import redis
 
 from jobs.client import Client
-from cli.embedded_redis import free_port
+from specprefill_cli.embedded_redis import free_port
 from jobs.settings import Settings
-from reliability.conftest import real_settings
+from tests.reliability.conftest import real_settings
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 

@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from jobs.client import Client
 from jobs.settings import Settings
-from reliability.conftest import real_settings
+from tests.reliability.conftest import real_settings
 
 N_SHORT, N_LONG, BURSTS = 1000, 20, 20
 SHORT_TOKENS, LONG_TOKENS = 600, 8000

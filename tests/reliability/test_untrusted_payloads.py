@@ -9,8 +9,8 @@ import pytest
 import redis
 from rq import Queue
 
-from reliability.conftest import client_for, fake_settings
-from worker_procs import wait_for
+from tests.reliability.conftest import client_for, fake_settings
+from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 

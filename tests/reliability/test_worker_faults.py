@@ -13,8 +13,8 @@ import redis
 from rq.job import Job
 
 from jobs.client import JobFailed
-from reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
-from worker_procs import wait_for
+from tests.reliability.conftest import ROOT, client_for, env_for, fake_settings, read_jsonl
+from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded
 
@@ -57,7 +57,7 @@ def test_batch_of_50_with_a_worker_killed_twice_gives_each_document_once(redis_u
     docs.write_text("".join(json.dumps({"id": f"doc{i}", "tokens": [2 + (i + 7 * j) % 250 for j in range(298)]}) + "\n"
                             for i in range(50)))
     out = tmp_path / "out.jsonl"
-    cli = subprocess.Popen([sys.executable, "-m", "cli", "batch", str(docs), "--out", str(out),
+    cli = subprocess.Popen([sys.executable, "-m", "specprefill_cli", "batch", str(docs), "--out", str(out),
                             "--redis-url", redis_url, "--json", "--timeout", "120"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                            env=env_for(s))

@@ -1,4 +1,4 @@
-"""A real RQ worker process running the fake scoring backend of tests/test_worker_tasks.py.
+"""A real RQ worker process running the fake scoring backend of tests/support/fake_worker.py.
 
 ``python tests/reliability/worker_harness.py URL NAME CHUNK_DELAY_S`` with ``SPECPREFILL_*``
 settings in the environment. The fake scorer sleeps ``CHUNK_DELAY_S`` per 16-token chunk
@@ -46,7 +46,7 @@ def main() -> None:
     import redis
 
     from jobs.settings import Settings
-    from test_worker_tasks import FakeModel, FakeTokenizer, fake_backend
+    from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
     from worker.models import ModelPool, model_identity
     from worker.rq_worker import run_worker
     from worker.runtime import WorkerRuntime

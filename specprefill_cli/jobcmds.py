@@ -1,0 +1,171 @@
+"""``specprefill status | result | cancel | list``: one job by its id, or a whole batch by
+its ``--out`` file (the job ids its ``.jobs`` file lists)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from specprefill_cli.display import describe
+from specprefill_cli.options import CliError, SharedOptions, add_timeout_option, cli_holder, connect, result_json
+from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
+from specprefill_cli.waiting import timed_out
+from jobs.deadline import Deadline
+from jobs.settings import Settings
+
+TERMINAL = ("finished", "failed", "stopped", "canceled")
+
+
+def targets(client: Any, target: str) -> list[tuple[str | None, str]]:
+    """``(document id or None, job id)`` for a job id or a batch's ``--out`` file."""
+    from specprefill_cli.batch import batch_jobs
+
+    path = Path(target)
+    if path.is_file():
+        jobs = batch_jobs(path)
+        if not jobs:
+            raise CliError(f"{target}: lists no jobs (not a batch --out file?)")
+        return jobs
+    if client.handle(target).status() == "missing":
+        raise CliError(f"no such job: {target} (never submitted, or its result expired; "
+                       "a batch is named by its --out file)")
+    return [(None, target)]
+
+
+def _client(args: argparse.Namespace, settings: Settings) -> Any:
+    from jobs.client import Client
+
+    return Client(connect(args, settings), settings)
+
+
+def run_status(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.inspect import job_statuses
+
+    client = _client(args, settings)
+    jobs = targets(client, args.target)
+    ids = [jid for _, jid in jobs]
+    statuses, lasts = job_statuses(client.connection, ids), _last_events(client, ids)
+    rows = [{"id": doc, "job_id": jid, "status": statuses[jid], "last": lasts.get(jid)} for doc, jid in jobs]
+    if args.json:
+        print(json.dumps(rows if len(rows) > 1 or rows[0]["id"] else rows[0]))
+        return DONE
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        print(f"{r['id'] + '  ' if r['id'] else ''}{r['job_id']}  {r['status']}"
+              + (f"  ({r['last']})" if r["last"] and r["status"] not in TERMINAL else ""))
+    if len(rows) > 1:
+        print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return DONE
+
+
+def _last_events(client: Any, job_ids: list[str]) -> dict[str, str]:
+    """Each job's last progress event in words, read in one round trip."""
+    from jobs.keys import stream_key
+    from jobs.progress import ProgressEvent
+
+    with client.connection.pipeline(transaction=False) as pipe:
+        for jid in job_ids:
+            pipe.xrevrange(stream_key(client.settings.namespace, jid), count=1)
+        replies = pipe.execute()
+    return {jid: describe(ProgressEvent.from_entry(entries[0][1]))
+            for jid, entries in zip(job_ids, replies) if entries}
+
+
+def run_result(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.client import JobFailed
+
+    client = _client(args, settings)
+    statuses = set()
+    deadline = Deadline(args.timeout if args.wait else 0)
+    for doc, jid in targets(client, args.target):
+        rec: dict[str, Any] = {"id": doc} if doc else {}
+        try:
+            rec.update(result_json(client.handle(jid).result(timeout=deadline.left())))
+        except JobFailed as exc:
+            status, message = exc_failure(exc)
+            statuses.add(status)
+            rec.update(job_id=jid, status=exc.status, error=message)
+        except TimeoutError:
+            if args.wait:
+                raise timed_out(client, jid, args.timeout) from None
+            if doc is None:
+                raise CliError(f"job {jid} is still {client.handle(jid).status()}: no result yet "
+                               "(--wait waits for it)") from None
+            rec.update(job_id=jid, status=client.handle(jid).status())
+        print(json.dumps(rec))
+    return JOB_FAILED if JOB_FAILED in statuses else BAD_INPUT if BAD_INPUT in statuses else DONE
+
+
+def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
+    client = _client(args, settings)
+    asked = 0
+    for doc, jid in targets(client, args.target):
+        h = client.handle(jid, holder=cli_holder())
+        before = h.status()
+        if before in TERMINAL:
+            continue
+        h.cancel(force=args.force)
+        asked += 1
+        after, others = h.status(), h.holders()
+        note = (f" (held by {others} other submitter(s): it runs for them; --force stops it "
+                "for everyone)" if after == before and others else "")
+        print(f"{doc + '  ' if doc else ''}{jid}: was {before}, now {after}{note}")
+    if not asked:
+        print("nothing to cancel: every job has already ended")
+    return DONE
+
+
+def run_list(args: argparse.Namespace, settings: Settings) -> int:
+    from jobs.inspect import jobs_by_state, listening_workers
+
+    client = _client(args, settings)
+    queue = args.queue or client.queue.name
+    if args.target:
+        return run_status(args, settings)
+    by_state = jobs_by_state(client.connection, queue, limit=args.limit)
+    workers = listening_workers(client.connection, queue)
+    if args.json:
+        print(json.dumps({"queue": queue, "workers": workers, "jobs": by_state}))
+        return DONE
+    print(f"queue {queue}: {len(workers)} workers" + (f" ({', '.join(workers)})" if workers else ""))
+    for state, ids in by_state.items():
+        print(f"{state} ({len(ids)}{'+' if len(ids) >= args.limit else ''})")
+        for jid in ids:
+            print(f"  {jid}")
+    return DONE
+
+
+def register(sub: Any, shared: SharedOptions) -> None:
+    target_help = "a job id, or a batch's --out file (every job of that batch)"
+    p = sub.add_parser("status", parents=[shared.common], help="a job's or a batch's status",
+                       description="Print the status of a job, or of every job of a batch.")
+    p.add_argument("target", help=target_help)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser("result", parents=[shared.common], help="a job's or a batch's results",
+                       description="Print results as JSON lines; exit status 1 if a job failed, "
+                                   "2 if it was refused for its input.")
+    p.add_argument("target", help=target_help)
+    p.add_argument("--wait", action="store_true", help="wait for jobs that have not ended yet")
+    add_timeout_option(p)
+    p.set_defaults(func=run_result)
+
+    p = sub.add_parser("cancel", parents=[shared.common], help="cancel a job or a whole batch",
+                       description="Cancel queued jobs and stop running ones; ended jobs are left alone.")
+    p.add_argument("target", help=target_help)
+    p.add_argument("--force", action="store_true",
+                   help="stop the jobs even where other submitters share them (default: a shared "
+                        "job runs on until its last submitter cancels)")
+    p.set_defaults(func=run_cancel)
+
+    p = sub.add_parser("list", parents=[shared.common], help="the jobs of a queue or a batch",
+                       description="List a queue's jobs by state and its workers, or a batch's jobs.")
+    p.add_argument("target", nargs="?", help="a batch's --out file (default: the queue's jobs)")
+    p.add_argument("--queue", help=f"the queue to list (default: {shared.settings.queues[0]})")
+    p.add_argument("--limit", type=int, default=20, help="jobs shown per state")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_list)
+

@@ -1,0 +1,101 @@
+"""``POST /v1/chat/completions`` and ``POST /v1/completions``: one generate job each,
+answered as JSON or streamed as server-sent events in OpenAI's chunk format."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+import redis
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jobs.client import JobFailed, JobHandle, StreamDiverged
+from jobs.results import GenerateResult
+from specprefill_server.convert import ChunkMaker, endpoint
+from specprefill_server.errors import APIError, from_job_failure, redis_down
+from specprefill_server.openai_types import parse
+from specprefill_server.runner import ClientGone
+from specprefill_server.state import ServerState, read_json, state
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+JOB_HEADER = "x-specprefill-job-id"  # which job answered (for the web page and the logs)
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _failure(exc: Exception) -> APIError:
+    if isinstance(exc, JobFailed):
+        return from_job_failure(exc.status, exc.error)
+    if isinstance(exc, StreamDiverged):
+        return APIError(500, str(exc), type="server_error", code="stream_diverged")
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return redis_down(exc)
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _answer(request, "/v1/chat/completions")
+
+
+async def completions(request: Request) -> Response:
+    return await _answer(request, "/v1/completions")
+
+
+async def _answer(request: Request, url: str) -> Response:
+    svc = state(request)
+    started = time.perf_counter()
+    model_cls, fields_of, respond = endpoint(url)
+    req = parse(model_cls, await read_json(request))
+    spec = svc.client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
+    handle = await svc.runner.submit(spec)
+    created = int(time.time())
+    if req.stream:
+        maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=handle.id,
+                           model=req.model, created=created)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(svc, handle, maker, include_usage, url, started)
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, JOB_HEADER: handle.id})
+    try:
+        result = await svc.runner.result(handle, request)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the job was canceled
+    except (JobFailed, StreamDiverged) as exc:
+        raise _failure(exc) from None
+    svc.metrics.answered(url, result, started)
+    return JSONResponse(respond(result, model=req.model, created=created), headers={JOB_HEADER: handle.id})
+
+
+async def _stream(svc: ServerState, handle: JobHandle, maker: ChunkMaker, include_usage: bool,
+                  url: str, started: float) -> AsyncIterator[str]:
+    """The SSE body: role chunk, a chunk per text delta as it is published, the finish chunk
+    (with ``specprefill``), the usage chunk if asked, ``[DONE]``. A job failure after the
+    headers went out is an ``error`` event. A client that goes away cancels the job."""
+    ended = False
+    try:
+        first = maker.first()
+        if first is not None:
+            yield sse(first)
+        sent_text = False
+        async for delta in svc.runner.stream_text(handle):
+            if not sent_text:
+                svc.metrics.first_chunk.observe(time.perf_counter() - started)
+                sent_text = True
+            yield sse(maker.text(delta))
+        result: GenerateResult = await svc.runner.call(handle.result, 30)
+        ended = True
+        svc.metrics.answered(url, result, started)
+        yield sse(maker.last(result))
+        if include_usage:
+            yield sse(maker.usage(result))
+        yield "data: [DONE]\n\n"
+    except (JobFailed, StreamDiverged, redis.ConnectionError, redis.TimeoutError) as exc:
+        ended = True  # the job is over (or unreachable): nothing to cancel
+        yield sse(_failure(exc).body())
+    finally:
+        if not ended:  # the client disconnected (the stream was canceled) mid-answer
+            svc.runner.cancel(handle)

@@ -1,0 +1,190 @@
+"""Pure conversions between OpenAI's API objects and this service's jobs and results.
+
+A request becomes the keyword arguments of :meth:`jobs.client.Client.generate_spec` (the
+service's own validation then names any bad field); a :class:`GenerateResult` becomes a
+chat completion, a completion, or their stream chunks. Used by the HTTP handlers, the
+Batch API and the offline ``specprefill batch --openai``.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from jobs.results import GenerateResult
+from specprefill_server.errors import APIError, bad_request
+from specprefill_server.openai_types import SPECPREFILL_FIELDS, ChatCompletionRequest, CompletionRequest
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# Phases before the first token, in the order they run (GenerateResult.timings keys), for
+# results of workers that do not report ``ttft_phases`` themselves.
+TTFT_PHASES = ("load_models", "tokenize", "draft_scoring", "selection", "target_prefill")
+
+
+def _text_content(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: expected a string or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are "
+                              "supported", f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages as the spec's ``{role, content}`` pairs; anything the chat template
+    could not be given (names, tool calls, images) is refused by its field."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise bad_request(f"{where}.{extra[0]}: not supported (messages carry role and content)",
+                              f"{where}.{extra[0]}")
+        if "content" not in m or m["content"] is None:
+            raise bad_request(f"{where}.content: missing", f"{where}.content")
+        out.append({"role": m.get("role"), "content": _text_content(m["content"], f"{where}.content")})
+    return out
+
+
+def _common_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    fields: dict[str, Any] = {name: getattr(req, name) for name in SPECPREFILL_FIELDS}
+    fields.update(target_model=req.model, temperature=req.temperature, top_p=req.top_p,
+                  seed=req.seed, stop=req.stop)
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:
+    """``Client.generate_spec`` arguments for a chat completion request."""
+    fields = _common_fields(req)
+    fields["messages"] = chat_messages(req.messages)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    if req.tools and req.tool_choice != "none":
+        fields["tools"] = req.tools
+    if req.chat_template_kwargs:
+        fields["template_args"] = req.chat_template_kwargs
+    return fields
+
+
+def completion_fields(req: CompletionRequest) -> dict[str, Any]:
+    """``Client.generate_spec`` arguments for a completion request (one prompt)."""
+    fields = _common_fields(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_request(f"prompt: {len(prompt)} prompts; one per request (use the Batch API "
+                              "for many)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        fields["text"] = prompt
+    else:
+        fields["tokens"] = prompt
+    if req.max_tokens is not None:
+        fields["max_tokens"] = req.max_tokens
+    return fields
+
+
+def usage(result: GenerateResult) -> dict[str, int]:
+    return {"prompt_tokens": result.total, "completion_tokens": result.generated_tokens,
+            "total_tokens": result.total + result.generated_tokens}
+
+
+def specprefill_info(result: GenerateResult) -> dict[str, Any]:
+    """What SpecPrefill did for this answer: kept share, block-store tokens, TTFT by phase."""
+    return {
+        "job_id": result.job_id,
+        "kept_ratio": round(result.ratio, 6),
+        "kept_tokens": result.kept,
+        "prompt_tokens": result.total,
+        "cached_tokens": result.cached_tokens,
+        "memo_hit": result.memo_hit,
+        "protected_prefix": result.protected_prefix,
+        "full_prefill": result.full_prefill,
+        "reason": result.reason,
+        "keep_effect": result.keep_effect,  # why more was kept than keep asked for, if it was
+        "fallback": result.fallback,
+        "target_tokens": dict(result.target_tokens),
+        "ttft_s": result.ttft_s,
+        "ttft_phases_s": dict(result.ttft_phases) or {p: result.timings[p] for p in TTFT_PHASES
+                                                      if p in result.timings},
+        "draft_phases_s": dict(result.draft_timings),
+    }
+
+
+def completion_id(job_id: str, prefix: str = "chatcmpl") -> str:
+    """A response id tied to the job (the same job answers with the same id)."""
+    return f"{prefix}-{job_id.rsplit('-', 1)[-1][:24]}"
+
+
+def chat_completion(result: GenerateResult, *, model: str, created: int) -> dict[str, Any]:
+    return {
+        "id": completion_id(result.job_id), "object": "chat.completion", "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                     "logprobs": None, "finish_reason": FINISH_REASONS[result.finish_reason]}],
+        "usage": usage(result), "specprefill": specprefill_info(result),
+    }
+
+
+def text_completion(result: GenerateResult, *, model: str, created: int) -> dict[str, Any]:
+    return {
+        "id": completion_id(result.job_id, "cmpl"), "object": "text_completion", "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                     "finish_reason": FINISH_REASONS[result.finish_reason]}],
+        "usage": usage(result), "specprefill": specprefill_info(result),
+    }
+
+
+class ChunkMaker:
+    """Stream chunks of one answer (chat or text completion), all with the same id."""
+
+    def __init__(self, *, chat: bool, job_id: str, model: str, created: int) -> None:
+        self.chat, self.model, self.created = chat, model, created
+        self.id = completion_id(job_id, "chatcmpl" if chat else "cmpl")
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def first(self) -> dict[str, Any] | None:
+        """The role chunk chat streams open with (text completions have none)."""
+        return self._chunk([self._choice("", None, role=True)]) if self.chat else None
+
+    def text(self, delta: str) -> dict[str, Any]:
+        return self._chunk([self._choice(delta, None)])
+
+    def last(self, result: GenerateResult) -> dict[str, Any]:
+        """The finish chunk; it also carries the ``specprefill`` object."""
+        finish = FINISH_REASONS[result.finish_reason]
+        choice = self._choice(None if self.chat else "", finish)
+        return self._chunk([choice], specprefill=specprefill_info(result))
+
+    def usage(self, result: GenerateResult) -> dict[str, Any]:
+        """The ``stream_options.include_usage`` chunk: no choices, the usage."""
+        return self._chunk([], usage=usage(result))
+
+
+ENDPOINTS = {"/v1/chat/completions": (ChatCompletionRequest, chat_fields, chat_completion),
+             "/v1/completions": (CompletionRequest, completion_fields, text_completion)}
+
+
+def endpoint(url: str) -> tuple:
+    """(request model, fields function, response function) for an endpoint URL."""
+    if url not in ENDPOINTS:
+        raise APIError(400, f"url: {url!r:.80} is not one of {', '.join(ENDPOINTS)}", param="url")
+    return ENDPOINTS[url]

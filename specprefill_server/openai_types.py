@@ -1,0 +1,171 @@
+"""The OpenAI request bodies this server accepts (pydantic models), and how a validation
+error becomes a 400 naming the field.
+
+Standard fields keep OpenAI's names and types. Fields OpenAI has but this service cannot
+honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties), so a
+request is answered as asked or refused. SpecPrefill options are extra body fields
+(``extra_body={"keep": 0.2}`` in the SDK); any other unknown field is refused by name.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specprefill_server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class SpecPrefillOptions(BaseModel):
+    """The SpecPrefill knobs a request may set (unset: the deployment's settings)."""
+
+    model_config = ConfigDict(extra="forbid")
+    draft_model: str | None = None
+    keep: float | None = None
+    threshold: int | None = None
+    tail_tokens: int | None = None
+    chunk_size: int | None = None
+    n_lookahead: int | None = None
+    pool_kernel: int | None = None
+    include_last_query: bool | None = None
+    full_prefill: bool | None = None
+    greedy: bool | None = None
+
+
+SPECPREFILL_FIELDS = tuple(SpecPrefillOptions.model_fields)
+
+
+class _Sampling(SpecPrefillOptions):
+    model: str = Field(min_length=1, max_length=1024)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # metadata only
+
+    @model_validator(mode="after")
+    def _neutral_only(self) -> "_Sampling":
+        for name, neutral in (("n", 1), ("presence_penalty", 0), ("frequency_penalty", 0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValueError(f"{name}: only {neutral} is supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        return self
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    # Keyword arguments of the chat template (vLLM's and SGLang's name), e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _chat_neutral_only(self) -> "ChatCompletionRequest":
+        if self.logprobs or self.top_logprobs:
+            raise ValueError("logprobs: not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+        if self.store:
+            raise ValueError("store: stored completions are not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_completion_tokens: differs from max_tokens (give one)")
+        return self
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions`` (one prompt: a string, or token ids)."""
+
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_neutral_only(self) -> "CompletionRequest":
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.logprobs:
+            raise ValueError("logprobs: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: only 1 is supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        return self
+
+
+class BatchCreateRequest(BaseModel):
+    """``POST /v1/batches``."""
+
+    model_config = ConfigDict(extra="forbid")
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Literal["24h"] = "24h"
+    metadata: dict[str, str] | None = None
+
+
+# Names pydantic puts in an error's location for the member of a union it tried.
+_UNION_TAGS = ("str", "int", "float", "bool", "none")
+_UNION_TAG_PREFIXES = ("list[", "dict[", "tuple[", "function-")
+
+
+def _loc(loc: tuple) -> str:
+    """A field path as a request names it: ``messages[0].content``."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 0 or not (part in _UNION_TAGS or str(part).startswith(_UNION_TAG_PREFIXES)):
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem of a pydantic error as a 400 naming its field."""
+    err = exc.errors()[0]
+    field = _loc(tuple(err.get("loc", ())))
+    msg = err.get("msg", "invalid")
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"{field}: unknown field", param=field)
+    if err.get("type") == "value_error":  # our own checks say "field: reason"
+        text = str(err.get("ctx", {}).get("error", msg))
+        name = text.split(":", 1)[0] if ":" in text else field or None
+        return APIError(400, text, param=name)
+    return APIError(400, f"{field or 'body'}: {msg}", param=field or None)
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """Validate a JSON body into ``model`` or raise a 400 :class:`APIError`."""
+    if not isinstance(body, dict):
+        raise APIError(400, "body: expected a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None

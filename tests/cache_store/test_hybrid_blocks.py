@@ -1,0 +1,283 @@
+"""The Redis block store for every cache type: hybrid families (recurrent state per block end),
+quantized KV (packed/scales/biases as they are), sliding windows; warm = cold through a real
+Redis, with the layout check and the key binding covering the new parts."""
+import mlx.core as mx
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+import tests.support.families as F
+from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
+from cache_store import RedisBlockStore, model_fingerprint, verify_namespace
+from specprefill.attention.caches import BlockRecorder, layer_arrays
+from specprefill.attention.probe import make_cache, profile_model
+from specprefill.attention.scoring import score_prompt
+from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
+from specprefill.reuse import score_prompt_with_cache
+
+PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
+BLOCK = 16
+SCORE = dict(prefill_step=48, seed=2)
+HYBRIDS = F.names("hybrid")
+
+
+def draft_cache(client, model, *, kv_bits=None, namespace="specprefill", layout=True, identity="tiny"):
+    fresh = lambda: make_cache(model, kv_bits, 32)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), identity, block_size=BLOCK)
+    raw = RedisBlockStore(client, fp, namespace=namespace, block_size=BLOCK,
+                          layout=block_layout_of(model, fresh) if layout else None)
+    return BlockDraftCache(raw, fresh)
+
+
+def warm_equals_cold(model, profile, store, prompt=PROMPT):
+    cold = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
+    assert cold.cached_tokens == 0
+    warm = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
+    n = (len(prompt) - 1) // BLOCK * BLOCK
+    assert warm.cached_tokens == n > 0
+    assert_warm_is_cold(warm, cold)
+    return cold, warm
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_warm_equals_cold_through_redis(redis_url, name):
+    model = F.build(name, seed=5)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    assert store.recorder() is not None  # recurrent state must be kept per block end
+    warm_equals_cold(model, profile_model(model), store)
+    stats = store.stats()
+    assert stats["blocks_written"] == len(PROMPT) // BLOCK and stats["hit_blocks"] == 4
+    assert stats["corrupt_blocks"] == 0 and stats["unsupported_stores"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5", "falcon_h1"])
+def test_quantized_kv_warm_equals_cold_and_blocks_are_about_a_quarter(redis_url, name):
+    model = F.build(name, seed=3, **F.for_kv_quantization(name))
+    client = redis.Redis.from_url(redis_url)
+    sizes = {}
+    for bits in (None, 4):
+        store = draft_cache(client, model, kv_bits=bits, namespace=f"q{bits}")
+        warm_equals_cold(model, profile_model(model, kv_bits=bits, kv_group_size=32), store)
+        keys = store.raw_store.block_keys(PROMPT)
+        sizes[bits] = sum(len(msgpack.unpackb(client.get(k))[1]) for k in keys)  # payload bytes
+        if bits:
+            header = msgpack.unpackb(client.get(keys[0]))[0]
+            names = {a[0]: a[1] for layer in header["layers"] for a in layer}
+            assert names["keys.packed" if name == "llama" else next(n for n in names if "packed" in n)] == "uint32"
+    if name == "llama":  # K/V only: 4-bit values plus a float32 scale and bias per 32 = 0.1875 of float32
+        assert sizes[4] / sizes[None] == pytest.approx(24 / 128)
+    else:  # recurrent state is not quantized: the K/V part still shrinks
+        assert sizes[4] < sizes[None]
+
+
+def test_sliding_window_layers_hit_the_store(redis_url):
+    for name in ("gemma3_text", "gpt_oss"):
+        model = F.build(name, seed=5)
+        store = draft_cache(redis.Redis.from_url(redis_url), model, namespace=name)
+        warm_equals_cold(model, profile_model(model), store, PROMPT + PROMPT[:30])
+
+
+def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
+    """A stored block of qwen3_5: per layer the block's K/V, and the recurrent state exactly as
+    a plain prefill of the block's prefix leaves it."""
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    layers, n = store.raw_store.fetch(PROMPT[:33])
+    assert n == 32
+    cache = make_cache(model)
+    model(mx.array([PROMPT[:16]]), cache=cache)
+    model(mx.array([PROMPT[16:32]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    restored, _ = store.fetch(PROMPT[:33])
+    for ours, theirs in zip(restored, cache):
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+    assert sorted(layers[0]) == ["state.0", "state.1"] and layers[0]["state.0"].bits.shape[0] == 1
+    assert sorted(layers[3]) == ["keys", "values"] and layers[3]["keys"].bits.shape[2] == 32
+
+
+def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_url):
+    model = F.build("falcon_h1", seed=2)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    profile = profile_model(model)
+    cold = score_prompt_with_cache(model, PROMPT, profile, store, **SCORE)
+    keys = store.raw_store.block_keys(PROMPT)
+    client.set(keys[2], client.get(keys[1]))  # a valid block, of another key
+    warm = score_prompt_with_cache(model, PROMPT, profile, store, **SCORE)
+    assert warm.cached_tokens == 2 * BLOCK and store.stats()["corrupt_blocks"] == 1
+    np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
+    # Damage the recurrent state of one block and the layout of another: verify finds both.
+    value = bytearray(client.get(keys[0]))
+    value[-20] ^= 1  # the payload's last array is the last layer's state
+    client.set(keys[0], bytes(value))
+    other = draft_cache(client, F.build("falcon_h1", seed=2, mamba_d_conv=3), layout=False)
+    other.raw_store.fingerprint = store.raw_store.fingerprint  # a writer bug: another layout, same name
+    other.raw_store._stats_key = store.raw_store._stats_key
+    recorder = other.recorder()
+    other_model = F.build("falcon_h1", seed=2, mamba_d_conv=3)
+    result = score_prompt(other_model, PROMPT, profile_model(other_model), block_size=BLOCK, on_step=recorder,
+                          **SCORE)
+    client.delete(keys[3])
+    assert other.store(PROMPT, result.kv_cache, recorder) == 1
+    report = verify_namespace(client, "specprefill")
+    assert report.bad_blocks == {"checksum": 1, "layout": 1} and report.removed == 2
+
+
+def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
+    model = F.build("lfm2", seed=1)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+    result = score_prompt(model, PROMPT, profile_model(model), **SCORE)
+    assert store.store(PROMPT, result.kv_cache) == 0
+    assert store.stats()["unsupported_stores"] == 1 and "recorder" in store.unsupported_reason
+
+
+def test_recorder_interface_is_the_prototype_one():
+    """The on_step hook the store asks for is the scorer's BlockRecorder (fam's integration seam)."""
+    model = F.build("nemotron_h", seed=1)
+    store = BlockDraftCache(type("Raw", (), {"block_size": BLOCK})(), lambda: make_cache(model))
+    assert isinstance(store.recorder(), BlockRecorder) and store.recorder().block_size == BLOCK
+    dense = F.build("llama", seed=1)
+    assert BlockDraftCache(type("Raw", (), {"block_size": BLOCK})(), lambda: make_cache(dense)).recorder() is None
+
+
+@pytest.mark.parametrize("name, kv_bits", [("qwen3_5", None), ("llama", 4)])
+def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, kv_bits):
+    """worker.runtime's block store for a loaded draft: the model's own cache types and KV bits."""
+    from types import SimpleNamespace
+
+    from jobs.settings import Settings
+    from worker.runtime import _block_store
+
+    model = F.build(name, seed=4, **(F.for_kv_quantization(name) if kv_bits else {}))
+    fresh = lambda: make_cache(model, kv_bits, 32)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), "wired", block_size=BLOCK)
+    loaded = SimpleNamespace(fingerprint=fp, identity="tiny:" + name, name="draft", profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
+    store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
+    warm_equals_cold(model, profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)
+
+
+def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
+    """recorder(tokens) holds one block at a time: each is in Redis before the prefill goes on."""
+    model = F.build("granitemoehybrid", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    keys = store.raw_store.block_keys(PROMPT)
+    recorder = store.recorder(PROMPT)
+    seen = []
+    sink = recorder.sink
+
+
+    def spy(end, layers):
+        written = sink(end, layers)
+        seen.append(sum(client.exists(k) for k in keys))
+        return written
+
+    recorder.sink = spy
+    result = score_prompt(model, PROMPT, profile_model(model), block_size=BLOCK, on_step=recorder, **SCORE)
+    assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
+    assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
+    warm = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    assert warm.cached_tokens == 64
+    np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "nemotron_h"])
+def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
+    """specprefill.reuse's restore check (the worker's score_with_cache path) reads the length from
+    the KV layers: recurrent layers hold state, not an offset."""
+    from types import SimpleNamespace
+
+    from specprefill.profile import cache_layout
+    from specprefill.reuse import _restore
+
+    model = F.build(name, seed=3)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
+    assert restored is not None and len(restored) == len(make_cache(model))
+
+
+def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
+    model = F.build("lfm2", seed=2)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+
+    def broken(*_):
+        raise MemoryError("no room for the block here")
+
+    monkeypatch.setattr(store.raw_store, "store_blocks", broken)
+    cold = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
+    monkeypatch.undo()
+    assert store.fetch(PROMPT) == (None, 0)
+
+
+def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from worker.reporting import ReportingDraftCache
+
+    events = []
+    reporter = type("Reporter", (), {"publish": lambda self, kind, **f: events.append((kind, f))})()
+    model = F.build("llama", seed=1)
+    raw = RedisBlockStore(redis.Redis.from_url(redis_url), "ab" * 32, block_size=BLOCK)
+    pinned = lambda: [RotatingKVCache(max_size=32, keep=4) for _ in make_cache(model)]  # noqa: E731
+    store = ReportingDraftCache(BlockDraftCache(raw, pinned), reporter)
+    assert store.recorder(PROMPT) is None and store.fetch(PROMPT) == (None, 0)
+    assert store.store(PROMPT, pinned()) == 0
+    assert events[-1] == ("cache_store", {"blocks": 0, "skipped": "cache layer 0: RotatingKVCache with keep=4 "
+                                                               "(tokens pinned at the start)"})
+
+
+def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
+    """Blocks before a prefix's last are read up to their token section's end (GETRANGE): the
+    recurrent state, most of a hybrid block, crosses the network once per fetch."""
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    raw = store.raw_store
+    keys = raw.block_keys(PROMPT)
+    assert len(keys) == 4 and raw._token_end is not None
+    before = raw.stats()["bytes_read"]
+    restored, n = store.fetch(PROMPT)
+    assert n == 64
+    assert raw.stats()["bytes_read"] - before == 3 * raw._token_end + client.strlen(keys[3])
+    assert raw._token_end < client.strlen(keys[0]) / 2  # most of a block is its state
+    cache = make_cache(model)
+    for start in range(0, 64, 16):
+        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for ours, theirs in zip(restored, cache):
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+
+
+def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis_url, monkeypatch):
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model)
+    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    keys = store.raw_store.block_keys(PROMPT)
+    value = bytearray(client.get(keys[3]))
+    value[-20] ^= 0x01  # in the state section: only a whole read sees it
+    client.set(keys[3], bytes(value))
+    restored, n = store.fetch(PROMPT)
+    assert n == 48 and not client.exists(keys[3]) and store.stats()["corrupt_blocks"] == 1
+    cache = make_cache(model)
+    for start in range(0, 48, 16):
+        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    for ours, theirs in zip(restored, cache):  # block 3's state, read whole after the fact
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
+    # If the one before cannot be read whole either, the fetch is a miss: never an earlier state.
+    value = bytearray(client.get(keys[2]))
+    value[-20] ^= 0x01
+    client.set(keys[2], bytes(value))
+    real_get = client.get
+    monkeypatch.setattr(client, "get", lambda key: None if key == keys[1] else real_get(key))
+    assert store.fetch(PROMPT) == (None, 0)
+    monkeypatch.undo()
+    assert store.fetch(PROMPT)[1] == 32

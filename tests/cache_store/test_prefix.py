@@ -1,0 +1,105 @@
+"""How a fetch builds a prefix: each block copied once into destinations sized by one probe, in
+numpy or straight into mlx memory; a block gone after the probe trims the prefix; a bad
+allocator or a failed copy is a miss, never an error; nothing returned pins a stored value."""
+import fakeredis
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from cache_store import RedisBlockStore
+from cache_store.codec import DTYPES
+from tests.support.kv_blocks import fingerprint, prefilled, raw_bits, same_bits
+from specprefill.kv_arrays import MlxDestinations, kv_arrays
+from tests.support.tiny_models import make_model
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def stored():
+    model = make_model("llama", seed=3)
+    tokens = [int(t) for t in np.random.default_rng(4).integers(0, 256, 5 * BS + 1)]
+    cache, _ = prefilled(model, tokens)
+    return fingerprint(model, "tiny", block_size=BS), tokens, cache
+
+
+@pytest.fixture
+def store(stored):
+    fp, tokens, cache = stored
+    s = RedisBlockStore(fakeredis.FakeRedis(), fp, block_size=BS)
+    assert s.store(tokens, kv_arrays(cache)) == 5
+    return s
+
+
+def assert_layers_are(layers, cache, n_tokens):
+    assert len(layers) == len(cache)
+    for layer, c in zip(layers, cache):
+        for name, original in (("keys", c.keys), ("values", c.values)):
+            raw = layer[name]
+            assert raw.bits.shape[2] == n_tokens and raw.bits.flags.c_contiguous
+            np.testing.assert_array_equal(raw.bits, raw_bits(original[:, :, :n_tokens])[1])
+
+
+def test_default_destinations_own_their_memory(store, stored):
+    _, tokens, cache = stored
+    layers, n = store.fetch(tokens)
+    assert n == 5 * BS
+    assert_layers_are(layers, cache, n)
+    for layer in layers:  # new arrays: the stored values (bytes) are not kept alive
+        for raw in layer.values():
+            owner = raw.bits if raw.bits.base is None else raw.bits.base
+            assert isinstance(owner, np.ndarray) and owner.flags.owndata
+
+
+def test_a_block_gone_after_the_probe_trims_the_prefix(store, stored, monkeypatch):
+    _, tokens, cache = stored
+    keys = store.block_keys(tokens[:-1])
+    real_run = store._stored_run
+
+    def probe_then_lose_one(ks):
+        n = real_run(ks)
+        store.client.delete(keys[3])  # expires between the probe and its GET
+        return n
+
+    monkeypatch.setattr(store, "_stored_run", probe_then_lose_one)
+    sizes = []
+    layers, n = store.fetch(tokens, allocate=lambda dtype, shape: sizes.append(shape) or np.empty(shape, DTYPES[dtype]))
+    assert n == 3 * BS
+    assert_layers_are(layers, cache, n)
+    assert {s[2] for s in sizes} == {5 * BS, 3 * BS}  # sized by the probe, then trimmed once
+    assert store.stats()["hit_blocks"] == 3 and store.stats()["missed_blocks"] == 2
+
+
+@pytest.mark.parametrize("allocate", [
+    lambda dtype, shape: np.empty(shape, np.float64),
+    lambda dtype, shape: np.empty((1,), DTYPES[dtype]),
+    lambda dtype, shape: np.broadcast_to(np.empty(1, DTYPES[dtype]), shape),  # read-only
+    lambda dtype, shape: (_ for _ in ()).throw(MemoryError("no room here")),
+], ids=["dtype", "shape", "read-only", "memory"])
+def test_a_destination_that_does_not_fit_is_a_miss(store, stored, allocate):
+    _, tokens, _ = stored
+    assert store.fetch(tokens, allocate=allocate) == (None, 0)
+    assert store.local_counters["fetch_errors"] == 1
+    assert store.fetch(tokens)[1] == 5 * BS  # the blocks are still there
+
+
+def test_mlx_destinations_hold_the_bits_without_a_copy():
+    destinations = MlxDestinations()
+    view = destinations("bfloat16", (1, 2, 4, 8))
+    assert view.dtype == np.uint16 and view.flags.writeable
+    source = mx.random.normal((1, 2, 4, 8)).astype(mx.bfloat16)
+    np.copyto(view, raw_bits(source)[1])
+    foreign = raw_bits(source)  # not made by this allocator: copied in
+    restored, copied = destinations.to_mlx_many([("bfloat16", view), foreign])
+    assert restored.dtype == mx.bfloat16 and same_bits(restored, source) and same_bits(copied, source)
+    view[0, 0, 0, 0] ^= 0xFFFF  # the restored array is that memory
+    assert not same_bits(restored, source)
+
+
+def test_a_fetch_into_mlx_equals_a_fetch_into_numpy(store, stored):
+    _, tokens, cache = stored
+    destinations = MlxDestinations()
+    layers, n = store.fetch(tokens, allocate=destinations)
+    arrays = destinations.to_mlx_many([layer[name] for layer in layers for name in ("keys", "values")])
+    expected = [a[:, :, :n] for c in cache for a in (c.keys, c.values)]
+    assert all(same_bits(a, e) for a, e in zip(arrays, expected))

@@ -1,0 +1,141 @@
+"""The HTTP stack the HTTP API tests share: a private Redis, one real worker on the shipped
+tiny models (with its metrics port), and real uvicorn servers (``python -m specprefill_server``).
+
+``stack`` is the main server (API keys on, selection on for short prompts); ``idle`` is a
+second server on a namespace no worker serves, so its jobs wait in the queue (for the
+queue-depth limit and disconnect tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
+from jobs.settings import SHIPPED_MODELS
+from tests.support.worker_procs import WorkerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "http"
+DRAFT, TARGET = "draft", "target"  # the worker's default models, by name (preloaded by name too)
+API_KEY = "test-key-1"
+# Short prompts get a real selection: no admission threshold, a small tail.
+SELECTION = {"threshold": "0", "tail_tokens": "32", "keep": "0.25"}
+
+
+def clean_env(**settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_") and k != "REDIS_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update({f"SPECPREFILL_{k.upper()}": v for k, v in settings.items()})
+    return env
+
+
+def words(n: int, seed: int) -> str:
+    """``n`` words of the shipped vocabulary in a seeded random order (no repeated passages)."""
+    vocab = json.loads((SHIPPED_MODELS / "draft-tiny" / "tokenizer.json").read_text())["model"]["vocab"]
+    # Space-led whole words of the byte-level BPE: one token each after a space.
+    plain = sorted(w[1:] for w in vocab if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower())
+    rng = random.Random(seed)
+    return " ".join(rng.choice(plain) for _ in range(n))
+
+
+@dataclass
+class Server:
+    """``python -m specprefill_server`` on a free port; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
+
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    @classmethod
+    def start(cls, redis_url: str, log: Path, **settings: str) -> "Server":
+        port = free_port()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "specprefill_server", "--redis-url", redis_url,
+                                     "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
+                                    env=clean_env(**settings), cwd=ROOT)
+        server = cls(proc, f"http://127.0.0.1:{port}", log)
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"server exited:\n{log.read_text()}"
+            try:
+                urllib.request.urlopen(server.url + "/healthz", timeout=1).read()
+                return server
+            except OSError:
+                assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()}"
+                time.sleep(0.1)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    server: Server
+    worker: WorkerProcess
+    worker_metrics_url: str
+    settings: dict
+
+    @property
+    def base(self) -> str:
+        return self.server.url + "/v1"
+
+
+@pytest.fixture(scope="session")
+def http_redis():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def stack(http_redis, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("http-stack")
+    metrics_port = free_port()
+    name = f"http-worker-{os.getpid()}"
+    worker = WorkerProcess(
+        [sys.executable, "-m", "worker", "--redis-url", http_redis.url, "--name", name,
+         "--preload", DRAFT, "--preload", TARGET],
+        clean_env(worker_metrics_port=str(metrics_port)), name, http_redis.url,
+        logs / "worker.log", ready_timeout=90, stop_grace_s=10)
+    settings = dict(SELECTION, api_keys=API_KEY, batch_poll_s="0.2")
+    try:
+        server = Server.start(http_redis.url, logs / "server.log", **settings)
+    except BaseException:
+        worker.stop()
+        raise
+    stack = Stack(http_redis.url, server, worker, f"http://127.0.0.1:{metrics_port}/metrics", settings)
+    yield stack
+    stack.server.stop()  # a test may have replaced the server (restarts)
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def idle(http_redis, tmp_path_factory):
+    """A server whose queue no worker reads, refusing new jobs once one waits (and uploads
+    over 4 KiB)."""
+    server = Server.start(http_redis.url, tmp_path_factory.mktemp("http-idle") / "server.log",
+                          namespace="idle", max_queue_depth="1", max_upload_bytes="4096", **SELECTION)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def openai_client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0, timeout=120)

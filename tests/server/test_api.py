@@ -1,0 +1,227 @@
+"""The OpenAI-compatible API through the official ``openai`` SDK against a real uvicorn
+server, a real Redis and a real worker on the shipped tiny models."""
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+
+import pytest
+import redis
+from openai import APIError, AuthenticationError, BadRequestError, NotFoundError, OpenAI, RateLimitError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from tests.server.conftest import API_KEY, TARGET, words
+from tests.support.worker_procs import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def chat(client: OpenAI, text: str, **kw):
+    return client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": text}], **kw)
+
+
+def test_models_lists_what_the_worker_serves(openai_client):
+    ids = {m.id for m in openai_client.models.list()}
+    assert TARGET in ids
+    assert {m.id: m for m in openai_client.models.list()}[TARGET].model_extra["specprefill"]["loaded_on"] == 1
+
+
+def test_chat_completion_usage_and_specprefill(openai_client, stack):
+    r = chat(openai_client, words(600, seed=1), max_tokens=6, seed=3, extra_body={"keep": 0.2})
+    assert r.object == "chat.completion" and r.model == TARGET
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 600
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    sp = r.model_extra["specprefill"]
+    assert 0 < sp["kept_ratio"] < 0.5  # keep 0.2 plus the 32-token tail, not the whole prompt
+    assert sp["kept_tokens"] == round(sp["kept_ratio"] * sp["prompt_tokens"])
+    assert set(sp["ttft_phases_s"]) >= {"draft_scoring", "target_prefill"} and sp["ttft_s"] > 0
+    # the job carries the request's options
+    job = Job.fetch(sp["job_id"], connection=redis.Redis.from_url(stack.redis_url), serializer=JSONSerializer)
+    payload = job.args[0]
+    assert payload["keep"] == 0.2 and payload["extra"]["max_tokens"] == 6 and payload["extra"]["seed"] == 3
+
+
+def test_streamed_text_equals_the_non_streamed_text(openai_client, stack):
+    text, kw = words(500, seed=2), dict(max_tokens=24, seed=11, temperature=0.9)
+    chunks = list(chat(openai_client, text, stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].model_extra["specprefill"]["job_id"]
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    job_id = finish[0].model_extra["specprefill"]["job_id"]
+    # Drop the job so the same request runs again (an identical request would share it).
+    Job.fetch(job_id, connection=redis.Redis.from_url(stack.redis_url), serializer=JSONSerializer).delete()
+    again = chat(openai_client, text, **kw)
+    assert again.model_extra["specprefill"]["job_id"] == job_id
+    assert streamed and again.choices[0].message.content == streamed
+    assert chunks[-1].usage.completion_tokens == again.usage.completion_tokens
+
+
+def test_completions_text_and_token_prompts(openai_client):
+    r = openai_client.completions.create(model=TARGET, prompt=words(300, seed=4), max_tokens=5, seed=1)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 5
+    t = openai_client.completions.create(model=TARGET, prompt=list(range(10, 300)), max_tokens=3, seed=1)
+    assert t.usage.prompt_tokens == 290
+    streamed = "".join(c.choices[0].text for c in openai_client.completions.create(
+        model=TARGET, prompt=list(range(10, 300)), max_tokens=3, seed=1, stream=True))
+    assert streamed == t.choices[0].text
+
+
+def test_stop_and_tools_pass_through(openai_client, stack):
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    r = chat(openai_client, words(200, seed=5), max_tokens=4, stop=["zzz"], tools=tools)
+    job = Job.fetch(r.model_extra["specprefill"]["job_id"], connection=redis.Redis.from_url(stack.redis_url),
+                    serializer=JSONSerializer)
+    assert job.args[0]["extra"]["stop"] == ["zzz"] and job.args[0]["tools"] == tools
+
+
+def test_bad_requests_name_the_field(openai_client):
+    cases = [({"extra_body": {"keep": 1.5}}, "keep"), ({"extra_body": {"kepp": 0.2}}, "kepp"),
+             ({"n": 2}, "n"), ({"max_tokens": 10 ** 6}, "max_tokens")]
+    for kw, param in cases:
+        with pytest.raises(BadRequestError) as err:
+            chat(openai_client, "vibo zupo", **kw)
+        assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
+        assert err.value.body["message"].startswith(param)
+    with pytest.raises(BadRequestError) as err:  # the worker finds the model missing: named too
+        openai_client.chat.completions.create(model="/no/such/model", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "model" and "model" in err.value.body["message"]
+    with pytest.raises(BadRequestError) as err:
+        openai_client.chat.completions.create(model=TARGET, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert err.value.body["param"] == "messages[0].content[0]"
+
+
+def test_unauthorized_and_not_found(stack, openai_client):
+    bad = OpenAI(base_url=stack.base, api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError) as err:
+        bad.models.list()
+    assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    with pytest.raises(NotFoundError):
+        openai_client.batches.retrieve("batch_nope")
+    with pytest.raises(NotFoundError):
+        openai_client.files.content("file-nope")
+
+
+def _raw(url: str, method: str, path: str, body: dict | None = None, key: str | None = API_KEY,
+         timeout: float = 30) -> http.client.HTTPConnection:
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+    return conn
+
+
+def _queued(redis_url: str, namespace: str) -> list[str]:
+    return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
+
+
+def _status(redis_url: str, job_id: str) -> str | None:
+    s = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "status")
+    return s.decode() if s else None
+
+
+def test_queue_full_429_and_disconnect_cancels(idle, stack):
+    """No worker reads ``idle``'s queue: a request's job waits there. A client that gives
+    up cancels it; while one waits, the depth limit (1) answers 429."""
+    body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=6)}],
+            "max_tokens": 2, "stream": True}
+    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    job_id = resp.getheader("x-specprefill-job-id")
+    assert _queued(stack.redis_url, "idle") == [job_id]
+    client = OpenAI(base_url=idle.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(RateLimitError) as err:
+        chat(client, words(50, seed=7), max_tokens=2)
+    assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
+    conn.close()  # the streaming client leaves
+    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="streamed job canceled")
+    # a non-streaming client that leaves cancels its job too
+    conn = _raw(idle.url, "POST", "/v1/chat/completions", {**body, "stream": False}, key=None)
+    wait_for(lambda: _queued(stack.redis_url, "idle"), 10, what="job queued")
+    job_id = _queued(stack.redis_url, "idle")[0]
+    conn.close()
+    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
+
+
+def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis):
+    """The server's cancel on disconnect follows the client's rule: another submitter of
+    the same work still holds the job, so the leaving request does not stop it."""
+    from jobs import holders
+    from jobs.settings import Settings
+
+    body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=8)}],
+            "max_tokens": 2, "stream": True}
+    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    resp = conn.getresponse()
+    job_id = resp.getheader("x-specprefill-job-id")
+    assert resp.status == 200 and _status(http_redis.url, job_id) == "queued"
+    r, settings = redis.Redis.from_url(http_redis.url), Settings(namespace="idle")
+    assert holders.join(r, settings, {job_id: ["another-submitter"]}) == set()
+    conn.close()  # the HTTP client leaves; the other submitter does not
+    wait_for(lambda: holders.holder_count(r, settings, job_id) == 1, 10, what="the request's hold released")
+    assert _status(http_redis.url, job_id) == "queued"
+    from jobs.client import Client
+
+    last = Client(r, settings).handle(job_id, holder="another-submitter")
+    assert last.cancel() == "canceled" and _queued(http_redis.url, "idle") == []  # the last one lets go
+
+
+def test_redis_down_is_503(tmp_path):
+    from specprefill_cli.embedded_redis import EmbeddedRedis
+    from tests.server.conftest import Server
+
+    own = EmbeddedRedis().start()
+    server = Server.start(own.url, tmp_path / "server.log", redis_retries="0")
+    try:
+        own.stop()
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(APIError) as err:
+            chat(client, "vibo zupo", max_tokens=2)
+        assert err.value.status_code == 503 and err.value.body["code"] == "redis_unavailable"
+    finally:
+        server.stop()
+        own.stop()
+
+
+def test_metrics_after_a_job(openai_client, stack):
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    chat(openai_client, words(400, seed=8), max_tokens=3)
+
+    def scrape(url: str) -> dict[str, list]:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    server = scrape(stack.server.url + "/metrics")
+    answered = [s for s in server["specprefill_http_requests"]
+                if s.labels.get("route") == "/v1/chat/completions" and s.labels["status"] == "200"]
+    assert answered and answered[0].value >= 1
+    assert [s.value for s in server["specprefill_redis_up"]] == [1]
+    assert any(s.labels == {"queue": "specprefill"} for s in server["specprefill_queue_depth"])
+    finished = [s.value for s in server["specprefill_jobs"] if s.labels["status"] == "finished"
+                and s.labels["queue"] == "specprefill"]
+    assert finished and finished[0] >= 1
+    assert any(s.value >= 1 for s in server["specprefill_block_store_lookups"])
+    assert [s.value for s in server["specprefill_http_ttft_seconds"] if s.name.endswith("_count")][0] >= 1
+    assert any(s.value > 0 for s in server["specprefill_rq_worker_busy_seconds"])
+
+    worker = wait_for(lambda: scrape(stack.worker_metrics_url), 10, what="worker metrics")
+    jobs = {(s.labels["kind"], s.labels["status"]): s.value for s in worker["specprefill_worker_jobs"]
+            if s.name.endswith("_total")}
+    assert jobs.get(("generate", "finished"), 0) >= 1
+    assert [s.value for s in worker["specprefill_worker_ttft_seconds"] if s.name.endswith("_count")][0] >= 1
+    assert [s.value for s in worker["specprefill_worker_draft_tokens_prefilled"]
+            if s.name.endswith("_total")][0] > 0
+    assert [s.value for s in worker["specprefill_worker_target_tokens_prefilled"]
+            if s.name.endswith("_total")][0] > 0
+    assert [s.value for s in worker["specprefill_worker_busy_seconds"] if s.name.endswith("_total")][0] > 0

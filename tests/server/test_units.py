@@ -1,0 +1,196 @@
+"""The server's pure parts: request conversion, batch lines, errors, the job view's
+segments and bands, the importance SVG (no server, no Redis)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.results import GenerateResult
+from jobs.settings import Settings
+from jobs.spec import JobSpecError, build_spec
+from specprefill_server.batch.lines import plan_lines, result_lines
+from specprefill_server.convert import ChunkMaker, chat_fields, chat_messages, completion_fields
+from specprefill_server.errors import APIError, from_job_failure, from_spec_error
+from specprefill_server.web.jobview import bands, segments
+from specprefill_server.openai_types import ChatCompletionRequest, CompletionRequest, parse
+from specprefill_server.web.svg import _bins, importance_svg
+
+
+def generate_spec(**fields):
+    extra = {k: fields.pop(k) for k in ("target_model", "max_tokens", "temperature", "top_p", "seed",
+                                        "stop", "tools", "greedy", "full_prefill") if k in fields}
+    return build_spec(Settings(), kind="generate", extra=extra, **fields)
+
+
+def result(**kw) -> GenerateResult:
+    base = dict(job_id="generate-abc", text="hi", finish_reason="eos", token_ids=[5, 6], ttft_s=0.1,
+                kept=40, total=100, kept_ranges=[(0, 40)], timings={"draft_scoring": 0.01, "decode": 0.2})
+    return GenerateResult(**{**base, **kw})
+
+
+def test_chat_request_maps_to_generate_fields():
+    req = parse(ChatCompletionRequest, {
+        "model": "target", "messages": [{"role": "system", "content": "s"},
+                                        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}],
+        "max_completion_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
+        "tools": [{"type": "function", "function": {"name": "f"}}], "user": "u"})
+    fields = chat_fields(req)
+    assert fields == {"target_model": "target", "messages": [{"role": "system", "content": "s"},
+                                                             {"role": "user", "content": "ab"}],
+                      "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
+                      "tools": [{"type": "function", "function": {"name": "f"}}]}
+    spec = generate_spec(**fields)
+    kwargs = chat_fields(parse(ChatCompletionRequest, {
+        "model": "t", "messages": [{"role": "user", "content": "a"}],
+        "chat_template_kwargs": {"enable_thinking": False}}))
+    assert kwargs["template_args"] == {"enable_thinking": False}
+    assert spec.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
+
+
+def test_unsupported_request_fields_are_refused_by_name():
+    for body, param in [({"n": 3}, "n"), ({"logprobs": True}, "logprobs"), ({"kepp": 1}, "kepp"),
+                        ({"presence_penalty": 0.5}, "presence_penalty"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"temperature": "warm"}, "temperature"), ({"stream": 5}, "stream")]:
+        with pytest.raises(APIError) as err:
+            parse(ChatCompletionRequest, {"model": "m", "messages": [], **body})
+        assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+    with pytest.raises(APIError) as err:
+        chat_messages([{"role": "user", "content": "x", "name": "bob"}])
+    assert err.value.param == "messages[0].name"
+    with pytest.raises(APIError) as err:
+        chat_messages([{"role": "assistant", "content": None, "tool_calls": []}])
+    assert err.value.param == "messages[0].tool_calls"
+
+
+def test_completion_prompts():
+    assert completion_fields(parse(CompletionRequest, {"model": "m", "prompt": ["one"]}))["text"] == "one"
+    assert completion_fields(parse(CompletionRequest, {"model": "m", "prompt": [1, 2]}))["tokens"] == [1, 2]
+    assert completion_fields(parse(CompletionRequest, {"model": "m", "prompt": "p"}))["max_tokens"] == 16
+    with pytest.raises(APIError) as err:
+        completion_fields(parse(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}))
+    assert err.value.param == "prompt"
+
+
+def test_spec_errors_use_the_request_names():
+    err = from_spec_error(JobSpecError("target_model: 'x' is not an allowed model"))
+    assert err.param == "model" and err.message.startswith("model: ")
+    worker = from_job_failure("failed", "jobs.spec.JobSpecError: input: 200000 tokens, the limit is 131072")
+    assert worker.status == 400 and worker.param == "input"
+    model = from_job_failure("failed", "ValueError: target_model: '/x' is neither a model folder nor ...")
+    assert model.status == 400 and model.param == "model"
+    bug = from_job_failure("failed", "ValueError: something broke")
+    assert bug.status == 500
+    assert from_job_failure("stopped", "stopped").code == "job_stopped"
+
+
+def test_chunks_carry_role_text_finish_and_usage():
+    maker = ChunkMaker(chat=True, job_id="generate-abc", model="m", created=1)
+    assert maker.first()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert maker.text("he")["choices"][0]["delta"] == {"content": "he"}
+    last = maker.last(result())
+    assert last["choices"][0]["finish_reason"] == "stop" and last["specprefill"]["kept_ratio"] == 0.4
+    assert maker.usage(result())["usage"] == {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102}
+    assert ChunkMaker(chat=False, job_id="generate-abc", model="m", created=1).first() is None
+
+
+def line(custom_id, **body):
+    body = {"model": "t", "messages": [{"role": "user", "content": "hello"}], **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def test_batch_lines_plan_and_results():
+    content = "\n".join([line("a"), "", "[1]", line("b", keep=9), line("a"), line("c", stream=True),
+                         line("d", max_tokens=3)])
+    entries, specs = plan_lines(content, generate_spec, "ns", "/v1/chat/completions")
+    assert [(e.line, e.custom_id, bool(e.job_id)) for e in entries] == [
+        (1, "a", True), (3, None, False), (4, "b", False), (5, "a", False), (6, "c", False), (7, "d", True)]
+    assert len(specs) == 2 and entries[0].job_id == specs[0].job_id("ns")
+    assert [e.error["param"] for e in entries if e.error] == ["line", "keep", "custom_id", "stream"]
+    outcomes = {entries[0].job_id: result(job_id=entries[0].job_id), entries[-1].job_id: ("failed", "boom")}
+    out, errors = result_lines(entries, outcomes, created=5)
+    assert [o["custom_id"] for o in out] == ["a"]
+    assert out[0]["response"]["body"]["choices"][0]["message"]["content"] == "hi"
+    assert [e["custom_id"] for e in errors] == [None, "b", "a", "c", "d"]
+    assert errors[-1]["response"]["status_code"] == 500 and errors[0]["response"] is None
+    again, _ = result_lines(entries, outcomes, created=5)
+    assert again == out  # ids are stable: finalising twice writes the same file
+
+
+def test_segments_align_unique_spans_and_refuse_repeats():
+    doc = "alpha beta gamma delta epsilon zeta eta theta"
+    spans = [{"start": 0, "end": 2, "text": "<s> alpha beta"}, {"start": 5, "end": 6, "text": "zeta"}]
+    segs, aligned = segments(8, [(0, 2), (5, 6)], spans=spans, document=doc, tail_start=5)
+    assert aligned
+    assert [(s.kind, s.text, s.marks) for s in segs] == [
+        ("kept", "alpha beta", []), ("dropped", " gamma delta epsilon ", []), ("kept", "zeta", ["tail"]),
+        ("dropped", " eta theta", ["tail"])]
+    # a kept passage that occurs twice: which copy was kept is unknown, so no text is placed
+    doc2 = "x y kept words z kept words w"
+    segs, aligned = segments(8, [(2, 4)], spans=[{"start": 2, "end": 4, "text": "kept words"}], document=doc2)
+    assert not aligned and [(s.kind, s.text) for s in segs] == [
+        ("dropped", None), ("kept", "kept words"), ("dropped", None)]
+
+
+def test_bands_split_prefix_and_tail_exactly():
+    assert bands(100, [(0, 40), (60, 100)], protected_prefix=10, tail_start=80) == [
+        ("prefix", 0, 10), ("kept", 10, 40), ("dropped", 40, 60), ("kept", 60, 80), ("tail", 80, 100)]
+
+
+def test_importance_svg_keeps_peaks():
+    values = [0.0] * 5000
+    values[1234] = 1.0
+    assert max(_bins(values, 800)) == 1.0 and len(_bins(values, 800)) == 800
+    svg = importance_svg(values, [(0, 100), (4900, 5000)], protected_prefix=50, tail_start=4968)
+    assert svg.count('class="kept"') == 2 and 'class="prefix"' in svg and 'class="tail"' in svg
+    assert "max importance per" in svg and 'data-tokens="5000"' in svg
+
+
+def test_worker_metrics_count_what_results_report():
+    from prometheus_client import CollectorRegistry
+
+    from worker.metrics import WorkerMetrics
+
+    registry = CollectorRegistry()
+    m = WorkerMetrics(registry)
+    m.job_ended("generate", "finished", 0.5, {"total": 1000, "cached_tokens": 256, "kept": 300,
+                                              "generated_tokens": 7, "ttft_s": 0.2, "blocks_written": 2,
+                                              "draft_model": "local:d"})
+    # answered without the draft (admission, here after restoring 200 tokens): no draft tokens
+    m.job_ended("generate", "finished", 0.5, {"total": 250, "kept": 250, "draft_model": "",
+                                              "target_tokens": {"restored": 200}, "fallback": "fallback: x"})
+    m.job_ended("prefill", "finished", 0.1, {"total": 500, "cached_tokens": 500, "memo_hit": True})
+    m.job_ended("generate", "failed", 0.05, None)
+    value = registry.get_sample_value
+    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "finished"}) == 2
+    assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "failed"}) == 1
+    assert value("specprefill_worker_draft_tokens_prefilled_total") == 744  # the memo hit computed none
+    assert value("specprefill_worker_target_tokens_prefilled_total") == 350
+    assert value("specprefill_worker_target_prefix_restored_tokens_total") == 200
+    assert value("specprefill_worker_fallbacks_total", {"kind": "generate"}) == 1
+    assert value("specprefill_worker_block_store_hit_tokens_total") == 756
+    assert value("specprefill_worker_memo_hits_total") == 1
+    assert value("specprefill_worker_ttft_seconds_count") == 2
+    assert value("specprefill_worker_busy_seconds_total") == pytest.approx(1.15)
+
+
+def test_served_models_lists_defaults_preloads_and_loaded():
+    from types import SimpleNamespace
+
+    from worker.advertise import served_models
+
+    settings = Settings(draft_model="d", target_model="t", preload_models=("p",), allowed_models=("a",))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"]))
+    assert served_models(runtime) == [  # names jobs use: "t" is loaded as "target"
+        {"name": "draft", "roles": ["default_draft"], "loaded": False},
+        {"name": "target", "roles": ["default_target"], "loaded": True},
+        {"name": "p", "roles": [], "loaded": False}, {"name": "a", "roles": [], "loaded": False},
+        {"name": "x", "roles": [], "loaded": True}]
+    # a worker's folders are never advertised; aliases are, by name
+    settings = Settings(models=("q=/srv/q",), preload_models=("/srv/other",))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["/srv/q"]))
+    assert [(m["name"], m["loaded"]) for m in served_models(runtime)] == [
+        ("draft", False), ("target", False), ("q", True)]

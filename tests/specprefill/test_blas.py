@@ -1,0 +1,68 @@
+"""preload_openblas takes explicit arguments; library packages never read the environment."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _preload(call: str, **env: str) -> str:
+    code = f"from specprefill.blas import preload_openblas; print({call})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, **env}, check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
+def test_preload_ignores_the_environment_and_follows_its_arguments():
+    from specprefill.blas import CANDIDATES
+
+    found = next((p for p in CANDIDATES if os.path.exists(p)), None)
+    if found is None:
+        pytest.skip("no system OpenBLAS here")
+    # The environment says off / elsewhere; only the arguments count.
+    assert _preload("preload_openblas()", SPECPREFILL_OPENBLAS="0") == found
+    assert _preload("preload_openblas()", SPECPREFILL_OPENBLAS_PATH="/nonexistent/libx.so") == found
+    assert _preload("preload_openblas(enabled=False)") == "None"
+    assert _preload("preload_openblas(path='/nonexistent/libx.so')") == "None"
+    assert _preload(f"preload_openblas(path={found!r})") == found
+
+
+def test_library_packages_do_not_read_the_environment():
+    pattern = re.compile(r"os\.environ|getenv\(")
+    offenders = [str(p.relative_to(ROOT)) for package in ("specprefill", "cache_store")
+                 for p in sorted((ROOT / package).glob("*.py")) if pattern.search(p.read_text())]
+    assert offenders == []
+
+
+# Each entry point run to a quick exit (no Redis URL: status 2), then the BLAS it chose.
+ENTRY_POINTS = {
+    "specprefill": "from specprefill_cli.main import main; main(['cache', 'stats'])",
+    "python -m worker": "from worker.launcher import main; main([])",
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_entry_points_take_the_preload_choice_from_settings(entry):
+    code = f"{ENTRY_POINTS[entry]}; from specprefill.blas import blas_in_use; print(blas_in_use())"
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "SPECPREFILL_REDIS_URL")}
+    run = lambda **extra: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,  # noqa: E731
+                                         text=True, env={**env, **extra}, check=True).stdout.strip()
+    assert run(SPECPREFILL_OPENBLAS="0") == "bundled reference BLAS"
+    assert run(SPECPREFILL_OPENBLAS="1", SPECPREFILL_OPENBLAS_PATH="/nonexistent/lib.so") == "bundled reference BLAS"
+    found = next((p for p in __import__("specprefill.blas").blas.CANDIDATES if os.path.exists(p)), None)
+    if found is not None:
+        assert run(SPECPREFILL_OPENBLAS="1") == f"OpenBLAS ({found})"
+    assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not stop the preload
+
+
+def test_importing_the_entry_points_preloads_nothing_and_imports_no_mlx():
+    code = ("import sys, specprefill_cli.main, specprefill_cli.app, worker.launcher, worker.tasks, jobs.client; "
+            "import specprefill.blas as b; print(b._decided, any(m.startswith('mlx') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

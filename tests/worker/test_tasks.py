@@ -1,0 +1,137 @@
+"""The job body with injected fakes (no model, fakeredis): events, memo, stop, errors.
+
+The fakes are tests/support/fake_worker.py.
+"""
+from __future__ import annotations
+
+
+import fakeredis
+import pytest
+
+from jobs.results import PrefillResult
+from jobs.settings import Settings
+from jobs.spec import JobSpecError, build_spec
+from worker.models import ModelPool
+from worker.context import JobStopped
+from worker.prompt import protected_prefix_length, tokenize
+from tests.support.fake_worker import (FakeMemo, FakeModel, FakeScore, FakeStore, FakeTokenizer,  # noqa: F401
+                                       _events, _run, fake_backend, fake_pool, fake_runtime, make_fake_score)
+
+
+def test_prefill_job_events_and_result():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    spec = build_spec(rt.settings, text="x" * 200, return_spans=True, return_importance=True)
+    out = PrefillResult.from_json(_run(rt, spec.to_payload()))
+    assert out.total == 201 and out.reason is None and 0 < out.kept < out.total
+    assert out.kept == sum(e - s for s, e in out.kept_ranges)
+    assert out.kept_ranges[-1][1] == 201  # the tail is kept
+    assert len(out.importance) == 201 and len(out.spans) == len(out.kept_ranges)
+    assert out.model == "fake:fake-draft" and not out.memo_hit
+    assert {"prefill", "load_model", "selection", "total"} <= set(out.timings)
+    kinds = [e.kind for e in _events(r)]
+    assert kinds[:2] == ["loading_model", "cache_lookup"]
+    assert "scoring" in kinds and "lookahead" in kinds and "importance" in kinds
+    assert kinds[-3:] == ["cache_store", "selection", "done"]
+    assert [e.seq for e in _events(r)] == list(range(1, len(kinds) + 1))
+
+
+def test_short_prompt_keeps_all_with_reason():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    out = _run(rt, build_spec(rt.settings, tokens=list(range(10))).to_payload())
+    assert out["kept"] == 10 and "threshold" in out["reason"]
+
+
+def test_second_identical_job_is_a_memo_hit_and_shared_prefix_hits_the_store():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    doc = list(range(2, 130))
+    first = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "a")
+    again = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "b")
+    assert again["memo_hit"] and again["kept_ranges"] == first["kept_ranges"]
+    other = _run(rt, build_spec(rt.settings, tokens=doc + [5, 6, 7]).to_payload(), "c")
+    assert not other["memo_hit"] and other["cached_tokens"] == 128
+
+
+def test_bad_payload_fails_with_validation_message():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    with pytest.raises(JobSpecError, match="keep"):
+        _run(rt, {"draft_model": "m", "tokens": [1, 2], "keep": 7})
+    ev = _events(r)[-1]
+    assert ev.kind == "failed" and "keep" in ev.data["error"]
+
+
+def test_model_outside_the_allow_list_is_refused_before_loading():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r, settings=Settings(draft_model="fake-draft", allowed_models=("fake-other",)))
+    with pytest.raises(JobSpecError, match="draft_model: 'evil/model' is not an allowed model"):
+        _run(rt, {"draft_model": "evil/model", "tokens": [1, 2]})
+    assert rt.models.names() == []
+    assert _run(rt, {"draft_model": "fake-other", "tokens": [1, 2]}, "ok")["kept"] == 2
+
+
+def test_token_outside_vocabulary_rejected():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    with pytest.raises(JobSpecError, match="vocabulary"):
+        _run(rt, build_spec(rt.settings, tokens=[1, 300]).to_payload())
+
+
+def test_prompt_limit_checked_after_tokenizing():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r, settings=Settings(draft_model="fake-draft", max_prompt_tokens=50))
+    with pytest.raises(JobSpecError, match="max_prompt_tokens"):
+        _run(rt, {"draft_model": "fake-draft", "text": "y" * 60})
+
+
+def test_stop_request_ends_job_stopped_between_chunks():
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    rt.stop_event.set()
+    with pytest.raises(JobStopped):
+        _run(rt, build_spec(rt.settings, tokens=list(range(2, 200))).to_payload())
+    assert _events(r)[-1].kind == "stopped"
+
+
+def test_chat_protected_prefix_is_the_system_block():
+    tok = FakeTokenizer()
+    spec = build_spec(Settings(draft_model="m"), messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}])
+    tokens, protected_prefix = tokenize(spec, tok)
+    assert protected_prefix == len(tok.encode("<system>You are terse.</system><user>", add_special_tokens=False))
+    assert tokens[:protected_prefix] == tok.encode("<system>You are terse.</system><user>", add_special_tokens=False)
+    assert protected_prefix_length(tok, [{"role": "user", "content": "x"}], tokens) == 0
+
+
+def test_chat_without_template_is_a_clear_error():
+    class NoTemplate(FakeTokenizer):
+        chat_template = None
+
+    spec = build_spec(Settings(draft_model="m"), messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(JobSpecError, match="no chat template"):
+        tokenize(spec, NoTemplate())
+
+
+def test_model_pool_is_a_bounded_lru():
+    pool = fake_pool(capacity=2)
+    a = pool.get("a")
+    pool.get("b")
+    assert pool.get("a") is a and pool.loads == 2
+    pool.get("c")  # evicts b (least recently used)
+    assert pool.names() == ["a", "c"] and "b" not in pool
+    with pytest.raises(ValueError, match="model_lru_size"):
+        ModelPool(0)
+
+
+def test_local_identity_hashes_config_and_weights(tmp_path):
+    from worker.models import local_identity
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    first = local_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"abd")
+    assert first.startswith("local:") and local_identity(tmp_path) != first
+    with pytest.raises(ValueError, match="nope holds no config.json"):
+        local_identity(tmp_path / "nope")
