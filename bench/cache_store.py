@@ -278,7 +278,7 @@ def shaped_model(config: dict):
 def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str) -> dict[str, float]:
     """Bytes of one stored block (value, K/V arrays, state arrays) after scoring BLOCK + 1 tokens."""
     from cache_store import model_fingerprint
-    from specprefill.attention.probe import make_cache, profile_model as probe_model
+    from specprefill.attention.probe import make_cache, probe_attention
     from specprefill.draft_cache import block_description, block_layout_of
     from specprefill.reuse import score_prompt_with_cache
 
@@ -288,7 +288,7 @@ def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str
     fp = model_fingerprint(block_description(model, fresh), namespace, block_size=BLOCK)
     raw = RedisBlockStore(client, fp, namespace=namespace, block_size=BLOCK, layout=block_layout_of(model, fresh))
     tokens = [int(t) for t in np.random.default_rng(5).integers(0, 1024, BLOCK + 1)]
-    score_prompt_with_cache(model, tokens, probe_model(model, kv_bits=kv_bits, kv_group_size=64),
+    score_prompt_with_cache(model, tokens, probe_attention(model, kv_bits=kv_bits, kv_group_size=64),
                             BlockDraftCache(raw, fresh), n_lookahead=2)
     (key,) = raw.block_keys(tokens)
     layers, _ = raw.fetch(tokens + [0])

@@ -142,14 +142,14 @@ def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
 
     from cache_store import RedisBlockStore, model_fingerprint
     from specprefill_cli.embedded_redis import EmbeddedRedis
-    from specprefill.attention.probe import make_cache, profile_model as probe_model
+    from specprefill.attention.probe import make_cache, probe_attention
     from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
     from specprefill.options import SelectionOptions
     from specprefill.reuse import score_prompt_with_cache
     from specprefill.selection import plan_selection
 
     model = hybrid_draft()
-    profile = probe_model(model)
+    profile = probe_attention(model)
     fresh = lambda: make_cache(model)  # noqa: E731
     fp = model_fingerprint(block_description(model, fresh), "bench-hybrid", block_size=HYBRID_BLOCK)
     select = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)

@@ -9,7 +9,7 @@ The interface between scoring and the store (stable; the kernel-capture scorer a
 worker both use it):
 
 * ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
-  ``specprefill.attention.scoring.score_prompt(..., block_size=draft_cache.block_size,
+  ``specprefill.attention.lookahead.score_prompt(..., block_size=draft_cache.block_size,
   on_step=recorder)``; the scorer then ends prefill steps at block boundaries and the hook
   keeps what exists only then (recurrent state after each block's last token, sliding-window
   K/V) — no second pass over the prompt — and writes each block as soon as it ends (memory:

@@ -1,7 +1,7 @@
 """What the service knows about one draft model, found once when it is loaded: :func:`profile_model`.
 
 A :class:`ModelProfile` holds the model's verified :class:`~specprefill.attention.probe.AttentionProfile`
-(the kernel probe of :func:`specprefill.attention.probe.profile_model`: which layers vote,
+(the kernel probe :func:`specprefill.attention.probe.probe_attention`: which layers vote,
 which are recurrent, the KV quantization it was verified with), the per-layer layout of its
 cache (what one token really writes), and the JSON-ready description that, hashed with the
 weights' identity, names its stored blocks (``cache_store.keys.model_fingerprint``). Scoring
@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from specprefill.attention.probe import AttentionProfile, make_cache, require_draft
-from specprefill.attention.probe import profile_model as probe_model
+from specprefill.attention.probe import probe_attention
 from specprefill.kv_arrays import DTYPE_NAMES
 
 # Cache attributes that change what a layer holds (windows, quantization).
@@ -56,7 +56,7 @@ def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size
     pass, so call it once per loaded model. A model without any full-attention layer is
     refused: a draft ranks tokens by attention.
     """
-    attention = probe_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    attention = probe_attention(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
     require_draft(attention)
     kv_layout = cache_layout(model, kv_bits, kv_group_size)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)

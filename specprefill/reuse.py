@@ -70,7 +70,7 @@ def _recorder(draft_cache: DraftCache | None, tokens: list[int]) -> Any:
 def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:
     """The restored prefix if it is a proper prefix of ``tokens`` with one length in every KV layer
     (recurrent layers hold state, not tokens), else None (logged)."""
-    from specprefill.attention.scoring import cached_length
+    from specprefill.attention.lookahead import cached_length
 
     restored, n_tokens = draft_cache.fetch(tokens)
     if restored is None:
@@ -89,7 +89,7 @@ def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | 
 
 def score_prompt_with_cache(model: Any, tokens: Sequence[int], profile: Any, draft_cache: DraftCache | None,
                             **score_args: Any) -> ScoreResult:
-    """:func:`specprefill.attention.scoring.score_prompt` that prefills only what ``draft_cache`` lacks.
+    """:func:`specprefill.attention.lookahead.score_prompt` that prefills only what ``draft_cache`` lacks.
 
     Fetches the longest stored prefix (K/V of all its blocks, recurrent state of its last),
     scores the rest on top of it with prefill steps ending at block boundaries and the draft
@@ -100,7 +100,7 @@ def score_prompt_with_cache(model: Any, tokens: Sequence[int], profile: Any, dra
     scores cold and stores nothing. ``score_args``: the scorer's keyword arguments (not
     ``cache``, ``block_size`` or ``on_step``).
     """
-    from specprefill.attention.scoring import score_prompt
+    from specprefill.attention.lookahead import score_prompt
 
     tokens = [int(t) for t in tokens]
     if draft_cache is None:

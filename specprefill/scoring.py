@@ -2,7 +2,7 @@
 
 Phases: chunked prefill of the prompt (only the part not in a restored cache), a few seeded
 lookahead decode steps whose attention is recorded at the kernel, then importance (see
-:mod:`specprefill.attention.scoring` and :mod:`specprefill.attention.importance`). The returned
+:mod:`specprefill.attention.lookahead` and :mod:`specprefill.attention.importance`). The returned
 cache describes exactly the prompt, so it can be stored and reused; the model is left
 exactly as it was found.
 
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from specprefill.attention.scoring import Progress, ScoreResult, StepHook, score_prompt
+from specprefill.attention.lookahead import Progress, ScoreResult, StepHook, score_prompt
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import ScoringOptions
 from specprefill.profile import ModelProfile

@@ -10,6 +10,7 @@ and targets (through :mod:`specprefill.sparse`). Modules:
   (which layers vote, which are recurrent) or refuses it naming the variant;
 * :mod:`.importance` turns recorded calls into importance (sinks, masks, quantized keys);
 * :mod:`.caches` snapshots, restores and converts every mlx-lm cache type (hybrid caches);
-* :mod:`.scoring` is the scorer built from the above;
+* :mod:`.lookahead` is the scorer built from the above (prefill, the captured lookahead steps,
+  importance; :mod:`specprefill.scoring` is its validated front door);
 * :mod:`.target` is what sparse prefill needs per family (positions, query scales, windows).
 """

@@ -12,7 +12,7 @@ kernel's mask: additive masks (MLA's rope scores) are added, boolean ones exclud
 Hand-written kernels (gemma2) hand over their logits directly. A layer votes only if each
 scored query's kernel saw every token so far and no prompt key was masked; then the
 project's rule applies (pool along positions, max over layers × heads, mean over queries,
-see :mod:`specprefill.importance`).
+see :mod:`specprefill.pooling`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 import mlx.core as mx
 
 from specprefill.attention.kernel import KernelCall
-from specprefill.importance import average_pool
+from specprefill.pooling import average_pool
 
 
 def prompt_keys(call: KernelCall, n_prompt: int) -> mx.array:

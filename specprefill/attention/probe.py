@@ -289,8 +289,8 @@ def _layer_roles(model: nn.Module, capture, steps, kv: tuple, check_order: bool)
     return roles
 
 
-def profile_model(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
-                  probe_tokens: int = PROBE_TOKENS, max_probe_position: int = MAX_PROBE_POSITION) -> AttentionProfile:
+def probe_attention(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
+                    probe_tokens: int = PROBE_TOKENS, max_probe_position: int = MAX_PROBE_POSITION) -> AttentionProfile:
     """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why.
 
     Probes at positions 0.. and again just past the largest position threshold of the config

@@ -11,8 +11,8 @@ import tests.support.families as F
 from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
 from cache_store import RedisBlockStore, model_fingerprint, verify_namespace
 from specprefill.attention.caches import BlockRecorder, layer_arrays
-from specprefill.attention.probe import make_cache, profile_model
-from specprefill.attention.scoring import score_prompt
+from specprefill.attention.probe import make_cache, probe_attention
+from specprefill.attention.lookahead import score_prompt
 from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
 from specprefill.reuse import score_prompt_with_cache
 
@@ -46,7 +46,7 @@ def test_hybrid_warm_equals_cold_through_redis(redis_url, name):
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
     assert store.recorder() is not None  # recurrent state must be kept per block end
-    warm_equals_cold(model, profile_model(model), store)
+    warm_equals_cold(model, probe_attention(model), store)
     stats = store.stats()
     assert stats["blocks_written"] == len(PROMPT) // BLOCK and stats["hit_blocks"] == 4
     assert stats["corrupt_blocks"] == 0 and stats["unsupported_stores"] == 0
@@ -59,7 +59,7 @@ def test_quantized_kv_warm_equals_cold_and_blocks_are_about_a_quarter(redis_url,
     sizes = {}
     for bits in (None, 4):
         store = draft_cache(client, model, kv_bits=bits, namespace=f"q{bits}")
-        warm_equals_cold(model, profile_model(model, kv_bits=bits, kv_group_size=32), store)
+        warm_equals_cold(model, probe_attention(model, kv_bits=bits, kv_group_size=32), store)
         keys = store.raw_store.block_keys(PROMPT)
         sizes[bits] = sum(len(msgpack.unpackb(client.get(k))[1]) for k in keys)  # payload bytes
         if bits:
@@ -76,7 +76,7 @@ def test_sliding_window_layers_hit_the_store(redis_url):
     for name in ("gemma3_text", "gpt_oss"):
         model = F.build(name, seed=5)
         store = draft_cache(redis.Redis.from_url(redis_url), model, namespace=name)
-        warm_equals_cold(model, profile_model(model), store, PROMPT + PROMPT[:30])
+        warm_equals_cold(model, probe_attention(model), store, PROMPT + PROMPT[:30])
 
 
 def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
@@ -85,7 +85,7 @@ def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     layers, n = store.raw_store.fetch(PROMPT[:33])
     assert n == 32
     cache = make_cache(model)
@@ -103,7 +103,7 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
     model = F.build("falcon_h1", seed=2)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    profile = profile_model(model)
+    profile = probe_attention(model)
     cold = score_prompt_with_cache(model, PROMPT, profile, store, **SCORE)
     keys = store.raw_store.block_keys(PROMPT)
     client.set(keys[2], client.get(keys[1]))  # a valid block, of another key
@@ -119,7 +119,7 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
     other.raw_store._stats_key = store.raw_store._stats_key
     recorder = other.recorder()
     other_model = F.build("falcon_h1", seed=2, mamba_d_conv=3)
-    result = score_prompt(other_model, PROMPT, profile_model(other_model), block_size=BLOCK, on_step=recorder,
+    result = score_prompt(other_model, PROMPT, probe_attention(other_model), block_size=BLOCK, on_step=recorder,
                           **SCORE)
     client.delete(keys[3])
     assert other.store(PROMPT, result.kv_cache, recorder) == 1
@@ -130,7 +130,7 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
 def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
     model = F.build("lfm2", seed=1)
     store = draft_cache(redis.Redis.from_url(redis_url), model)
-    result = score_prompt(model, PROMPT, profile_model(model), **SCORE)
+    result = score_prompt(model, PROMPT, probe_attention(model), **SCORE)
     assert store.store(PROMPT, result.kv_cache) == 0
     assert store.stats()["unsupported_stores"] == 1 and "recorder" in store.unsupported_reason
 
@@ -157,7 +157,7 @@ def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, k
     fp = model_fingerprint(block_description(model, fresh), "wired", block_size=BLOCK)
     loaded = SimpleNamespace(fingerprint=fp, identity="tiny:" + name, name="draft", profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
     store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
-    warm_equals_cold(model, profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)
+    warm_equals_cold(model, probe_attention(model, kv_bits=kv_bits, kv_group_size=32), store)
 
 
 def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
@@ -177,10 +177,10 @@ def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
         return written
 
     recorder.sink = spy
-    result = score_prompt(model, PROMPT, profile_model(model), block_size=BLOCK, on_step=recorder, **SCORE)
+    result = score_prompt(model, PROMPT, probe_attention(model), block_size=BLOCK, on_step=recorder, **SCORE)
     assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
     assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
-    warm = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    warm = score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     assert warm.cached_tokens == 64
     np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)
 
@@ -196,7 +196,7 @@ def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
 
     model = F.build(name, seed=3)
     store = draft_cache(redis.Redis.from_url(redis_url), model)
-    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
     assert restored is not None and len(restored) == len(make_cache(model))
 
@@ -209,7 +209,7 @@ def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
         raise MemoryError("no room for the block here")
 
     monkeypatch.setattr(store.raw_store, "store_blocks", broken)
-    cold = score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    cold = score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
     monkeypatch.undo()
     assert store.fetch(PROMPT) == (None, 0)
@@ -238,7 +238,7 @@ def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     raw = store.raw_store
     keys = raw.block_keys(PROMPT)
     assert len(keys) == 4 and raw._token_end is not None
@@ -259,7 +259,7 @@ def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, profile_model(model), store, **SCORE)
+    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
     keys = store.raw_store.block_keys(PROMPT)
     value = bytearray(client.get(keys[3]))
     value[-20] ^= 0x01  # in the state section: only a whole read sees it

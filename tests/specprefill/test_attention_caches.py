@@ -15,8 +15,8 @@ from specprefill.attention.caches import (
     rewind,
     rewind_point,
 )
-from specprefill.attention.probe import make_cache, profile_model
-from specprefill.attention.scoring import score_prompt
+from specprefill.attention.probe import make_cache, probe_attention
+from specprefill.attention.lookahead import score_prompt
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 WITH_ATTENTION = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]
@@ -36,7 +36,7 @@ def plain_cache(model, tokens, step=16, kv_bits=None):
 @pytest.mark.parametrize("name", WITH_ATTENTION)
 def test_returned_cache_equals_a_plain_prefill(name):
     model = F.build(name, seed=2)
-    result = score_prompt(model, PROMPT, profile_model(model), prefill_step=16, seed=1)
+    result = score_prompt(model, PROMPT, probe_attention(model), prefill_step=16, seed=1)
     reference = plain_cache(model, PROMPT)
     for ours, theirs in zip(result.kv_cache, reference):
         meta_ours, arrays_ours = layer_arrays(ours)
@@ -52,7 +52,7 @@ def test_returned_quantized_cache_equals_a_plain_prefill(name):
     overrides = {"llama": dict(head_dim=32), "falcon_h1": dict(head_dim=32),
                  "qwen3_5": dict(text_config=dict(F.FAMILIES["qwen3_5"].args["text_config"], head_dim=32))}
     model = F.build(name, seed=2, **overrides[name])
-    result = score_prompt(model, PROMPT, profile_model(model, kv_bits=4, kv_group_size=32), prefill_step=16)
+    result = score_prompt(model, PROMPT, probe_attention(model, kv_bits=4, kv_group_size=32), prefill_step=16)
     for ours, theirs in zip(result.kv_cache, plain_cache(model, PROMPT, kv_bits=4)):
         assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
 
@@ -105,7 +105,7 @@ def test_layer_arrays_names():
 @pytest.mark.parametrize("block, step", [(16, 48), (32, 8)])
 def test_warm_equals_cold_through_blocks(name, block, step):
     model = F.build(name, seed=5)
-    profile = profile_model(model)
+    profile = probe_attention(model)
     store = MemoryBlockStore(block)
     recorder = store.recorder()
     cold = score_prompt(model, PROMPT, profile, block_size=block, on_step=recorder, prefill_step=step, seed=2)
@@ -121,7 +121,7 @@ def test_quantized_blocks_hold_a_fifth_of_float32_and_restore_exactly():
     sizes = {}
     for bits in (None, 4):
         model = F.build("llama", seed=1, head_dim=32)
-        profile = profile_model(model, kv_bits=bits, kv_group_size=32)
+        profile = probe_attention(model, kv_bits=bits, kv_group_size=32)
         store = MemoryBlockStore(16)
         recorder = store.recorder()
         result = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder)
@@ -137,7 +137,7 @@ def test_quantized_blocks_hold_a_fifth_of_float32_and_restore_exactly():
 def test_recorder_keeps_recurrent_state_only_at_block_ends():
     model = F.build("qwen3_5", seed=1)
     recorder = BlockRecorder(16)
-    score_prompt(model, PROMPT, profile_model(model), block_size=16, on_step=recorder, prefill_step=40)
+    score_prompt(model, PROMPT, probe_attention(model), block_size=16, on_step=recorder, prefill_step=40)
     assert sorted(recorder.states) == [16, 32, 48, 64]
     recurrent = recorder.states[32][0]
     assert sorted(recurrent) == ["state.0", "state.1"]

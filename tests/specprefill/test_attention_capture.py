@@ -1,4 +1,6 @@
-"""Kernel-level capture (specprefill.attention): exact importance on every family, or a refusal."""
+"""Kernel-level capture (specprefill.attention): exact importance on every family, or a refusal;
+and the same capture through the serving front doors (specprefill.profile / specprefill.scoring):
+stale taps, half precision, models the probe cannot read."""
 import sys
 import types
 
@@ -12,11 +14,16 @@ import tests.support.families as F
 from tests.support.attention_oracle import oracle
 from tests.support.model_state import model_state
 from specprefill.attention.kernel import kernel_capture
-from specprefill.attention.probe import profile_model
-from specprefill.attention.scoring import prefill_ends, score_prompt
+from specprefill.attention.lookahead import prefill_ends, score_prompt
+from specprefill.attention.probe import probe_attention
 from specprefill.errors import UnsupportedModelError
+from specprefill.options import ScoringOptions
+from specprefill.profile import profile_model
+from specprefill.scoring import score_tokens
+from tests.support.tiny_models import FAMILIES as TINY_FAMILIES, make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
+SHORT_PROMPT = list(range(1, 41))
 SCORED = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 # mlx-lm cannot run these with a quantized cache: sliding windows (RotatingKVCache), gemma2's
@@ -36,7 +43,7 @@ def test_prompt_crosses_every_position_threshold():
 @pytest.mark.parametrize("name", SCORED)
 def test_importance_equals_the_float64_oracle(name, dtype):
     model = F.build(name, seed=3, dtype=DTYPES[dtype])
-    profile = profile_model(model)
+    profile = probe_attention(model)
     result = score_prompt(model, PROMPT, profile, prefill_step=16, seed=5)
     # float32: the oracle is one uncached float64 forward; bfloat16: fed as the scorer feeds it.
     expected = oracle(model, PROMPT, result.lookahead_tokens,
@@ -53,9 +60,9 @@ def test_quantized_kv_cache_importance_equals_the_oracle(name, dtype, bits):
     model = F.build(name, seed=3, dtype=DTYPES[dtype], **F.for_kv_quantization(name))
     if name in KV_REFUSED:
         with pytest.raises(UnsupportedModelError, match="cannot quantize|does not run with its cache|by hand"):
-            profile_model(model, kv_bits=bits, kv_group_size=32)
+            probe_attention(model, kv_bits=bits, kv_group_size=32)
         return
-    profile = profile_model(model, kv_bits=bits, kv_group_size=32)
+    profile = probe_attention(model, kv_bits=bits, kv_group_size=32)
     assert {r.cache for r in profile.layers if r.role == "attention"} <= {
         "QuantizedKVCache", "CacheList[ArraysCache,QuantizedKVCache]", "-"}
     result = score_prompt(model, PROMPT, profile, prefill_step=16, seed=5)
@@ -66,8 +73,8 @@ def test_quantized_kv_cache_importance_equals_the_oracle(name, dtype, bits):
 def test_quantized_queries_are_recorded_before_the_in_place_scale():
     """mlx-lm's quantized kernel does `queries *= scale`: a recorded query must stay unscaled."""
     model = F.build("llama", seed=1, head_dim=32)
-    profile = profile_model(model, kv_bits=8, kv_group_size=32)
-    plain = score_prompt(model, PROMPT, profile_model(model), seed=2, n_lookahead=2)
+    profile = probe_attention(model, kv_bits=8, kv_group_size=32)
+    plain = score_prompt(model, PROMPT, probe_attention(model), seed=2, n_lookahead=2)
     quantized = score_prompt(model, PROMPT, profile, seed=2, n_lookahead=2)
     # 8-bit keys move importance a little; a doubled scale would move it a lot.
     assert relative(quantized.importance, np.array(plain.importance)) < 0.05
@@ -81,17 +88,17 @@ def test_quantized_queries_are_recorded_before_the_in_place_scale():
 def test_quantized_kv_refused_where_mlx_lm_cannot_run_it(name, bits, match):
     model = F.build(name, seed=1, **({"head_dim": 32, "query_pre_attn_scalar": 32} if name == "gemma2" else {}))
     with pytest.raises(UnsupportedModelError, match=match):
-        profile_model(model, kv_bits=bits, kv_group_size=32)
+        probe_attention(model, kv_bits=bits, kv_group_size=32)
 
 
 def test_mla_with_quantized_cache_is_refused():
     model = F.build("deepseek_v3", seed=1, qk_rope_head_dim=32)
     with pytest.raises(UnsupportedModelError, match="deepseek_v3 does not run with its cache"):
-        profile_model(model, kv_bits=4, kv_group_size=32)
+        probe_attention(model, kv_bits=4, kv_group_size=32)
 
 
 def test_pure_ssm_is_refused_as_draft():
-    profile = profile_model(F.build("mamba2"))
+    profile = probe_attention(F.build("mamba2"))
     assert profile.attention_layers == [] and profile.recurrent_layers == [0, 1]
     with pytest.raises(UnsupportedModelError, match="mamba2: no full-attention layer"):
         score_prompt(F.build("mamba2"), PROMPT, profile)
@@ -101,14 +108,14 @@ def test_pure_ssm_is_refused_as_draft():
                                            ("granitemoehybrid", "RARA"), ("falcon_h1", "AA"),
                                            ("gemma4_text", "AAAAAA"), ("qwen3_next", "RARA")])
 def test_profile_tells_attention_from_recurrent_layers(name, pattern):
-    roles = profile_model(F.build(name)).layers
+    roles = probe_attention(F.build(name)).layers
     assert "".join({"attention": "A", "recurrent": "R", "none": "-"}[r.role] for r in roles) == pattern
 
 
 def test_only_full_span_layers_vote():
     """gpt-oss: 16-token sliding layers do not vote on a 70-token prompt, full layers do."""
     model = F.build("gpt_oss", seed=2)
-    result = score_prompt(model, PROMPT, profile_model(model), seed=1)
+    result = score_prompt(model, PROMPT, probe_attention(model), seed=1)
     expected = oracle(model, PROMPT, result.lookahead_tokens)
     assert expected.voting == [1, 3]  # the full_attention layers
     assert relative(result.importance, expected.importance) <= 1e-4
@@ -117,7 +124,7 @@ def test_only_full_span_layers_vote():
 def test_sinks_and_soft_cap_matter_in_these_configs():
     """The variant configs are strong enough that ignoring the variant changes importance."""
     model = F.build("gpt_oss", seed=2)
-    result = score_prompt(model, PROMPT, profile_model(model), seed=1)
+    result = score_prompt(model, PROMPT, probe_attention(model), seed=1)
     with_sinks = oracle(model, PROMPT, result.lookahead_tokens).importance
     for layer in model.layers:
         layer.self_attn.sinks = mx.full(layer.self_attn.sinks.shape, -1e4)
@@ -128,7 +135,7 @@ def test_sinks_and_soft_cap_matter_in_these_configs():
 def test_model_is_left_unchanged_also_when_scoring_fails():
     model = F.build("qwen3_5", seed=1)
     before = model_state(model)
-    profile = profile_model(model)
+    profile = probe_attention(model)
     assert model_state(model) == before
     score_prompt(model, PROMPT[:30], profile, n_lookahead=2)
 
@@ -146,7 +153,7 @@ def test_warm_equals_cold_on_a_restored_prefix_for_hybrids():
     from tests.support.hybrid_blocks import MemoryBlockStore
     for name in ("qwen3_5", "falcon_h1", "gpt_oss"):
         model = F.build(name, seed=4)
-        profile = profile_model(model)
+        profile = probe_attention(model)
         store = MemoryBlockStore(16)
         recorder = store.recorder()
         cold = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder, seed=3, prefill_step=48)
@@ -209,7 +216,7 @@ def test_hand_written_attention_with_a_logit_bias_is_refused():
 
     model, _ = _custom_family(call)
     with pytest.raises(UnsupportedModelError, match="softmax runs outside a recognised kernel"):
-        profile_model(model)
+        probe_attention(model)
 
 
 def test_a_kernel_with_an_extra_logit_bias_is_refused():
@@ -227,7 +234,7 @@ def test_a_kernel_with_an_extra_logit_bias_is_refused():
 
     module.scaled_dot_product_attention = biased_kernel
     with pytest.raises(UnsupportedModelError, match="kernel's semantics are not modelled"):
-        profile_model(model)
+        probe_attention(model)
 
 
 def test_a_bias_passed_as_the_mask_is_scored_exactly():
@@ -240,7 +247,7 @@ def test_a_bias_passed_as_the_mask_is_scored_exactly():
         return _finish(self, out)
 
     model, _ = _custom_family(call)
-    result = score_prompt(model, PROMPT, profile_model(model), seed=2, prefill_step=16)
+    result = score_prompt(model, PROMPT, probe_attention(model), seed=2, prefill_step=16)
     expected = oracle(model, PROMPT, result.lookahead_tokens, prefill_step=16)
     assert relative(result.importance, expected.importance) <= 1e-4
 
@@ -255,7 +262,7 @@ def test_two_attention_computations_in_a_layer_are_refused():
 
     model, _ = _custom_family(call)
     with pytest.raises(UnsupportedModelError, match=r"made \[2, 2, 2, 2, 2, 2, 2, 2\] attention computations"):
-        profile_model(model)
+        probe_attention(model)
 
 
 def test_a_change_beyond_the_probe_is_caught_per_request():
@@ -270,7 +277,7 @@ def test_a_change_beyond_the_probe_is_caught_per_request():
         return _finish(self, out)
 
     model, _ = _custom_family(call)
-    profile = profile_model(model)
+    profile = probe_attention(model)
     with pytest.raises(UnsupportedModelError, match="2 attention computations in the last prompt token"):
         score_prompt(model, PROMPT, profile)
 
@@ -304,13 +311,80 @@ def test_the_probe_runs_past_every_position_threshold(monkeypatch):
 
     monkeypatch.setattr(ministral3, "scaled_dot_product_attention", late_bias)
     model = F.build("ministral3", seed=1)
-    profile_model(model, max_probe_position=1)  # positions 0-7 only: the bias never shows
+    probe_attention(model, max_probe_position=1)  # positions 0-7 only: the bias never shows
     with pytest.raises(UnsupportedModelError, match="kernel's semantics are not modelled"):
-        profile_model(model)
+        probe_attention(model)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "ministral3", "qwen3_5"])
 def test_bf16_kernels_are_checked_at_float32_tolerance(name):
     """The probe checks a bf16 kernel on float32 copies of its inputs: a soft-cap or sink the
     recomputation left out would differ far beyond 1e-4 there; the genuine families pass."""
-    profile_model(F.build(name, seed=3, dtype=mx.bfloat16))
+    probe_attention(F.build(name, seed=3, dtype=mx.bfloat16))
+
+
+# --- through the serving front doors (specprefill.profile, specprefill.scoring) -------------
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_family_is_verified_and_left_untouched(family):
+    model = make_model(family)
+    before = model_state(model)
+    profile = profile_model(model)
+    assert profile.attention.attention_layers == list(range(len(model.layers)))
+    score_tokens(profile, SHORT_PROMPT, ScoringOptions(n_lookahead=2))
+    assert model_state(model) == before
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_half_precision_models_pass_the_probe(family):
+    profile_model(make_model(family, dtype=mx.bfloat16))
+
+
+def test_a_stale_kernel_tap_is_unwrapped_not_wrapped_again():
+    model = make_model("llama")
+    profile = profile_model(model)
+    reference = score_tokens(profile, SHORT_PROMPT, ScoringOptions(n_lookahead=2))
+    genuine = llama.scaled_dot_product_attention
+    capture = kernel_capture(model)
+    capture.__enter__()  # an aborted request that never removed its taps
+    try:
+        assert llama.scaled_dot_product_attention is not genuine
+        result = score_tokens(profile, SHORT_PROMPT, ScoringOptions(n_lookahead=2))
+    finally:
+        capture.__exit__(None, None, None)
+    assert llama.scaled_dot_product_attention is genuine
+    assert mx.array_equal(result.importance, reference.importance).item()
+
+
+def test_model_without_layers_is_unsupported():
+    class NoLayers(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="layers"):
+        profile_model(NoLayers())
+
+
+class _KeysFirst(llama.Attention):
+    """Applies rope to keys before queries: nothing upstream of the kernel is assumed."""
+
+    def __call__(self, x, mask=None, cache=None):
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k = self.rope(k, offset=cache.offset)
+        q = self.rope(q, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = llama.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def test_rope_order_does_not_matter_to_the_kernel_capture():
+    model = make_model("llama")
+    reference = score_tokens(profile_model(model), SHORT_PROMPT, ScoringOptions(n_lookahead=2, seed=3))
+    for layer in model.layers:
+        layer.self_attn.__class__ = _KeysFirst
+    result = score_tokens(profile_model(model), SHORT_PROMPT, ScoringOptions(n_lookahead=2, seed=3))
+    assert result.lookahead_tokens == reference.lookahead_tokens
+    assert mx.allclose(result.importance, reference.importance, rtol=1e-5, atol=0).item()

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from tests.support.model_state import model_state
 from specprefill.attention.importance import fold
-from specprefill.importance import average_pool
+from specprefill.pooling import average_pool
 from specprefill.options import ScoringOptions, SelectionOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import ScoreResult, score_tokens

@@ -14,7 +14,7 @@ keys into attention probabilities:
 From each record it computes in float64 NumPy the probability every scored query (the last
 prompt token's and the lookahead tokens') assigns to every prompt key, then pools, takes the
 max over layers and heads and the mean over queries (the project's rule, see
-``specprefill/importance.py``). It shares no code with the capture it checks.
+``specprefill/pooling.py``). It shares no code with the capture it checks.
 
 **"Over the prompt keys"**, precisely: for query ``q`` and prompt keys ``k_0..k_{T-1}``,
 ``p_j = exp(l_j) / (Σ_{i<T} exp(l_i) + Σ_h-sink)`` where ``l_j = scale·q·k_j + m_j`` (``m`` the
