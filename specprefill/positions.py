@@ -1,4 +1,5 @@
-"""RoPE at arbitrary (non-contiguous) token positions (installed per request by
+"""Position-dependent inputs at arbitrary (non-contiguous) token positions: rotary embeddings and
+learned absolute position embeddings (installed per request by
 :func:`specprefill.attention.target.target_session`).
 
 mlx-lm attention modules rotate queries and keys with ``self.rope(x, offset=cache.offset)``,
@@ -14,17 +15,27 @@ into original positions through a shared :class:`PositionMap`:
 Per-token positions use ``mx.fast.rope``'s per-batch-element offsets: every token becomes its
 own batch element, so the genuine module's own ``__call__`` (its frequencies, input scaling,
 partial rotary dims) does the rotation and the result is bit-identical to its contiguous path.
+
+Learned absolute position embeddings (gpt2's and gpt_bigcode's ``wpe``) are an embedding table
+indexed by ``cache.offset + arange(L)``: :func:`embedding_inputs` finds every embedding of a
+model by running it and reading what each is fed (the tokens, the cache indices plus a
+constant, or something else), and :class:`PositionedEmbedding` turns the cache indices it is
+fed into original positions through the same map. Past the table's last row an embedding
+reads no defined memory, so those positions are refused (:func:`learned_positions`).
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import rope_utils
+from mlx_lm.models.cache import make_prompt_cache
 
-from specprefill.wrapping import Wrapper
+from specprefill.wrapping import Wrapper, unwrap_rope
 
 # Variants whose __call__ passes ``offset`` straight to mx.fast.rope (vector offsets allowed).
 SUPPORTED_ROPES: tuple[type, ...] = (
@@ -50,12 +61,15 @@ class PositionMap:
 
     def positions(self, offset: int, length: int) -> np.ndarray:
         """Original positions of cache indices ``offset .. offset+length-1``."""
+        return self.at(np.arange(offset, offset + length, dtype=np.int64))
+
+    def at(self, index: np.ndarray) -> np.ndarray:
+        """Original positions of the cache indices ``index`` (any shape)."""
         kept = self.kept_positions
-        index = np.arange(offset, offset + length, dtype=np.int64)
         generated = index - len(kept) + self.prompt_length
         if len(kept) == 0:
             return generated
-        return np.where(index < len(kept), kept[np.minimum(index, len(kept) - 1)], generated)
+        return np.where(index < len(kept), kept[np.clip(index, 0, len(kept) - 1)], generated)
 
 
 def rope_at_positions(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
@@ -97,3 +111,123 @@ class PositionedRoPE(Wrapper):
 def rope_owners(model: nn.Module) -> list[nn.Module]:
     """Every module holding a ``rope`` child (the attention modules)."""
     return [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
+
+
+EMBEDDINGS = (nn.Embedding, nn.QuantizedEmbedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingInput:
+    """One embedding table of a model and what its forward feeds it."""
+
+    path: str        # where it sits in the module tree, e.g. "model.wpe"
+    fed: str         # "tokens", "positions" (cache index + ``shift``) or "other"
+    size: int        # rows of the table
+    shift: int = 0   # positions: the id fed for cache index i is i + shift
+
+
+class PositionedEmbedding(Wrapper):
+    """Wraps a learned position embedding fed cache indices (+ ``shift``); looks up original positions."""
+
+    def __init__(self, genuine: nn.Module, position_map: PositionMap, shift: int, size: int):
+        super().__init__(genuine)
+        self.position_map, self.shift, self.size = position_map, shift, size
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        positions = self.position_map.at(np.array(ids).astype(np.int64) - self.shift)
+        if positions.size and positions.max() >= self.size - self.shift:
+            raise ValueError(f"position {int(positions.max())}: past the model's {self.size - self.shift} "
+                             "learned positions")
+        return self.genuine(mx.array(positions + self.shift, dtype=ids.dtype))
+
+
+def _embedding_slots(model: nn.Module) -> Iterator[tuple[Any, Any, str, nn.Module]]:
+    """``(holder, key, path, module)`` of every embedding table, unwrapped (``holder[key]`` holds it)."""
+    def walk(holder: Any, key: Any, path: str, value: Any) -> Iterator[tuple[Any, Any, str, nn.Module]]:
+        genuine = unwrap_rope(value)
+        if isinstance(genuine, EMBEDDINGS):
+            yield holder, key, path, genuine
+        elif isinstance(genuine, nn.Module):
+            for name, child in genuine.items():
+                yield from walk(genuine, name, f"{path}.{name}" if path else name, child)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                yield from walk(value, i, f"{path}.{i}", item)
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                yield from walk(value, name, f"{path}.{name}", item)
+    for name, child in model.items():
+        yield from walk(model, name, name, child)
+
+
+class _Recording(Wrapper):
+    def __init__(self, genuine: nn.Module, seen: list):
+        super().__init__(genuine)
+        object.__setattr__(self, "_seen", seen)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        self._seen.append(np.array(ids).astype(np.int64).reshape(-1))
+        return self.genuine(ids)
+
+
+# Two forward passes, (cache offset, tokens): ids that are neither the tokens nor offset + arange.
+_FEEDS = ((0, (11, 13)), (2, (17, 19, 23)))
+
+
+def _classify(seen: list[np.ndarray]) -> tuple[str, int]:
+    fed, shifts = set(), set()
+    for ids, (offset, tokens) in zip(seen, _FEEDS):
+        if ids.tolist() == list(tokens):
+            fed.add("tokens")
+        elif len(ids) == len(tokens) and np.all(np.diff(ids) == 1):
+            fed.add("positions")
+            shifts.add(int(ids[0]) - offset)
+        else:
+            fed.add("other")
+    if len(seen) != len(_FEEDS) or len(fed) != 1 or len(shifts) > 1 or min(shifts, default=0) < 0:
+        return "other", 0
+    return fed.pop(), shifts.pop() if shifts else 0
+
+
+def embedding_inputs(model: nn.Module) -> list[EmbeddingInput]:
+    """Every embedding table the model's forward looks up, and what it feeds each (see the module
+    docstring), found by two forward passes on a fresh cache; tables it never calls are left out."""
+    slots = list(_embedding_slots(model))
+    seen: list[list[np.ndarray]] = [[] for _ in slots]
+    for (holder, key, _, module), record in zip(slots, seen):
+        holder[key] = _Recording(module, record)
+    try:
+        cache = make_prompt_cache(model)
+        for _, tokens in _FEEDS:
+            mx.eval(model(mx.array([list(tokens)], dtype=mx.int32), cache=cache))
+    finally:
+        for holder, key, _, module in slots:
+            holder[key] = module
+    found = []
+    for (_, _, path, module), record in zip(slots, seen):
+        if record:
+            fed, shift = _classify(record)
+            found.append(EmbeddingInput(path, fed, int(module.weight.shape[0]), shift))
+    return found
+
+
+def learned_positions(inputs: Sequence[EmbeddingInput]) -> int | None:
+    """How many positions the model's learned position embeddings cover (None: none, no limit)."""
+    sizes = [e.size - e.shift for e in inputs if e.fed == "positions"]
+    return min(sizes) if sizes else None
+
+
+@contextmanager
+def embeddings_at_positions(model: nn.Module, inputs: Sequence[EmbeddingInput],
+                            position_map: PositionMap) -> Iterator[None]:
+    """Install a :class:`PositionedEmbedding` on each learned position embedding of ``inputs`` for the
+    block; always puts the genuine tables back (a wrapper left by an aborted request is replaced)."""
+    wanted = {e.path: e for e in inputs if e.fed == "positions"}
+    slots = [slot for slot in _embedding_slots(model) if slot[2] in wanted]
+    try:
+        for holder, key, path, module in slots:
+            holder[key] = PositionedEmbedding(module, position_map, wanted[path].shift, wanted[path].size)
+        yield
+    finally:
+        for holder, key, _, module in slots:
+            holder[key] = module

@@ -68,6 +68,10 @@ def score_tokens(
     inputs give equal results on every run and machine.
     """
     prompt = _prompt(tokens, profile.vocab_size)
+    limit = profile.attention.max_positions
+    if limit is not None and len(prompt) + options.n_lookahead > limit:
+        raise ValueError(f"tokens: a prompt of {len(prompt)} tokens plus {options.n_lookahead} lookahead tokens "
+                         f"is more than the {limit} positions the draft embeds (learned position embeddings)")
     if kv_cache is not None:
         _check_restored(kv_cache, len(profile.kv_layout))
     return score_prompt(

@@ -136,6 +136,16 @@ def check_prompt(tokens: list[int], loaded: LoadedModel | int | None, settings: 
                            f"[0, {vocab_size - 1}]")
 
 
+def check_positions(tokens: list[int], max_tokens: int, target: LoadedModel) -> None:
+    """Refuse a generate job that would run past the target's learned position embeddings (gpt2's
+    wpe): past its last row a table reads undefined memory, in a plain prefill as in a sparse one."""
+    profile = getattr(target, "target_profile", None)
+    limit = getattr(profile, "max_positions", None)
+    if limit is not None and len(tokens) + max_tokens > limit:
+        raise JobSpecError(f"max_tokens: the prompt's {len(tokens)} tokens plus max_tokens {max_tokens} are "
+                           f"more than the {limit} positions the target embeds (learned position embeddings)")
+
+
 UNKNOWN_TOKEN_SHARE = 0.01  # more of the prompt than this as the unknown token: warn
 
 

@@ -8,8 +8,9 @@ class any more) or ``CacheList`` (falcon-h1: Mamba state and KV in one layer), o
 (nemotron-h's MLP blocks get no cache entry; gemma4's KV-shared layers none either).
 
 * :func:`rewind_point` / :func:`rewind`: the lookahead leaves no trace. Unbounded KV caches
-  are trimmed (no copy of the prompt's keys); everything else is snapshotted before the
-  lookahead and put back after, on the same objects.
+  are trimmed (no copy of the prompt's keys); everything else (windows, llama4's attention
+  chunks, recurrent state) is snapshotted before the lookahead and put back after, on the same
+  objects.
 * :func:`layer_arrays` / :func:`layer_from_arrays`: one layer's cache as ``meta`` (class and
   integers) plus named arrays, and back. Token-indexed arrays are named ``keys*``/``values*``
   (tokens on axis 2); fixed-size recurrent state ``state.<i>``; CacheList members are
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from specprefill.errors import UnsupportedModelError
 
@@ -41,6 +42,13 @@ def rewind_point(entry: Any) -> Any:
         return ("trim", entry.offset)
     if isinstance(entry, RotatingKVCache):
         return ("state", tuple(_copy(v) for v in entry.state))
+    if isinstance(entry, ChunkedKVCache):
+        # The model trims its front when the next step starts (maybe_trim_front), so a lookahead
+        # can drop keys a trim cannot bring back: the held keys are snapshotted, not trimmed.
+        held = entry.offset - entry.start_position
+        keys, values = (None, None) if entry.keys is None else (
+            _copy(entry.keys[..., :held, :]), _copy(entry.values[..., :held, :]))
+        return ("state", (keys, values, entry.offset, entry.chunk_size, entry.start_position))
     if isinstance(entry, ArraysCache):
         return ("arrays", [_copy(a) for a in entry.cache], _copy(entry.left_padding), _copy(entry.lengths))
     if isinstance(entry, CacheList):
@@ -315,6 +323,9 @@ def restore(metas: Sequence[dict[str, Any]], layers: Sequence[dict[str, mx.array
 
 
 def array_layout(cache: list) -> list[dict[str, list]]:
-    """Per layer ``{name: [dtype, shape]}`` of the arrays :func:`layer_arrays` gives for ``cache``."""
+    """Per layer ``{name: [dtype, shape]}`` of the arrays :func:`layer_arrays` gives for ``cache``; a
+    cache :func:`storable_reason` refuses has none (nothing of it is ever stored: llama4's chunks)."""
+    if storable_reason(cache) is not None:
+        return [{} for _ in cache]
     return [{name: [str(a.dtype).split(".")[-1], list(a.shape)] for name, a in layer_arrays(entry)[1].items()}
             for entry in cache]

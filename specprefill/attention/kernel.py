@@ -76,6 +76,7 @@ class KernelCapture:
     layer_caches: dict[int, Any] = field(default_factory=dict)  # layer -> cache it was last given
     layer_calls: dict[int, int] = field(default_factory=dict)   # layer -> forward passes seen
     softmax_outside: list[tuple[int, tuple]] = field(default_factory=list)  # probe: stray softmaxes
+    unattributed: int = 0           # kernel calls while recording, outside every decoder layer's call
     current_layer: int | None = None
     in_kernel: bool = False
 
@@ -129,6 +130,8 @@ def _distinct(arrays: Any) -> Any:
 def _sdpa_tap(genuine: Callable, capture: KernelCapture) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
         layer = capture.current_layer
+        if capture.recording and layer is None and not capture.in_kernel:
+            capture.unattributed += 1  # a forward that runs its layers' parts itself (iquestloopcoder)
         if not capture.recording or layer is None or capture.in_kernel:
             return genuine(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
         recorded = mx.array(queries)  # a distinct object: the quantized kernel scales `queries` in place

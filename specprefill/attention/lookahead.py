@@ -84,6 +84,18 @@ def _check_windows(cache: list, n_prompt: int, n_lookahead: int) -> None:
                          f"than every layer's attention window {sorted(windows)}; no layer can score it")
 
 
+def _check_selection(profile: AttentionProfile, n_prompt: int, n_lookahead: int) -> None:
+    """Refuse before any work when every attention layer attends to a selection of fewer keys than the
+    last lookahead step has (the probe saw it select them: deepseek_v32's top-k indexer)."""
+    limits = [r.selects for r in profile.layers if r.role == "attention"]
+    if limits and None not in limits and n_prompt + n_lookahead > max(limits):
+        raise ValueError(
+            f"tokens: a prompt of {n_prompt} tokens plus {n_lookahead} lookahead tokens is more than the "
+            f"{max(limits)} keys each attention layer of {profile.family} attends to (it selects them per "
+            f"query, e.g. a top-k sparse indexer), so no layer attends over the whole prompt; prompts of up "
+            f"to {max(limits) - n_lookahead} tokens can be scored")
+
+
 def _check_step(profile: AttentionProfile, calls: Sequence[KernelCall], step: str) -> None:
     counts = {}
     for call in calls:
@@ -161,6 +173,7 @@ def score_prompt(model: nn.Module, tokens: Sequence[int], profile: AttentionProf
     else:
         cached = cached_length(cache, n_prompt)
     _check_windows(cache, n_prompt, n_lookahead)
+    _check_selection(profile, n_prompt, n_lookahead)
     report(cached, n_prompt, "prefill")
     _prefill(model, prompt, cache, cached, prefill_step, block_size, on_step, report)
     with kernel_capture(model) as capture:

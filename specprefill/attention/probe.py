@@ -17,14 +17,25 @@ if asked) while :mod:`.kernel` records every attention computation, then checks:
 
 Position thresholds (ministral3's query scale, yarn's): whatever a layer does to its queries at
 any position is inside the recorded queries, so the importance is exact there by construction;
-the probe still runs a second time just past the largest ``original_max_position_embeddings``
-of the config, and every layer must keep its role and kernel semantics there. What can change
-with the prompt is caught per request too: the scorer checks each scored step against the profile.
+the probe still runs a second time just past the largest threshold of the config
+(:data:`THRESHOLD_KEYS`), and every layer must keep its role and kernel semantics there. A layer
+whose kernel there attends over fewer keys than its cache holds selects its keys (deepseek_v32's
+top-k indexer): its profile says how many, and the scorer refuses prompts past that by the cause.
+What can change with the prompt is caught per request too: the scorer checks each scored step
+against the profile.
+
+The far probe does not run the model over the positions before the threshold: its caches are
+filled by :func:`synthetic_prefix` (seeded random keys and values written through each cache's
+own ``update_and_fetch``, shapes taken from one real token). What it checks cannot tell the
+difference: a layer's role and kernel count, and whether the recomputed kernel equals the
+genuine one on the inputs it received, depend on the cache's offset and on how many keys it
+holds, which are a real prefill's, and not on what earlier keys contain (the test suite checks
+that every family gets the same profile either way).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,12 +43,18 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_promp
 
 from specprefill.attention.kernel import HAND_WRITTEN, KernelCall, kernel_capture
 from specprefill.errors import UnsupportedModelError
+from specprefill.positions import embedding_inputs, learned_positions
 
 PROBE_TOKENS = 8
 # Config keys naming a position past which attention may change: yarn's / ministral3's / longrope's
-# original context, sliding windows, llama4's attention chunks.
-THRESHOLD_KEYS = ("original_max_position_embeddings", "sliding_window", "attention_chunk_size")
-MAX_PROBE_POSITION = 32768  # the far probe prefills this many tokens at most (once, at load)
+# original context, sliding windows, llama4's attention chunks and query temperature, deepseek_v32's
+# top-k key selection.
+THRESHOLD_KEYS = ("original_max_position_embeddings", "sliding_window", "attention_chunk_size", "floor_scale",
+                  "index_topk")
+MAX_PROBE_POSITION = 32768  # the far probe's caches hold this many tokens at most (once, at load)
+SYNTHETIC_STEP = 2048  # tokens written into a cache at once by synthetic_prefix
+# Brings a fresh cache of the model to holding the given number of tokens (the far probe's start).
+Prefix = Callable[[nn.Module, list, int], None]
 AMPLIFICATIONS = (1.0, 0.0, 8.0)
 
 
@@ -49,6 +66,7 @@ class LayerRole:
     role: str          # "attention", "recurrent" or "none" (no state: an MLP-only block)
     kernel: str | None  # "sdpa" or "softmax" for attention layers
     cache: str         # the cache the layer is given (class name; "-" for none)
+    selects: int | None = None  # past the thresholds its kernel sees only this many of its keys
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,7 @@ class AttentionProfile:
     layers: tuple[LayerRole, ...]
     kv_bits: int | None = None
     kv_group_size: int = 64
+    max_positions: int | None = None  # positions its learned position embeddings cover (None: no limit)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -97,9 +116,11 @@ def quantize_cache(cache: list, bits: int, group_size: int) -> list:
             if c.offset:
                 raise ValueError("kv_bits: only an empty cache is quantized here")
             return QuantizedKVCache(group_size=group_size, bits=bits)
-        if getattr(c, "max_size", None) is not None:
+        if holds_keys(c) and type(c) is not QuantizedKVCache:  # windows, llama4's chunks
+            kind = ("sliding-window" if getattr(c, "max_size", None) is not None else
+                    "chunked-attention" if getattr(c, "chunk_size", None) is not None else "its")
             raise UnsupportedModelError(
-                f"kv_bits: mlx-lm cannot quantize {type(c).__name__} (sliding-window layers); "
+                f"kv_bits: mlx-lm cannot quantize {type(c).__name__} ({kind} layers); "
                 "serve this model with kv_bits unset")
         return c
     return [convert(c) for c in cache]
@@ -229,16 +250,55 @@ def _role(where: str, counts: list[int], cache: Any, stray: bool) -> str:
     return "none" if cache is None else "recurrent"
 
 
-def _run_probe(model: nn.Module, cache: list, n_tokens: int, start_at: int = 0):
-    """Record ``n_tokens`` single-token steps, after ``start_at`` unrecorded prompt tokens."""
+def _leaf_caches(cache: list) -> list:
+    return [m for c in cache for m in (c.caches if isinstance(c, CacheList) else (c,)) if m is not None]
+
+
+def _first_writes(model: nn.Module, cache: list) -> list[tuple[Any, tuple, tuple]]:
+    """One real token through ``cache``: per KV cache written, the (shape, dtype) of its keys and values."""
+    writes: dict[int, tuple[Any, tuple, tuple]] = {}
+    leaves = [c for c in _leaf_caches(cache) if hasattr(c, "update_and_fetch")]
+    for leaf in leaves:
+        def recording(keys, values, _leaf=leaf, _genuine=leaf.update_and_fetch):
+            writes.setdefault(id(_leaf), (_leaf, (keys.shape, keys.dtype), (values.shape, values.dtype)))
+            return _genuine(keys, values)
+        leaf.update_and_fetch = recording
+    try:
+        mx.eval(model(mx.array([[3]], dtype=mx.int32), cache=cache))
+    finally:
+        for leaf in leaves:
+            del leaf.update_and_fetch  # the class's own method again
+    return list(writes.values())
+
+
+def synthetic_prefix(model: nn.Module, cache: list, n_tokens: int) -> None:
+    """Bring a fresh ``cache`` to ``n_tokens`` tokens without running the model over them (module docstring).
+
+    One real token shows what each KV cache is written with; the other ``n_tokens - 1`` are
+    seeded random keys and values written through the cache's own ``update_and_fetch``, so its
+    offset, window, chunking and quantization are what a prefill leaves. Recurrent state stays
+    the state after the one real token.
+    """
+    key = mx.random.key(0)
+    for leaf, (key_shape, key_dtype), (value_shape, value_dtype) in _first_writes(model, cache):
+        for begin in range(1, n_tokens, SYNTHETIC_STEP):
+            size = min(SYNTHETIC_STEP, n_tokens - begin)
+            key, for_keys, for_values = mx.random.split(key, 3)
+            leaf.update_and_fetch(
+                mx.random.normal(key_shape[:2] + (size,) + key_shape[3:], key=for_keys).astype(key_dtype),
+                mx.random.normal(value_shape[:2] + (size,) + value_shape[3:], key=for_values).astype(value_dtype))
+            mx.eval(leaf.state)
+
+
+def _run_probe(model: nn.Module, cache: list, n_tokens: int, start_at: int = 0,
+               prefix: Prefix = synthetic_prefix):
+    """Record ``n_tokens`` single-token steps, after ``prefix`` brought the cache to ``start_at`` tokens."""
     kinds = sorted({_cache_name(c) for c in cache})
     vocab = getattr(getattr(model, "args", None), "vocab_size", 256) or 256
     steps: list[list[KernelCall]] = []
     try:
-        for begin in range(0, start_at, 2048):  # plain prefill up to the far positions
-            ids = [(7 * t + 3) % vocab for t in range(begin, min(start_at, begin + 2048))]
-            model(mx.array([ids], dtype=mx.int32), cache=cache)
-            mx.eval([c.state for c in cache])
+        if start_at:
+            prefix(model, cache, start_at)
         with kernel_capture(model, watch_softmax=True) as capture:
             capture.recording = capture.keep_keys = capture.probe = True
             for t in range(n_tokens):
@@ -269,51 +329,91 @@ def position_thresholds(model: nn.Module) -> list[int]:
     return sorted(set(found))
 
 
-def _layer_roles(model: nn.Module, capture, steps, kv: tuple, check_order: bool) -> list[LayerRole]:
+def _layer_roles(model: nn.Module, capture, steps, *, far: bool) -> list[LayerRole]:
     family, stray = type(model).__module__, {layer for layer, _ in capture.softmax_outside}
+    _require_attributed(family, capture, len(steps))
     roles = []
     for index, layer in enumerate(model.layers):
         where = f"layer {index} ({type(layer).__name__} in {family})"
         per_step = [[c for c in step if c.layer == index] for step in steps]
         layer_cache = capture.layer_caches.get(index)
         role = _role(where, [len(s) for s in per_step], layer_cache, index in stray)
-        kernel = None
+        kernel = selects = None
         if role == "attention":
             calls = [s[0] for s in per_step]
             kernel = calls[0].kind
-            if kernel == "sdpa" and check_order:
+            if kernel == "sdpa" and not far:
                 _check_key_order(where, calls)
             for call in calls:
                 _check_semantics(where, call, _attention_cache(layer_cache))
-        roles.append(LayerRole(index, role, kernel, _cache_name(layer_cache)))
+            selects = _selected_keys(calls[-1], _attention_cache(layer_cache)) if far else None
+        roles.append(LayerRole(index, role, kernel, _cache_name(layer_cache), selects))
     return roles
 
 
+def _require_attributed(family: str, capture, n_passes: int) -> None:
+    """Refuse a model whose attention runs outside its decoder layers' own calls (none can be told apart)."""
+    if capture.unattributed:
+        called = "never calls its decoder layers" if not capture.layer_calls else "calls attention outside them"
+        raise UnsupportedModelError(
+            f"{family}: its forward {called} (it runs their parts directly, e.g. several passes over "
+            f"the layers), so its {capture.unattributed // max(n_passes, 1)} attention computations per "
+            "forward pass cannot be attributed to a layer; not modelled")
+
+
+def _held_keys(cache: Any) -> int | None:
+    """How many keys a KV cache holds now (a window or chunk holds fewer than its offset)."""
+    offset = getattr(cache, "offset", None)
+    if not isinstance(offset, int):
+        return None
+    if isinstance(getattr(cache, "start_position", None), int):  # ChunkedKVCache
+        return offset - cache.start_position
+    window = getattr(cache, "max_size", None)
+    return min(offset, window) if isinstance(window, int) else offset
+
+
+def _selected_keys(call: KernelCall, cache: Any) -> int | None:
+    """Keys the kernel attended over when its layer's cache held more (a top-k selection), else None."""
+    held = _held_keys(cache)
+    return call.n_keys if held is not None and call.n_keys < held else None
+
+
+def _far_roles(model: nn.Module, roles: list[LayerRole], kv: tuple, probe_tokens: int, far: int,
+               far_prefix: Prefix) -> list[LayerRole]:
+    """``roles`` checked again past position ``far``; each with the keys it selects there, if it does."""
+    capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens, start_at=far, prefix=far_prefix)
+    checked = []
+    for near, at_far in zip(roles, _layer_roles(model, capture, steps, far=True)):
+        if (near.role, near.kernel) != (at_far.role, at_far.kernel):
+            raise UnsupportedModelError(
+                f"layer {near.index}: is {near.role} at positions 0-{probe_tokens - 1} but {at_far.role} "
+                f"past position {far} ({type(model).__module__})")
+        checked.append(replace(near, selects=at_far.selects))
+    return checked
+
+
 def probe_attention(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64,
-                    probe_tokens: int = PROBE_TOKENS, max_probe_position: int = MAX_PROBE_POSITION) -> AttentionProfile:
+                    probe_tokens: int = PROBE_TOKENS, max_probe_position: int = MAX_PROBE_POSITION,
+                    far_prefix: Prefix = synthetic_prefix) -> AttentionProfile:
     """Probe ``model`` (see the module docstring); the profile, or :class:`UnsupportedModelError` naming why.
 
     Probes at positions 0.. and again just past the largest position threshold of the config
-    (up to ``max_probe_position``): every layer must keep its role there and every kernel call
-    must still be what the importance recomputes.
+    (up to ``max_probe_position``; ``far_prefix`` brings the caches there, by default without
+    running the model): every layer must keep its role there and every kernel call must still
+    be what the importance recomputes.
     """
     require_layers(model)
     if kv_bits is not None and type(model).__module__ in HAND_WRITTEN:
         raise UnsupportedModelError(f"kv_bits: {type(model).__module__} computes its attention by hand on plain "
                                     "keys (mlx-lm has no quantized path for it); serve it with kv_bits unset")
-    kv = (kv_bits, kv_group_size)
+    kv, max_positions = (kv_bits, kv_group_size), learned_positions(embedding_inputs(model))
     capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens)
-    roles = _layer_roles(model, capture, steps, kv, check_order=True)
-    thresholds = [t for t in position_thresholds(model) if t < max_probe_position]
+    roles = _layer_roles(model, capture, steps, far=False)
+    reach = min(max_probe_position, max_positions or max_probe_position)  # a table has no rows past its end
+    thresholds = [t for t in position_thresholds(model) if t + probe_tokens < reach]
     if thresholds:
-        far = thresholds[-1] + 1
-        capture, steps = _run_probe(model, make_cache(model, *kv), probe_tokens, start_at=far)
-        for near, at_far in zip(roles, _layer_roles(model, capture, steps, kv, check_order=False)):
-            if (near.role, near.kernel) != (at_far.role, at_far.kernel):
-                raise UnsupportedModelError(
-                    f"layer {near.index}: is {near.role} at positions 0-{probe_tokens - 1} but {at_far.role} "
-                    f"past position {far} ({type(model).__module__})")
-    return AttentionProfile(type(model).__module__, tuple(roles), kv_bits, kv_group_size)
+        roles = _far_roles(model, roles, kv, probe_tokens, thresholds[-1] + 1, far_prefix)
+    return AttentionProfile(type(model).__module__, tuple(roles), kv_bits, kv_group_size, max_positions)
 
 
 def _attention_cache(cache: Any) -> Any:

@@ -4,8 +4,8 @@ A target needs none of the draft's probe: only that every position-dependent par
 can be driven by original positions instead of the cache index. In mlx-lm 0.32 that is:
 
 * **rotary embeddings**: every ``rope`` module must accept per-token offsets. Besides the ones
-  :mod:`specprefill.positions` supports, hunyuan's ``DynamicNTKAlphaRoPE`` (fixed frequencies)
-  does, and smollm3's ``NoPE`` is the identity. ``DynamicNTKScalingRoPE`` (and internlm3's own)
+  :mod:`specprefill.positions` supports, hunyuan's and hunyuan_v1_dense's ``DynamicNTKAlphaRoPE``
+  (fixed frequencies) do, and smollm3's ``NoPE`` is the identity. ``DynamicNTKScalingRoPE`` (and internlm3's own)
   changes its base with ``offset + length``: refused. Layers without rope (llama4's NoPE layers,
   nemotron-h, Granite-4.0-H) need nothing; cohere2/exaone4 keep a rope they never call.
 * **position-dependent factors outside the rope**: ministral3 (and mistral3 wrapping it) scale
@@ -41,7 +41,9 @@ from specprefill.attention.kernel import family_modules
 from specprefill.attention.probe import holds_keys, make_cache, require_layers
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP
-from specprefill.positions import SUPPORTED_ROPES, PositionedRoPE, PositionMap, int_offset, rope_owners
+from specprefill.positions import (SUPPORTED_ROPES, EmbeddingInput, PositionedRoPE, PositionMap,
+                                   embeddings_at_positions, embedding_inputs, int_offset, learned_positions,
+                                   rope_owners)
 from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.wrapping import unwrap_rope
 
@@ -51,8 +53,12 @@ POSITION_FACTORS = {"mlx_lm.models.ministral3": "_get_llama_4_attn_scale"}
 
 
 def _extra_ropes() -> tuple[type, ...]:
+    """Family-defined ropes that take per-token offsets: hunyuan's and hunyuan_v1_dense's
+    ``DynamicNTKAlphaRoPE`` (one class each, the same code: the base is scaled by ``alpha`` once,
+    at construction, and ``mx.fast.rope`` runs with those fixed frequencies) and smollm3's ``NoPE``."""
     found = []
-    for module, name in (("mlx_lm.models.hunyuan_v1_dense", "DynamicNTKAlphaRoPE"), ("mlx_lm.models.smollm3", "NoPE")):
+    for module, name in (("mlx_lm.models.hunyuan", "DynamicNTKAlphaRoPE"),
+                         ("mlx_lm.models.hunyuan_v1_dense", "DynamicNTKAlphaRoPE"), ("mlx_lm.models.smollm3", "NoPE")):
         __import__(module)
         found.append(getattr(sys.modules[module], name))
     return tuple(found)
@@ -72,10 +78,21 @@ class TargetProfile:
     caches: tuple[str, ...]        # cache classes
     kv_bits: int | None = None     # the target's KV quantization (None: plain caches)
     kv_group_size: int = 64
+    embeddings: tuple[EmbeddingInput, ...] = ()  # learned position embeddings, looked up by position
+
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the learned position embeddings cover (None: no such limit)."""
+        return learned_positions(self.embeddings)
 
 
 # Cache classes a sparse prefill drives (by original positions, or in order for recurrent state).
 TARGET_CACHES = (KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache)
+# Why a cache class outside TARGET_CACHES cannot be driven, where the cause is known.
+UNDRIVEN_CACHES = {
+    "ChunkedKVCache": "chunked attention: the model builds its chunk mask in its own forward from cache "
+                      "indices (llama4), so kept tokens cannot be placed in their original chunks",
+}
 
 
 def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_size: int = 64) -> TargetProfile:
@@ -86,6 +103,25 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
     """
     require_layers(model)
     family = type(model).__module__
+    ropes = _rope_names(model, family)
+    embeddings = _position_embeddings(model, family)
+    factors = tuple(f"{m.__name__}.{POSITION_FACTORS[m.__name__]}" for m in family_modules(model)
+                    if m.__name__ in POSITION_FACTORS)
+    cache = make_cache(model, kv_bits, kv_group_size)
+    _check_caches(family, cache)
+    window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
+                 default=0)
+    if kv_bits is not None:
+        _check_runs_quantized(model, cache)
+    if kv_bits is not None and _mask_windows(model):
+        raise UnsupportedModelError(f"{family}: kv_bits: windowed layers on plain caches cannot be masked by "
+                                    "original position once quantized; serve this target with kv_bits unset")
+    return TargetProfile(family, ropes, factors, window, tuple(sorted({type(c).__name__ for c in _leaves(cache)})),
+                         kv_bits, kv_group_size, embeddings)
+
+
+def _rope_names(model: nn.Module, family: str) -> tuple[str, ...]:
+    """The rope classes to wrap, or the refusal naming one that per-token offsets cannot drive."""
     ropes = set()
     for owner in rope_owners(model):
         rope = unwrap_rope(owner["rope"])
@@ -94,24 +130,30 @@ def target_profile(model: nn.Module, *, kv_bits: int | None = None, kv_group_siz
                 f"{family}: rope {type(rope).__name__} cannot be driven by original positions (its "
                 f"frequencies depend on the cache offset or it takes no per-token offsets)")
         ropes.add(type(rope).__name__)
-    factors = tuple(f"{m.__name__}.{POSITION_FACTORS[m.__name__]}" for m in family_modules(model)
-                    if m.__name__ in POSITION_FACTORS)
-    cache = make_cache(model, kv_bits, kv_group_size)
+    return tuple(sorted(ropes))
+
+
+def _position_embeddings(model: nn.Module, family: str) -> tuple[EmbeddingInput, ...]:
+    """The learned position embeddings (fed cache indices), or the refusal naming an embedding fed
+    anything else than the tokens or those indices: its ids cannot be mapped to original positions."""
+    found = embedding_inputs(model)
+    for table in found:
+        if table.fed == "other":
+            raise UnsupportedModelError(
+                f"{family}: embedding {table.path} is fed ids that are neither the tokens nor the cache "
+                "positions (a position embedding of an unknown kind), so sparse prefill cannot look it up "
+                "at original positions")
+    return tuple(t for t in found if t.fed == "positions")
+
+
+def _check_caches(family: str, cache: list) -> None:
     for leaf in _leaves(cache):
         if leaf is not None and type(leaf) not in TARGET_CACHES:
-            raise UnsupportedModelError(f"{family}: cache {type(leaf).__name__} is not supported by sparse "
-                                        f"prefill (supported: {', '.join(c.__name__ for c in TARGET_CACHES)})")
-    window = max([c.max_size for c in _leaves(cache) if isinstance(c, RotatingKVCache)] + _mask_windows(model),
-                 default=0)
-    if kv_bits is not None:
-        _check_runs_quantized(model, cache)
-    if kv_bits is not None and _mask_windows(model):
-        raise UnsupportedModelError(f"{family}: kv_bits: windowed layers on plain caches cannot be masked by "
-                                    "original position once quantized; serve this target with kv_bits unset")
-    if any(isinstance(c, RotatingKVCache) and c.keep for c in _leaves(cache)):
-        raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
-    return TargetProfile(family, tuple(sorted(ropes)), factors, window,
-                         tuple(sorted({type(c).__name__ for c in _leaves(cache)})), kv_bits, kv_group_size)
+            name = type(leaf).__name__
+            why = UNDRIVEN_CACHES.get(name, f"supported: {', '.join(c.__name__ for c in TARGET_CACHES)}")
+            raise UnsupportedModelError(f"{family}: cache {name} is not supported by sparse prefill ({why})")
+        if isinstance(leaf, RotatingKVCache) and leaf.keep:
+            raise UnsupportedModelError(f"{family}: RotatingKVCache with keep > 0 is not supported")
 
 
 def _check_runs_quantized(model: nn.Module, cache: list) -> None:
@@ -275,6 +317,10 @@ class TargetSession:
             raise RuntimeError("target session: one prefill per open session (one request)")
         self._prefilled = True
         prompt = as_tokens(tokens)
+        limit = self.profile.max_positions
+        if limit is not None and len(prompt) > limit:
+            raise ValueError(f"tokens: the prompt has {len(prompt)} tokens; {self.profile.family} embeds at most "
+                             f"{limit} positions (learned position embeddings)")
         keep = _check_keep(keep_indices, len(prompt), protected_prefix, required_tail(self.profile))
         self.position_map.set(keep, len(prompt))
         if kv_cache is None:
@@ -337,6 +383,7 @@ def target_session(model: nn.Module, profile: TargetProfile | None = None) -> It
         for owner, rope in zip(owners, genuine):
             owner.rope = PositionedRoPE(rope, position_map)
         stack.callback(_restore_ropes, owners, genuine)
+        stack.enter_context(embeddings_at_positions(model, profile.embeddings, position_map))
         for module in family_modules(model):
             name = POSITION_FACTORS.get(module.__name__)
             if name:

@@ -11,11 +11,13 @@ import pytest
 from mlx_lm.models import base, llama
 
 import tests.support.families as F
+import tests.support.family_coverage as C
 from tests.support.attention_oracle import oracle
+from tests.support.far_prefix import prefill_prefix
 from tests.support.model_state import model_state
 from specprefill.attention.kernel import kernel_capture
 from specprefill.attention.lookahead import prefill_ends, score_prompt
-from specprefill.attention.probe import probe_attention
+from specprefill.attention.probe import PROBE_TOKENS, probe_attention
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
@@ -24,12 +26,9 @@ from tests.support.tiny_models import FAMILIES as TINY_FAMILIES, make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
 SHORT_PROMPT = list(range(1, 41))
-SCORED = [n for n in F.FAMILIES if F.FAMILIES[n].kind != "ssm"]
+SCORED = [n for n in F.FAMILIES if n not in C.DRAFT_REFUSED]  # refused ones: tests of their own below
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-# mlx-lm cannot run these with a quantized cache: sliding windows (RotatingKVCache), gemma2's
-# hand-written attention, MLA's latent cache.
-KV_REFUSED = {"gemma3_text", "olmo3", "gemma2", "gemma2_cap50", "ministral3", "gemma4_text", "gpt_oss",
-              "cohere2", "exaone4_hybrid", "deepseek_v3"}
+KV_REFUSED = C.KV_REFUSED  # where mlx-lm cannot run a quantized cache (the reasons: family_coverage)
 
 def relative(a, b):
     return float(np.max(np.abs(np.asarray(a, dtype=np.float64) - b) / np.abs(b)))
@@ -314,6 +313,65 @@ def test_the_probe_runs_past_every_position_threshold(monkeypatch):
     probe_attention(model, max_probe_position=1)  # positions 0-7 only: the bias never shows
     with pytest.raises(UnsupportedModelError, match="kernel's semantics are not modelled"):
         probe_attention(model)
+
+
+FAR = [n for n in SCORED if F.FAMILIES[n].thresholds] + ["deepseek_v32"]
+
+
+@pytest.mark.parametrize("name", FAR)
+def test_the_far_probe_without_a_prefill_gives_the_full_prefills_profile(name):
+    """The far probe fills its caches with random keys instead of prefilling up to the threshold:
+    every family gets the same profile as with a real prefill (roles, kernels, caches, selections)."""
+    model = F.build(name, seed=3)
+    assert probe_attention(model) == probe_attention(model, far_prefix=prefill_prefix)
+
+
+def test_the_far_probe_without_a_prefill_costs_what_the_probe_tokens_cost(monkeypatch):
+    """No forward pass runs over the positions before the threshold (a ministral3-shaped draft with
+    original_max_position_embeddings 16384 spent ~80 s per profile there on a CPU)."""
+    rope = dict(F.FAMILIES["ministral3"].args["rope_parameters"], original_max_position_embeddings=16384)
+    model = F.build("ministral3", seed=3, rope_parameters=rope, max_position_embeddings=65536)
+    widest = []
+    genuine = type(model).__call__
+
+    def counting(self, inputs, *args, **kwargs):
+        widest.append(inputs.shape[1])
+        return genuine(self, inputs, *args, **kwargs)
+    monkeypatch.setattr(type(model), "__call__", counting)
+    profile = probe_attention(model)
+    # the embedding check (2 + 3 tokens), the near probe, the far probe's one real token and its steps
+    assert sum(widest) == 5 + PROBE_TOKENS + 1 + PROBE_TOKENS
+    assert [r.role for r in profile.layers] == ["attention"] * 3
+
+
+def test_a_forward_that_never_calls_its_layers_is_refused_by_that_cause():
+    """iquestloopcoder runs its layers' parts in two loops (three attention calls per layer), never
+    the layers themselves: refused for that, not as a model without attention."""
+    with pytest.raises(UnsupportedModelError, match="never calls its decoder layers .* 6 attention computations"):
+        probe_attention(F.build("iquestloopcoder"))
+
+
+def test_top_k_key_selection_is_profiled_and_refused_by_its_cause():
+    """deepseek_v32's indexer picks index_topk keys per query once a layer holds more: the far probe
+    sees it; prompts past it are refused naming it, shorter ones are scored exactly."""
+    model = F.build("deepseek_v32", seed=3)
+    profile = probe_attention(model)
+    assert [r.selects for r in profile.layers] == [32, 32]
+    with pytest.raises(ValueError, match="more than the 32 keys .* top-k sparse indexer.* up to 24 tokens"):
+        score_prompt(model, PROMPT, profile)
+    short = PROMPT[:24]
+    result = score_prompt(model, short, profile, prefill_step=16, seed=5)
+    assert relative(result.importance, oracle(model, short, result.lookahead_tokens).importance) <= 1e-4
+
+
+def test_a_learned_position_table_bounds_the_draft():
+    """gpt2 embeds 128 positions: longer prompts are refused by the front door (past the table an
+    embedding reads undefined memory); shorter ones are scored exactly (family coverage)."""
+    profile = profile_model(F.build("gpt2", seed=3))
+    assert profile.attention.max_positions == 128
+    score_tokens(profile, PROMPT + PROMPT[:50], ScoringOptions(n_lookahead=8))
+    with pytest.raises(ValueError, match="121 tokens plus 8 lookahead tokens is more than the 128 positions"):
+        score_tokens(profile, PROMPT + PROMPT[:51], ScoringOptions(n_lookahead=8))
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "ministral3", "qwen3_5"])

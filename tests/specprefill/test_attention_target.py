@@ -1,4 +1,6 @@
 """Sparse prefill (specprefill.attention.target, served by specprefill.sparse) on every family, against true positions."""
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -6,6 +8,7 @@ from mlx_lm.models import ministral3
 from mlx_lm.models.cache import make_prompt_cache
 
 import tests.support.families as F
+import tests.support.family_coverage as C
 from specprefill.attention import target
 from specprefill.attention.probe import make_cache
 from specprefill.attention.target import required_tail, target_profile, target_session
@@ -15,6 +18,7 @@ from tests.support.true_positions import true_position_logits
 
 T = 96
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(0, F.VOCAB, T)]
+SERVED = [n for n in F.FAMILIES if n not in C.TARGET_REFUSED]
 
 
 def keep_for(tail: int, seed: int = 0) -> np.ndarray:
@@ -38,7 +42,7 @@ def plain_prefill(model, tokens, step=32, kv_bits=None):
     return logits[:, -1, :], cache, PrefillState(len(tokens), len(tokens), 0, 0.0)
 
 
-@pytest.mark.parametrize("name", list(F.FAMILIES))
+@pytest.mark.parametrize("name", SERVED)
 def test_keep_all_equals_a_plain_prefill(name):
     model = F.build(name, seed=2)
     logits, cache, state = plain_prefill(model, TOKENS)
@@ -50,7 +54,7 @@ def test_keep_all_equals_a_plain_prefill(name):
     assert got_state.next_position == T and got_state.kept_ratio == 1.0
 
 
-@pytest.mark.parametrize("name", list(F.FAMILIES))
+@pytest.mark.parametrize("name", SERVED)
 def test_sparse_prefill_equals_each_kept_token_at_its_true_position(name):
     model = F.build(name, seed=2)
     profile = target_profile(model)
@@ -166,3 +170,84 @@ def test_a_plain_prefix_cache_is_extended_by_original_position(name):
     with target_session(model, profile) as session:
         expected, _, _ = session.prefill(TOKENS, keep, prefill_step=32)
     assert rel(got, expected) <= 1e-5
+
+
+def test_learned_position_embeddings_are_looked_up_at_original_positions():
+    """gpt2 / gpt_bigcode add wpe[cache offset + i]: the session looks kept tokens up at their prompt
+    positions (the parametrized tests compare with true positions); without it a sparse prefill is off."""
+    for name, path in (("gpt2", "model.wpe"), ("gpt_bigcode", "transformer.wpe")):
+        model = F.build(name, seed=2)
+        profile = target_profile(model)
+        assert [e.path for e in profile.embeddings] == [path] and profile.max_positions == 128
+        keep = keep_for(required_tail(profile))
+        reference = true_position_logits(model, TOKENS, keep)[0]
+        with target_session(model, replace(profile, embeddings=())) as session:  # as before: no lookup
+            logits, _, _ = session.prefill(TOKENS, keep, prefill_step=32)
+        assert rel(logits, reference) > 1e-2
+        assert type(model.layers[0]).__name__ == "TransformerBlock"
+
+
+def _gpt2_feeding_wpe(position_ids):
+    """A gpt2 whose wpe is fed ``position_ids(offset, L)`` (a position embedding of another kind)."""
+    from mlx_lm.models import gpt2
+    from mlx_lm.models.base import create_attention_mask
+
+    class Planted(gpt2.GPT2Model):
+        def __call__(self, inputs, cache=None):
+            h = self.wte(inputs)
+            cache = cache or [None] * len(self.h)
+            offset = cache[0].offset if cache[0] is not None else 0
+            h = h + self.wpe(position_ids(offset, inputs.shape[1]))
+            mask = create_attention_mask(h, cache[0])
+            for layer, c in zip(self.h, cache):
+                h = layer(h, mask, cache=c)
+            return self.ln_f(h)
+
+    model = F.build("gpt2", seed=2)
+    model.model.__class__ = Planted
+    return model
+
+
+def test_an_unknown_position_embedding_is_refused_not_served():
+    """Bucketed positions (wpe[(offset + i) // 2]): neither the tokens nor the cache positions, so
+    there is no rule to look it up at original positions; refused by name, never served."""
+    model = _gpt2_feeding_wpe(lambda offset, n: (mx.arange(n) + offset) // 2)
+    with pytest.raises(UnsupportedModelError, match="embedding model.wpe is fed ids that are neither"):
+        target_profile(model)
+    shifted = _gpt2_feeding_wpe(lambda offset, n: mx.arange(n) + offset + 2)  # OPT's rule: index + 2
+    profile = target_profile(shifted)
+    assert profile.embeddings[0].shift == 2 and profile.max_positions == 126
+    keep = keep_for(required_tail(profile))
+    with target_session(shifted, profile) as session:
+        logits, _, _ = session.prefill(TOKENS, keep, prefill_step=32)
+    assert rel(logits, true_position_logits(shifted, TOKENS, keep)[0]) <= 1e-5
+
+
+def test_positions_past_a_learned_table_are_refused():
+    model = F.build("gpt2", seed=2)
+    profile = target_profile(model)
+    long_prompt = [int(t) for t in np.random.default_rng(4).integers(0, F.VOCAB, 129)]
+    with target_session(model, profile) as session, pytest.raises(ValueError, match="at most 128 positions"):
+        session.prefill(long_prompt, np.arange(129))
+    with target_session(model, profile) as session:
+        logits, cache, state = session.prefill(long_prompt[:126], np.arange(126))
+        with pytest.raises(ValueError, match="position 128: past the model's 128 learned positions"):
+            list(generate_tokens(model, logits, cache, state, max_tokens=5))
+    assert type(model.model.wpe).__name__ == "Embedding"  # the session put the genuine table back
+
+
+def test_hunyuans_rope_is_served_with_fixed_frequencies():
+    """hunyuan's DynamicNTKAlphaRoPE (its own class, the same code as hunyuan_v1_dense's) scales its
+    base once, at construction: per-token offsets drive it (true positions: the parametrized tests)."""
+    model = F.build("hunyuan", seed=2)
+    assert target_profile(model).ropes == ("DynamicNTKAlphaRoPE",)
+    rope = model.layers[0].self_attn.rope
+    x = mx.random.normal((1, 2, 3, 16), key=mx.random.key(1))
+    one_by_one = mx.concatenate([rope(x[:, :, i:i + 1], offset=p) for i, p in enumerate((5, 9, 40))], axis=2)
+    from specprefill.positions import rope_at_positions
+    assert mx.allclose(rope_at_positions(rope, x, mx.array([5, 9, 40])), one_by_one, atol=1e-6).item()
+
+
+def test_chunked_attention_targets_are_refused_by_their_cause():
+    with pytest.raises(UnsupportedModelError, match="llama4: cache ChunkedKVCache .* chunk mask in its own forward"):
+        target_profile(F.build("llama4"))

@@ -162,6 +162,35 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     _f("hunyuan_v1_dense", "hunyuan_v1_dense", "variant", "QK-norm after RoPE, DynamicNTKAlphaRoPE",
        dict(_LLAMA, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0, use_qk_norm=True,
             rope_scaling=dict(alpha=1000.0, factor=1.0, type="dynamic"), tie_word_embeddings=False)),
+    _f("hunyuan", "hunyuan", "variant", "DynamicNTKAlphaRoPE, cross-layer KV sharing (CLA), QK-norm, MoE",
+       dict(_WIDTH, num_hidden_layers=4, attention_bias=False, moe_topk=2, num_experts=4,
+            num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, rms_norm_eps=1e-5,
+            rope_theta=10000.0, use_cla=True, cla_share_factor=2, moe_intermediate_size=32,
+            rope_scaling=dict(alpha=1000.0, factor=1.0, type="dynamic"), tie_word_embeddings=True)),
+    _f("llama4", "llama4", "variant",
+       "chunked attention (ChunkedKVCache, 16-token chunks), NoPE layers with a query temperature past 16",
+       dict(model_type="llama4", text_config=dict(
+           _WIDTH, model_type="llama4_text", num_hidden_layers=4, head_dim=16, attention_bias=False,
+           attention_chunk_size=16, interleave_moe_layer_step=2, intermediate_size_mlp=128,
+           max_position_embeddings=4096, num_experts_per_tok=1, num_local_experts=4, rms_norm_eps=1e-5,
+           rope_scaling=None, rope_theta=10000.0, use_qk_norm=True, floor_scale=16, attn_scale=0.5)),
+       thresholds=(16, 32, 48, 64)),
+    _f("gpt2", "gpt2", "variant", "learned absolute position embeddings (wpe), no rope",
+       dict(n_ctx=128, n_embd=64, n_head=4, n_layer=2, n_positions=128, layer_norm_epsilon=1e-5,
+            vocab_size=VOCAB)),
+    _f("gpt_bigcode", "gpt_bigcode", "variant", "learned absolute position embeddings (wpe), multi-query",
+       dict(n_embd=64, n_layer=2, n_inner=128, n_head=4, n_positions=128, layer_norm_epsilon=1e-5,
+            vocab_size=VOCAB)),
+    _f("iquestloopcoder", "iquestloopcoder", "variant",
+       "two loops over the layers, three attention calls per layer, called as parts (never as modules)",
+       dict(_WIDTH, num_hidden_layers=2, head_dim=16, rms_norm_eps=1e-5, max_position_embeddings=4096,
+            rope_theta=10000.0, loop_window_size=16), thresholds=(16,)),
+    _f("deepseek_v32", "deepseek_v32", "variant", "MLA with a top-k sparse indexer (32 keys per query)",
+       dict(_WIDTH, num_key_value_heads=4, num_hidden_layers=2, moe_intermediate_size=32,
+            n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, kv_lora_rank=32,
+            q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+            num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096,
+            index_head_dim=16, index_n_heads=2, index_topk=32), thresholds=(32,)),
     # --- hybrids: recurrent layers and attention layers ---------------------------------------
     _f("qwen3_5", "qwen3_5", "hybrid", "Gated DeltaNet + gated attention (q/gate split), 1:1",
        dict(text_config=dict(_QWEN35, model_type="qwen3_5"))),
@@ -223,7 +252,7 @@ def for_kv_quantization(name: str) -> dict[str, Any]:
 
 
 def _head_dims_32(args: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = dict(num_attention_heads=2, num_key_value_heads=1)  # hidden 64 / 2 heads
+    out: dict[str, Any] = dict(num_attention_heads=2, num_key_value_heads=1, n_head=2)  # hidden 64 / 2 heads
     if "head_dim" in args:
         out["head_dim"] = 32
     for key, value in (("query_pre_attn_scalar", 32), ("global_head_dim", 64)):

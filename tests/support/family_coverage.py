@@ -31,17 +31,25 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SCORE = dict(prefill_step=16, seed=5)
 BLOCK = 16
 
-# mlx-lm cannot run these with a quantized KV cache: sliding windows (RotatingKVCache), gemma2's
-# hand-written attention, MLA's latent cache. They are refused at load with kv_bits.
+# mlx-lm cannot run these with a quantized KV cache: sliding windows (RotatingKVCache), llama4's
+# chunks (ChunkedKVCache), gemma2's hand-written attention, MLA's latent cache. They are refused at
+# load with kv_bits.
 KV_REFUSED = {"gemma3_text", "olmo3", "gemma2", "gemma2_cap50", "ministral3", "gemma4_text", "gpt_oss",
-              "cohere2", "exaone4_hybrid", "deepseek_v3", "mamba2"}
+              "cohere2", "exaone4_hybrid", "deepseek_v3", "mamba2", "llama4", "iquestloopcoder", "deepseek_v32"}
+# Drafts refused on the 70-token prompt, and the words the refusal must say (its real cause).
+DRAFT_REFUSED = {
+    "mamba2": "no full-attention layer",
+    "iquestloopcoder": "never calls its decoder layers",
+    "deepseek_v32": "top-k sparse indexer",
+}
+# Targets refused at load, and the words the refusal must say.
+TARGET_REFUSED = {"llama4": "builds its chunk mask in its own forward from cache indices"}
 
 
 def claims(name: str) -> set[str]:
     """The cells the project claims ``ok`` for family ``name`` (docs/families.md shows them)."""
-    kind = F.FAMILIES[name].kind
-    claimed = {"target"}
-    if kind != "ssm":
+    claimed = set() if name in TARGET_REFUSED else {"target"}
+    if name not in DRAFT_REFUSED:
         claimed |= {"draft", "draft bf16"}
     if name not in KV_REFUSED:
         claimed.add("kv4")

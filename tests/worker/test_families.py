@@ -43,16 +43,18 @@ def run(rt: WorkerRuntime, kind: str, job_id: str = "j", **fields):
 
 
 SERVED = ["gemma2", "gpt_oss", "ministral3", "gemma4_text", "deepseek_v3", "llama4_text", "qwen3_5", "lfm2",
-          "falcon_h1", "nemotron_h"]
+          "falcon_h1", "nemotron_h", "gpt2", "hunyuan"]
+OVERRIDES = {"gpt2": dict(n_positions=512)}  # the 151-token prompt and its answer fit its table
 
 
 @pytest.mark.parametrize("name", SERVED)
 def test_family_as_draft_and_target_through_the_worker(name):
     # Without the target's prefix store: g3 must prefill its own (sparse) prompt, not restore g1's.
-    rt = runtime({"draft": lambda: F.build(name, seed=3), "target": lambda: F.build(name, seed=4)},
+    over = OVERRIDES.get(name, {})
+    rt = runtime({"draft": lambda: F.build(name, seed=3, **over), "target": lambda: F.build(name, seed=4, **over)},
                  target_prefix_cache=False)
     prefill = run(rt, "prefill", "p", return_importance=True)
-    direct = score_tokens(profile_model(F.build(name, seed=3)), [1] + [2 + ord(c) % 200 for c in TEXT],
+    direct = score_tokens(profile_model(F.build(name, seed=3, **over)), [1] + [2 + ord(c) % 200 for c in TEXT],
                           ScoringOptions(n_lookahead=3, prefill_step=32))
     assert np.allclose(prefill.importance, np.array(direct.importance), rtol=1e-5, atol=0)
     assert 0 < prefill.kept < prefill.total
@@ -73,6 +75,28 @@ def test_pure_ssm_is_refused_as_draft_and_served_as_target():
     rt = runtime({"draft": lambda: F.build("llama", seed=3), "target": lambda: F.build("mamba2", seed=4)})
     res = run(rt, "generate", extra={"max_tokens": 4, "greedy": True})
     assert res.kept < res.total and res.generated_tokens > 0
+
+
+def test_a_job_past_the_targets_learned_positions_is_refused_by_its_limit():
+    """gpt2's wpe has n_positions rows: a prompt plus max_tokens past them is bad input naming the
+    limit (a plain prefill would read past the table as much as a sparse one)."""
+    rt = runtime({"draft": lambda: F.build("llama", seed=3), "target": lambda: F.build("gpt2", seed=4, n_positions=160)})
+    assert run(rt, "generate", "fits", extra={"max_tokens": 8, "greedy": True}).generated_tokens > 0
+    with pytest.raises(ValueError, match="max_tokens: the prompt's 151 tokens plus max_tokens 16 are more than "
+                                         "the 160 positions the target embeds"):
+        run(rt, "generate", "long", extra={"max_tokens": 16, "greedy": True})
+
+
+def test_a_chunked_attention_draft_is_served_and_refused_as_target_by_its_cause():
+    """llama4 scores as a draft (its chunks rewound after the lookahead); as a target its chunk mask,
+    built from cache indices in its forward, cannot be driven by original position."""
+    rt = runtime({"draft": lambda: F.build("llama4", seed=3), "target": lambda: F.build("llama4", seed=4)})
+    prefill = run(rt, "prefill", "p", return_importance=True)
+    direct = score_tokens(profile_model(F.build("llama4", seed=3)), [1] + [2 + ord(c) % 200 for c in TEXT],
+                          ScoringOptions(n_lookahead=3, prefill_step=32))
+    assert np.allclose(prefill.importance, np.array(direct.importance), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="^target_model: 'target': .*chunk mask in its own forward"):
+        rt.models.get("target", "target_model")
 
 
 def test_quantized_draft_and_target_kv():
