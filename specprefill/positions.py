@@ -121,7 +121,7 @@ class EmbeddingInput:
     """One embedding table of a model and what its forward feeds it."""
 
     path: str        # where it sits in the module tree, e.g. "model.wpe"
-    fed: str         # "tokens", "positions" (cache index + ``shift``) or "other"
+    fed: str         # "tokens" (ids from the tokens alone), "positions" (cache index + ``shift``) or "other"
     size: int        # rows of the table
     shift: int = 0   # positions: the id fed for cache index i is i + shift
 
@@ -170,28 +170,30 @@ class _Recording(Wrapper):
         return self.genuine(ids)
 
 
-# Two forward passes, (cache offset, tokens): ids that are neither the tokens nor offset + arange.
-_FEEDS = ((0, (11, 13)), (2, (17, 19, 23)))
+# Forward passes as (cache offset, tokens): the same tokens at two offsets, then others; ids that are
+# neither the tokens nor offset + arange.
+_FEEDS = ((0, (11, 13)), (2, (11, 13)), (4, (17, 19, 23)))
 
 
 def _classify(seen: list[np.ndarray]) -> tuple[str, int]:
-    fed, shifts = set(), set()
-    for ids, (offset, tokens) in zip(seen, _FEEDS):
-        if ids.tolist() == list(tokens):
-            fed.add("tokens")
-        elif len(ids) == len(tokens) and np.all(np.diff(ids) == 1):
-            fed.add("positions")
-            shifts.add(int(ids[0]) - offset)
-        else:
-            fed.add("other")
-    if len(seen) != len(_FEEDS) or len(fed) != 1 or len(shifts) > 1 or min(shifts, default=0) < 0:
+    """What a table was fed in the :data:`_FEEDS` passes: ``("tokens", 0)`` when its ids follow the
+    tokens alone (the same tokens at another offset, the same ids), ``("positions", shift)`` when
+    they are ``offset + arange(L) + shift`` every time, else ``("other", 0)``."""
+    if len(seen) != len(_FEEDS):
         return "other", 0
-    return fed.pop(), shifts.pop() if shifts else 0
+    if np.array_equal(seen[0], seen[1]):
+        return "tokens", 0
+    shifts = {int(ids[0]) - offset if len(ids) == len(tokens) and np.all(np.diff(ids) == 1) else -1
+              for ids, (offset, tokens) in zip(seen, _FEEDS)}
+    if len(shifts) == 1 and min(shifts) >= 0:
+        return "positions", shifts.pop()
+    return "other", 0
 
 
 def embedding_inputs(model: nn.Module) -> list[EmbeddingInput]:
     """Every embedding table the model's forward looks up, and what it feeds each (see the module
-    docstring), found by two forward passes on a fresh cache; tables it never calls are left out."""
+    docstring), found by three short forward passes on a fresh cache; tables it never calls are
+    left out."""
     slots = list(_embedding_slots(model))
     seen: list[list[np.ndarray]] = [[] for _ in slots]
     for (holder, key, _, module), record in zip(slots, seen):

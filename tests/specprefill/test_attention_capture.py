@@ -339,8 +339,8 @@ def test_the_far_probe_without_a_prefill_costs_what_the_probe_tokens_cost(monkey
         return genuine(self, inputs, *args, **kwargs)
     monkeypatch.setattr(type(model), "__call__", counting)
     profile = probe_attention(model)
-    # the embedding check (2 + 3 tokens), the near probe, the far probe's one real token and its steps
-    assert sum(widest) == 5 + PROBE_TOKENS + 1 + PROBE_TOKENS
+    # the embedding check (2 + 2 + 3 tokens), the near probe, the far probe's one real token and its steps
+    assert sum(widest) == 7 + PROBE_TOKENS + 1 + PROBE_TOKENS
     assert [r.role for r in profile.layers] == ["attention"] * 3
 
 

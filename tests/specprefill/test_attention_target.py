@@ -188,7 +188,7 @@ def test_learned_position_embeddings_are_looked_up_at_original_positions():
 
 
 def _gpt2_feeding_wpe(position_ids):
-    """A gpt2 whose wpe is fed ``position_ids(offset, L)`` (a position embedding of another kind)."""
+    """A gpt2 whose wpe is fed ``position_ids(offset, inputs)`` (a position embedding of another kind)."""
     from mlx_lm.models import gpt2
     from mlx_lm.models.base import create_attention_mask
 
@@ -197,7 +197,7 @@ def _gpt2_feeding_wpe(position_ids):
             h = self.wte(inputs)
             cache = cache or [None] * len(self.h)
             offset = cache[0].offset if cache[0] is not None else 0
-            h = h + self.wpe(position_ids(offset, inputs.shape[1]))
+            h = h + self.wpe(position_ids(offset, inputs))
             mask = create_attention_mask(h, cache[0])
             for layer, c in zip(self.h, cache):
                 h = layer(h, mask, cache=c)
@@ -211,10 +211,12 @@ def _gpt2_feeding_wpe(position_ids):
 def test_an_unknown_position_embedding_is_refused_not_served():
     """Bucketed positions (wpe[(offset + i) // 2]): neither the tokens nor the cache positions, so
     there is no rule to look it up at original positions; refused by name, never served."""
-    model = _gpt2_feeding_wpe(lambda offset, n: (mx.arange(n) + offset) // 2)
+    model = _gpt2_feeding_wpe(lambda offset, ids: (mx.arange(ids.shape[1]) + offset) // 2)
     with pytest.raises(UnsupportedModelError, match="embedding model.wpe is fed ids that are neither"):
         target_profile(model)
-    shifted = _gpt2_feeding_wpe(lambda offset, n: mx.arange(n) + offset + 2)  # OPT's rule: index + 2
+    by_token = _gpt2_feeding_wpe(lambda offset, ids: ids[0] % 64)  # a second table of the tokens: no positions
+    assert target_profile(by_token).embeddings == ()
+    shifted = _gpt2_feeding_wpe(lambda offset, ids: mx.arange(ids.shape[1]) + offset + 2)  # OPT's rule: index + 2
     profile = target_profile(shifted)
     assert profile.embeddings[0].shift == 2 and profile.max_positions == 126
     keep = keep_for(required_tail(profile))
