@@ -354,11 +354,11 @@ def _layer_roles(model: nn.Module, capture, steps, *, far: bool) -> list[LayerRo
 def _require_attributed(family: str, capture, n_passes: int) -> None:
     """Refuse a model whose attention runs outside its decoder layers' own calls (none can be told apart)."""
     if capture.unattributed:
-        called = "never calls its decoder layers" if not capture.layer_calls else "calls attention outside them"
+        where = ("never calls its decoder layers (it runs their parts directly, e.g. several passes over "
+                 "the layers)" if not capture.layer_calls else "runs attention outside its decoder layers' calls")
         raise UnsupportedModelError(
-            f"{family}: its forward {called} (it runs their parts directly, e.g. several passes over "
-            f"the layers), so its {capture.unattributed // max(n_passes, 1)} attention computations per "
-            "forward pass cannot be attributed to a layer; not modelled")
+            f"{family}: its forward {where}, so its {capture.unattributed // max(n_passes, 1)} attention "
+            "computations per forward pass cannot be attributed to a layer; not modelled")
 
 
 def _held_keys(cache: Any) -> int | None:

@@ -5,13 +5,17 @@ can be driven by original positions instead of the cache index. In mlx-lm 0.32 t
 
 * **rotary embeddings**: every ``rope`` module must accept per-token offsets. Besides the ones
   :mod:`specprefill.positions` supports, hunyuan's and hunyuan_v1_dense's ``DynamicNTKAlphaRoPE``
-  (fixed frequencies) do, and smollm3's ``NoPE`` is the identity. ``DynamicNTKScalingRoPE`` (and internlm3's own)
-  changes its base with ``offset + length``: refused. Layers without rope (llama4's NoPE layers,
+  (fixed frequencies) do, and smollm3's ``NoPE`` is the identity. ``DynamicNTKScalingRoPE``
+  (and internlm3's own) changes its base with ``offset + length``: refused. Layers without rope (llama4's NoPE layers,
   nemotron-h, Granite-4.0-H) need nothing; cohere2/exaone4 keep a rope they never call.
 * **position-dependent factors outside the rope**: ministral3 (and mistral3 wrapping it) scale
   queries by ``1 + β·log(1 + ⌊pos/original_max_position_embeddings⌋)`` computed from
   ``cache[0].offset``; its function is replaced, for the session, by one reading the
   position map (:data:`POSITION_FACTORS`).
+* **learned absolute position embeddings** (gpt2's and gpt_bigcode's ``wpe``): found by what the
+  forward feeds each embedding table (:func:`specprefill.positions.embedding_inputs`); a table fed
+  the cache indices is looked up at original positions for the session, one fed anything else is
+  refused by name, and the table's rows bound the prompt (:attr:`TargetProfile.max_positions`).
 * **offsets as arrays**: gemma4 passes ``mx.array(cache.offset)`` to its ropes; the session's
   rope wrapper accepts 0-d arrays.
 * **sliding windows**: a windowed layer must see what a full prefill would. Its mask is made
