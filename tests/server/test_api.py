@@ -2,25 +2,16 @@
 server, a real Redis and a real worker on the shipped tiny models."""
 from __future__ import annotations
 
-import http.client
-import json
-import time
-import urllib.parse
-
 import pytest
 import redis
 from openai import APIError, AuthenticationError, BadRequestError, NotFoundError, OpenAI, RateLimitError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.server.conftest import API_KEY, TARGET, words
+from tests.server.conftest import API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, words
 from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def chat(client: OpenAI, text: str, **kw):
-    return client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": text}], **kw)
 
 
 def test_models_lists_what_the_worker_serves(openai_client):
@@ -88,9 +79,10 @@ def test_bad_requests_name_the_field(openai_client):
             chat(openai_client, "vibo zupo", **kw)
         assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
         assert err.value.body["message"].startswith(param)
-    with pytest.raises(BadRequestError) as err:  # the worker finds the model missing: named too
+    with pytest.raises(NotFoundError) as err:  # the worker finds the model missing: named too
         openai_client.chat.completions.create(model="/no/such/model", messages=[{"role": "user", "content": "x"}])
-    assert err.value.body["param"] == "model" and "model" in err.value.body["message"]
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    assert err.value.body["message"].startswith("model: '/no/such/model'")
     with pytest.raises(BadRequestError) as err:
         openai_client.chat.completions.create(model=TARGET, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
@@ -108,48 +100,28 @@ def test_unauthorized_and_not_found(stack, openai_client):
         openai_client.files.content("file-nope")
 
 
-def _raw(url: str, method: str, path: str, body: dict | None = None, key: str | None = API_KEY,
-         timeout: float = 30) -> http.client.HTTPConnection:
-    u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-    return conn
-
-
-def _queued(redis_url: str, namespace: str) -> list[str]:
-    return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
-
-
-def _status(redis_url: str, job_id: str) -> str | None:
-    s = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "status")
-    return s.decode() if s else None
-
-
 def test_queue_full_429_and_disconnect_cancels(idle, stack):
     """No worker reads ``idle``'s queue: a request's job waits there. A client that gives
     up cancels it; while one waits, the depth limit (1) answers 429."""
     body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=6)}],
             "max_tokens": 2, "stream": True}
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", body, key=None)
     resp = conn.getresponse()
     assert resp.status == 200
     job_id = resp.getheader("x-specprefill-job-id")
-    assert _queued(stack.redis_url, "idle") == [job_id]
+    assert queued_jobs(stack.redis_url, "idle") == [job_id]
     client = OpenAI(base_url=idle.url + "/v1", api_key="none", max_retries=0)
     with pytest.raises(RateLimitError) as err:
         chat(client, words(50, seed=7), max_tokens=2)
     assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
     conn.close()  # the streaming client leaves
-    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="streamed job canceled")
+    wait_for(lambda: job_status(stack.redis_url, job_id) == "canceled", 10, what="streamed job canceled")
     # a non-streaming client that leaves cancels its job too
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", {**body, "stream": False}, key=None)
-    wait_for(lambda: _queued(stack.redis_url, "idle"), 10, what="job queued")
-    job_id = _queued(stack.redis_url, "idle")[0]
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", {**body, "stream": False}, key=None)
+    wait_for(lambda: queued_jobs(stack.redis_url, "idle"), 10, what="job queued")
+    job_id = queued_jobs(stack.redis_url, "idle")[0]
     conn.close()
-    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
+    wait_for(lambda: job_status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
 
 
 def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis):
@@ -160,19 +132,19 @@ def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis)
 
     body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=8)}],
             "max_tokens": 2, "stream": True}
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", body, key=None)
     resp = conn.getresponse()
     job_id = resp.getheader("x-specprefill-job-id")
-    assert resp.status == 200 and _status(http_redis.url, job_id) == "queued"
+    assert resp.status == 200 and job_status(http_redis.url, job_id) == "queued"
     r, settings = redis.Redis.from_url(http_redis.url), Settings(namespace="idle")
     assert holders.join(r, settings, {job_id: ["another-submitter"]}) == set()
     conn.close()  # the HTTP client leaves; the other submitter does not
     wait_for(lambda: holders.holder_count(r, settings, job_id) == 1, 10, what="the request's hold released")
-    assert _status(http_redis.url, job_id) == "queued"
+    assert job_status(http_redis.url, job_id) == "queued"
     from jobs.client import Client
 
     last = Client(r, settings).handle(job_id, holder="another-submitter")
-    assert last.cancel() == "canceled" and _queued(http_redis.url, "idle") == []  # the last one lets go
+    assert last.cancel() == "canceled" and queued_jobs(http_redis.url, "idle") == []  # the last one lets go
 
 
 def test_redis_down_is_503(tmp_path):
