@@ -24,7 +24,7 @@ from jobs.settings import Settings
 from specprefill_server.availability import read_live_models
 from specprefill_server.runner import DaemonPool
 
-ANSWER_WITHIN_S = 0.95  # what a probe with a 1 s timeout still reads
+ANSWER_WITHIN_S = 0.8  # a probe with a 1 s timeout still reads it on a loaded machine
 
 
 class Probes:

@@ -67,6 +67,14 @@ def raw_request(url: str, method: str, path: str, body: dict | None = None, key:
     return conn
 
 
+def scrape_metrics(url: str) -> dict[str, list]:
+    """A Prometheus endpoint's families by name (their samples)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
 def queued_jobs(redis_url: str, namespace: str) -> list[str]:
     return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
 

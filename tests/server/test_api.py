@@ -8,7 +8,8 @@ from openai import APIError, AuthenticationError, BadRequestError, NotFoundError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.server.conftest import API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, words
+from tests.server.conftest import (API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, scrape_metrics,
+                                   words)
 from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,17 +165,27 @@ def test_redis_down_is_503(tmp_path):
         own.stop()
 
 
+def value(samples: list, suffix: str = "", **labels: str) -> float:
+    """The one sample of a family with ``labels`` (and a name ending in ``suffix``)."""
+    found = [s.value for s in samples if s.name.endswith(suffix) and all(
+        s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (suffix, labels, samples)
+    return found[0]
+
+
 def test_metrics_after_a_job(openai_client, stack):
-    from prometheus_client.parser import text_string_to_metric_families
-    import urllib.request
-
+    before = scrape_metrics(stack.server.url + "/metrics")
     chat(openai_client, words(400, seed=8), max_tokens=3)
-
-    def scrape(url: str) -> dict[str, list]:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return {f.name: f.samples for f in text_string_to_metric_families(text)}
-
-    server = scrape(stack.server.url + "/metrics")
+    server = scrape_metrics(stack.server.url + "/metrics")
+    sync = dict(endpoint="/v1/chat/completions", mode="sync")
+    assert value(server["specprefill_http_answers"], "_total", **sync) >= 1
+    for family in ("queue_wait_seconds", "kept_ratio"):  # every answer moves both
+        name = f"specprefill_http_{family}"
+        assert value(server[name], "_count") == value(before[name], "_count") + 1
+    assert value(server["specprefill_http_kept_ratio"], "_bucket", le="0.5") > \
+        value(before["specprefill_http_kept_ratio"], "_bucket", le="0.5")  # keep 0.25 plus the tail
+    # block-store series by model name and role, not by fingerprint
+    assert value(server["specprefill_block_store_lookups"], model="draft", role="draft") >= 1
     answered = [s for s in server["specprefill_http_requests"]
                 if s.labels.get("route") == "/v1/chat/completions" and s.labels["status"] == "200"]
     assert answered and answered[0].value >= 1
@@ -187,7 +198,7 @@ def test_metrics_after_a_job(openai_client, stack):
     assert [s.value for s in server["specprefill_http_ttft_seconds"] if s.name.endswith("_count")][0] >= 1
     assert any(s.value > 0 for s in server["specprefill_rq_worker_busy_seconds"])
 
-    worker = wait_for(lambda: scrape(stack.worker_metrics_url), 10, what="worker metrics")
+    worker = wait_for(lambda: scrape_metrics(stack.worker_metrics_url), 10, what="worker metrics")
     jobs = {(s.labels["kind"], s.labels["status"]): s.value for s in worker["specprefill_worker_jobs"]
             if s.name.endswith("_total")}
     assert jobs.get(("generate", "finished"), 0) >= 1
@@ -197,3 +208,5 @@ def test_metrics_after_a_job(openai_client, stack):
     assert [s.value for s in worker["specprefill_worker_target_tokens_prefilled"]
             if s.name.endswith("_total")][0] > 0
     assert [s.value for s in worker["specprefill_worker_busy_seconds"] if s.name.endswith("_total")][0] > 0
+    assert value(worker["specprefill_worker_queue_wait_seconds"], "_count", kind="generate") >= 1
+    assert value(worker["specprefill_worker_kept_ratio"], "_count", kind="generate") >= 1
