@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import Any, AsyncIterator
 
 import redis
@@ -55,10 +56,9 @@ async def _answer(request: Request, url: str) -> Response:
     spec = svc.client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
     limit = request_deadline(request.headers, svc.settings, stream=req.stream)
     deadline = Deadline(limit.seconds)
+    models = {"target_model": spec.generate.target_model, "draft_model": spec.draft_model}
     # 503/404 now rather than a job no live worker would take
-    await svc.runner.call(svc.models.check, {"target_model": spec.generate.target_model,
-                                             "draft_model": spec.draft_model})
-    handle = await svc.runner.submit(spec)
+    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
     created = int(time.time())
     if req.stream:
         maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=handle.id,
