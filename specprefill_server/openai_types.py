@@ -112,6 +112,9 @@ class ChatCompletionRequest(_Sampling):
             raise Unsupported("store: stored completions are not supported")
         if self.modalities is not None and self.modalities != ["text"]:
             raise Unsupported("modalities: only [\"text\"] is supported")
+        if self.tool_choice is not None and self.tool_choice not in ("auto", "none"):
+            # forcing a call would change the answer; the model chooses for itself here
+            raise Unsupported("tool_choice: only \"auto\" and \"none\" are supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_completion_tokens: differs from max_tokens (give one)")
