@@ -19,7 +19,7 @@ from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
 from specprefill.profile import profile_model
-from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
+from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
 from worker import target_prefill
 from worker.admission import admission_reason
@@ -188,13 +188,7 @@ def test_a_draft_the_worker_cannot_find_is_refused_not_a_fallback():
     fails naming draft_model (the front door's model_not_found), it is not answered without
     SpecPrefill. A draft that is found but fails still falls back (the tests above)."""
     rt, _ = runtime()
-
-    def identify(name):
-        if name == "no-such-draft":
-            raise ValueError("is a hub model not downloaded on this worker")
-        return "fake:" + name
-
-    rt.models._identify = identify
+    rt.models._identify = identify_all_but("no-such-draft", "is a hub model not downloaded on this worker")
     with pytest.raises(UnknownModel, match="^draft_model: 'no-such-draft': is a hub model not downloaded"):
         run(rt, messages=chat(), extra=GREEDY, draft_model="no-such-draft")
     assert events(rt)[-1].kind == "failed" and not [e for e in events(rt) if e.kind == "fallback"]
