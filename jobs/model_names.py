@@ -20,7 +20,7 @@ from typing import Mapping
 
 from jobs.settings import Settings
 
-class UnknownModel(ValueError):
+class UnknownModelError(ValueError):
     """A job named a model the worker cannot find: not a name it knows, no such folder, a
     hub id not in its cache. Bad input (the front door's ``model_not_found``), never a
     failure of the draft to fall back from. The message starts with the job's field."""

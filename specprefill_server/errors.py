@@ -18,7 +18,7 @@ from jobs.spec import JobSpecError
 # The field a JobSpecError names: "messages[2].content: ...", "keep: ...".
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):\s")
 # How a worker-side failure names a bad-input error in the job's last traceback line.
-_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ValueError|UnknownModel): (.*)$", re.S)
+_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ValueError|UnknownModelError): (.*)$", re.S)
 # The code of an error raised without one: what its status means.
 STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
                 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
@@ -103,7 +103,7 @@ def from_job_failure(status: str, error: str) -> APIError:
     """A job that ended failed or stopped: bad input the worker found is 400 (a model it
     cannot find: :func:`model_not_found`), the rest 500."""
     m = _WORKER_ERROR.match(error or "")
-    if status == "failed" and m and m.group(1) == "UnknownModel":
+    if status == "failed" and m and m.group(1) == "UnknownModelError":
         field = field_of(m.group(2)) or "model"
         return model_not_found(field, from_spec_error(JobSpecError(m.group(2))).message)
     # A JobSpecError is bad input; a ValueError is when it names a field (model errors do).

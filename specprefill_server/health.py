@@ -3,7 +3,8 @@
 The probes never touch the request path's Redis client (its retries back off for
 seconds) or its threads (a busy server may have every one waiting on a job): they run on
 a client of their own, with no retries and every call bounded by ``http_probe_timeout_s``,
-in two threads of their own, and the answer is given at the one-second mark at the latest.
+in two threads of their own, and the answer is given ``ANSWER_WITHIN_S`` after the request
+at the latest (a 503 if the checks have not finished by then).
 
 - ``/healthz``: 200 when the queue's Redis answers a PING, else 503.
 - ``/readyz``: 200 when Redis answers and at least one live worker on the server's queue
@@ -44,6 +45,8 @@ class Probes:
         except (asyncio.TimeoutError, redis.RedisError) as exc:
             body = {"status": "unavailable", "redis": False,
                     "error": f"the queue's Redis did not answer ({type(exc).__name__})"}
+        except Exception as exc:  # a probe answers, whatever went wrong (an odd worker record)
+            body = {"status": "unavailable", "error": f"{type(exc).__name__}: {exc}"[:300]}
         body["checked_in_s"] = round(time.perf_counter() - started, 4)
         return (200 if body["status"] in ("ok", "ready") else 503), body
 

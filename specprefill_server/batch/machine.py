@@ -92,6 +92,7 @@ class BatchService:
         if batch is None or batch["status"] in TERMINAL:
             if batch is None:
                 self.store.forget_active(batch_id)
+            self._seen_finished.pop(batch_id, None)  # another server may have finalised it
             return batch
         with self.store.lock(batch_id) as held:
             batch = self.store.batch(batch_id) or batch

@@ -232,11 +232,11 @@ def test_every_error_has_a_code():
     assert (err.value.param, err.value.code) == ("messages", "missing_required_parameter")
     assert from_spec_error(JobSpecError("keep: 2 is outside")).code == "invalid_value"
     assert APIError(500, "x").code == "internal_error" and APIError(418, "x").code == "error"
-    target = from_job_failure("failed", "jobs.model_names.UnknownModel: target_model: 'x': is a hub model not "
+    target = from_job_failure("failed", "jobs.model_names.UnknownModelError: target_model: 'x': is a hub model not "
                                         "downloaded on this worker")
     assert (target.status, target.param, target.code) == (404, "model", "model_not_found")
     assert target.message.startswith("model: 'x'")
-    draft = from_job_failure("failed", "jobs.model_names.UnknownModel: draft_model: 'd': its folder is missing")
+    draft = from_job_failure("failed", "jobs.model_names.UnknownModelError: draft_model: 'd': its folder is missing")
     assert (draft.status, draft.param, draft.code) == (400, "draft_model", "model_not_found")
 
 

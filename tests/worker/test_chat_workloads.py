@@ -13,7 +13,7 @@ import pytest
 
 from cache_store import model_fingerprint
 from jobs.keys import stream_key
-from jobs.model_names import UnknownModel
+from jobs.model_names import UnknownModelError
 from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
@@ -189,7 +189,7 @@ def test_a_draft_the_worker_cannot_find_is_refused_not_a_fallback():
     SpecPrefill. A draft that is found but fails still falls back (the tests above)."""
     rt, _ = runtime()
     rt.models._identify = identify_all_but("no-such-draft", "is a hub model not downloaded on this worker")
-    with pytest.raises(UnknownModel, match="^draft_model: 'no-such-draft': is a hub model not downloaded"):
+    with pytest.raises(UnknownModelError, match="^draft_model: 'no-such-draft': is a hub model not downloaded"):
         run(rt, messages=chat(), extra=GREEDY, draft_model="no-such-draft")
     assert events(rt)[-1].kind == "failed" and not [e for e in events(rt) if e.kind == "fallback"]
 
