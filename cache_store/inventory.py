@@ -3,7 +3,7 @@ use, hit rates, the bytes of its own keys, and clearing it (that namespace only)
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -32,10 +32,33 @@ def hit_rates(counters: dict[str, int]) -> dict[str, float | None]:
             "memo_hit_rate": _ratio(counters.get("memo_hits", 0), counters.get("memo_lookups", 0))}
 
 
+def _labels(client: redis.Redis, namespace: str) -> dict[str, dict[str, Any]]:
+    """What workers recorded of each fingerprint's model (identity, name, role)."""
+    return {as_text(fp): json.loads(as_text(v)) for fp, v in client.hgetall(models_key(namespace)).items()}
+
+
+def counters_by_name(client: redis.Redis, namespace: str, show: Callable[[str], str] = str,
+                     ) -> dict[tuple[str, str], dict[str, int]]:
+    """The counters summed per (model name as jobs name it, passed through ``show``; role
+    ``draft``/``target``), for metrics labels: a model's fingerprints (block formats, KV
+    settings) add up under its name. A fingerprint no worker recorded is
+    ``fingerprint:<prefix>``, role ``unknown``."""
+    labels = _labels(client, namespace)
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for fp, counters in counters_by_model(client, namespace).items():
+        label = labels.get(fp, {})
+        name = label.get("name") or label.get("model")
+        key = (show(name) if name else f"fingerprint:{fp[:16]}", label.get("role") or "unknown")
+        total = out.setdefault(key, {})
+        for field, value in counters.items():
+            total[field] = total.get(field, 0) + value
+    return out
+
+
 def labelled_counters(client: redis.Redis, namespace: str) -> dict[str, dict[str, Any]]:
     """Each model's counters and hit rates, keyed by the model name results carry
     (``local:…``/``hub:…``; the fingerprint when no worker recorded it)."""
-    labels = {as_text(fp): json.loads(as_text(v)) for fp, v in client.hgetall(models_key(namespace)).items()}
+    labels = _labels(client, namespace)
     out: dict[str, dict[str, Any]] = {}
     for fp, counters in sorted(counters_by_model(client, namespace).items()):
         label = labels.get(fp, {})

@@ -8,6 +8,7 @@ nothing (registry counts skip RQ's clean-up).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -16,8 +17,10 @@ import redis
 from rq import Queue, Worker
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from rq.utils import utcparse
 
 from cache_store.replies import as_text
+from jobs.model_names import public_name
 from jobs.settings import Settings
 from jobs.spec import JobSpec, spec_from_payload
 
@@ -87,6 +90,8 @@ class WorkerInfo:
     birth: float | None
     last_heartbeat: float | None
     models: list[dict[str, Any]] = field(default_factory=list)
+    # It also takes models it does not list (no allow-list): its folders, hub ids it has.
+    accepts_unlisted: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,23 +111,59 @@ def workers(connection: redis.Redis, settings: Settings) -> list[WorkerInfo]:
     out = []
     for n, raw in zip(names, adverts):
         w = seen[n]
-        models = _decode_advert(raw)
+        models, accepts_unlisted = decode_advert(raw)
         out.append(WorkerInfo(
             name=n, state=w.get_state(), queues=w.queue_names(), current_job=w.get_current_job_id(),
             successful_jobs=w.successful_job_count, failed_jobs=w.failed_job_count,
             busy_seconds=round(w.total_working_time, 3), hostname=w.hostname, pid=w.pid,
-            birth=_ts(w.birth_date), last_heartbeat=_ts(w.last_heartbeat), models=models))
+            birth=_ts(w.birth_date), last_heartbeat=_ts(w.last_heartbeat), models=models,
+            accepts_unlisted=accepts_unlisted))
     return out
 
 
-def _decode_advert(raw: Any) -> list[dict[str, Any]]:
+def encode_advert(models: list[dict[str, Any]], accepts_unlisted: bool) -> str:
+    """What a worker writes under :func:`advertised_models_key` (``worker.advertise``)."""
+    return json.dumps({"models": models, "accepts_unlisted": accepts_unlisted, "ts": time.time()})
+
+
+def decode_advert(raw: Any) -> tuple[list[dict[str, Any]], bool]:
+    """(the models an advert lists, whether its worker takes unlisted ones too)."""
     if raw is None:
-        return []
+        return [], False
     try:
-        models = json.loads(raw).get("models", [])
+        advert = json.loads(raw)
+        models = advert.get("models", [])
     except (ValueError, AttributeError):
-        return []  # a garbled advert lists nothing rather than failing the listing
-    return [m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        return [], False  # a garbled advert lists nothing rather than failing the listing
+    return ([m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)],
+            advert.get("accepts_unlisted") is True)
+
+
+def advertised_names(connection: redis.Redis, namespace: str) -> set[str]:
+    """Every model name any worker of ``namespace`` advertised within the adverts' TTL,
+    live or not (a scan: for telling a model that is down from one never served)."""
+    keys = list(connection.scan_iter(match=advertised_models_key(namespace, "*"), count=500))
+    raws = connection.mget(keys) if keys else []
+    return {m["name"] for raw in raws for m in decode_advert(raw)[0]}
+
+
+def job_times(connection: redis.Redis, job_ids: list[str]) -> dict[str, tuple[float | None, float | None]]:
+    """(enqueued_at, started_at) of each job as RQ recorded them (epoch seconds), one round trip."""
+    with connection.pipeline(transaction=False) as pipe:
+        for jid in job_ids:
+            pipe.hmget(Job.key_for(jid), "enqueued_at", "started_at")
+        replies = pipe.execute()
+    return {jid: (_rq_time(enq), _rq_time(start)) for jid, (enq, start) in zip(job_ids, replies)}
+
+
+def _rq_time(raw: Any) -> float | None:
+    text = as_text(raw)
+    if not text:
+        return None
+    try:
+        return utcparse(text).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -164,12 +205,12 @@ def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) ->
     return [jid for _, jid in sorted(out, reverse=True)[:limit]]
 
 
-def block_store_counters(cache_client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
-    """The block store's shared counters per model fingerprint (lookups, hits, misses, bytes,
-    corrupt blocks, memo counters)."""
-    from cache_store.store import counters_by_model
+def block_store_counters(cache_client: redis.Redis, namespace: str) -> dict[tuple[str, str], dict[str, int]]:
+    """The block store's shared counters (lookups, hits, misses, bytes, corrupt blocks, memo
+    counters) per (model name, role); a name that is a worker's folder shows its last part."""
+    from cache_store.inventory import counters_by_name
 
-    return counters_by_model(cache_client, namespace)
+    return counters_by_name(cache_client, namespace, show=public_name)
 
 
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:

@@ -20,6 +20,12 @@ from typing import Mapping
 
 from jobs.settings import Settings
 
+class UnknownModelError(ValueError):
+    """A job named a model the worker cannot find: not a name it knows, no such folder, a
+    hub id not in its cache. Bad input (the front door's ``model_not_found``), never a
+    failure of the draft to fall back from. The message starts with the job's field."""
+
+
 DEFAULT_DRAFT = "draft"
 DEFAULT_TARGET = "target"
 ALIAS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # no '/': never a hub id

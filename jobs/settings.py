@@ -153,6 +153,20 @@ class Settings:
     max_upload_bytes: int = 100 * 1024 * 1024  # one Batch API input file
     http_threads: int = 256  # threads that wait on jobs (one per open request)
     batch_poll_s: float = 1.0  # how often the server advances its running batches
+    # A request without its answer this long after it arrived gets a 504 (a stream: an error
+    # event) and releases its hold on its job. 0: no deadline. A non-streamed request that
+    # says how long its SDK waits (X-Stainless-Timeout, x-stainless-read-timeout) is
+    # answered within that share of it, so the 504 reaches the client before it gives up.
+    http_request_timeout_s: float = 600.0
+    http_sdk_timeout_share: float = 0.9
+    # How stale the server's view of the live workers and the models they serve may be
+    # (a request for a model none serves is a 503 at once instead of waiting in the queue).
+    http_workers_refresh_s: float = 1.0
+    # /healthz and /readyz: each Redis call of a probe waits at most this long (its own
+    # connection, no retries), so a probe answers within a second whatever Redis does.
+    http_probe_timeout_s: float = 0.4
+    # Origins a browser may call the API from (CORS; "*" any). Empty: no CORS headers.
+    http_cors_origins: tuple[str, ...] = ()
     worker_metrics_port: int = 0  # a worker's Prometheus port; 0: no metrics endpoint
     worker_metrics_host: str = "127.0.0.1"  # its bind address (0.0.0.0 for a remote Prometheus)
 

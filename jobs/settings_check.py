@@ -35,6 +35,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "heartbeat_ttl_s": (0.001, None), "maintenance_interval_s": (0.001, None),
     "http_port": (1, 65535), "max_queue_depth": (0, None), "max_upload_bytes": (1, None),
     "http_threads": (1, None), "batch_poll_s": (0.001, None), "worker_metrics_port": (0, 65535),
+    "http_request_timeout_s": (0, None), "http_sdk_timeout_share": (0.01, 1),
+    "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
 }
 SELECTION_FIELDS = ("keep", "chunk_size", "tail_tokens", "threshold")
 SCORING_FIELDS = ("n_lookahead", "temperature", "top_p", "pool_kernel", "prefill_step",

@@ -24,7 +24,7 @@ EXIT_STATUS_HELP = """exit status (every command):
 # "pkg.mod.ClassName: message" (an RQ traceback's last line) or "ClassName: message" (an event)
 _CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z][\w]*(?:Error|Exception)): (.*)$", re.S)
 # Errors the worker raises for input it refuses; their message names the field.
-_BAD_INPUT_CLASSES = frozenset({"JobSpecError", "UnsupportedModelError"})
+_BAD_INPUT_CLASSES = frozenset({"JobSpecError", "UnsupportedModelError", "UnknownModelError"})
 _MODEL_FIELDS = ("draft_model:", "target_model:")
 
 

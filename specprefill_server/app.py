@@ -17,6 +17,7 @@ import redis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -25,16 +26,18 @@ from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
 from specprefill_server import completions
+from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api
 from specprefill_server.web import routes as web
 from specprefill_server.batch.store import BatchStore
 from specprefill_server.batch.machine import BatchService
 from specprefill_server.errors import EXCEPTION_HANDLERS, http_exception_handler
+from specprefill_server.health import Probes
 from specprefill_server.metrics import ServerMetrics
 from specprefill_server.middleware import APIKeyMiddleware, MetricsMiddleware
 from specprefill_server.runner import JobRunner
 from specprefill_server.state import ServerState, state
-from specprefill_server.web.data import models_list
+from specprefill_server.web.data import model_entry, models_list
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,12 @@ async def list_models(request: Request) -> Response:
     return JSONResponse(await svc.runner.call(models_list, svc))
 
 
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{id}`` (ids may hold a ``/``: hub ids); 404 ``model_not_found``."""
+    svc = state(request)
+    return JSONResponse(await svc.runner.call(model_entry, svc, request.path_params["model_id"]))
+
+
 async def metrics(request: Request) -> Response:
     svc = state(request)
     body = await svc.runner.call(svc.metrics.exposition)
@@ -51,13 +60,18 @@ async def metrics(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    svc = state(request)
-    await svc.runner.call(svc.client.connection.ping)  # 503 via the Redis error handler
-    return JSONResponse({"status": "ok"})
+    status, body = await state(request).probes.health()
+    return JSONResponse(body, status_code=status)
+
+
+async def readyz(request: Request) -> Response:
+    status, body = await state(request).probes.readiness()
+    return JSONResponse(body, status_code=status)
 
 
 ROUTES = [
     Route("/v1/models", list_models),
+    Route("/v1/models/{model_id:path}", get_model),
     Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
     Route("/v1/completions", completions.completions, methods=["POST"]),
     Route("/v1/files", batch_api.upload_file, methods=["POST"]),
@@ -71,6 +85,7 @@ ROUTES = [
     Route("/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, methods=["POST"]),
     Route("/metrics", metrics),
     Route("/healthz", healthz),
+    Route("/readyz", readyz),
     *web.ROUTES,
 ]
 
@@ -91,11 +106,28 @@ def build_state(settings: Settings, connection: redis.Redis | None = None) -> Se
     connection = connection or queue_connection(settings.redis_url, settings)
     cache_client = cache_connection(settings) if settings.cache_redis_url else connection
     client = Client(connection, settings)
+    metrics = ServerMetrics(connection, cache_client, settings)
+    queue = client.queue.name
     return ServerState(settings=settings, client=client, cache_client=cache_client,
-                       runner=JobRunner(client, settings.http_threads),
-                       metrics=ServerMetrics(connection, cache_client, settings),
+                       runner=JobRunner(client, settings.http_threads), metrics=metrics,
                        batches=BatchService(client, BatchStore(connection, settings.namespace,
-                                                               settings.result_ttl_s)))
+                                                               settings.result_ttl_s),
+                                            on_answer=metrics.answered_in_batch),
+                       models=ModelGate(connection, settings, queue),
+                       probes=Probes(connection, settings, queue))
+
+
+def _middleware(settings: Settings, metrics: ServerMetrics) -> list[Middleware]:
+    """CORS outermost (a preflight carries no API key; errors carry its headers too), then
+    the request metrics, then the API keys."""
+    stack = [Middleware(MetricsMiddleware, metrics=metrics),
+             Middleware(APIKeyMiddleware, keys=settings.api_keys)]
+    if settings.http_cors_origins:
+        origins = list(settings.http_cors_origins)
+        stack.insert(0, Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                                   allow_headers=["*"], expose_headers=[completions.JOB_HEADER],
+                                   max_age=600))  # keys go in a header, never in cookies
+    return stack
 
 
 def create_app(settings: Settings | None = None, connection: redis.Redis | None = None) -> Starlette:
@@ -113,10 +145,10 @@ def create_app(settings: Settings | None = None, connection: redis.Redis | None 
         finally:
             loop_task.cancel()
             svc.runner.shutdown()
+            svc.probes.close()
 
     handlers: dict[Any, Any] = {**EXCEPTION_HANDLERS, HTTPException: http_exception_handler}
-    app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan, middleware=[
-        Middleware(MetricsMiddleware, metrics=svc.metrics),
-        Middleware(APIKeyMiddleware, keys=settings.api_keys)])
+    app = Starlette(routes=ROUTES, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=_middleware(settings, svc.metrics))
     app.state.svc = svc
     return app

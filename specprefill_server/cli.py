@@ -19,6 +19,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="how much the server logs, any case (default: info)")
     p.add_argument("--access-log", action="store_true", help="log every request (default: off)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN", dest="cors_origins",
+                   help="let browser pages from ORIGIN (e.g. http://localhost:3000, or '*') call "
+                        "the API; repeat for more (default: settings http_cors_origins, none: "
+                        "CORS off)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -29,7 +33,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from specprefill_server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = settings.replace(redis_url=args.redis_url or settings.redis_url)
+    settings = settings.replace(redis_url=args.redis_url or settings.redis_url,
+                                http_cors_origins=tuple(args.cors_origins or settings.http_cors_origins))
     app = create_app(settings)
     try:
         app.state.svc.client.connection.ping()

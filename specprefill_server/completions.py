@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import Any, AsyncIterator
 
 import redis
@@ -11,11 +12,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jobs.client import JobFailed, JobHandle, StreamDiverged
+from jobs.deadline import Deadline
 from jobs.results import GenerateResult
 from specprefill_server.convert import ChunkMaker, endpoint
-from specprefill_server.errors import APIError, from_job_failure, redis_down
+from specprefill_server.deadline import RequestDeadline, request_deadline
+from specprefill_server.errors import APIError, from_job_failure, redis_down, request_timeout
 from specprefill_server.openai_types import parse
-from specprefill_server.runner import ClientGone
+from specprefill_server.runner import ClientGone, DeadlinePassed
 from specprefill_server.state import ServerState, read_json, state
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -51,44 +54,51 @@ async def _answer(request: Request, url: str) -> Response:
     model_cls, fields_of, respond = endpoint(url)
     req = parse(model_cls, await read_json(request))
     spec = svc.client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
-    handle = await svc.runner.submit(spec)
+    limit = request_deadline(request.headers, svc.settings, stream=req.stream)
+    deadline = Deadline(limit.seconds)
+    models = {"target_model": spec.generate.target_model, "draft_model": spec.draft_model}
+    # 503/404 now rather than a job no live worker would take
+    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
     created = int(time.time())
     if req.stream:
         maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=handle.id,
                            model=req.model, created=created)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(svc, handle, maker, include_usage, url, started)
+        body = _stream(svc, handle, maker, include_usage, url, started, deadline, limit)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={**SSE_HEADERS, JOB_HEADER: handle.id})
     try:
-        result = await svc.runner.result(handle, request)
+        result = await svc.runner.result(handle, request, deadline.left())
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the job was canceled
+    except DeadlinePassed:
+        raise request_timeout(limit.seconds or 0, limit.source, handle.id) from None
     except (JobFailed, StreamDiverged) as exc:
         raise _failure(exc) from None
-    svc.metrics.answered(url, result, started)
+    svc.metrics.answered(url, result, started, mode="sync")
     return JSONResponse(respond(result, model=req.model, created=created), headers={JOB_HEADER: handle.id})
 
 
 async def _stream(svc: ServerState, handle: JobHandle, maker: ChunkMaker, include_usage: bool,
-                  url: str, started: float) -> AsyncIterator[str]:
+                  url: str, started: float, deadline: Deadline, limit: RequestDeadline) -> AsyncIterator[str]:
     """The SSE body: role chunk, a chunk per text delta as it is published, the finish chunk
     (with ``specprefill``), the usage chunk if asked, ``[DONE]``. A job failure after the
-    headers went out is an ``error`` event. A client that goes away cancels the job."""
+    headers went out is an ``error`` event, and so is the deadline (its hold released). A
+    client that goes away releases this request's hold on the job."""
     ended = False
     try:
         first = maker.first()
         if first is not None:
             yield sse(first)
         sent_text = False
-        async for delta in svc.runner.stream_text(handle):
+        async for delta in svc.runner.stream_text(handle, deadline.left()):
             if not sent_text:
                 svc.metrics.first_chunk.observe(time.perf_counter() - started)
                 sent_text = True
             yield sse(maker.text(delta))
         result: GenerateResult = await svc.runner.call(handle.result, 30)
         ended = True
-        svc.metrics.answered(url, result, started)
+        svc.metrics.answered(url, result, started, mode="stream")
         yield sse(maker.last(result))
         if include_usage:
             yield sse(maker.usage(result))
@@ -96,6 +106,8 @@ async def _stream(svc: ServerState, handle: JobHandle, maker: ChunkMaker, includ
     except (JobFailed, StreamDiverged, redis.ConnectionError, redis.TimeoutError) as exc:
         ended = True  # the job is over (or unreachable): nothing to cancel
         yield sse(_failure(exc).body())
+    except TimeoutError:  # the deadline: the finally releases the hold
+        yield sse(request_timeout(limit.seconds or 0, limit.source, handle.id).body())
     finally:
-        if not ended:  # the client disconnected (the stream was canceled) mid-answer
+        if not ended:  # the client disconnected (the stream was canceled) or the deadline passed
             svc.runner.cancel(handle)

@@ -29,7 +29,7 @@ def _text_content(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are "
-                              "supported", f"{where}[{j}]")
+                              "supported", f"{where}[{j}]", code="unsupported_value")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -43,7 +43,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         extra = sorted(set(m) - {"role", "content"})
         if extra:
             raise bad_request(f"{where}.{extra[0]}: not supported (messages carry role and content)",
-                              f"{where}.{extra[0]}")
+                              f"{where}.{extra[0]}", code="unsupported_parameter")
         if "content" not in m or m["content"] is None:
             raise bad_request(f"{where}.content: missing", f"{where}.content")
         out.append({"role": m.get("role"), "content": _text_content(m["content"], f"{where}.content")})
@@ -66,8 +66,11 @@ def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:
         fields["max_tokens"] = max_tokens
     if req.tools and req.tool_choice != "none":
         fields["tools"] = req.tools
-    if req.chat_template_kwargs:
-        fields["template_args"] = req.chat_template_kwargs
+    template_args = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:  # the template's switch where it has one (gpt-oss)
+        template_args.setdefault("reasoning_effort", req.reasoning_effort)
+    if template_args:
+        fields["template_args"] = template_args
     return fields
 
 

@@ -2,6 +2,7 @@
 
 Every failure a handler raises is an :class:`APIError` (or is turned into one here): a
 spec error names its field as ``param`` (400), a lost Redis is 503, an unknown id 404.
+Every error carries a ``code`` (the table in docs/http.md); one not given is the status's.
 """
 from __future__ import annotations
 
@@ -17,18 +18,26 @@ from jobs.spec import JobSpecError
 # The field a JobSpecError names: "messages[2].content: ...", "keep: ...".
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):\s")
 # How a worker-side failure names a bad-input error in the job's last traceback line.
-_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ValueError): (.*)$", re.S)
+_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ValueError|UnknownModelError): (.*)$", re.S)
+# The code of an error raised without one: what its status means.
+STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
+                405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
+                429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable",
+                504: "request_timeout"}
+# Reserved for the context guard (a prompt longer than the target's context window).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class APIError(Exception):
-    """An HTTP error with OpenAI's body."""
+    """An HTTP error with OpenAI's body (``code`` defaults to the status's, never null)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
+        self.param, self.headers = param, headers
+        self.code = code or STATUS_CODES.get(status, "error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -48,9 +57,9 @@ def field_of(message: str) -> str | None:
 REQUEST_NAMES = {"target_model": "model", "text": "prompt", "tokens": "prompt"}
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     """400 naming ``param`` (or the field the message starts with)."""
-    return APIError(400, message, param=param or field_of(message))
+    return APIError(400, message, param=param or field_of(message), code=code)
 
 
 def from_spec_error(exc: JobSpecError | ValueError) -> APIError:
@@ -66,14 +75,37 @@ def not_found(what: str, ident: str, param: str | None = None) -> APIError:
     return APIError(404, f"no such {what}: {ident!r:.120}", param=param, code=f"{what}_not_found")
 
 
+def model_not_found(field: str, message: str) -> APIError:
+    """An unknown model: 404 for the request's ``model`` (as OpenAI answers), 400 for
+    ``draft_model`` (an option of a request whose endpoint exists)."""
+    param = REQUEST_NAMES.get(field, field)
+    return APIError(404 if param == "model" else 400, message, param=param, code="model_not_found")
+
+
+def model_not_available(field: str, message: str) -> APIError:
+    """503: a model that may exist, but that no live worker serves now."""
+    return APIError(503, message, type="service_unavailable", param=REQUEST_NAMES.get(field, field),
+                    code="model_not_available")
+
+
+def request_timeout(seconds: float, source: str, job_id: str) -> APIError:
+    """504: the request's deadline passed before its answer (its hold on the job released)."""
+    return APIError(504, f"no answer within {seconds:g} s ({source}); this request's hold on job "
+                    f"{job_id} was released", type="timeout_error", code="request_timeout")
+
+
 def redis_down(exc: Exception) -> APIError:
     return APIError(503, f"the queue's Redis is unreachable ({type(exc).__name__}); try again later",
                     type="service_unavailable", code="redis_unavailable")
 
 
 def from_job_failure(status: str, error: str) -> APIError:
-    """A job that ended failed or stopped: bad input the worker found is 400, the rest 500."""
+    """A job that ended failed or stopped: bad input the worker found is 400 (a model it
+    cannot find: :func:`model_not_found`), the rest 500."""
     m = _WORKER_ERROR.match(error or "")
+    if status == "failed" and m and m.group(1) == "UnknownModelError":
+        field = field_of(m.group(2)) or "model"
+        return model_not_found(field, from_spec_error(JobSpecError(m.group(2))).message)
     # A JobSpecError is bad input; a ValueError is when it names a field (model errors do).
     if status == "failed" and m and (m.group(1) == "JobSpecError" or field_of(m.group(2))):
         return from_spec_error(JobSpecError(m.group(2)))
@@ -102,7 +134,7 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     message = {404: f"no route {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(
         status, str(getattr(exc, "detail", "")) or "error")
-    return APIError(status, message, code="not_found" if status == 404 else None).response()
+    return APIError(status, message, code="unknown_url" if status == 404 else None).response()
 
 
 EXCEPTION_HANDLERS = {

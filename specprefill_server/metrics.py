@@ -1,10 +1,11 @@
 """The server's Prometheus metrics (``GET /metrics``).
 
 Two kinds of series: the deployment's state, read from Redis at each scrape (queue depth,
-jobs by status, workers, their busy time, the block store's and memo's shared counters),
-and what this server saw itself (HTTP requests, time to the first streamed chunk, job
-durations and TTFT of the answers it gave, tokens prefilled by draft and target).
-Series names and a scrape config: ``docs/metrics.md``.
+jobs by status, workers, their busy time, the block store's and memo's shared counters by
+model name), and what this server saw itself (HTTP requests, time to the first streamed
+chunk, and of every answer it gave, synchronous, streamed or from a batch: TTFT, queue
+wait, kept share, tokens prefilled by draft and target). Series names and a scrape
+config: ``docs/metrics.md``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
 FIRST_CHUNK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
+KEPT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
+ANSWER_MODES = ("sync", "stream", "batch")
 # cache_store counters -> (series suffix, help)
 BLOCK_STORE_SERIES = {
     "lookups": ("block_store_lookups", "Block-store fetches"),
@@ -93,9 +97,9 @@ class DeploymentCollector(Collector):
         counters = block_store_counters(self.cache_client, self.settings.namespace)
         families = []
         for field, (name, help_text) in BLOCK_STORE_SERIES.items():
-            fam = CounterMetricFamily(f"specprefill_{name}", help_text, labels=["model"])
-            for fingerprint, values in sorted(counters.items()):
-                fam.add_metric([fingerprint[:16]], values.get(field, 0))
+            fam = CounterMetricFamily(f"specprefill_{name}", help_text, labels=["model", "role"])
+            for (model, role), values in sorted(counters.items()):
+                fam.add_metric([model, role], values.get(field, 0))
             families.append(fam)
         return families
 
@@ -125,17 +129,35 @@ class ServerMetrics:
                                      "store for this server's answers", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of answers", registry=r)
         self.completion_tokens = Counter(p + "completion_tokens", "Generated tokens of answers", registry=r)
+        self.answers = Counter(p + "answers", "Answers this server gave", ("endpoint", "mode"), registry=r)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Answers: how long their job waited in "
+                                    "the queue (enqueued to started)", buckets=WAIT_BUCKETS, registry=r)
+        self.kept_ratio = Histogram(p + "kept_ratio", "Answers: the share of prompt tokens kept "
+                                    "(1: prefilled whole)", buckets=KEPT_BUCKETS, registry=r)
 
-    def answered(self, endpoint: str, result: GenerateResult, started: float) -> None:
-        """Count one answer this server gave (``started``: ``time.perf_counter()`` at arrival)."""
-        self.job_duration.labels(endpoint).observe(time.perf_counter() - started)
+    def answered(self, endpoint: str, result: GenerateResult, started: float | None,
+                 mode: str = "sync") -> None:
+        """Count one answer this server gave: ``mode`` is one of ``ANSWER_MODES``;
+        ``started`` is ``time.perf_counter()`` at arrival (None for a batch's answers, whose
+        requests arrived together)."""
+        self.answers.labels(endpoint, mode).inc()
+        if started is not None:
+            self.job_duration.labels(endpoint).observe(time.perf_counter() - started)
         self.ttft.observe(result.ttft_s)
+        if result.total > 0:
+            self.kept_ratio.observe(result.kept / result.total)
+        if "queue_wait" in result.timings:
+            self.queue_wait.observe(result.timings["queue_wait"])
         self.prompt_tokens.inc(result.total)
         self.completion_tokens.inc(result.generated_tokens)
         self.target_tokens.inc(max(0, result.kept - result.target_tokens.get("restored", 0)))
         self.cached_tokens.inc(result.cached_tokens)
         if result.draft_model and not (result.memo_hit or result.full_prefill):  # the draft ran
             self.draft_tokens.inc(max(0, result.total - result.cached_tokens))
+
+    def answered_in_batch(self, endpoint: str, result: GenerateResult) -> None:
+        """Count one answer of a Batch API batch (called as each of its jobs is seen finished)."""
+        self.answered(endpoint, result, None, mode="batch")
 
     def exposition(self) -> bytes:
         """The text format (blocking: reads Redis)."""

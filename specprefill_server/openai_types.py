@@ -3,8 +3,11 @@ error becomes a 400 naming the field.
 
 Standard fields keep OpenAI's names and types. Fields OpenAI has but this service cannot
 honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties), so a
-request is answered as asked or refused. SpecPrefill options are extra body fields
-(``extra_body={"keep": 0.2}`` in the SDK); any other unknown field is refused by name.
+request is answered as asked or refused. Fields clients send unasked that change nothing
+here (``user``, ``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier``,
+``verbosity``, ``modalities: ["text"]``) are accepted and ignored (docs/http.md, the field
+table). SpecPrefill options are extra body fields (``extra_body={"keep": 0.2}`` in the
+SDK); any other unknown field is refused by name.
 """
 from __future__ import annotations
 
@@ -15,9 +18,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from specprefill_server.errors import APIError
 
 
+class Unsupported(ValueError):
+    """A field whose value this service cannot honour (code ``unsupported_value``)."""
+
+    code = "unsupported_value"
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against length side channels: none sent
 
 
 class SpecPrefillOptions(BaseModel):
@@ -52,16 +62,19 @@ class _Sampling(SpecPrefillOptions):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None  # metadata only
+    # Sent unasked by clients; identify the end user or route the request, ignored here.
+    user: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # a routing hint, later
 
     @model_validator(mode="after")
     def _neutral_only(self) -> "_Sampling":
         for name, neutral in (("n", 1), ("presence_penalty", 0), ("frequency_penalty", 0)):
             value = getattr(self, name)
             if value is not None and value != neutral:
-                raise ValueError(f"{name}: only {neutral} is supported")
+                raise Unsupported(f"{name}: only {neutral} is supported")
         if self.logit_bias:
-            raise ValueError("logit_bias: not supported")
+            raise Unsupported("logit_bias: not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
         return self
@@ -80,18 +93,28 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    # Sent unasked by clients and agents; they change nothing here (docs/http.md).
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[str] | None = None
+    # Given to the chat template as ``reasoning_effort`` (a template without it ignores it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _chat_neutral_only(self) -> "ChatCompletionRequest":
         if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs: not supported")
+            raise Unsupported("logprobs: not supported")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format: only {\"type\": \"text\"} is supported")
+            raise Unsupported("response_format: only {\"type\": \"text\"} is supported")
         if self.store:
-            raise ValueError("store: stored completions are not supported")
+            raise Unsupported("store: stored completions are not supported")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise Unsupported("modalities: only [\"text\"] is supported")
+        if self.tool_choice is not None and self.tool_choice not in ("auto", "none"):
+            # forcing a call would change the answer; the model chooses for itself here
+            raise Unsupported("tool_choice: only \"auto\" and \"none\" are supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_completion_tokens: differs from max_tokens (give one)")
@@ -111,13 +134,13 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _completion_neutral_only(self) -> "CompletionRequest":
         if self.echo:
-            raise ValueError("echo: not supported")
+            raise Unsupported("echo: not supported")
         if self.logprobs:
-            raise ValueError("logprobs: not supported")
+            raise Unsupported("logprobs: not supported")
         if self.best_of not in (None, 1):
-            raise ValueError("best_of: only 1 is supported")
+            raise Unsupported("best_of: only 1 is supported")
         if self.suffix:
-            raise ValueError("suffix: not supported")
+            raise Unsupported("suffix: not supported")
         return self
 
 
@@ -147,24 +170,36 @@ def _loc(loc: tuple) -> str:
     return out
 
 
+def _code(kind: str) -> str:
+    """OpenAI's error code for a pydantic error type."""
+    if kind == "extra_forbidden":
+        return "unknown_parameter"
+    if kind == "missing":
+        return "missing_required_parameter"
+    if kind.endswith(("_type", "_parsing")):
+        return "invalid_type"
+    return "invalid_value"
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The first problem of a pydantic error as a 400 naming its field."""
     err = exc.errors()[0]
     field = _loc(tuple(err.get("loc", ())))
-    msg = err.get("msg", "invalid")
-    if err.get("type") == "extra_forbidden":
-        return APIError(400, f"{field}: unknown field", param=field)
-    if err.get("type") == "value_error":  # our own checks say "field: reason"
-        text = str(err.get("ctx", {}).get("error", msg))
+    msg, kind = err.get("msg", "invalid"), err.get("type", "")
+    if kind == "extra_forbidden":
+        return APIError(400, f"{field}: unknown field", param=field, code=_code(kind))
+    if kind == "value_error":  # our own checks say "field: reason"
+        error = err.get("ctx", {}).get("error", msg)
+        text = str(error)
         name = text.split(":", 1)[0] if ":" in text else field or None
-        return APIError(400, text, param=name)
-    return APIError(400, f"{field or 'body'}: {msg}", param=field or None)
+        return APIError(400, text, param=name, code=getattr(error, "code", "invalid_value"))
+    return APIError(400, f"{field or 'body'}: {msg}", param=field or None, code=_code(kind))
 
 
 def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body into ``model`` or raise a 400 :class:`APIError`."""
     if not isinstance(body, dict):
-        raise APIError(400, "body: expected a JSON object")
+        raise APIError(400, "body: expected a JSON object", code="invalid_type")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -29,6 +29,10 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready (its job was canceled)."""
 
 
+class DeadlinePassed(Exception):
+    """The request's deadline passed before its answer (its hold on the job was released)."""
+
+
 async def wait_disconnect(request: Request) -> None:
     """Return when the client closes the connection (the body must have been read)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -107,17 +111,21 @@ class JobRunner:
                                f"{limit}); try again later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "5"})
 
-    def _submit(self, spec: JobSpec) -> JobHandle:
+    def _submit(self, spec: JobSpec, admit: Callable[[], None] | None) -> JobHandle:
+        if admit is not None:
+            admit()
         self.check_capacity()
         return self.client.submit(spec)
 
-    async def submit(self, spec: JobSpec) -> JobHandle:
-        """Enqueue ``spec`` (429 when the queue is full)."""
-        return await self.call(self._submit, spec)
+    async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None) -> JobHandle:
+        """Enqueue ``spec`` after ``admit()`` (a check that raises to refuse it) in the same
+        thread hop; 429 when the queue is full."""
+        return await self.call(self._submit, spec, admit)
 
-    async def result(self, handle: JobHandle, request: Request) -> Any:
-        """The job's result; if the client disconnects first, cancel the job, raise ClientGone."""
-        waiting = asyncio.ensure_future(self.call(handle.result))
+    async def result(self, handle: JobHandle, request: Request, timeout: float | None = None) -> Any:
+        """The job's result. If the client disconnects first, release this request's hold
+        and raise ClientGone; if ``timeout`` passes first, release it and raise DeadlinePassed."""
+        waiting = asyncio.ensure_future(self.call(handle.result, timeout))
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -126,10 +134,14 @@ class JobRunner:
             raise
         finally:
             gone.cancel()
-        if waiting in done:
+        if waiting not in done:
+            self.cancel(handle)
+            raise ClientGone(handle.id)
+        try:
             return waiting.result()
-        self.cancel(handle)
-        raise ClientGone(handle.id)
+        except TimeoutError:  # handle.result's own deadline (Redis timeouts are RedisErrors)
+            self.cancel(handle)
+            raise DeadlinePassed(handle.id) from None
 
     async def iterate(self, make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
         """``make()``'s items as an async iterator: a thread runs the blocking iterator and
@@ -167,9 +179,10 @@ class JobRunner:
         finally:
             stop.set()  # the thread ends at the iterator's next item (a cancel ends the job)
 
-    def stream_text(self, handle: JobHandle) -> AsyncIterator[str]:
-        """A generate job's text deltas as the worker publishes them (JobFailed, ... raised)."""
-        return self.iterate(handle.stream_text)
+    def stream_text(self, handle: JobHandle, timeout: float | None = None) -> AsyncIterator[str]:
+        """A generate job's text deltas as the worker publishes them (JobFailed, ... raised;
+        ``TimeoutError`` once ``timeout`` passed)."""
+        return self.iterate(partial(handle.stream_text, timeout))
 
     def cancel(self, handle: JobHandle) -> None:
         """:func:`give_up` in the pool, not waited for (the caller may be being canceled)."""

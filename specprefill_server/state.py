@@ -1,4 +1,5 @@
-"""What every handler shares: the settings, the client, the job runner, metrics, batches."""
+"""What every handler shares: the settings, the client, the job runner, metrics, batches,
+the live-model check and the health probes."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,9 @@ from specprefill_server.metrics import ServerMetrics
 from specprefill_server.runner import JobRunner
 
 if TYPE_CHECKING:
+    from specprefill_server.availability import ModelGate
     from specprefill_server.batch.machine import BatchService
+    from specprefill_server.health import Probes
 
 
 @dataclass
@@ -26,6 +29,8 @@ class ServerState:
     runner: JobRunner
     metrics: ServerMetrics
     batches: "BatchService"
+    models: "ModelGate"
+    probes: "Probes"
 
 
 def state(request: Request) -> ServerState:
@@ -38,4 +43,4 @@ async def read_json(request: Request) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"body: not valid JSON ({exc})") from None
+        raise APIError(400, f"body: not valid JSON ({exc})", code="invalid_json") from None

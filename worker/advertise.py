@@ -3,11 +3,12 @@
 
 The list goes to one Redis key per worker (``jobs.inspect.advertised_models_key``), written
 when the worker starts and after every job (its loaded models change); a reader keeps only
-workers RQ still has registered, so a dead worker's list is ignored and later expires.
+workers RQ still has registered, so a dead worker's list is ignored and later expires. The
+advert also says whether the worker takes models it does not list (no ``allowed_models``:
+its folders and hub ids), so the front door refuses only what no live worker would run.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 import redis
 
-from jobs.inspect import advertised_models_key
+from jobs.inspect import advertised_models_key, encode_advert
 from jobs.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path
 from worker.runtime import WorkerRuntime
 
@@ -50,7 +51,7 @@ def advertise(runtime: WorkerRuntime, worker_name: str) -> None:
     written, at = _last.get(worker_name, (None, 0.0))
     if models == written and time.monotonic() - at < REFRESH_S:
         return
-    body = json.dumps({"models": models, "ts": time.time()})
+    body = encode_advert(models, accepts_unlisted=not s.allowed_models)
     try:
         runtime.connection.set(advertised_models_key(s.namespace, worker_name), body,
                                ex=max(60, s.result_ttl_s))

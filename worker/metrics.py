@@ -20,6 +20,8 @@ from jobs.spec import JOB_KINDS
 log = logging.getLogger(__name__)
 
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800)
+KEPT_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.99, 1.0)
 
 
 class WorkerMetrics:
@@ -49,17 +51,29 @@ class WorkerMetrics:
         self.fallbacks = Counter(p + "fallbacks", "Jobs answered without the draft after it failed",
                                  ("kind",), registry=registry)
         self.busy = Counter(p + "busy_seconds", "Seconds spent running jobs", registry=registry)
+        self.queue_wait = Histogram(p + "queue_wait_seconds", "Jobs this worker started: enqueued to "
+                                    "started (RQ's records)", ("kind",), buckets=WAIT_BUCKETS,
+                                    registry=registry)
+        self.kept_ratio = Histogram(p + "kept_ratio", "Finished jobs: the share of prompt tokens kept "
+                                    "(1: prefilled whole)", ("kind",), buckets=KEPT_BUCKETS,
+                                    registry=registry)
         self.models_loaded = Gauge(p + "models_loaded", "Models in this worker's pool", registry=registry)
 
-    def job_ended(self, kind: str, status: str, seconds: float, result: Mapping[str, Any] | None) -> None:
-        """Count one job: its status and time, and for a finished job what its result reports."""
+    def job_ended(self, kind: str, status: str, seconds: float, result: Mapping[str, Any] | None,
+                  queue_wait_s: float | None = None) -> None:
+        """Count one job: its status, time and queue wait, and for a finished job what its
+        result reports."""
         self.jobs.labels(kind, status).inc()
         self.duration.labels(kind).observe(seconds)
         self.busy.inc(seconds)
+        if queue_wait_s is not None:
+            self.queue_wait.labels(kind).observe(queue_wait_s)
         if result is None:
             return
         total, cached = int(result.get("total", 0)), int(result.get("cached_tokens", 0))
         self.prompt_tokens.labels(kind).inc(total)
+        if total > 0:
+            self.kept_ratio.labels(kind).observe(int(result.get("kept", total)) / total)
         self.cached_tokens.inc(cached)
         self.blocks_written.inc(int(result.get("blocks_written", 0)))
         if result.get("fallback"):
@@ -100,6 +114,15 @@ def start(settings: Settings) -> WorkerMetrics | None:
     return _metrics
 
 
+def queue_wait_s(job: Any) -> float | None:
+    """Seconds the job waited in the queue: enqueued to started as RQ recorded them (two
+    machines' clocks: never below 0), None when RQ has not both."""
+    enqueued, started = getattr(job, "enqueued_at", None), getattr(job, "started_at", None)
+    if enqueued is None or started is None:
+        return None
+    return max(0.0, (started - enqueued).total_seconds())
+
+
 def observe_job(job: Any, models_loaded: int) -> None:
     """Count an RQ job that just ended on this worker (a no-op when metrics are off)."""
     if _metrics is None:
@@ -112,8 +135,8 @@ def observe_job(job: Any, models_loaded: int) -> None:
         result = job.return_value() if status == "finished" else None
         kind = payload.get("kind", "prefill")
         kind = kind if kind in JOB_KINDS else "invalid"  # a hostile payload adds no series
-        _metrics.job_ended(kind, status, seconds,
-                           result if isinstance(result, Mapping) else None)
+        _metrics.job_ended(kind, status, seconds, result if isinstance(result, Mapping) else None,
+                           queue_wait_s=queue_wait_s(job))
         _metrics.models_loaded.set(models_loaded)
     except Exception as exc:  # metrics must never fail a worker (Redis down, odd payload)
         log.warning("worker metrics: could not count job %s: %s", getattr(job, "id", "?"), exc)

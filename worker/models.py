@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from jobs.model_names import ModelCatalog, looks_like_path
+from jobs.model_names import ModelCatalog, UnknownModelError, looks_like_path
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
     from specprefill.attention.target import TargetProfile
@@ -303,7 +303,7 @@ class ModelPool:
         try:
             where = self._locate(name, on_download)
         except ValueError as exc:
-            raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None
+            raise UnknownModelError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None
         if where.path in self._models:
             self._models.move_to_end(where.path)
             return self._models[where.path]
@@ -355,6 +355,9 @@ class ModelPool:
             source = self._catalog().source(name)
             try:
                 where = self._locate(name, on_download)
+            except ValueError as exc:
+                raise UnknownModelError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None
+            try:
                 self._tokenizers[name] = self._prompt_tools(where.path)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source)}") from None

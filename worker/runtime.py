@@ -69,7 +69,7 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
     raw_store = RedisBlockStore(client, fingerprint, namespace=s.namespace, block_size=s.block_size,
                                 ttl_s=s.block_ttl_s, layout=_block_layout(fingerprint, model, fresh),
-                                model={"model": loaded.identity, "name": loaded.name})
+                                model={"model": loaded.identity, "name": loaded.name, "role": role})
     return BlockDraftCache(raw_store, fresh)
 
 

@@ -21,6 +21,7 @@ from worker import runtime as runtime_mod
 from worker.context import ClaimLost, JobContext, JobStopped
 from worker.generate_pipeline import run_generate
 from worker.job_meta import mirror_progress
+from worker.metrics import queue_wait_s
 from worker.selection_pipeline import run_prefill
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,11 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         mirror_progress(ctx.publisher, job_id)  # RQ's tools (rq info, rq-dashboard) see it
     retries_left = (job.retries_left or 0) if job else 0
     try:
-        return execute(payload, ctx, retries_left=retries_left)
+        result = execute(payload, ctx, retries_left=retries_left)
+        wait = queue_wait_s(job)
+        if wait is not None and isinstance(result.get("timings"), dict):
+            result["timings"]["queue_wait"] = round(wait, 6)  # what the front door's metrics read
+        return result
     except REDIS_DOWN:
         raise  # RQ retries while retries_left > 0
     except BaseException as exc:

@@ -24,7 +24,8 @@ async def upload_file(request: Request) -> Response:
     most = svc.settings.max_upload_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > most + 64 * 1024:  # room for the multipart framing
-        raise APIError(413, f"file: larger than max_upload_bytes ({most})", param="file")
+        raise APIError(413, f"file: larger than max_upload_bytes ({most})", param="file",
+                       code="file_too_large")
     form = await request.form(max_files=1, max_fields=8)
     try:
         upload, purpose = form.get("file"), form.get("purpose")
@@ -34,7 +35,8 @@ async def upload_file(request: Request) -> Response:
             raise APIError(400, "file: missing (send it as a multipart file field)", param="file")
         content = await upload.read(most + 1)
         if len(content) > most:
-            raise APIError(413, f"file: larger than max_upload_bytes ({most})", param="file")
+            raise APIError(413, f"file: larger than max_upload_bytes ({most})", param="file",
+                           code="file_too_large")
         try:
             content.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -10,10 +10,12 @@ the specs). A per-batch lock keeps two servers from stepping the same batch at o
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections import Counter
+from typing import Any, Callable
 
 from jobs.client import BatchHandle, Client, JobFailed
 from jobs.inspect import job_statuses
+from jobs.results import GenerateResult
 from jobs.spec import Limits, check_batch_size
 from specprefill_server.batch.lines import BatchLine, jsonl, plan_lines, result_lines
 from specprefill_server.batch.store import TERMINAL, BatchStore, new_id
@@ -33,10 +35,13 @@ def _counts(entries: list[BatchLine], statuses: dict[str, str]) -> dict[str, int
 
 
 class BatchService:
-    """Create, step, cancel and show batches (every method blocks on Redis)."""
+    """Create, step, cancel and show batches (every method blocks on Redis). ``on_answer``
+    is told of each line's answer as its job is seen finished (the server's metrics)."""
 
-    def __init__(self, client: Client, store: BatchStore) -> None:
-        self.client, self.store = client, store
+    def __init__(self, client: Client, store: BatchStore,
+                 on_answer: Callable[[str, GenerateResult], None] | None = None) -> None:
+        self.client, self.store, self.on_answer = client, store, on_answer
+        self._seen_finished: dict[str, set[str]] = {}  # batch id -> jobs already looked at
 
     def create(self, req: BatchCreateRequest) -> dict[str, Any]:
         meta = self.store.file(req.input_file_id)
@@ -87,6 +92,7 @@ class BatchService:
         if batch is None or batch["status"] in TERMINAL:
             if batch is None:
                 self.store.forget_active(batch_id)
+            self._seen_finished.pop(batch_id, None)  # another server may have finalised it
             return batch
         with self.store.lock(batch_id) as held:
             batch = self.store.batch(batch_id) or batch
@@ -99,11 +105,32 @@ class BatchService:
             ids = sorted({e.job_id for e in entries if e.job_id})
             statuses = job_statuses(self.client.connection, ids)
             batch["request_counts"] = _counts(entries, statuses)
+            if held:
+                self._count_answers(batch["id"], batch["endpoint"], entries, statuses)
             if held and all(s in JOB_ENDED for s in statuses.values()) and batch["status"] != "validating":
                 self._finalize(batch, entries, ids)
+                self._seen_finished.pop(batch["id"], None)
             if held:
                 self.store.put_batch(batch)
         return batch
+
+    def _count_answers(self, batch_id: str, endpoint: str, entries: list[BatchLine],
+                       statuses: dict[str, str]) -> None:
+        """Tell ``on_answer`` of every line whose job finished since the last step, once."""
+        if self.on_answer is None:
+            return
+        seen = self._seen_finished.setdefault(batch_id, set())
+        finished = [jid for jid, status in statuses.items() if status == "finished" and jid not in seen]
+        seen.update(finished)
+        lines_of = Counter(e.job_id for e in entries if e.job_id)
+        for jid in self.store.newly_counted(batch_id, finished):
+            try:
+                result = self.client.handle(jid).result(timeout=0)
+            except (JobFailed, TimeoutError):  # changed since its status was read: nothing to count
+                continue
+            if isinstance(result, GenerateResult):
+                for _ in range(lines_of[jid]):  # identical lines share one job, each is an answer
+                    self.on_answer(endpoint, result)
 
     def _finalize(self, batch: dict[str, Any], entries: list[BatchLine], ids: list[str]) -> None:
         batch.update(status="finalizing", finalizing_at=int(time.time()))

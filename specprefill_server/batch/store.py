@@ -3,7 +3,8 @@
 Keys (under ``{namespace}:http:``): ``file:{id}`` a hash (``meta`` JSON, ``content``
 bytes), ``files`` a sorted set by creation time; ``batch:{id}`` the batch object (JSON),
 ``batch-lines:{id}`` its input lines and their jobs, ``batches`` a sorted set by creation
-time, ``batches-active`` the set of batches not yet ended (what a restarted server resumes).
+time, ``batches-active`` the set of batches not yet ended (what a restarted server resumes),
+``batch-counted:{id}`` the jobs whose answers a server's metrics counted already.
 """
 from __future__ import annotations
 
@@ -110,6 +111,19 @@ class BatchStore:
 
     def forget_active(self, batch_id: str) -> None:
         self.r.srem(self._key("batches-active"), batch_id)
+
+    def newly_counted(self, batch_id: str, job_ids: list[str]) -> list[str]:
+        """Of ``job_ids``, those no server counted in its metrics yet, marked counted now
+        (so servers sharing the Redis, or one restarted, count each answer once)."""
+        if not job_ids:
+            return []
+        key = self._key("batch-counted", batch_id)
+        with self.r.pipeline() as pipe:
+            for jid in job_ids:
+                pipe.sadd(key, jid)
+            pipe.expire(key, self.ttl_s)
+            added = pipe.execute()[:-1]
+        return [jid for jid, n in zip(job_ids, added) if n]
 
     @contextmanager
     def lock(self, batch_id: str, ttl_s: int = 15) -> Iterator[bool]:

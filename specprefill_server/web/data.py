@@ -38,6 +38,15 @@ def models_list(svc: ServerState) -> dict[str, Any]:
     return {"object": "list", "data": sorted(merged.values(), key=lambda e: e["id"])}
 
 
+def model_entry(svc: ServerState, model_id: str) -> dict[str, Any]:
+    """``GET /v1/models/{id}``: the entry ``models_list`` has for it, else 404 ``model_not_found``."""
+    for entry in models_list(svc)["data"]:
+        if entry["id"] == model_id:
+            return entry
+    raise APIError(404, f"model: no live worker serves {model_id!r:.200} (GET /v1/models lists "
+                   "the models served)", param="model", code="model_not_found")
+
+
 def overview(svc: ServerState) -> dict[str, Any]:
     """Workers, queues, recent batches and recent jobs (the page's first screen)."""
     conn, s = svc.client.connection, svc.settings

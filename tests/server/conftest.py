@@ -7,20 +7,25 @@ queue-depth limit and disconnect tests).
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
+from openai import OpenAI
 
 from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
 from jobs.settings import SHIPPED_MODELS
+from tests.support.parked_worker import parked_worker
 from tests.support.worker_procs import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +52,38 @@ def words(n: int, seed: int) -> str:
     return " ".join(rng.choice(plain) for _ in range(n))
 
 
+def chat(client: OpenAI, text: str, model: str = TARGET, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **kw)
+
+
+def raw_request(url: str, method: str, path: str, body: dict | None = None, key: str | None = API_KEY,
+         timeout: float = 30) -> http.client.HTTPConnection:
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+    return conn
+
+
+def scrape_metrics(url: str) -> dict[str, list]:
+    """A Prometheus endpoint's families by name (their samples)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def queued_jobs(redis_url: str, namespace: str) -> list[str]:
+    return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
+
+
+def job_status(redis_url: str, job_id: str) -> str | None:
+    s = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "status")
+    return s.decode() if s else None
+
+
 @dataclass
 class Server:
     """``python -m specprefill_server`` on a free port; ``stop()`` ends it (SIGTERM, then SIGKILL)."""
@@ -56,11 +93,11 @@ class Server:
     log: Path
 
     @classmethod
-    def start(cls, redis_url: str, log: Path, **settings: str) -> "Server":
+    def start(cls, redis_url: str, log: Path, args: tuple[str, ...] = (), **settings: str) -> "Server":
         port = free_port()
         with open(log, "w") as fh:
             proc = subprocess.Popen([sys.executable, "-m", "specprefill_server", "--redis-url", redis_url,
-                                     "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
+                                     "--port", str(port), *args], stdout=fh, stderr=subprocess.STDOUT,
                                     env=clean_env(**settings), cwd=ROOT)
         server = cls(proc, f"http://127.0.0.1:{port}", log)
         deadline = time.monotonic() + 30
@@ -126,12 +163,14 @@ def stack(http_redis, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def idle(http_redis, tmp_path_factory):
-    """A server whose queue no worker reads, refusing new jobs once one waits (and uploads
-    over 4 KiB)."""
-    server = Server.start(http_redis.url, tmp_path_factory.mktemp("http-idle") / "server.log",
-                          namespace="idle", max_queue_depth="1", max_upload_bytes="4096", **SELECTION)
-    yield server
-    server.stop()
+    """A server whose one worker is parked (live, advertising ``draft`` and ``target``, never
+    taking a job), so its jobs wait in the queue; it refuses new jobs once one waits (and
+    uploads over 4 KiB)."""
+    with parked_worker(http_redis.url, "idle", "idle"):
+        server = Server.start(http_redis.url, tmp_path_factory.mktemp("http-idle") / "server.log",
+                              namespace="idle", max_queue_depth="1", max_upload_bytes="4096", **SELECTION)
+        yield server
+        server.stop()
 
 
 @pytest.fixture

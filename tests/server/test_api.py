@@ -2,25 +2,17 @@
 server, a real Redis and a real worker on the shipped tiny models."""
 from __future__ import annotations
 
-import http.client
-import json
-import time
-import urllib.parse
-
 import pytest
 import redis
 from openai import APIError, AuthenticationError, BadRequestError, NotFoundError, OpenAI, RateLimitError
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from tests.server.conftest import API_KEY, TARGET, words
+from tests.server.conftest import (API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, scrape_metrics,
+                                   words)
 from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def chat(client: OpenAI, text: str, **kw):
-    return client.chat.completions.create(model=TARGET, messages=[{"role": "user", "content": text}], **kw)
 
 
 def test_models_lists_what_the_worker_serves(openai_client):
@@ -88,9 +80,10 @@ def test_bad_requests_name_the_field(openai_client):
             chat(openai_client, "vibo zupo", **kw)
         assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
         assert err.value.body["message"].startswith(param)
-    with pytest.raises(BadRequestError) as err:  # the worker finds the model missing: named too
+    with pytest.raises(NotFoundError) as err:  # the worker finds the model missing: named too
         openai_client.chat.completions.create(model="/no/such/model", messages=[{"role": "user", "content": "x"}])
-    assert err.value.body["param"] == "model" and "model" in err.value.body["message"]
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    assert err.value.body["message"].startswith("model: '/no/such/model'")
     with pytest.raises(BadRequestError) as err:
         openai_client.chat.completions.create(model=TARGET, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
@@ -108,48 +101,28 @@ def test_unauthorized_and_not_found(stack, openai_client):
         openai_client.files.content("file-nope")
 
 
-def _raw(url: str, method: str, path: str, body: dict | None = None, key: str | None = API_KEY,
-         timeout: float = 30) -> http.client.HTTPConnection:
-    u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-    return conn
-
-
-def _queued(redis_url: str, namespace: str) -> list[str]:
-    return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
-
-
-def _status(redis_url: str, job_id: str) -> str | None:
-    s = redis.Redis.from_url(redis_url).hget(f"rq:job:{job_id}", "status")
-    return s.decode() if s else None
-
-
 def test_queue_full_429_and_disconnect_cancels(idle, stack):
     """No worker reads ``idle``'s queue: a request's job waits there. A client that gives
     up cancels it; while one waits, the depth limit (1) answers 429."""
     body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=6)}],
             "max_tokens": 2, "stream": True}
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", body, key=None)
     resp = conn.getresponse()
     assert resp.status == 200
     job_id = resp.getheader("x-specprefill-job-id")
-    assert _queued(stack.redis_url, "idle") == [job_id]
+    assert queued_jobs(stack.redis_url, "idle") == [job_id]
     client = OpenAI(base_url=idle.url + "/v1", api_key="none", max_retries=0)
     with pytest.raises(RateLimitError) as err:
         chat(client, words(50, seed=7), max_tokens=2)
     assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
     conn.close()  # the streaming client leaves
-    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="streamed job canceled")
+    wait_for(lambda: job_status(stack.redis_url, job_id) == "canceled", 10, what="streamed job canceled")
     # a non-streaming client that leaves cancels its job too
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", {**body, "stream": False}, key=None)
-    wait_for(lambda: _queued(stack.redis_url, "idle"), 10, what="job queued")
-    job_id = _queued(stack.redis_url, "idle")[0]
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", {**body, "stream": False}, key=None)
+    wait_for(lambda: queued_jobs(stack.redis_url, "idle"), 10, what="job queued")
+    job_id = queued_jobs(stack.redis_url, "idle")[0]
     conn.close()
-    wait_for(lambda: _status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
+    wait_for(lambda: job_status(stack.redis_url, job_id) == "canceled", 10, what="waiting job canceled")
 
 
 def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis):
@@ -160,19 +133,19 @@ def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis)
 
     body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=8)}],
             "max_tokens": 2, "stream": True}
-    conn = _raw(idle.url, "POST", "/v1/chat/completions", body, key=None)
+    conn = raw_request(idle.url, "POST", "/v1/chat/completions", body, key=None)
     resp = conn.getresponse()
     job_id = resp.getheader("x-specprefill-job-id")
-    assert resp.status == 200 and _status(http_redis.url, job_id) == "queued"
+    assert resp.status == 200 and job_status(http_redis.url, job_id) == "queued"
     r, settings = redis.Redis.from_url(http_redis.url), Settings(namespace="idle")
     assert holders.join(r, settings, {job_id: ["another-submitter"]}) == set()
     conn.close()  # the HTTP client leaves; the other submitter does not
     wait_for(lambda: holders.holder_count(r, settings, job_id) == 1, 10, what="the request's hold released")
-    assert _status(http_redis.url, job_id) == "queued"
+    assert job_status(http_redis.url, job_id) == "queued"
     from jobs.client import Client
 
     last = Client(r, settings).handle(job_id, holder="another-submitter")
-    assert last.cancel() == "canceled" and _queued(http_redis.url, "idle") == []  # the last one lets go
+    assert last.cancel() == "canceled" and queued_jobs(http_redis.url, "idle") == []  # the last one lets go
 
 
 def test_redis_down_is_503(tmp_path):
@@ -192,17 +165,27 @@ def test_redis_down_is_503(tmp_path):
         own.stop()
 
 
+def value(samples: list, suffix: str = "", **labels: str) -> float:
+    """The one sample of a family with ``labels`` (and a name ending in ``suffix``)."""
+    found = [s.value for s in samples if s.name.endswith(suffix) and all(
+        s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (suffix, labels, samples)
+    return found[0]
+
+
 def test_metrics_after_a_job(openai_client, stack):
-    from prometheus_client.parser import text_string_to_metric_families
-    import urllib.request
-
+    before = scrape_metrics(stack.server.url + "/metrics")
     chat(openai_client, words(400, seed=8), max_tokens=3)
-
-    def scrape(url: str) -> dict[str, list]:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return {f.name: f.samples for f in text_string_to_metric_families(text)}
-
-    server = scrape(stack.server.url + "/metrics")
+    server = scrape_metrics(stack.server.url + "/metrics")
+    sync = dict(endpoint="/v1/chat/completions", mode="sync")
+    assert value(server["specprefill_http_answers"], "_total", **sync) >= 1
+    for family in ("queue_wait_seconds", "kept_ratio"):  # every answer moves both
+        name = f"specprefill_http_{family}"
+        assert value(server[name], "_count") == value(before[name], "_count") + 1
+    assert value(server["specprefill_http_kept_ratio"], "_bucket", le="0.5") > \
+        value(before["specprefill_http_kept_ratio"], "_bucket", le="0.5")  # keep 0.25 plus the tail
+    # block-store series by model name and role, not by fingerprint
+    assert value(server["specprefill_block_store_lookups"], model="draft", role="draft") >= 1
     answered = [s for s in server["specprefill_http_requests"]
                 if s.labels.get("route") == "/v1/chat/completions" and s.labels["status"] == "200"]
     assert answered and answered[0].value >= 1
@@ -215,7 +198,7 @@ def test_metrics_after_a_job(openai_client, stack):
     assert [s.value for s in server["specprefill_http_ttft_seconds"] if s.name.endswith("_count")][0] >= 1
     assert any(s.value > 0 for s in server["specprefill_rq_worker_busy_seconds"])
 
-    worker = wait_for(lambda: scrape(stack.worker_metrics_url), 10, what="worker metrics")
+    worker = wait_for(lambda: scrape_metrics(stack.worker_metrics_url), 10, what="worker metrics")
     jobs = {(s.labels["kind"], s.labels["status"]): s.value for s in worker["specprefill_worker_jobs"]
             if s.name.endswith("_total")}
     assert jobs.get(("generate", "finished"), 0) >= 1
@@ -225,3 +208,5 @@ def test_metrics_after_a_job(openai_client, stack):
     assert [s.value for s in worker["specprefill_worker_target_tokens_prefilled"]
             if s.name.endswith("_total")][0] > 0
     assert [s.value for s in worker["specprefill_worker_busy_seconds"] if s.name.endswith("_total")][0] > 0
+    assert value(worker["specprefill_worker_queue_wait_seconds"], "_count", kind="generate") >= 1
+    assert value(worker["specprefill_worker_kept_ratio"], "_count", kind="generate") >= 1

@@ -11,7 +11,7 @@ import time
 import pytest
 from openai import APIStatusError, BadRequestError, OpenAI
 
-from tests.server.conftest import API_KEY, ROOT, TARGET, Server, clean_env, words
+from tests.server.conftest import API_KEY, ROOT, TARGET, Server, clean_env, scrape_metrics, words
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,7 +42,19 @@ def jsonl(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def test_batch_end_to_end_with_bad_lines(openai_client):
+def answers_seen(stack) -> dict[str, float]:
+    """The server's count of batch answers, and of the TTFT and prompt-token metrics."""
+    m = scrape_metrics(stack.server.url + "/metrics")
+    batch = [s.value for s in m["specprefill_http_answers"] if s.labels.get("mode") == "batch"
+             and s.name.endswith("_total")]
+    return {"batch": sum(batch),
+            "ttft": [s.value for s in m["specprefill_http_ttft_seconds"] if s.name.endswith("_count")][0],
+            "prompt_tokens": [s.value for s in m["specprefill_http_prompt_tokens"]
+                              if s.name.endswith("_total")][0]}
+
+
+def test_batch_end_to_end_with_bad_lines(openai_client, stack):
+    before = answers_seen(stack)
     good = [request_line(f"req-{i}", words(200, seed=20 + i)) for i in range(3)]
     lines = [good[0], "{oops", request_line("bad-keep", "vibo", keep=3), good[1],
              request_line("req-0", "vibo"),  # a duplicate custom_id
@@ -70,6 +82,11 @@ def test_batch_end_to_end_with_bad_lines(openai_client):
     assert params == {"bad-keep": "keep", "req-0": "custom_id", "wrong-url": "url"}
     assert all(e["response"]["status_code"] == 400 for e in errors if e["custom_id"])
     assert b.id in [x.id for x in openai_client.batches.list(limit=5)]
+    # the batch's answers moved the server's answer, TTFT and token metrics, once each
+    after = answers_seen(stack)
+    assert after["batch"] - before["batch"] == 3 and after["ttft"] - before["ttft"] >= 3
+    assert after["prompt_tokens"] - before["prompt_tokens"] >= sum(o["response"]["body"]["usage"]["prompt_tokens"]
+                                                                   for o in out)
 
 
 def test_batch_cancel(idle, stack):

@@ -163,8 +163,12 @@ def test_worker_metrics_count_what_results_report():
     m.job_ended("generate", "finished", 0.5, {"total": 250, "kept": 250, "draft_model": "",
                                               "target_tokens": {"restored": 200}, "fallback": "fallback: x"})
     m.job_ended("prefill", "finished", 0.1, {"total": 500, "cached_tokens": 500, "memo_hit": True})
-    m.job_ended("generate", "failed", 0.05, None)
+    m.job_ended("generate", "failed", 0.05, None, queue_wait_s=1.5)
     value = registry.get_sample_value
+    assert value("specprefill_worker_queue_wait_seconds_count", {"kind": "generate"}) == 1
+    assert value("specprefill_worker_queue_wait_seconds_sum", {"kind": "generate"}) == 1.5
+    assert value("specprefill_worker_kept_ratio_count", {"kind": "generate"}) == 2  # finished ones
+    assert value("specprefill_worker_kept_ratio_bucket", {"kind": "generate", "le": "0.3"}) == 1  # 300/1000
     assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "finished"}) == 2
     assert value("specprefill_worker_jobs_total", {"kind": "generate", "status": "failed"}) == 1
     assert value("specprefill_worker_draft_tokens_prefilled_total") == 744  # the memo hit computed none
@@ -194,3 +198,110 @@ def test_served_models_lists_defaults_preloads_and_loaded():
     runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["/srv/q"]))
     assert [(m["name"], m["loaded"]) for m in served_models(runtime)] == [
         ("draft", False), ("target", False), ("q", True)]
+
+
+# ---- the front door (issue 24, item 5) ----
+
+UNASKED = {"user": "u", "safety_identifier": "h", "prompt_cache_key": "conv-7", "metadata": {"k": "v"},
+           "service_tier": "auto", "verbosity": "low", "modalities": ["text"], "parallel_tool_calls": False,
+           "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}}
+
+
+def test_fields_clients_send_unasked_change_nothing():
+    base = {"model": "target", "messages": [{"role": "user", "content": "a"}], "stream": True}
+    assert chat_fields(parse(ChatCompletionRequest, {**base, **UNASKED})) == \
+        chat_fields(parse(ChatCompletionRequest, base))
+    # reasoning_effort is the template's to read (gpt-oss has the switch; others ignore it)
+    fields = chat_fields(parse(ChatCompletionRequest, {**base, "reasoning_effort": "high",
+                                                       "chat_template_kwargs": {"enable_thinking": False}}))
+    assert fields["template_args"] == {"enable_thinking": False, "reasoning_effort": "high"}
+
+
+def test_every_error_has_a_code():
+    cases = [({"kepp": 1}, "kepp", "unknown_parameter"), ({"temperature": "warm"}, "temperature", "invalid_type"),
+             ({"n": 2}, "n", "unsupported_value"), ({"modalities": ["audio"]}, "modalities", "unsupported_value"),
+             ({"verbosity": "loud"}, "verbosity", "invalid_value"), ({"audio": {}}, "audio", "unknown_parameter"),
+             ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
+             ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported_value")]
+    for body, param, code in cases:
+        with pytest.raises(APIError) as err:
+            parse(ChatCompletionRequest, {"model": "m", "messages": [], **body})
+        assert (err.value.param, err.value.code) == (param, code), err.value.body()
+    with pytest.raises(APIError) as err:
+        parse(ChatCompletionRequest, {"model": "m"})
+    assert (err.value.param, err.value.code) == ("messages", "missing_required_parameter")
+    assert from_spec_error(JobSpecError("keep: 2 is outside")).code == "invalid_value"
+    assert APIError(500, "x").code == "internal_error" and APIError(418, "x").code == "error"
+    target = from_job_failure("failed", "jobs.model_names.UnknownModelError: target_model: 'x': is a hub model not "
+                                        "downloaded on this worker")
+    assert (target.status, target.param, target.code) == (404, "model", "model_not_found")
+    assert target.message.startswith("model: 'x'")
+    draft = from_job_failure("failed", "jobs.model_names.UnknownModelError: draft_model: 'd': its folder is missing")
+    assert (draft.status, draft.param, draft.code) == (400, "draft_model", "model_not_found")
+
+
+BAD_OPTIONS = [("keep", 0), ("keep", 1.5), ("threshold", -1), ("tail_tokens", -1), ("chunk_size", 0),
+               ("n_lookahead", 300), ("pool_kernel", 0), ("pool_kernel", 5000), ("include_last_query", 5),
+               ("full_prefill", 5), ("greedy", 5), ("draft_model", ""), ("draft_model", "x" * 2000),
+               ("draft_model", "a\nb")]
+
+
+@pytest.mark.parametrize("name,bad", BAD_OPTIONS)
+def test_every_specprefill_option_is_checked_at_the_door(name, bad):
+    """A bad SpecPrefill option is a 400 naming it before any job exists (the pydantic
+    model or the spec's own validation), never a job that runs without SpecPrefill."""
+    import fakeredis
+
+    from jobs.client import Client
+
+    body = {"model": "target", "messages": [{"role": "user", "content": "a"}], name: bad}
+    with pytest.raises((APIError, JobSpecError)) as err:
+        Client(fakeredis.FakeRedis(), Settings()).generate_spec(**chat_fields(parse(ChatCompletionRequest, body)))
+    error = err.value if isinstance(err.value, APIError) else from_spec_error(err.value)
+    assert error.status == 400 and error.param == name and error.code, error.body()
+
+
+def test_request_deadline_takes_the_shorter_of_server_and_sdk():
+    from specprefill_server.deadline import request_deadline
+
+    s = Settings(http_request_timeout_s=30, http_sdk_timeout_share=0.9)
+    assert request_deadline({}, s, stream=False).seconds == 30
+    js = request_deadline({"x-stainless-timeout": "10"}, s, stream=False)
+    assert js.seconds == 9 and "x-stainless-timeout" in js.source
+    assert request_deadline({"x-stainless-read-timeout": "600.0"}, s, stream=False).seconds == 30
+    assert request_deadline({"x-stainless-timeout": "10"}, s, stream=True).seconds == 30  # headers go at once
+    assert request_deadline({"x-stainless-timeout": "soon"}, s, stream=False).seconds == 30
+    assert request_deadline({"x-stainless-read-timeout": "5"}, Settings(http_request_timeout_s=0),
+                            stream=False).seconds == 4.5
+    assert request_deadline({}, Settings(http_request_timeout_s=0), stream=False).seconds is None
+
+
+def test_live_models_serve_what_they_list_or_any_name_when_open():
+    from specprefill_server.availability import LiveModels
+
+    closed = LiveModels("q", 2, frozenset({"draft", "target"}), accepts_unlisted=False)
+    assert closed.serves("target") and not closed.serves("org/model")
+    assert closed.serves("/srv/models/m")  # folders are never listed: the worker decides
+    assert LiveModels("q", 1, frozenset(), accepts_unlisted=True).serves("org/model")
+    nobody = LiveModels("q", 0, frozenset(), accepts_unlisted=False)
+    assert not nobody.serves("target") and not nobody.serves("/srv/models/m")
+
+
+def test_server_metrics_count_answers_of_every_mode():
+    import fakeredis
+
+    from specprefill_server.metrics import ServerMetrics
+
+    m = ServerMetrics(fakeredis.FakeRedis(), fakeredis.FakeRedis(), Settings())
+    timed = result(timings={"queue_wait": 0.3, "decode": 0.1})
+    m.answered("/v1/chat/completions", timed, started=0.0, mode="sync")
+    m.answered("/v1/chat/completions", result(), started=0.0, mode="stream")
+    m.answered_in_batch("/v1/completions", result(kept=100, kept_ranges=[(0, 100)]))
+    v = m.registry.get_sample_value
+    for endpoint, mode in (("/v1/chat/completions", "sync"), ("/v1/chat/completions", "stream"),
+                           ("/v1/completions", "batch")):
+        assert v("specprefill_http_answers_total", {"endpoint": endpoint, "mode": mode}) == 1
+    assert v("specprefill_http_ttft_seconds_count") == 3 and v("specprefill_http_prompt_tokens_total") == 300
+    assert v("specprefill_http_job_duration_seconds_count", {"endpoint": "/v1/chat/completions"}) == 2
+    assert v("specprefill_http_queue_wait_seconds_count") == 1 and v("specprefill_http_queue_wait_seconds_sum") == 0.3
+    assert v("specprefill_http_kept_ratio_bucket", {"le": "0.4"}) == 2 and v("specprefill_http_kept_ratio_count") == 3

@@ -45,6 +45,16 @@ def fake_pool(capacity=2):
                      identify=lambda name: "fake:" + name, warm=lambda m: None)
 
 
+def identify_all_but(missing: str, reason: str):
+    """A ``ModelPool`` identify seam that cannot find ``missing`` (``ValueError(reason)``, as
+    ``worker.models.locate`` says it) and names every other model ``fake:<name>``."""
+    def identify(name: str) -> str:
+        if name == missing:
+            raise ValueError(reason)
+        return "fake:" + name
+    return identify
+
+
 @dataclass
 class FakeScore:
     importance: np.ndarray

@@ -13,12 +13,13 @@ import pytest
 
 from cache_store import model_fingerprint
 from jobs.keys import stream_key
+from jobs.model_names import UnknownModelError
 from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
 from specprefill.profile import profile_model
-from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
+from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
 from worker import target_prefill
 from worker.admission import admission_reason
@@ -180,6 +181,17 @@ def test_strict_setting_fails_instead():
     with pytest.raises(RuntimeError, match="scoring exploded"):
         run(rt, messages=chat(), extra=GREEDY)
     assert events(rt)[-1].kind == "failed"
+
+
+def test_a_draft_the_worker_cannot_find_is_refused_not_a_fallback():
+    """Naming a draft the worker cannot find is bad input, like an unknown target: the job
+    fails naming draft_model (the front door's model_not_found), it is not answered without
+    SpecPrefill. A draft that is found but fails still falls back (the tests above)."""
+    rt, _ = runtime()
+    rt.models._identify = identify_all_but("no-such-draft", "is a hub model not downloaded on this worker")
+    with pytest.raises(UnknownModelError, match="^draft_model: 'no-such-draft': is a hub model not downloaded"):
+        run(rt, messages=chat(), extra=GREEDY, draft_model="no-such-draft")
+    assert events(rt)[-1].kind == "failed" and not [e for e in events(rt) if e.kind == "fallback"]
 
 
 def test_prefill_job_falls_back_to_keep_all_with_the_reason():

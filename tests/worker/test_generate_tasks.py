@@ -13,7 +13,7 @@ from jobs.results import GenerateResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from specprefill.wrapping import Wrapper
-from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
+from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
 from worker.detokenize import TextStream
 from worker.models import ModelPool
@@ -274,13 +274,7 @@ def test_shipped_draft_and_target_share_one_tokenizer():
 
 def test_bad_target_fails_naming_it_before_the_draft_scores():
     rt, _ = runtime()
-
-    def identify(name):
-        if name == "bad/target":
-            raise ValueError("'bad/target' is neither a model folder nor a hub model")
-        return "fake:" + name
-
-    rt.models._identify = identify
+    rt.models._identify = identify_all_but("bad/target", "'bad/target' is neither a model folder nor a hub model")
     with pytest.raises(ValueError, match="^target_model: 'bad/target': .*is neither"):
         run(rt, extra={"target_model": "bad/target"})
     kinds = [e.kind for e in events(rt)]
