@@ -3,7 +3,7 @@ import fakeredis
 
 from jobs.spec import build_spec
 from tests.support.fake_worker import FakeTokenizer, _run, fake_runtime
-from worker.prompt import tokenize
+from tests.support.prompts import tokenize
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3
 
