@@ -15,7 +15,7 @@ def test_same_tokens_with_another_protected_prefix_is_not_a_memo_hit():
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2+2? " * 8}]
     chat = build_spec(rt.settings, messages=messages)
     tokens, protected_prefix = tokenize(chat, FakeTokenizer())
-    assert protected_prefix > 0 and len(tokens) > rt.settings.threshold
+    assert protected_prefix > 0 and len(tokens) > rt.settings.selection.threshold
 
     as_chat = _run(rt, chat.to_payload(), job_id="chat")
     as_tokens = _run(rt, build_spec(rt.settings, tokens=tokens).to_payload(), job_id="tokens")
