@@ -426,6 +426,15 @@ def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
     return {**given, **flat}
 
 
+def payload_kind(payload: Mapping[str, Any]) -> str:
+    """The kind of job a payload of any version asks for, without validating it:
+    ``"prefill"``, ``"generate"`` or ``"invalid"``."""
+    if payload.get("v") == 3:
+        return "prefill" if payload.get("generate") is None else "generate"
+    kind = payload.get("kind", "prefill")
+    return kind if isinstance(kind, str) and kind in JOB_KINDS else "invalid"
+
+
 def build_spec(settings: Settings | None = None, *, limits: Limits | None = None,
                **fields_: Any) -> JobSpec:
     """Build a validated spec from keyword fields; unset ones take ``settings``' defaults.

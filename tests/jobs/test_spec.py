@@ -175,6 +175,15 @@ def test_version_1_and_2_payloads_still_read():
     assert spec_from_payload(moved, S) == generate  # tools in extra: their home before they were a field
 
 
+def test_payload_kind_reads_every_version():
+    from jobs.spec import payload_kind
+
+    generate = build_spec(S.replace(target_model="t"), tokens=[1], kind="generate")
+    assert payload_kind(generate.to_payload()) == "generate" == payload_kind(V2_GENERATE)
+    assert payload_kind(build_spec(S, tokens=[1]).to_payload()) == "prefill" == payload_kind(V1_PREFILL)
+    assert payload_kind({"kind": ["x"]}) == payload_kind({"kind": "train"}) == "invalid"
+
+
 def test_old_spellings_of_the_lookahead_fields_are_accepted():
     new = build_spec(S, tokens=[1, 2], lookahead_temperature=0.3, lookahead_top_p=0.5, lookahead_seed=4)
     assert build_spec(S, tokens=[1, 2], temperature=0.3, top_p=0.5, seed=4) == new
