@@ -21,8 +21,9 @@ import json
 import numbers
 import os
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from cache_store.keys import MAX_TOKEN_ID
 from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
@@ -476,8 +477,11 @@ def _group(group: str, given: Any, default: Any) -> Any:
     if unknown:
         raise JobSpecError(f"{spelled_option(group, unknown[0]):.60}: unknown {group} option "
                            f"(allowed: {', '.join(spelled_option(group, k) for k in known)})")
+    changes = {k: v for k, v in given.items() if v is not None}
+    if not changes:
+        return default  # checked when it was built
     try:
-        return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not None})
+        return dataclasses.replace(default, **changes)
     except OptionError as exc:
         raise JobSpecError(f"{spelled_option(group, exc.field)}: {exc.problem}") from None
 

@@ -25,6 +25,8 @@ def test_every_option_field_is_everywhere():
             assert spelling in SPECPREFILL_FIELDS or spelling in OPENAI_OPTIONS
             if group != "generate":  # a deployment's defaults are scoring and selection options
                 assert OPTION_SETTINGS[f.name] == (group, f.name)
+    # an option setting never shadows a plain setting of the same name
+    assert not OPTION_SETTINGS.keys() & {f.name for f in fields(Settings)}
 
 
 def test_the_memo_key_changes_with_every_scoring_and_selection_field():
