@@ -102,8 +102,8 @@ def main() -> None:
 
     with EmbeddedRedis() as server:
         conn = redis.Redis.from_url(server.url)
-        settings = Settings(draft_model=model_dir, redis_url=server.url, threshold=64,
-                            tail_tokens=64, retry_max=0)
+        settings = Settings().replace(draft_model=model_dir, redis_url=server.url, threshold=64,
+                                      tail_tokens=64, retry_max=0)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         bare_name, svc_name = f"bench-bare-{os.getpid()}", f"bench-svc-{os.getpid()}"
         workers = [

@@ -56,7 +56,7 @@ def time_full(target, tokens, step):
 def time_sparse(draft, target, tokens, keep, step):
     """``draft`` is the draft's profile (``profile_model``, once, as a worker does at load)."""
     start = time.perf_counter()
-    scored = score_tokens(draft, tokens, ScoringOptions(prefill_step=step))
+    scored = score_tokens(draft, tokens, ScoringOptions(), prefill_step=step)
     scoring = time.perf_counter() - start
     indices = select_chunks(scored.importance, SelectionOptions(keep=keep, chunk_size=32, tail_tokens=512))
     del scored  # the draft cache is not needed past scoring

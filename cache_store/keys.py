@@ -166,7 +166,8 @@ def key_patterns(namespace: str) -> dict[str, str]:
 
 
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:
-    """``{namespace}:memo:{fingerprint[:16]}:{digest}`` over the prompt and its selection settings."""
+    """``{namespace}:memo:{fingerprint[:16]}:{digest}`` over the prompt and its selection settings
+    (JSON values; a group of them as a mapping, such as one options object's fields)."""
     if not isinstance(settings, Mapping):
         raise ValueError("settings: expected a mapping of selection settings")
     for name, value in settings.items():
@@ -186,4 +187,6 @@ def _is_json_value(value: Any) -> bool:
         return value == value and abs(value) != float("inf")
     if isinstance(value, (list, tuple)):
         return all(_is_json_value(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_json_value(v) for k, v in value.items())
     return False

@@ -1,15 +1,18 @@
-"""A memo of final selections: identical prompt + identical settings -> the same kept ranges.
+"""A memo of final selections: identical prompt + identical options -> the same kept ranges.
 
 Agents and retries resend byte-identical prompts; answering them from here skips
 the draft model entirely. The key covers the model fingerprint, the prompt's full
-digest and every selection-changing setting (canonical JSON, sorted keys), so any
-change in them is a different entry. Each entry carries its key's digest and the prompt's
+digest and every selection-changing option: the caller's option objects field by field
+(any dataclass; the worker gives its scoring and selection options), plus plain values such
+as the protected prefix, as canonical JSON with sorted keys, so any change in them is a
+different entry. Each entry carries its key's digest and the prompt's
 digest, so an entry found under another key (a misdirected write, a wrong restore) is
 rejected, deleted and counted as ``memo_corrupt``. Redis errors make ``get`` a miss and
 ``put`` a no-op, logged and counted in this process.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -42,17 +45,19 @@ class SelectionMemo:
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(MEMO_LOCAL_COUNTERS, 0)
 
-    def key(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> str:
-        """The Redis key of this prompt's entry under these selection settings."""
-        return memo_key(self.namespace, self.fingerprint, tokens, settings)
+    def key(self, tokens: Sequence[int], options: Mapping[str, Any]) -> str:
+        """The Redis key of this prompt's entry under these selection options: each a JSON
+        value or an options object (a dataclass, keyed by its fields)."""
+        return memo_key(self.namespace, self.fingerprint, tokens,
+                        {name: _fields_of(value) for name, value in options.items()})
 
-    def get(self, tokens: Sequence[int], settings: Mapping[str, Any]) -> list[tuple[int, int]] | None:
-        """The remembered ranges for this prompt and settings, or None.
+    def get(self, tokens: Sequence[int], options: Mapping[str, Any]) -> list[tuple[int, int]] | None:
+        """The remembered ranges for this prompt and options, or None.
 
         Counters are written in the same round trip but judged apart: a failing
         HINCRBY (WRONGTYPE, OOM under ``noeviction``) never turns a hit into a miss.
         """
-        key = self.key(tokens, settings)
+        key = self.key(tokens, options)
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.get(key)
@@ -95,14 +100,14 @@ class SelectionMemo:
                 self.local_counters["memo_stats_errors"] += 1
                 log.warning("selection memo: bookkeeping write failed (entry unaffected): %s", result)
 
-    def put(self, tokens: Sequence[int], settings: Mapping[str, Any],
+    def put(self, tokens: Sequence[int], options: Mapping[str, Any],
             ranges: Sequence[tuple[int, int]]) -> None:
-        """Remember ``ranges`` (sorted, non-overlapping, within the prompt) for this prompt and settings."""
+        """Remember ``ranges`` (sorted, non-overlapping, within the prompt) for this prompt and options."""
         n_tokens = len(np.asarray(tokens))
         flat = [int(x) for pair in ranges for x in pair]
         if len(flat) != 2 * len(ranges) or not _valid_ranges(flat, n_tokens):
             raise ValueError(f"ranges: expected sorted, disjoint [start, end) pairs within [0, {n_tokens}]")
-        key = self.key(tokens, settings)
+        key = self.key(tokens, options)
         value = msgpack.packb({"version": MEMO_VERSION, "fingerprint": self.fingerprint,
                                "key": key.rsplit(":", 1)[1], "prompt": prompt_digest(self.fingerprint, tokens),
                                "tokens": n_tokens, "ranges": flat})
@@ -130,6 +135,13 @@ class SelectionMemo:
         for name, value in zip(MEMO_COUNTERS, values):
             counters[name] = as_int(value)
         return {**counters, **self.local_counters}
+
+
+def _fields_of(value: Any) -> Any:
+    """An options object (a dataclass instance) as the dict of its fields; other values as they are."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
 
 
 def decode_entry(value: bytes, key: str, fingerprint: str | None,

@@ -38,7 +38,7 @@ from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batc
 from jobs.rate import SmoothedRate
 from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
-from jobs.spec import GENERATE_OPTIONS, JobSpec, Limits, build_spec, check_batch_size
+from jobs.spec import JobSpec, Limits, build_spec, check_batch_size
 
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
@@ -378,21 +378,19 @@ class Client:
         return publisher_for(self.connection, job_id, self.settings, start_seq=start_seq)
 
     def spec(self, **fields: Any) -> JobSpec:
-        """A validated spec with this client's settings as defaults."""
+        """A validated spec with this client's settings as defaults (fields as for
+        :func:`jobs.spec.build_spec`: the input, models, ``keep=``, ``lookahead_seed=``, ...,
+        or options objects such as ``selection=SelectionOptions(...)``)."""
         return build_spec(self.settings, **fields)
 
     def generate_spec(self, **fields: Any) -> JobSpec:
-        """A validated generate spec. Generate options (``max_tokens``, ``temperature``,
-        ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``, ``target_model``) are
-        taken from ``fields``; the rest are spec fields (input, keep, threshold, and for chat
-        input ``tools`` and ``template_args``, which the chat template renders, ...).
-        ``seed`` seeds both the sampling and the draft's lookahead (``lookahead_seed``);
-        ``lookahead_temperature`` and ``lookahead_top_p`` are spec fields like the rest."""
-        extra = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
-        extra = {k: v for k, v in extra.items() if v is not None}
-        if "seed" in extra:
-            fields["lookahead_seed"] = extra["seed"]
-        return self.spec(kind="generate", extra=extra, **fields)
+        """A validated generate spec: the generate options (``max_tokens``, ``temperature``,
+        ``top_p``, ``seed``, ``greedy``, ``stop``, ``full_prefill``) and ``target_model`` by
+        name, the rest as for :meth:`spec` (for chat input also ``tools`` and
+        ``template_args``, which the chat template renders). ``seed`` also seeds the draft's
+        lookahead unless ``lookahead_seed`` is given; the lookahead's own sampling is
+        ``lookahead_temperature`` / ``lookahead_top_p``."""
+        return self.spec(kind="generate", **fields)
 
     def generate(self, **fields: Any) -> JobHandle:
         """Enqueue a generate job (see :meth:`generate_spec`); ``handle.stream_text()``

@@ -13,12 +13,15 @@ from typing import Any, Mapping
 from cache_store.keys import check_namespace
 from jobs import settings_check
 from jobs.settings_check import SettingsError
-from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.options import PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
 KV_GROUP_SIZES = (32, 64, 128)
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The settings named by option fields: setting (and SPECPREFILL_<NAME>) -> (group, field).
+OPTION_GROUPS = {"scoring": ScoringOptions, "selection": SelectionOptions}
+OPTION_SETTINGS = {f.name: (group, f.name) for group, cls in OPTION_GROUPS.items() for f in fields(cls)}
 
 
 def _shipped_models() -> Path:
@@ -70,17 +73,12 @@ class Settings:
     allow_downloads: bool = False
     worker_name: str = ""
 
-    # SpecPrefill defaults (per job overridable).
-    keep: float = SelectionOptions.keep
-    chunk_size: int = SelectionOptions.chunk_size
-    tail_tokens: int = SelectionOptions.tail_tokens
-    threshold: int = SelectionOptions.threshold
-    n_lookahead: int = ScoringOptions.n_lookahead
-    temperature: float = ScoringOptions.temperature
-    top_p: float = ScoringOptions.top_p
-    pool_kernel: int = ScoringOptions.pool_kernel
-    prefill_step: int = ScoringOptions.prefill_step
-    include_last_query: bool = ScoringOptions.include_last_query
+    # SpecPrefill defaults of every job that does not set them, one object per group (their
+    # fields and ranges: specprefill/options.py). Each field is also a setting of its own name
+    # (SPECPREFILL_KEEP, SPECPREFILL_TEMPERATURE for the lookahead, ...: OPTION_SETTINGS).
+    scoring: ScoringOptions = field(default_factory=ScoringOptions)
+    selection: SelectionOptions = field(default_factory=SelectionOptions)
+    prefill_step: int = PREFILL_STEP  # tokens per forward pass of this worker's prefills
 
     # KV-cache quantization (mlx-lm's kv_bits / kv_group_size) of the draft's cache (scoring
     # and stored blocks) and of the target's (sparse prefill and decoding). 0: not quantized.
@@ -180,17 +178,17 @@ class Settings:
         ``SPECPREFILL_*`` variables are logged with the closest valid name.
         """
         environ, sources = settings_check.merged_environ(environ, ENV_PREFIX)
-        names = [f.name for f in fields(cls)]
-        settings_check.warn_unknown(environ, names, ENV_PREFIX, sources)
+        settable = _settable_fields()
+        settings_check.warn_unknown(environ, list(settable), ENV_PREFIX, sources)
         # REDIS_URL names the queue's Redis unless SPECPREFILL_REDIS_URL does.
         values: dict[str, Any] = {"redis_url": environ["REDIS_URL"]} if environ.get("REDIS_URL") else {}
         try:
-            for f in fields(cls):
-                raw = environ.get(ENV_PREFIX + f.name.upper())
+            for name, f in settable.items():
+                raw = environ.get(ENV_PREFIX + name.upper())
                 if raw is not None:
-                    values[f.name] = _parse(f.name, raw, _field_type(f))
+                    values[name] = _parse(name, raw, _field_type(f))
             values.update({k: v for k, v in overrides.items() if v is not None})
-            return cls(**values)
+            return cls(**_grouped(values, {g: c() for g, c in OPTION_GROUPS.items()}))
         except SettingsError as exc:
             var = ENV_PREFIX + (exc.field or "").upper()
             if exc.field and var in environ and exc.field not in overrides:
@@ -199,6 +197,10 @@ class Settings:
             raise
 
     def __post_init__(self) -> None:
+        for group, cls in OPTION_GROUPS.items():
+            if not isinstance(getattr(self, group), cls):
+                raise SettingsError(f"setting {group}: expected {cls.__name__}, got "
+                                    f"{type(getattr(self, group)).__name__}", group)
         check_namespace(self.namespace)
         settings_check.validate(self, ENV_PREFIX)
         for role in ("draft", "target"):
@@ -218,7 +220,8 @@ class Settings:
         return (bits or None), getattr(self, f"{role}_kv_group_size")
 
     def replace(self, **changes: Any) -> "Settings":
-        return dataclasses.replace(self, **changes)
+        """These settings with ``changes``: fields, or option settings by name (``keep=0.3``)."""
+        return dataclasses.replace(self, **_grouped(changes, {g: getattr(self, g) for g in OPTION_GROUPS}))
 
     @property
     def block_store_url(self) -> str:
@@ -229,6 +232,31 @@ class Settings:
         """The RQ queues this deployment uses (RQ's keys are not under ``namespace``, so
         deployments sharing a Redis are kept apart by queue name and by job id)."""
         return self.queue_names or (self.namespace,)
+
+
+def _settable_fields() -> dict[str, dataclasses.Field]:
+    """Every setting by name: the plain fields, and each option field (not the groups)."""
+    plain = {f.name: f for f in fields(Settings) if f.name not in OPTION_GROUPS}
+    options = {name: OPTION_GROUPS[group].__dataclass_fields__[name]
+               for name, (group, _) in OPTION_SETTINGS.items()}
+    return {**plain, **options}
+
+
+def _grouped(values: dict[str, Any], bases: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with the option settings (``keep``, ...) folded into their group objects,
+    built on ``values``' own group or ``bases``'; a bad one is a :class:`SettingsError`."""
+    out = {k: v for k, v in values.items() if k not in OPTION_SETTINGS}
+    changes: dict[str, dict[str, Any]] = {}
+    for name in values.keys() & OPTION_SETTINGS.keys():
+        group, option = OPTION_SETTINGS[name]
+        changes.setdefault(group, {})[option] = values[name]
+    for group, given in changes.items():
+        try:
+            out[group] = dataclasses.replace(out.get(group, bases[group]), **given)
+        except OptionError as exc:
+            raise SettingsError(f"setting {exc.field} ({ENV_PREFIX}{exc.field.upper()}): {exc.problem}",
+                                exc.field) from None
+    return out
 
 
 def _field_type(f: dataclasses.Field) -> str:

@@ -12,20 +12,17 @@ import logging
 import math
 import numbers
 import os
-import re
 from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from specprefill.options import ScoringOptions, SelectionOptions
-
 log = logging.getLogger("jobs.settings")
 
 # Inclusive bounds of the numeric fields (None: unbounded). Fields not listed here are
-# only type-checked (finite numbers); the SpecPrefill defaults are checked by the option
-# objects themselves (specprefill/options.py), so both places agree on their ranges.
+# only type-checked (finite numbers); the SpecPrefill option defaults are objects that check
+# themselves when they are built (specprefill/options.py), with the ranges jobs have.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "model_lru_size": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
+    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
     "cache_socket_timeout_s": (0.001, None), "redis_retries": (0, 100), "memo_ttl_s": (1, None),
     "max_prompt_tokens": (1, None), "max_batch_documents": (1, None),
     "max_generate_tokens": (1, None), "job_timeout_s": (1, None), "result_ttl_s": (1, None),
@@ -38,9 +35,6 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_request_timeout_s": (0, None), "http_sdk_timeout_share": (0.01, 1),
     "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
 }
-SELECTION_FIELDS = ("keep", "chunk_size", "tail_tokens", "threshold")
-SCORING_FIELDS = ("n_lookahead", "temperature", "top_p", "pool_kernel", "prefill_step",
-                  "include_last_query")
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})
 _warned: set[str] = set()
@@ -97,13 +91,6 @@ def validate(settings: Any, prefix: str) -> None:
         raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
                             f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "
                             f"{settings.heartbeat_ttl_s}", "heartbeat_ttl_s")
-    for cls, names in ((SelectionOptions, SELECTION_FIELDS), (ScoringOptions, SCORING_FIELDS)):
-        try:
-            cls(**{n: getattr(settings, n) for n in names})
-        except ValueError as exc:  # "keep: must be a number in (0, 1], got 1.5"
-            found = re.match(r"(\w+):?\s+(.*)", str(exc), re.S)
-            name, what = found.groups() if found and found.group(1) in names else (names[0], str(exc))
-            raise SettingsError(f"setting {name} ({prefix}{name.upper()}): {what}", name) from None
 
 
 def warn_unknown(environ: Mapping[str, str], known: list[str], prefix: str,

@@ -1,29 +1,58 @@
 """The job spec: what a client asks a worker to do, validated on both sides of the queue.
 
-A spec travels as a JSON payload (``JobSpec.to_payload``). The client validates it before
-enqueueing and the worker validates the payload again with :func:`spec_from_payload`,
-because anything read off a queue may be stale, hand-written or hostile. Every rejection
-is a :class:`JobSpecError` naming the field and its allowed range.
+A spec is the input, the model names, what to return, and one options object per group:
+``scoring`` (:class:`ScoringOptions`), ``selection`` (:class:`SelectionOptions`) and, for a
+generate job, ``generate`` (:class:`GenerateOptions`), all from ``specprefill.options``,
+which checks every option's range when the object is built. Users spell options flat
+(``keep=``, ``lookahead_temperature=``, ``max_tokens=``: :func:`option_names`); a spec
+travels as a nested JSON payload (``JobSpec.to_payload``, version 3), and every older
+spelling (payload versions 1 and 2, renamed fields) goes through :func:`_upgrade`.
+
+The client validates a spec before enqueueing and the worker validates the payload again
+with :func:`spec_from_payload`, because anything read off a queue may be stale,
+hand-written or hostile. Every rejection is a :class:`JobSpecError` naming the field as the
+user spelled it and its allowed range.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 from cache_store.keys import MAX_TOKEN_ID
 from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
+from specprefill.options import (GenerateOptions, OptionError, Sampling, ScoringOptions,
+                                 SelectionOptions, check_flag)
 
-# 2: the draft's lookahead sampling fields are lookahead_temperature / _top_p / _seed.
-PAYLOAD_VERSION = 2
-SUPPORTED_PAYLOAD_VERSIONS = (1, 2)
+# 3: nested: {"v": 3, "scoring": {...}, "selection": {...}, "generate": {...}, ...}.
+# 2: flat, the draft's lookahead sampling fields named lookahead_temperature / _top_p / _seed.
+# 1: flat, those named temperature / top_p / seed. A payload without "v" is read as flat.
+PAYLOAD_VERSION = 3
+SUPPORTED_PAYLOAD_VERSIONS = (1, 2, 3)
 JOB_KINDS = ("prefill", "generate")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+INPUT_FIELDS = ("tokens", "text", "messages")
+# Spec fields that are not options (the payload's top level besides "v" and the groups).
+SPEC_FIELDS = ("draft_model", "target_model", *INPUT_FIELDS, "tools", "template_args",
+               "return_importance", "return_spans")
+
+# The option groups of a job (JobSpec field -> options class). A user spells each option
+# by its field name, except the lookahead's sampling (spelled_option): a generate job's
+# own sampling has the plain names.
+OPTION_GROUPS = {"scoring": ScoringOptions, "selection": SelectionOptions, "generate": GenerateOptions}
+LOOKAHEAD = "lookahead_"
+# Older spellings still accepted (payload version 1 and older clients; the CLI's option
+# names from Python): old name -> name.
+RENAMED_FIELDS = {"temperature": "lookahead_temperature", "top_p": "lookahead_top_p",
+                  "seed": "lookahead_seed"}
+CLI_SPELLINGS = {"model": "draft_model", "spans": "return_spans", "importance": "return_importance"}
 
 MAX_MODEL_NAME_CHARS = 1024
 MAX_CHAT_MESSAGES = 10_000
@@ -31,11 +60,6 @@ MAX_CHAT_MESSAGES = 10_000
 # checks max_prompt_tokens again after tokenizing); no tokenizer emits fewer than one
 # token per this many characters on real text.
 CHARS_PER_TOKEN_BOUND = 32
-# Generate jobs carry their options in ``extra`` (see :class:`GenerateOptions`).
-GENERATE_OPTIONS = ("target_model", "max_tokens", "temperature", "top_p", "seed", "greedy",
-                    "stop", "full_prefill")
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 MAX_TOOLS = 128
 MAX_TEMPLATE_ARGS = 32
 # apply_chat_template's own parameters: a job's template arguments may not set them.
@@ -43,9 +67,6 @@ RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "docume
                                     "add_generation_prompt", "continue_final_message", "chat_template",
                                     "return_dict", "return_tensors", "padding", "truncation",
                                     "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-# Spec fields left out of the payload (and so of the job id) while empty: jobs without them
-# keep the ids they had before the fields existed.
-OMITTED_WHEN_EMPTY = ("tools", "template_args")
 
 
 class JobSpecError(ValueError):
@@ -91,37 +112,40 @@ class Limits:
                            f"(allowed: {shown:.1000})")
 
 
-@dataclass(frozen=True)
-class GenerateOptions:
-    """What a generate job does after selection (validated from the spec's ``extra``).
+def spelled_option(group: str, name: str) -> str:
+    """How a user spells option ``name`` of ``group``: the lookahead's sampling fields are
+    ``lookahead_temperature`` / ``_top_p`` / ``_seed`` / ``_greedy``, every other its own name."""
+    return LOOKAHEAD + name if group == "scoring" and name in Sampling.__dataclass_fields__ else name
 
-    Sampling: ``greedy`` or ``temperature`` 0 takes the argmax; otherwise top-p sampling
-    seeded by ``seed`` (reproducible). Generation ends at EOS, after ``max_tokens`` tokens,
-    or before the first occurrence of any ``stop`` string. ``full_prefill`` prefills the
-    target with every prompt token (no draft scoring) for comparison.
-    """
 
-    target_model: str
-    max_tokens: int = 256
-    temperature: float = 0.7
-    top_p: float = 0.95
-    seed: int = 0
-    greedy: bool = False
-    stop: tuple[str, ...] = ()
-    full_prefill: bool = False
+def _names_of(kind: str) -> Mapping[str, tuple[str, str]]:
+    groups = ("scoring", "selection", "generate") if kind == "generate" else ("scoring", "selection")
+    return MappingProxyType({spelled_option(g, name): (g, name) for g in groups
+                             for name in OPTION_GROUPS[g].__dataclass_fields__})
 
-    def to_extra(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in GENERATE_OPTIONS}
-        d["stop"] = list(self.stop)
-        return d
+
+_OPTION_NAMES = {kind: _names_of(kind) for kind in JOB_KINDS}
+
+
+def option_names(kind: str = "prefill") -> Mapping[str, tuple[str, str]]:
+    """Every option a ``kind`` job takes: its spelling -> ``(group, field)`` (the one map
+    between the flat names of the client, CLI, HTTP API and JSONL lines and the objects)."""
+    return _OPTION_NAMES[kind]
+
+
+# Every keyword build_spec takes: the spec fields, each option's spelling (of either kind),
+# the option groups themselves (objects or mappings), and the older spellings.
+SPEC_KEYWORDS = frozenset((*SPEC_FIELDS, *option_names("generate"), *option_names("prefill"),
+                           *OPTION_GROUPS, *RENAMED_FIELDS, *CLI_SPELLINGS, "kind", "extra", "v"))
 
 
 @dataclass(frozen=True)
 class JobSpec:
     """One SpecPrefill job. Exactly one of ``tokens``, ``text`` and ``messages`` is set.
 
-    ``lookahead_*`` sample the draft's lookahead tokens (scoring); a generate job's own
-    sampling of the target's text is in :class:`GenerateOptions`.
+    ``scoring`` samples the draft's lookahead tokens and scores the prompt, ``selection``
+    picks the chunks the target prefills; a job with ``generate`` options (and a
+    ``target_model``) is a generate job: the target answers, with its own sampling.
     """
 
     draft_model: str
@@ -132,57 +156,51 @@ class JobSpec:
     # OpenAI-style tool definitions and template keyword arguments (e.g. enable_thinking).
     tools: tuple[Mapping[str, Any], ...] = ()
     template_args: Mapping[str, Any] = field(default_factory=dict)
-    # Defaults are the settings' defaults; the client fills in the deployment's own values.
-    keep: float = Settings.keep
-    chunk_size: int = Settings.chunk_size
-    tail_tokens: int = Settings.tail_tokens
-    threshold: int = Settings.threshold
-    n_lookahead: int = Settings.n_lookahead
-    lookahead_temperature: float = Settings.temperature
-    lookahead_top_p: float = Settings.top_p
-    pool_kernel: int = Settings.pool_kernel
-    lookahead_seed: int = 0
-    include_last_query: bool = Settings.include_last_query
+    scoring: ScoringOptions = field(default_factory=ScoringOptions)
+    selection: SelectionOptions = field(default_factory=SelectionOptions)
+    generate: GenerateOptions | None = None
+    target_model: str | None = None  # a generate job's target
     return_importance: bool = False
     return_spans: bool = False
-    kind: str = "prefill"
-    extra: Mapping[str, Any] = field(default_factory=dict)  # kind-specific options (JSON)
 
     @property
-    def generate(self) -> GenerateOptions:
-        """The generate options of a validated ``kind="generate"`` spec."""
-        if self.kind != "generate":
-            raise ValueError(f"kind: {self.kind!r} job has no generate options")
-        return GenerateOptions(**{**self.extra, "stop": tuple(self.extra.get("stop", ()))})
+    def kind(self) -> str:
+        """``"generate"`` with generate options, else ``"prefill"``."""
+        return "generate" if self.generate is not None else "prefill"
 
     @property
     def input_kind(self) -> str:
         return "tokens" if self.tokens is not None else "text" if self.text is not None else "chat"
 
-    def scoring_options(self) -> dict[str, Any]:
-        """Options for ``score_tokens`` that come from the spec (its own parameter names)."""
-        return dict(n_lookahead=self.n_lookahead, temperature=self.lookahead_temperature,
-                    top_p=self.lookahead_top_p, seed=self.lookahead_seed,
-                    pool_kernel=self.pool_kernel, include_last_query=self.include_last_query)
-
-    def selection_options(self) -> dict[str, Any]:
-        """Everything besides the tokens that decides the selection (the memo key)."""
-        return dict(self.scoring_options(), keep=self.keep, chunk_size=self.chunk_size,
-                    tail_tokens=self.tail_tokens, threshold=self.threshold)
+    def options(self) -> dict[str, Any]:
+        """Everything but the input that decides the result, under the names users give it
+        (``kind``, the models, ``keep``, ``lookahead_seed``, ``max_tokens``, ...)."""
+        d: dict[str, Any] = {"kind": self.kind, "draft_model": self.draft_model}
+        if self.generate is not None:
+            d["target_model"] = self.target_model
+        for spelling, (group, name) in option_names(self.kind).items():
+            d[spelling] = getattr(getattr(self, group), name)
+        d.update(return_importance=self.return_importance, return_spans=self.return_spans)
+        return d
 
     def to_payload(self) -> dict[str, Any]:
-        """The JSON-ready dict put on the queue."""
-        d = {name: getattr(self, name) for name in self.__dataclass_fields__}  # shallow: fast
-        d["tokens"] = list(self.tokens) if self.tokens is not None else None
-        d["messages"] = ([{"role": r, "content": c} for r, c in self.messages]
-                         if self.messages is not None else None)
-        d["extra"] = dict(self.extra)
-        d["tools"] = [dict(t) for t in self.tools]
-        d["template_args"] = dict(self.template_args)
-        for name in OMITTED_WHEN_EMPTY:
-            if not d[name]:
-                del d[name]
-        d["v"] = PAYLOAD_VERSION
+        """The JSON-ready dict put on the queue (version 3, nested)."""
+        d: dict[str, Any] = {"v": PAYLOAD_VERSION, "draft_model": self.draft_model,
+                             "scoring": _fields_of(self.scoring), "selection": _fields_of(self.selection),
+                             "return_importance": self.return_importance, "return_spans": self.return_spans}
+        if self.tokens is not None:
+            d["tokens"] = list(self.tokens)
+        elif self.text is not None:
+            d["text"] = self.text
+        else:
+            d["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+        if self.tools:
+            d["tools"] = [dict(t) for t in self.tools]
+        if self.template_args:
+            d["template_args"] = dict(self.template_args)
+        if self.generate is not None:
+            d["generate"] = {**_fields_of(self.generate), "stop": list(self.generate.stop)}
+            d["target_model"] = self.target_model
         return d
 
     def job_id(self, namespace: str = "specprefill") -> str:
@@ -193,36 +211,18 @@ class JobSpec:
         return f"{self.kind}-{hashlib.sha256(canonical.encode()).hexdigest()[:40]}"
 
 
+def _fields_of(options: Any) -> dict[str, Any]:
+    """An options object's fields as a dict (shallow: they are plain values)."""
+    return {name: getattr(options, name) for name in options.__dataclass_fields__}
+
+
 # ---- field checks: each returns the clean value or raises JobSpecError ----
 
-def _int(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise JobSpecError(f"{name}: expected an integer in [{lo}, {hi}], got {type(value).__name__}")
-    value = int(value)
-    if not lo <= value <= hi:
-        raise JobSpecError(f"{name}: {value} is outside the allowed range [{lo}, {hi}]")
-    return value
-
-
-def _float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise JobSpecError(f"{name}: expected a number in {'(' if lo_open else '['}{lo}, {hi}], "
-                           f"got {type(value).__name__}")
+def _flag(name: str, value: Any) -> bool:
     try:
-        value = float(value)
-    except (OverflowError, ValueError):
-        raise JobSpecError(f"{name}: not representable as a float") from None
-    ok = (lo < value if lo_open else lo <= value) and value <= hi
-    if not math.isfinite(value) or not ok:
-        raise JobSpecError(f"{name}: {value!r} is outside the allowed range "
-                           f"{'(' if lo_open else '['}{lo}, {hi}]")
-    return value
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise JobSpecError(f"{name}: expected true or false, got {type(value).__name__}")
-    return value
+        return check_flag(name, value)
+    except OptionError as exc:
+        raise JobSpecError(str(exc)) from None
 
 
 def _model_name(value: Any, limits: Limits, name: str = "draft_model") -> str:
@@ -295,29 +295,6 @@ def _messages(value: Any, limits: Limits) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _extra(value: Any) -> dict[str, Any]:
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise JobSpecError("extra: expected an object with string keys")
-    try:  # must survive the JSON queue unchanged
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        raise JobSpecError("extra: must be plain JSON (no NaN, no custom objects)") from None
-    return dict(value)
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Sequence):
-        raise JobSpecError("stop: expected a list of strings")
-    if len(value) > MAX_STOP_STRINGS:
-        raise JobSpecError(f"stop: {len(value)} strings, allowed 0..{MAX_STOP_STRINGS}")
-    for i, s in enumerate(value):
-        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
-            raise JobSpecError(f"stop[{i}]: expected a string of 1..{MAX_STOP_CHARS} characters")
-    return tuple(value)
-
-
 def _tools(value: Any) -> tuple[Mapping[str, Any], ...]:
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise JobSpecError("tools: expected a list of tool objects")
@@ -352,57 +329,6 @@ def _template_args(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _moved_tools(v: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-    """``extra`` without a generate job's ``tools`` (their old home), and the tools given."""
-    extra, tools = v.get("extra", {}), v.get("tools")
-    if v.get("kind") == "generate" and isinstance(extra, Mapping) and "tools" in extra:
-        if tools:
-            raise JobSpecError("tools: given twice (as a spec field and in extra); give it once")
-        extra = {k: x for k, x in extra.items() if k != "tools"}
-        tools = v["extra"]["tools"]
-    return extra, tools
-
-
-def _generate_options(extra: Mapping[str, Any], limits: Limits) -> GenerateOptions:
-    unknown = sorted(set(extra) - set(GENERATE_OPTIONS))
-    if unknown:
-        raise JobSpecError(f"{unknown[0]:.60}: unknown generate option "
-                           f"(allowed: {', '.join(GENERATE_OPTIONS)})")
-    if "target_model" not in extra:
-        raise JobSpecError("target_model: missing")
-    d = GenerateOptions(target_model="-")  # defaults
-    limit = limits.max_generate_tokens
-    try:
-        max_tokens = _int("max_tokens", extra.get("max_tokens", min(d.max_tokens, limit)), 1, limit)
-    except JobSpecError as exc:
-        raise JobSpecError(f"{exc} (max_generate_tokens)") from None
-    return GenerateOptions(
-        target_model=_model_name(extra["target_model"], limits, "target_model"),
-        max_tokens=max_tokens,
-        temperature=_float("temperature", extra.get("temperature", d.temperature), 0.0, 100.0),
-        top_p=_float("top_p", extra.get("top_p", d.top_p), 0.0, 1.0, lo_open=True),
-        seed=_int("seed", extra.get("seed", d.seed), 0, 2**32 - 1),
-        greedy=_bool("greedy", extra.get("greedy", d.greedy)),
-        stop=_stop_strings(extra.get("stop", d.stop)),
-        full_prefill=_bool("full_prefill", extra.get("full_prefill", d.full_prefill)),
-    )
-
-
-_FIELDS = {f for f in JobSpec.__dataclass_fields__}
-# Spec fields whose default is a deployment setting: spec field -> settings field. Models
-# are named (jobs.model_names.job_default): "draft" / "target", which the worker resolves,
-# unless the client configured a model itself.
-_FROM_SETTINGS = {name: name for name in ("keep", "chunk_size", "tail_tokens",
-                                          "threshold", "n_lookahead", "pool_kernel",
-                                          "include_last_query")}
-_FROM_SETTINGS.update(lookahead_temperature="temperature", lookahead_top_p="top_p")
-# Spellings of payload version 1 (and of older clients), still accepted.
-RENAMED_FIELDS = {"temperature": "lookahead_temperature", "top_p": "lookahead_top_p",
-                  "seed": "lookahead_seed"}
-# The CLI's option names (--model, --spans, --importance), accepted from Python too.
-CLI_SPELLINGS = {"model": "draft_model", "spans": "return_spans", "importance": "return_importance"}
-
-
 def _renamed(fields_: Mapping[str, Any]) -> dict[str, Any]:
     """``fields_`` with old spellings under their new names (giving both is an error)."""
     out = dict(fields_)
@@ -415,91 +341,189 @@ def _renamed(fields_: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _version(fields_: dict[str, Any]) -> int:
+    version = fields_.pop("v", 2)
+    if isinstance(version, bool) or version not in SUPPORTED_PAYLOAD_VERSIONS:
+        raise JobSpecError(f"v: payload version {version!r:.20} is not supported "
+                           f"(expected one of {', '.join(map(str, SUPPORTED_PAYLOAD_VERSIONS))})")
+    return version
+
+
+def _upgrade(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """``payload`` as a version-3 payload (nested), whatever older spelling it uses.
+
+    Flat fields (payload versions 1 and 2, and :func:`build_spec`'s keywords) are the
+    options by their spellings (:func:`option_names`), ``kind``, and the old names
+    (``temperature`` / ``top_p`` / ``seed`` of the lookahead, the CLI's ``model`` /
+    ``spans`` / ``importance``). A generate job's own options come in ``extra`` (versions 1
+    and 2, with ``target_model`` and, before they were a spec field, ``tools``) or by name;
+    given by name, ``seed`` also seeds the lookahead unless ``lookahead_seed`` is given.
+    Unset (None) fields take their defaults.
+    """
+    fields_ = {k: v for k, v in payload.items() if v is not None}
+    if _version(fields_) == 3:
+        return fields_
+    kind = fields_.pop("kind", "generate" if "generate" in fields_ else "prefill")
+    if kind not in JOB_KINDS:
+        raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
+    if kind == "prefill" and "generate" in fields_:
+        raise JobSpecError("generate: only a generate job has generate options (kind generate)")
+    own = _generate_fields(fields_, kind)
+    fields_ = _renamed(fields_)
+    names = option_names("prefill")
+    unknown = sorted(str(k) for k in fields_ if k not in names and k not in SPEC_FIELDS
+                     and k not in OPTION_GROUPS)
+    if unknown:
+        allowed = {*SPEC_FIELDS, *option_names(kind)} - ({"target_model"} if kind == "prefill" else set())
+        raise JobSpecError(f"{unknown[0]:.60}: unknown field (allowed: {', '.join(sorted(allowed))})")
+    nested = {k: v for k, v in fields_.items() if k not in names}
+    for group, given in (("scoring", {}), ("selection", {}), ("generate", own)):
+        flat = {name: fields_[s] for s, (g, name) in names.items() if g == group and s in fields_}
+        if kind == "generate" or group != "generate":
+            nested[group] = _merged(group, nested.get(group), {**given, **flat})
+    return nested
+
+
+def _generate_fields(fields_: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Take a generate job's own options out of ``fields_`` (from ``extra`` or by name)."""
+    extra = fields_.pop("extra", None)
+    if extra is None and kind != "generate":
+        return {}
+    if extra is None:
+        own = {k: fields_.pop(k) for k in GenerateOptions.__dataclass_fields__ if k in fields_}
+        if "seed" in own:
+            fields_.setdefault("lookahead_seed", own["seed"])
+        return own
+    if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
+        raise JobSpecError("extra: expected an object with string keys")
+    if kind != "generate":
+        if extra:
+            raise JobSpecError("extra: only a generate job has options (kind generate)")
+        return {}
+    by_name = sorted(set(fields_) & (GenerateOptions.__dataclass_fields__.keys() - RENAMED_FIELDS.keys()))
+    if by_name:
+        raise JobSpecError(f"extra: give a generate job's options by name ({by_name[0]}=...) or in "
+                           "extra (the older spelling), not both")
+    own = dict(extra)
+    for name in ("target_model", "tools"):  # tools: their home before they were a spec field
+        if name in own:
+            if fields_.get(name):
+                raise JobSpecError(f"{name}: given twice (as a spec field and in extra); give it once")
+            fields_[name] = own.pop(name)
+    return own
+
+
+def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
+    """A group's fields from an options object or mapping, with the flat ones on top."""
+    if given is None:
+        return flat
+    if isinstance(given, OPTION_GROUPS[group]):
+        given = _fields_of(given)
+    if not isinstance(given, Mapping):
+        raise JobSpecError(f"{group}: expected {OPTION_GROUPS[group].__name__} or an object of its fields")
+    twice = sorted(set(given) & set(flat))
+    if twice:
+        raise JobSpecError(f"{spelled_option(group, twice[0])}: given twice (by name and in {group})")
+    return {**given, **flat}
+
+
+def payload_kind(payload: Mapping[str, Any]) -> str:
+    """The kind of job a payload of any version asks for, without validating it:
+    ``"prefill"``, ``"generate"`` or ``"invalid"``."""
+    if payload.get("v") == 3:
+        return "prefill" if payload.get("generate") is None else "generate"
+    kind = payload.get("kind", "prefill")
+    return kind if isinstance(kind, str) and kind in JOB_KINDS else "invalid"
+
+
 def build_spec(settings: Settings | None = None, *, limits: Limits | None = None,
                **fields_: Any) -> JobSpec:
-    """Build a validated spec; unset fields take their defaults from ``settings``.
+    """Build a validated spec from keyword fields; unset ones take ``settings``' defaults.
 
-    Pass exactly one of ``tokens=``, ``text=`` or ``messages=``. Raises
+    Pass exactly one of ``tokens=``, ``text=`` or ``messages=``; options by their names
+    (``keep=0.3``, ``lookahead_temperature=0.5``; ``kind="generate"`` with ``max_tokens=``,
+    ``temperature=``, ...) or as objects (``selection=SelectionOptions(...)``). Raises
     :class:`JobSpecError` naming the offending field.
     """
     settings = settings or Settings()
-    limits = limits or Limits.from_settings(settings)
-    fields_ = _renamed(fields_)
-    unknown = sorted(set(fields_) - _FIELDS)
-    if unknown:
-        raise JobSpecError(f"{unknown[0]}: unknown field (allowed: {', '.join(sorted(_FIELDS))})")
-    defaults = {name: getattr(settings, source) for name, source in _FROM_SETTINGS.items()}
-    values = {"draft_model": job_default(settings, "draft"), **defaults,
-              **{k: v for k, v in fields_.items() if v is not None}}
-    if values.get("kind") == "generate" and isinstance(values.get("extra", {}), Mapping):
-        extra = dict(values.get("extra", {}))
-        if extra.get("target_model") is None:
-            extra["target_model"] = job_default(settings, "target")
-        values["extra"] = extra
-    return _validate(values, limits)
+    nested = _upgrade(fields_)
+    nested.setdefault("draft_model", job_default(settings, "draft"))
+    if nested.get("generate") is not None:
+        nested.setdefault("target_model", job_default(settings, "target"))
+    return _validate(nested, settings, limits or Limits.from_settings(settings))
 
 
 def spec_from_payload(payload: Any, settings: Settings | None = None, *,
                       limits: Limits | None = None) -> JobSpec:
-    """Validate a payload read off the queue (never trusted) into a :class:`JobSpec`."""
+    """Validate a payload read off the queue (never trusted, any version) into a :class:`JobSpec`.
+    Options it does not set take the worker's ``settings``' defaults."""
     settings = settings or Settings()
-    limits = limits or Limits.from_settings(settings)
     if not isinstance(payload, Mapping):
         raise JobSpecError(f"payload: expected an object, got {type(payload).__name__}")
-    payload = dict(payload)
-    version = payload.pop("v", PAYLOAD_VERSION)
-    if isinstance(version, bool) or version not in SUPPORTED_PAYLOAD_VERSIONS:
-        raise JobSpecError(f"v: payload version {version!r:.20} is not supported "
-                           f"(expected one of {', '.join(map(str, SUPPORTED_PAYLOAD_VERSIONS))})")
-    payload = _renamed(payload)
-    unknown = sorted(k if isinstance(k, str) else repr(k) for k in set(payload) - _FIELDS)
+    nested = _upgrade(payload)
+    for name in ("draft_model", "target_model"):
+        if name not in nested and (name == "draft_model" or nested.get("generate") is not None):
+            raise JobSpecError(f"{name}: missing")
+    return _validate(nested, settings, limits or Limits.from_settings(settings))
+
+
+def _group(group: str, given: Any, default: Any) -> Any:
+    """The ``group`` options object: ``default`` with the ``given`` fields (a mapping).
+    The object checks its ranges; its error names the field as users spell it."""
+    if not isinstance(given, Mapping):
+        raise JobSpecError(f"{group}: expected an object of {group} options")
+    known = OPTION_GROUPS[group].__dataclass_fields__
+    unknown = sorted(str(k) for k in given if k not in known)
+    if unknown:
+        raise JobSpecError(f"{spelled_option(group, unknown[0]):.60}: unknown {group} option "
+                           f"(allowed: {', '.join(spelled_option(group, k) for k in known)})")
+    changes = {k: v for k, v in given.items() if v is not None}
+    if not changes:
+        return default  # checked when it was built
+    try:
+        return dataclasses.replace(default, **changes)
+    except OptionError as exc:
+        raise JobSpecError(f"{spelled_option(group, exc.field)}: {exc.problem}") from None
+
+
+def _generate(given: Any, limits: Limits) -> GenerateOptions:
+    """A generate job's options, within the deployment's ``max_generate_tokens``."""
+    limit = limits.max_generate_tokens
+    options = _group("generate", given, GenerateOptions(max_tokens=min(GenerateOptions.max_tokens, limit)))
+    if options.max_tokens > limit:
+        raise JobSpecError(f"max_tokens: {options.max_tokens} is outside the allowed range "
+                           f"[1, {limit}] (max_generate_tokens)")
+    return options
+
+
+def _validate(v: Mapping[str, Any], settings: Settings, limits: Limits) -> JobSpec:
+    """A :class:`JobSpec` from a version-3 payload (every field checked)."""
+    unknown = sorted(str(k) for k in v if k not in SPEC_FIELDS and k not in OPTION_GROUPS)
     if unknown:
         raise JobSpecError(f"{unknown[0]:.60}: unknown field")
-    if "draft_model" not in payload:
-        raise JobSpecError("draft_model: missing")
-    return build_spec(settings, limits=limits, **payload)
-
-
-def _validate(v: Mapping[str, Any], limits: Limits) -> JobSpec:
-    inputs = [k for k in ("tokens", "text", "messages") if v.get(k) is not None]
+    inputs = [k for k in INPUT_FIELDS if v.get(k) is not None]
     if len(inputs) != 1:
         raise JobSpecError("input: give exactly one of tokens, text or messages "
                            f"(got {', '.join(inputs) or 'none'})")
-    kind = v.get("kind", "prefill")
-    if kind not in JOB_KINDS:
-        raise JobSpecError(f"kind: {kind!r:.40} is not one of {', '.join(JOB_KINDS)}")
-    extra, tools = _moved_tools(v)
-    extra = _extra(extra)
-    for name, given in (("tools", tools), ("template_args", v.get("template_args"))):
-        if given and "messages" not in inputs:
+    for name in ("tools", "template_args"):
+        if v.get(name) and "messages" not in inputs:
             raise JobSpecError(f"{name}: only for chat input (messages); the chat template renders them")
-    if kind == "generate":  # stored normalised, so equal requests get equal job ids
-        extra = _generate_options(extra, limits).to_extra()
-    n_lookahead = _int("n_lookahead", v.get("n_lookahead"), 0, 256)
-    include_last_query = _bool("include_last_query", v.get("include_last_query"))
-    if n_lookahead == 0 and not include_last_query:
-        raise JobSpecError("n_lookahead: 0 needs include_last_query=true (no query would score the prompt)")
+    generate = None if v.get("generate") is None else _generate(v["generate"], limits)
+    if generate is None and v.get("target_model") is not None:
+        raise JobSpecError("target_model: only a generate job has a target model")
     return JobSpec(
-        kind=kind,
         draft_model=_model_name(v.get("draft_model"), limits),
         tokens=_tokens(v["tokens"], limits) if "tokens" in inputs else None,
         text=_text(v["text"], limits) if "text" in inputs else None,
         messages=_messages(v["messages"], limits) if "messages" in inputs else None,
-        tools=_tools(tools if tools is not None else ()),
+        tools=_tools(v.get("tools") or ()),
         template_args=_template_args(v.get("template_args") or {}),
-        keep=_float("keep", v.get("keep"), 0.0, 1.0, lo_open=True),
-        chunk_size=_int("chunk_size", v.get("chunk_size"), 1, 8192),
-        tail_tokens=_int("tail_tokens", v.get("tail_tokens"), 0, MAX_TOKEN_ID),
-        threshold=_int("threshold", v.get("threshold"), 0, MAX_TOKEN_ID),
-        n_lookahead=n_lookahead,
-        lookahead_temperature=_float("lookahead_temperature", v.get("lookahead_temperature"), 0.0, 100.0),
-        lookahead_top_p=_float("lookahead_top_p", v.get("lookahead_top_p"), 0.0, 1.0, lo_open=True),
-        pool_kernel=_int("pool_kernel", v.get("pool_kernel"), 1, 1023),
-        lookahead_seed=_int("lookahead_seed", v.get("lookahead_seed", 0), 0, 2**32 - 1),
-        include_last_query=include_last_query,
-        return_importance=_bool("return_importance", v.get("return_importance", False)),
-        return_spans=_bool("return_spans", v.get("return_spans", False)),
-        extra=extra,
+        scoring=_group("scoring", v.get("scoring", {}), settings.scoring),
+        selection=_group("selection", v.get("selection", {}), settings.selection),
+        generate=generate,
+        target_model=_model_name(v.get("target_model"), limits, "target_model") if generate else None,
+        return_importance=_flag("return_importance", v.get("return_importance", False)),
+        return_spans=_flag("return_spans", v.get("return_spans", False)),
     )
 
 

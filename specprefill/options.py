@@ -1,10 +1,11 @@
-"""The options of scoring, selection and sampling: their defaults and their validation, once.
+"""The options of scoring, selection, sampling and generation: their defaults and ranges, once.
 
 Defaults are the paper's and omlx's (lookahead 8 tokens at temperature 0.6 / top-p 0.95,
 pooling kernel 13, draft prefill step 2048; chunks of 32, keep 0.2, a 512-token tail, an
-admission threshold of 8192 tokens). Each object checks itself when it is built, so the
-functions that take one never check again. ``jobs.settings.Settings`` takes its defaults
-from here. Pure Python: importing this never loads mlx (``specprefill.blas`` must run first).
+admission threshold of 8192 tokens). Each object checks and normalises its fields when it
+is built (an :class:`OptionError` names the field and its range), so the functions that
+take one never check again; ``jobs`` builds them from job specs and settings and names the
+field as the user spelled it. Pure Python: importing this never loads mlx.
 """
 from __future__ import annotations
 
@@ -13,17 +14,76 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from specprefill.checks import check_int
-
 PREFILL_STEP = 2048  # tokens per forward pass while prefilling (draft and target)
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**32 - 1
+MAX_TOKENS = 2**31 - 1  # token counts, like token ids, are int32 in the block store
+MAX_LOOKAHEAD = 256
+MAX_CHUNK_SIZE = 8192
+MAX_POOL_KERNEL = 1023
+MAX_TEMPERATURE = 100.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
-def check_fraction(name: str, value: Any) -> float:
-    """``value`` as a float if it is a number in (0, 1], else ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
-        raise ValueError(f"{name}: must be a number in (0, 1], got {value!r}")
-    return float(value)
+class OptionError(ValueError):
+    """An option outside its type or range: ``field`` is its name in the options object,
+    ``problem`` what is wrong (the message is ``"field: problem"``)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _span(lo: float, hi: float, lo_open: bool = False) -> str:
+    return f"{'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}]"
+
+
+def check_integer(name: str, value: Any, lo: int, hi: int) -> int:
+    """``value`` as an int if it is an integer (not a bool) in ``[lo, hi]``, else :class:`OptionError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(name, f"expected an integer in {_span(lo, hi)}, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        shown = str(int(value))
+        shown = shown if len(shown) <= 24 else f"{shown[:20]}... ({len(shown)} digits)"
+        raise OptionError(name, f"{shown} is outside the allowed range {_span(lo, hi)}")
+    return int(value)
+
+
+def check_number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """``value`` as a finite float in ``[lo, hi]`` (``(lo, hi]`` if ``lo_open``), else :class:`OptionError`."""
+    span = _span(lo, hi, lo_open)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(name, f"expected a number in {span}, got {type(value).__name__}")
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):
+        raise OptionError(name, f"not representable as a float (allowed: {span})") from None
+    if not math.isfinite(value) or not (lo < value if lo_open else lo <= value) or value > hi:
+        raise OptionError(name, f"{value!r} is outside the allowed range {span}")
+    return value
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a bool, else :class:`OptionError`."""
+    if not isinstance(value, bool):
+        raise OptionError(name, f"expected true or false, got {type(value).__name__}")
+    return value
+
+
+def _set(obj: Any, **clean: Any) -> None:
+    """Store normalised field values on a frozen options object (in ``__post_init__``)."""
+    for name, value in clean.items():
+        object.__setattr__(obj, name, value)
+
+
+def _check_sampling(obj: Any) -> None:
+    _set(obj, temperature=check_number("temperature", obj.temperature, 0.0, MAX_TEMPERATURE),
+         top_p=check_number("top_p", obj.top_p, 0.0, 1.0, lo_open=True),
+         seed=check_integer("seed", obj.seed, 0, MAX_SEED), greedy=check_flag("greedy", obj.greedy))
 
 
 @dataclass(frozen=True)
@@ -40,12 +100,7 @@ class Sampling:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        temperature = self.temperature
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-                or not 0 <= temperature < math.inf:
-            raise ValueError(f"temperature: must be a finite number >= 0, got {temperature!r}")
-        check_fraction("top_p", self.top_p)
-        check_int("seed", self.seed, 0, MAX_SEED)
+        _check_sampling(self)
 
 
 @dataclass(frozen=True)
@@ -54,8 +109,9 @@ class ScoringOptions:
 
     ``n_lookahead`` tokens are sampled with ``temperature`` / ``top_p`` / ``seed`` (or
     ``greedy``); their queries, and the last prompt token's if ``include_last_query``,
-    score the prompt; attention is pooled over ``pool_kernel`` positions; the prompt is
-    prefilled ``prefill_step`` tokens at a time.
+    score the prompt; attention is pooled over ``pool_kernel`` positions (0 or 1: none).
+    How many tokens one forward pass prefills is the caller's (``prefill_step``), not an
+    option: it does not change what is selected.
     """
 
     n_lookahead: int = 8
@@ -64,17 +120,16 @@ class ScoringOptions:
     greedy: bool = False
     seed: int = 0
     pool_kernel: int = 13
-    prefill_step: int = PREFILL_STEP
     include_last_query: bool = True
 
     def __post_init__(self) -> None:
-        check_int("n_lookahead", self.n_lookahead, 0)
+        _set(self, n_lookahead=check_integer("n_lookahead", self.n_lookahead, 0, MAX_LOOKAHEAD),
+             include_last_query=check_flag("include_last_query", self.include_last_query),
+             pool_kernel=check_integer("pool_kernel", self.pool_kernel, 0, MAX_POOL_KERNEL))
         if not self.include_last_query and self.n_lookahead == 0:
-            raise ValueError("n_lookahead: must be >= 1 when include_last_query is False "
-                             "(no query to score with)")
-        self.sampling  # noqa: B018 - validates temperature, top_p and seed
-        check_int("pool_kernel", self.pool_kernel, 0)
-        check_int("prefill_step", self.prefill_step, 1)
+            raise OptionError("n_lookahead", "0 needs include_last_query=true (no query would "
+                                             "score the prompt)")
+        _check_sampling(self)
 
     @property
     def sampling(self) -> Sampling:
@@ -96,7 +151,50 @@ class SelectionOptions:
     threshold: int = 8192
 
     def __post_init__(self) -> None:
-        check_fraction("keep", self.keep)
-        check_int("chunk_size", self.chunk_size, 1)
-        check_int("tail_tokens", self.tail_tokens, 0)
-        check_int("threshold", self.threshold, 0)
+        _set(self, keep=check_number("keep", self.keep, 0.0, 1.0, lo_open=True),
+             chunk_size=check_integer("chunk_size", self.chunk_size, 1, MAX_CHUNK_SIZE),
+             tail_tokens=check_integer("tail_tokens", self.tail_tokens, 0, MAX_TOKENS),
+             threshold=check_integer("threshold", self.threshold, 0, MAX_TOKENS))
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, (bytes, dict)) or not isinstance(value, (list, tuple)):
+        raise OptionError("stop", "expected a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise OptionError("stop", f"{len(value)} strings, allowed 0..{MAX_STOP_STRINGS}")
+    for i, s in enumerate(value):
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise OptionError(f"stop[{i}]", f"expected a string of 1..{MAX_STOP_CHARS} characters")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """What a generate job does after selection.
+
+    Sampling: ``greedy`` or ``temperature`` 0 takes the argmax; otherwise top-p sampling
+    seeded by ``seed`` (reproducible). Generation ends at EOS, after ``max_tokens`` tokens,
+    or before the first occurrence of any ``stop`` string (one string or a list).
+    ``full_prefill`` prefills the target with every prompt token (no draft scoring), for
+    comparison.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.95
+    seed: int = 0
+    greedy: bool = False
+    stop: tuple[str, ...] = ()
+    full_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        _set(self, max_tokens=check_integer("max_tokens", self.max_tokens, 1, MAX_TOKENS),
+             stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill))
+        _check_sampling(self)
+
+    @property
+    def sampling(self) -> Sampling:
+        """How the target's tokens are drawn."""
+        return Sampling(self.temperature, self.top_p, self.seed, self.greedy)

@@ -5,7 +5,7 @@ import logging
 from typing import Any, Sequence
 
 from specprefill.draft_cache import DraftCache
-from specprefill.options import ScoringOptions
+from specprefill.options import PREFILL_STEP, ScoringOptions
 from specprefill.profile import ModelProfile, layout_mismatch
 from specprefill.scoring import Progress, ScoreResult, score_tokens
 
@@ -37,6 +37,7 @@ def score_with_cache(
     options: ScoringOptions = ScoringOptions(),
     *,
     progress: Progress | None = None,
+    prefill_step: int = PREFILL_STEP,
 ) -> ScoreResult:
     """:func:`~specprefill.scoring.score_tokens` that prefills only what ``draft_cache`` lacks.
 
@@ -52,7 +53,8 @@ def score_with_cache(
     restored = _restore(profile, tokens, draft_cache) if draft_cache is not None else None
     recorder = _recorder(draft_cache, tokens)
     blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
-    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress, **blocks)
+    result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress,
+                          prefill_step=prefill_step, **blocks)
     if draft_cache is not None:
         draft_cache.store(tokens, result.kv_cache, recorder) if recorder is not None else draft_cache.store(
             tokens, result.kv_cache)

@@ -19,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 from specprefill.attention.lookahead import Progress, ScoreResult, StepHook, score_prompt
+from specprefill.checks import check_int
 from specprefill.errors import UnsupportedModelError
-from specprefill.options import ScoringOptions
+from specprefill.options import PREFILL_STEP, ScoringOptions
 from specprefill.profile import ModelProfile
 
 __all__ = ["ScoreResult", "ScoringOptions", "UnsupportedModelError", "score_tokens"]
@@ -54,6 +55,7 @@ def score_tokens(
     progress: Progress | None = None,
     block_size: int | None = None,
     on_step: StepHook | None = None,
+    prefill_step: int = PREFILL_STEP,
 ) -> ScoreResult:
     """Importance of every token of ``tokens`` under the draft model of ``profile``.
 
@@ -63,7 +65,8 @@ def score_tokens(
     phase start and after each prefill chunk, lookahead step and importance layer; it
     may raise to abort, and the exception propagates with the model untouched.
     ``block_size`` / ``on_step`` end prefill steps at block boundaries and call
-    ``on_step(start, end, cache)`` after each (a block recorder's hook). Sampling uses an
+    ``on_step(start, end, cache)`` after each (a block recorder's hook); the prompt is
+    prefilled ``prefill_step`` tokens per forward pass. Sampling uses an
     explicit key derived from ``options.seed`` (greedy or temperature 0: argmax), so equal
     inputs give equal results on every run and machine.
     """
@@ -77,6 +80,6 @@ def score_tokens(
     return score_prompt(
         profile.model, prompt, profile.attention, n_lookahead=options.n_lookahead,
         temperature=options.temperature, top_p=options.top_p, greedy=options.greedy, seed=options.seed,
-        pool_kernel=options.pool_kernel, prefill_step=options.prefill_step,
+        pool_kernel=options.pool_kernel, prefill_step=check_int("prefill_step", prefill_step, 1),
         include_last_query=options.include_last_query, cache=kv_cache, block_size=block_size,
         on_step=on_step, progress=progress)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from specprefill_cli.display import ProgressDisplay, Row, running_rows, total_row
-from specprefill_cli.documents import INPUT_FIELDS, Document, generate_documents, iter_documents
+from specprefill_cli.documents import Document, generate_documents, iter_documents
 from specprefill_cli.options import (CliError, SharedOptions, add_generate_options, cli_holder, add_queue_option, add_timeout_option,
                          connect, generate_options, result_json, spec_fields)
 from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, Interrupted, is_bad_input, split_error
@@ -66,8 +66,8 @@ def batch_jobs(out_path: Path) -> list[tuple[str, str]]:
 
 def spec_options(spec: Any) -> dict[str, Any]:
     """What besides the input decides a spec's result (shown when a document's options changed)."""
-    payload = spec.to_payload()
-    return {k: v for k, v in payload.items() if k not in (*INPUT_FIELDS, "v")}
+    rendered = {"tools": [dict(t) for t in spec.tools], "template_args": dict(spec.template_args)}
+    return {**spec.options(), **{k: v for k, v in rendered.items() if v}}
 
 
 @dataclass

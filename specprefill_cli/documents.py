@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from jobs.spec import GENERATE_OPTIONS, RENAMED_FIELDS, JobSpec
+from jobs.spec import CLI_SPELLINGS, SPEC_KEYWORDS
 
 INPUT_FIELDS = ("text", "tokens", "messages")
-# What a JSONL line may set besides its input; anything else is metadata.
-SPEC_FIELDS = frozenset(JobSpec.__dataclass_fields__) | set(RENAMED_FIELDS) | {"question"} \
-    | set(GENERATE_OPTIONS)
+# What a JSONL line may set besides its input (what jobs.spec.build_spec takes, and its
+# question); anything else is metadata.
+SPEC_FIELDS = SPEC_KEYWORDS - {"v", *CLI_SPELLINGS} | {"question"}
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,7 @@ def generate_documents(docs: Iterable[Document], *, question: str | None,
         except ValueError as exc:
             out.append(replace(doc, error=f"document {doc.id}: {exc}"))
             continue
-        if options is not None:
-            own = {k: fields.pop(k) for k in GENERATE_OPTIONS if k in fields}
-            extra = {**options, **dict(fields.pop("extra", None) or {}), **own}
-            fields.update(kind="generate", extra=extra)
+        if options is not None:  # the line's own generate options win over the command's
+            fields = {**options, **fields, "kind": "generate"}
         out.append(replace(doc, fields=fields))
     return out

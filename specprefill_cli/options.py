@@ -2,7 +2,10 @@
 
 Each command adds the same prompt, selection and generate options and reads them back into
 the keyword arguments of :meth:`jobs.client.Client.submit`; errors are ``ValueError``
-naming the option, which the CLI prints with exit status 2.
+naming the option, which the CLI prints with exit status 2. A job option's flag stores
+under the option's own name (``--chunk-size`` -> ``chunk_size``), so it is read back
+without a table; only the CLI's own spellings are mapped (``CLI_FIELDS``). The ranges are
+the option objects' (specprefill/options.py), checked when the spec is built.
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ import redis
 
 from jobs.connection import checked_connection
 from jobs.settings import Settings
-from jobs.spec import GENERATE_OPTIONS, GenerateOptions
+from jobs.spec import option_names
+from specprefill.options import GenerateOptions
 
-# CLI option (argparse dest) -> job spec field
-SELECTION_OPTIONS = {"keep": "keep", "chunk_size": "chunk_size", "tail_tokens": "tail_tokens",
-                     "threshold": "threshold", "n_lookahead": "n_lookahead", "seed": "lookahead_seed"}
+# The CLI's own spellings: argparse dest -> job spec field (every other option's dest is
+# its spelling in jobs.spec.option_names). --seed seeds the lookahead of a prefill job; a
+# generate job takes it as its own seed, which seeds the lookahead too.
+CLI_FIELDS = {"model": "draft_model", "seed": "lookahead_seed"}
 REDIS_URL_HELP = ("the queue's Redis: redis://[user:password@]host:port/db, rediss:// (TLS) or "
                   "unix:///path.sock (default: $REDIS_URL or SPECPREFILL_REDIS_URL)")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -119,23 +124,24 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
                           seed_help: str | None = None) -> None:
     """The draft model and the SpecPrefill knobs (unset ones come from the settings)."""
     s = settings or Settings()
+    sel, sc = s.selection, s.scoring
     p.add_argument("--model", "--draft-model", dest="model",
                    help=f"draft model: a local mlx-lm folder or a hub id (default: "
                         f"{s.draft_model}, SPECPREFILL_DRAFT_MODEL; Python: draft_model= or model=)")
     p.add_argument("--keep", type=float,
                    help="share of the prompt's chunks the target prefills, in (0, 1]; it applies "
                         f"only to prompts longer than --threshold, and the --tail-tokens come out "
-                        f"of it first (default: {s.keep}, SPECPREFILL_KEEP)")
+                        f"of it first (default: {sel.keep}, SPECPREFILL_KEEP)")
     p.add_argument("--chunk-size", dest="chunk_size", type=int,
-                   help=f"tokens per chunk, the unit kept or dropped (default: {s.chunk_size})")
+                   help=f"tokens per chunk, the unit kept or dropped (default: {sel.chunk_size})")
     p.add_argument("--tail-tokens", dest="tail_tokens", type=int,
                    help="the prompt's last tokens, always kept (they hold the chat template's "
-                        f"closing tokens) (default: {s.tail_tokens}, SPECPREFILL_TAIL_TOKENS)")
+                        f"closing tokens) (default: {sel.tail_tokens}, SPECPREFILL_TAIL_TOKENS)")
     p.add_argument("--threshold", type=int,
                    help="prompts of at most this many tokens are kept whole (--keep has no effect) "
-                        f"(default: {s.threshold}, SPECPREFILL_THRESHOLD)")
+                        f"(default: {sel.threshold}, SPECPREFILL_THRESHOLD)")
     p.add_argument("--n-lookahead", dest="n_lookahead", type=int,
-                   help=f"lookahead tokens the draft decodes to score the prompt (default: {s.n_lookahead})")
+                   help=f"lookahead tokens the draft decodes to score the prompt (default: {sc.n_lookahead})")
     p.add_argument("--seed", type=int, help=(seed_help or "seeds the draft's lookahead sampling")
                    + " (default: 0)")
 
@@ -198,12 +204,11 @@ def template_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def selection_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The selection options that were given, as job spec fields."""
-    fields = {field: getattr(args, dest) for dest, field in SELECTION_OPTIONS.items()
-              if getattr(args, dest, None) is not None}
-    if getattr(args, "model", None):
-        fields["draft_model"] = args.model
-    return fields
+    """The draft model and the scoring and selection options that were given, as job spec fields."""
+    given = {name: name for name in option_names("prefill")}
+    given.update(CLI_FIELDS)
+    return {field: getattr(args, dest) for dest, field in given.items()
+            if getattr(args, dest, None) is not None}
 
 
 def spec_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -217,8 +222,8 @@ def spec_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def generate_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The generate options given on the command line (the spec's ``extra``)."""
-    opts = {k: getattr(args, k, None) for k in GENERATE_OPTIONS if k != "target_model"}
+    """The generate options given on the command line, and the target (``--target``)."""
+    opts = {k: getattr(args, k, None) for k in GenerateOptions.__dataclass_fields__}
     opts["target_model"] = getattr(args, "target", None)
     return {k: v for k, v in opts.items() if v is not None}
 

@@ -56,7 +56,7 @@ async def _answer(request: Request, url: str) -> Response:
     spec = svc.client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
     limit = request_deadline(request.headers, svc.settings, stream=req.stream)
     deadline = Deadline(limit.seconds)
-    models = {"target_model": spec.generate.target_model, "draft_model": spec.draft_model}
+    models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
     # 503/404 now rather than a job no live worker would take
     handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
     created = int(time.time())

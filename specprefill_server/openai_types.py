@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from jobs.spec import option_names
 from specprefill_server.errors import APIError
 
 
@@ -30,23 +31,15 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # padding against length side channels: none sent
 
 
-class SpecPrefillOptions(BaseModel):
-    """The SpecPrefill knobs a request may set (unset: the deployment's settings)."""
-
-    model_config = ConfigDict(extra="forbid")
-    draft_model: str | None = None
-    keep: float | None = None
-    threshold: int | None = None
-    tail_tokens: int | None = None
-    chunk_size: int | None = None
-    n_lookahead: int | None = None
-    pool_kernel: int | None = None
-    include_last_query: bool | None = None
-    full_prefill: bool | None = None
-    greedy: bool | None = None
-
-
-SPECPREFILL_FIELDS = tuple(SpecPrefillOptions.model_fields)
+# Fields of OpenAI's own that carry a generate job's options (mapped in convert.py).
+OPENAI_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop"})
+# The SpecPrefill knobs a request may set as extra body fields (unset: the deployment's
+# settings): the draft model and every option of a generate job (jobs.spec.option_names)
+# OpenAI has no name for. Typed Any: the job spec checks each (its error names the field).
+SPECPREFILL_FIELDS = ("draft_model", *(n for n in option_names("generate") if n not in OPENAI_OPTIONS))
+SpecPrefillOptions = create_model(
+    "SpecPrefillOptions", __config__=ConfigDict(extra="forbid"),
+    **{name: (Any, None) for name in SPECPREFILL_FIELDS})
 
 
 class _Sampling(SpecPrefillOptions):

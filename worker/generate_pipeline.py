@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.results import GenerateResult, PrefillResult, rates
-from jobs.spec import GenerateOptions, JobSpec
+from jobs.spec import JobSpec
+from specprefill.options import GenerateOptions
 from specprefill.selection import to_ranges
 from worker import target_prefill
 from worker.admission import admission_reason
@@ -85,13 +86,13 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     _plan(spec, opts, ctx, prompt, timings)
     decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0)
     timings["total"] = time.perf_counter() - t0
-    return _result(prompt, opts, ctx, decoded, timings).to_json()
+    return _result(spec, prompt, ctx, decoded, timings).to_json()
 
 
 def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
                    timings: dict[str, float]) -> _Prompt:
     """Load the target, tokenize with its template, restore its cached prefix."""
-    target, timings["load_models"] = load_model(ctx, opts.target_model, "target")
+    target, timings["load_models"] = load_model(ctx, spec.target_model, "target")
     t = time.perf_counter()
     prompt = tokenize_prompt(spec, target.tokenizer)
     check_prompt(prompt.tokens, target, ctx.settings)
@@ -124,7 +125,7 @@ def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt
     if opts.full_prefill:
         prompt.reason = "full_prefill requested"
         return
-    prompt.reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
+    prompt.reason = admission_reason(len(prompt.tokens), threshold=spec.selection.threshold,
                                      restored=prompt.restored,
                                      protected_prefix=prompt.prompt.protected_prefix)
     if prompt.reason is not None:
@@ -197,8 +198,6 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                         timings: dict[str, float], t0: float) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
-    from specprefill.sparse import Sampling
-
     target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
         logits, cache, state, contiguous, kept_ranges = _prefill(prompt, ctx, stack, reporter, timings)
@@ -206,11 +205,9 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
         reporter.begin_decode(stream, opts.max_tokens)
-        sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
-                            greedy=opts.greedy)
         ttft, finish = None, "length"
         for token in target_prefill.decode(target.model, logits, cache, state, max_tokens=opts.max_tokens,
-                                           sampling=sampling, stop_tokens=stop_token_ids(target.tokenizer),
+                                           sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
                                            progress=reporter):
             if ttft is None:
                 ttft = time.perf_counter() - t0
@@ -255,7 +252,7 @@ def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
     return {k: round(v, 6) for k, v in phases.items()}
 
 
-def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _Decoded,
+def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
     used = sel if prompt.fallback is None else None  # the selection the target prefilled
@@ -265,7 +262,7 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
     return GenerateResult(
         job_id=ctx.job_id, text=decoded.stream.text, finish_reason=decoded.finish_reason,
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
-        kept=state.kept_tokens, total=total, full_prefill=opts.full_prefill,
+        kept=state.kept_tokens, total=total, full_prefill=spec.generate.full_prefill,
         reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
         keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
         kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
@@ -274,7 +271,7 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         blocks_written=sel.blocks_written if sel is not None else 0,
         memo_hit=sel.memo_hit if sel is not None else False,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
-        draft_name=sel.draft_name if sel is not None else "", target_name=opts.target_model,
+        draft_name=sel.draft_name if sel is not None else "", target_name=spec.target_model,
         warnings=prompt.warnings,
         target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft),
         timings={k: round(v, 6) for k, v in timings.items()},

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from jobs.settings import Settings
-from jobs.spec import JOB_KINDS
+from jobs.spec import payload_kind
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ def observe_job(job: Any, models_loaded: int) -> None:
         started = job.started_at or datetime.now(timezone.utc)
         seconds = max(0.0, (datetime.now(timezone.utc) - started).total_seconds())
         result = job.return_value() if status == "finished" else None
-        kind = payload.get("kind", "prefill")
-        kind = kind if kind in JOB_KINDS else "invalid"  # a hostile payload adds no series
+        kind = payload_kind(payload)  # "invalid" for a hostile payload: it adds no series
         _metrics.job_ended(kind, status, seconds, result if isinstance(result, Mapping) else None,
                            queue_wait_s=queue_wait_s(job))
         _metrics.models_loaded.set(models_loaded)

@@ -93,11 +93,6 @@ def hub_identity(repo_id: str, snapshot: Path | None = None) -> str:
     return f"hub:{repo_id}@{snapshot.name}"
 
 
-def model_identity(name: str) -> str:
-    """Identity of a model named by a local folder or a hub id (no downloads)."""
-    return local_identity(name) if Path(name).expanduser().is_dir() else hub_identity(name)
-
-
 @dataclass(frozen=True)
 class Located:
     """Where the model a job named is on this worker: what to load and its identity."""

@@ -92,12 +92,6 @@ def system_boundary(tokenizer: Any, messages: list[dict[str, str]], tokens: list
     return n, None if n else "the system block renders to nothing the prompt starts with"
 
 
-def protected_prefix_length(tokenizer: Any, messages: list[dict[str, str]], tokens: list[int],
-                            template: Template = Template()) -> int:
-    """Tokens of the rendered system/developer block at the start of ``tokens`` (0 if none)."""
-    return system_boundary(tokenizer, messages, tokens, template)[0]
-
-
 def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
     """Prompt token ids, the protected prefix and its reason for ``spec``'s input."""
     if spec.tokens is not None:
@@ -114,12 +108,6 @@ def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
         raise JobSpecError(f"messages: the chat template failed: {type(exc).__name__}: {exc}"[:500]) from None
     tokens = _encode(tokenizer, text, special=False)
     return PromptTokens(tokens, *system_boundary(tokenizer, messages, tokens, template))
-
-
-def tokenize(spec: JobSpec, tokenizer: Any) -> tuple[list[int], int]:
-    """Prompt token ids and the protected prefix length for ``spec``'s input."""
-    p = tokenize_prompt(spec, tokenizer)
-    return p.tokens, p.protected_prefix
 
 
 def check_prompt(tokens: list[int], loaded: LoadedModel | int | None, settings: Settings) -> None:

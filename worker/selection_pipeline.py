@@ -15,7 +15,6 @@ from typing import Any
 
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
-from specprefill.options import ScoringOptions, SelectionOptions
 from worker.admission import admission_reason
 from worker.context import JobContext
 from worker.fallback import fallback_reason
@@ -49,7 +48,7 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
     timings = {"tokenize": time.perf_counter() - t}
-    reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
+    reason = admission_reason(len(prompt.tokens), threshold=spec.selection.threshold,
                               protected_prefix=prompt.protected_prefix)
     if reason is not None and not spec.return_importance:
         ctx.publisher.publish("admission", admitted=False, reason=reason)
@@ -76,18 +75,12 @@ def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: An
         warnings=prompt_warnings(ctx, prompt.tokens, tokenizer))
 
 
-def selection_options(spec: JobSpec) -> SelectionOptions:
-    """The spec's selection knobs (the one place they become ``SelectionOptions``)."""
-    return SelectionOptions(keep=spec.keep, chunk_size=spec.chunk_size, tail_tokens=spec.tail_tokens,
-                            threshold=spec.threshold)
-
-
 def _keep_all_effect(spec: JobSpec, total: int, prompt: PromptTokens, fallback: str | None) -> str:
     from specprefill.selection import keep_effect
 
     if fallback is not None:
         return f"keep had no effect: {fallback}"
-    return (keep_effect(total, total, selection_options(spec), prompt.protected_prefix)
+    return (keep_effect(total, total, spec.selection, prompt.protected_prefix)
             or "keep had no effect: every token kept")
 
 
@@ -121,9 +114,10 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     warnings = prompt_warnings(ctx, tokens, draft.tokenizer)
     timings["tokenize"] = time.perf_counter() - t
     backend = ctx.runtime.backend
-    # The protected prefix changes the selection: the same tokens sent as text and as chat differ.
-    options = dict(spec.selection_options(), protected_prefix=protected_prefix,
-                   selection_rule=backend.selection_rule)
+    # The memo key: the option objects, and the protected prefix (the same tokens sent as text
+    # and as chat select differently) and the selection rule.
+    options = {"scoring": spec.scoring, "selection": spec.selection, "protected_prefix": protected_prefix,
+               "selection_rule": backend.selection_rule}
     memo = backend.memo(ctx.runtime.cache_client, draft.fingerprint, ctx.settings)
     ranges = None if spec.return_importance else memo.get(tokens, options)
     if ranges is not None:
@@ -153,7 +147,7 @@ def _remembered(spec: JobSpec, ctx: JobContext, ranges: list[tuple[int, int]], t
     """A memo hit: the remembered ranges (and the admission reason when it kept everything)."""
     ctx.publisher.publish("cache_lookup", hit_tokens=total, total=total, memo=True)
     kept = sum(e - s for s, e in ranges)
-    reason = (ctx.runtime.backend.admission_reason(total, threshold=spec.threshold,
+    reason = (ctx.runtime.backend.admission_reason(total, threshold=spec.selection.threshold,
                                                    protected_prefix=protected_prefix)
               if kept == total else None)
     return _Selected(ranges, kept, reason)
@@ -168,8 +162,8 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     ctx.start_draft()
     try:
         score = backend.score_with_cache(
-            draft.profile, tokens, store, progress=reporter.begin(),
-            options=ScoringOptions(prefill_step=settings.prefill_step, **spec.scoring_options()))
+            draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
+            prefill_step=settings.prefill_step)
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
@@ -178,7 +172,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
     # the target prefills from these indices and has no copy of the draft's KV.
-    selection = backend.plan_selection(score.importance, selection_options(spec),
+    selection = backend.plan_selection(score.importance, spec.selection,
                                        protected_prefix=protected_prefix)
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
@@ -191,12 +185,12 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
             protected_prefix: int, selected: _Selected, timings: dict[str, float]) -> PrefillResult:
     total = len(tokens)
     cached = selected.score.cached_tokens if selected.score is not None else 0  # a memo hit scores nothing
-    phase_tokens = {"prefill": total - cached, "lookahead": spec.n_lookahead, "importance": total}
+    phase_tokens = {"prefill": total - cached, "lookahead": spec.scoring.n_lookahead, "importance": total}
     spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
              if spec.return_spans else None)
     from specprefill.selection import keep_effect
 
-    effect = keep_effect(total, selected.kept, selection_options(spec), protected_prefix)
+    effect = keep_effect(total, selected.kept, spec.selection, protected_prefix)
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
         reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,

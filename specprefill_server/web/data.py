@@ -62,23 +62,15 @@ def overview(svc: ServerState) -> dict[str, Any]:
 def tail_start(total: int, spec: JobSpec, protected_prefix: int) -> int:
     """First token of the mandatory tail (the selection's own rule: whole chunks)."""
     start = min(protected_prefix, total)
-    n_chunks = math.ceil((total - start) / spec.chunk_size)
-    return start + (n_chunks - tail_chunk_count(total - start, spec.chunk_size, spec.tail_tokens)) \
-        * spec.chunk_size
+    chunk, tail = spec.selection.chunk_size, spec.selection.tail_tokens
+    n_chunks = math.ceil((total - start) / chunk)
+    return start + (n_chunks - tail_chunk_count(total - start, chunk, tail)) * chunk
 
 
 def companion_spec(spec: JobSpec) -> JobSpec:
     """A prefill job with the same input and selection options that returns importance and spans."""
-    return dataclasses.replace(spec, kind="prefill", extra={}, return_importance=True, return_spans=True)
-
-
-def _options(spec: JobSpec) -> dict[str, Any]:
-    opts = {k: getattr(spec, k) for k in ("draft_model", "keep", "chunk_size", "tail_tokens",
-                                          "threshold", "n_lookahead", "lookahead_seed")}
-    if spec.kind == "generate":
-        opts.update({k: spec.extra.get(k) for k in ("target_model", "max_tokens", "temperature",
-                                                    "top_p", "full_prefill")})
-    return opts
+    return dataclasses.replace(spec, generate=None, target_model=None, return_importance=True,
+                               return_spans=True)
 
 
 def _summary(result: PrefillResult | GenerateResult) -> dict[str, Any]:
@@ -125,7 +117,7 @@ def job_view(svc: ServerState, job_id: str) -> dict[str, Any]:
     spec = rec.spec
     view: dict[str, Any] = {
         "job_id": job_id, "status": rec.status, "kind": spec.kind, "input_kind": spec.input_kind,
-        "options": _options(spec), "worker": rec.worker,
+        "options": spec.options(), "worker": rec.worker,
         "times": {"enqueued_at": rec.enqueued_at, "started_at": rec.started_at, "ended_at": rec.ended_at},
         "messages": [{"role": r, "content": c} for r, c in spec.messages] if spec.messages else None,
         "result": None, "explain": None, "segments": None}

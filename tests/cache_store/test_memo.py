@@ -40,6 +40,23 @@ def test_any_setting_change_misses(memo, change):
     assert memo.get(TOKENS, {**SETTINGS, **change}) is None
 
 
+def test_option_objects_are_keyed_field_by_field(memo):
+    from dataclasses import replace
+
+    from specprefill.options import ScoringOptions, SelectionOptions
+
+    options = {"scoring": ScoringOptions(), "selection": SelectionOptions(keep=0.3), "protected_prefix": 0}
+    memo.put(TOKENS, options, RANGES)
+    assert memo.get(TOKENS, {**options, "selection": SelectionOptions(keep=0.3)}) == RANGES  # equal objects
+    # the key is the objects' fields: the same fields as plain mappings find the same entry
+    as_fields = {"scoring": vars(ScoringOptions()), "selection": vars(SelectionOptions(keep=0.3)), "protected_prefix": 0}
+    assert memo.key(TOKENS, as_fields) == memo.key(TOKENS, options)
+    for group, obj in (("scoring", ScoringOptions()), ("selection", SelectionOptions(keep=0.3))):
+        for name, value in vars(obj).items():
+            other = not value if isinstance(value, bool) else value / 2 if isinstance(value, float) else value + 1
+            assert memo.get(TOKENS, {**options, group: replace(obj, **{name: other})}) is None, name
+
+
 def test_other_prompt_or_model_misses(memo):
     memo.put(TOKENS, SETTINGS, RANGES)
     assert memo.get(TOKENS[:-1], SETTINGS) is None

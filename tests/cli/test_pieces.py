@@ -48,7 +48,7 @@ def test_generate_seed_seeds_the_draft_and_the_sampling(redis_url, capsys):
     assert main(["generate", "--redis-url", redis_url, "--text", "x y", "--seed", "3", "--json"]) == 0
     job_id = json.loads(capsys.readouterr().out)["job_id"]
     payload = Client.from_url(redis_url).handle(job_id)._job().args[0]
-    assert payload["lookahead_seed"] == 3 and payload["extra"]["seed"] == 3
+    assert payload["scoring"]["seed"] == 3 and payload["generate"]["seed"] == 3
 
 
 @pytest.mark.parametrize("argv", [["submit", "--text", "x", "--wait"], ["submit", "--text", "x", "--wait", "--json"],

@@ -48,7 +48,7 @@ def fake_settings(**overrides: Any) -> dict[str, Any]:
 
 
 def client_for(url: str, settings: dict[str, Any]) -> Client:
-    return Client(redis.Redis.from_url(url), Settings(**settings))
+    return Client(redis.Redis.from_url(url), Settings().replace(**settings))
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ FAULTS = {
 def test_corrupt_blocks_are_deleted_counted_and_missed(redis_url, workers, model_dir, fingerprint):
     s = real_settings(model_dir)
     workers.real(redis_url, s, preload=model_dir)
-    c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+    c = Client(redis.Redis.from_url(redis_url), Settings().replace(**s))
     tokens = doc(1)
     cold = c.submit(tokens=tokens, return_importance=True).result(timeout=90)
     assert cold.cached_tokens == 0 and cold.blocks_written == 5 and 0 < cold.kept < cold.total
@@ -110,7 +110,7 @@ def test_swapped_valid_block_and_memo_entry_are_rejected_counted_and_deleted(red
 
     s = real_settings(model_dir)
     workers.real(redis_url, s, preload=model_dir)
-    c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+    c = Client(redis.Redis.from_url(redis_url), Settings().replace(**s))
     r = redis.Redis.from_url(redis_url)
     a, b = doc(21), doc(22)
     cold_a = c.submit(tokens=a, return_importance=True).result(timeout=90)
@@ -144,7 +144,7 @@ def test_block_store_redis_down_means_cold_jobs_not_failures(redis_url, workers,
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     s = real_settings(model_dir, cache_redis_url=dead, queue_names=("nocache",))
     w = workers.real(redis_url, s, preload=model_dir)
-    c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+    c = Client(redis.Redis.from_url(redis_url), Settings().replace(**s))
     t0 = time.monotonic()
     first = c.submit(tokens=doc(2)).result(timeout=120)
     again = c.submit(tokens=doc(2) + [7, 8, 9]).result(timeout=120)
@@ -154,7 +154,7 @@ def test_block_store_redis_down_means_cold_jobs_not_failures(redis_url, workers,
         assert 0 < res.kept < res.total
     assert w.alive()
     # The same documents on a worker with a working store select the same chunks.
-    healthy = Settings(**real_settings(model_dir))
+    healthy = Settings().replace(**real_settings(model_dir))
     workers.real(redis_url, real_settings(model_dir), preload=model_dir)
     hc = Client(redis.Redis.from_url(redis_url), healthy)
     assert hc.submit(tokens=doc(2)).result(timeout=90).kept_ranges == first.kept_ranges
@@ -175,7 +175,7 @@ def test_lru_store_far_below_working_set(redis_url, private_redis, workers, mode
     cr.config_set("maxmemory-samples", 10)
     s = real_settings(model_dir, cache_redis_url=cache.url)
     workers.real(redis_url, s, preload=model_dir)
-    c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+    c = Client(redis.Redis.from_url(redis_url), Settings().replace(**s))
     docs = [doc(100 + i, 512) for i in range(12)]
     cold = [c.submit(tokens=d, return_importance=True).result(timeout=90) for d in docs]
     assert all(r.cached_tokens == 0 and r.blocks_written > 0 for r in cold)
@@ -201,7 +201,7 @@ def test_hung_block_store_redis_times_out_into_cold_jobs(redis_url, workers, mod
         s = real_settings(model_dir, cache_redis_url=url, cache_socket_timeout_s=0.5,
                           queue_names=("hung",))
         w = workers.real(redis_url, s, preload=model_dir)
-        c = Client(redis.Redis.from_url(redis_url), Settings(**s))
+        c = Client(redis.Redis.from_url(redis_url), Settings().replace(**s))
         res = c.submit(tokens=doc(3)).result(timeout=60)
         assert res.cached_tokens == 0 and res.blocks_written == 0 and 0 < res.kept < res.total
         assert w.alive()

@@ -23,7 +23,7 @@ def test_two_namespaces_on_one_redis_stay_apart(redis_url, workers, model_dir):
     for ns in ("alpha", "beta"):
         s = real_settings(model_dir, namespace=ns)
         w = workers.real(redis_url, s, preload=model_dir, name=f"{ns}-worker")
-        deployments[ns] = (Client(redis.Redis.from_url(redis_url), Settings(**s)), w)
+        deployments[ns] = (Client(redis.Redis.from_url(redis_url), Settings().replace(**s)), w)
     tokens = doc(1)
     alpha, beta = (deployments[ns][0] for ns in ("alpha", "beta"))
     ha = alpha.submit(tokens=tokens)

@@ -54,7 +54,7 @@ def doc(seed: int, n: int) -> list[int]:
 def run_end_to_end(url: str, workers, model_dir: str, **extra) -> None:
     s = real_settings(model_dir, **extra)
     w = workers.real(url, s, preload=model_dir)
-    c = Client(redis.Redis.from_url(url), Settings(**s))
+    c = Client(redis.Redis.from_url(url), Settings().replace(**s))
     shared = doc(1, 256)
     first = c.submit(tokens=shared + doc(2, 60)).result(timeout=90)
     second = c.submit(tokens=shared + doc(3, 60)).result(timeout=90)

@@ -37,7 +37,7 @@ def test_soak(redis_url, workers, model_dir):
                       maintenance_interval_s=10.0, threshold=2048)
     pool = [workers.real(redis_url, s, preload=model_dir, name=f"soak{i}") for i in range(2)]
     procs = [psutil.Process(w.pid) for w in pool]
-    c = Client(redis.Redis.from_url(redis_url, max_connections=64), Settings(**s))
+    c = Client(redis.Redis.from_url(redis_url, max_connections=64), Settings().replace(**s))
 
     samples: list[tuple[float, int]] = []  # (time, summed RSS of both workers)
     stop = threading.Event()

@@ -34,7 +34,8 @@ def test_chat_completion_usage_and_specprefill(openai_client, stack):
     # the job carries the request's options
     job = Job.fetch(sp["job_id"], connection=redis.Redis.from_url(stack.redis_url), serializer=JSONSerializer)
     payload = job.args[0]
-    assert payload["keep"] == 0.2 and payload["extra"]["max_tokens"] == 6 and payload["extra"]["seed"] == 3
+    assert payload["selection"]["keep"] == 0.2 and payload["generate"]["max_tokens"] == 6
+    assert payload["generate"]["seed"] == 3
 
 
 def test_streamed_text_equals_the_non_streamed_text(openai_client, stack):
@@ -69,7 +70,7 @@ def test_stop_and_tools_pass_through(openai_client, stack):
     r = chat(openai_client, words(200, seed=5), max_tokens=4, stop=["zzz"], tools=tools)
     job = Job.fetch(r.model_extra["specprefill"]["job_id"], connection=redis.Redis.from_url(stack.redis_url),
                     serializer=JSONSerializer)
-    assert job.args[0]["extra"]["stop"] == ["zzz"] and job.args[0]["tools"] == tools
+    assert job.args[0]["generate"]["stop"] == ["zzz"] and job.args[0]["tools"] == tools
 
 
 def test_bad_requests_name_the_field(openai_client):

@@ -18,9 +18,7 @@ from specprefill_server.web.svg import _bins, importance_svg
 
 
 def generate_spec(**fields):
-    extra = {k: fields.pop(k) for k in ("target_model", "max_tokens", "temperature", "top_p", "seed",
-                                        "stop", "tools", "greedy", "full_prefill") if k in fields}
-    return build_spec(Settings(), kind="generate", extra=extra, **fields)
+    return build_spec(Settings(), kind="generate", **fields)
 
 
 def result(**kw) -> GenerateResult:
@@ -47,6 +45,21 @@ def test_chat_request_maps_to_generate_fields():
         "chat_template_kwargs": {"enable_thinking": False}}))
     assert kwargs["template_args"] == {"enable_thinking": False}
     assert spec.tools[0]["function"]["name"] == "f" and spec.generate.max_tokens == 7
+
+
+def test_every_job_option_is_a_request_field():
+    from jobs.spec import option_names
+    from specprefill_server.openai_types import OPENAI_OPTIONS, SPECPREFILL_FIELDS
+
+    assert set(option_names("generate")) <= set(SPECPREFILL_FIELDS) | OPENAI_OPTIONS
+    req = parse(ChatCompletionRequest, {"model": "t", "messages": [{"role": "user", "content": "a"}],
+                                        "lookahead_seed": 5, "seed": 2, "pool_kernel": 3, "full_prefill": True})
+    spec = generate_spec(**chat_fields(req))
+    assert (spec.scoring.seed, spec.generate.seed, spec.scoring.pool_kernel) == (5, 2, 3)
+    assert spec.generate.full_prefill
+    with pytest.raises(JobSpecError, match="^pool_kernel: expected an integer"):  # checked once, by the spec
+        generate_spec(**chat_fields(parse(ChatCompletionRequest, {
+            "model": "t", "messages": [{"role": "user", "content": "a"}], "pool_kernel": "3"})))
 
 
 def test_unsupported_request_fields_are_refused_by_name():

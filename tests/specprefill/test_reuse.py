@@ -59,9 +59,9 @@ def model():
 
 def test_second_call_restores_and_matches_cold(model):
     store = DictDraftCache()
-    cold = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4, prefill_step=16))
+    cold = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4), prefill_step=16)
     assert cold.cached_tokens == 0 and len(store.blocks) == 4  # 70 tokens -> 4 full blocks
-    warm = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4, prefill_step=16))
+    warm = score_with_cache(model, PROMPT, store, ScoringOptions(seed=4), prefill_step=16)
     assert warm.cached_tokens == 64 and len(store.blocks) == 4
     assert warm.lookahead_tokens == cold.lookahead_tokens
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
@@ -171,8 +171,8 @@ def test_scoring_runs_only_its_own_forward_passes(model):
     """No probe per call and no forward pass per restore: the profile already verified the model."""
     store = DictDraftCache()
     with CountingCalls(model.model) as cold:
-        score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3, prefill_step=16))
+        score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3), prefill_step=16)
     assert cold.calls == 5 + 1 + 3  # prefill of 69 tokens in steps of 16, the last token, lookahead
     with CountingCalls(model.model) as warm:
-        result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3, prefill_step=16))
+        result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3), prefill_step=16)
     assert result.cached_tokens == 64 and warm.calls == 1 + 1 + 3  # tokens 64..68, the last, lookahead

@@ -18,10 +18,10 @@ from tests.support.tiny_models import FAMILIES, make_model
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 70)]
 
 
-def score(model, tokens, *, kv_cache=None, progress=None, **options):
+def score(model, tokens, *, kv_cache=None, progress=None, prefill_step=2048, **options):
     """``score_tokens`` as a direct library caller uses it: profile the model, options as one object."""
     return score_tokens(profile_model(model), tokens, ScoringOptions(**options), kv_cache=kv_cache,
-                        progress=progress)
+                        progress=progress, prefill_step=prefill_step)
 
 
 # --- an independent float64 oracle ---------------------------------------------------------
@@ -318,7 +318,8 @@ def test_bad_input_names_the_field(kwargs, field):
     args.update(kwargs)
     profile = profile_model(make_model("llama"))
     with pytest.raises(ValueError, match=field):
-        score_tokens(profile, args.pop("tokens"), ScoringOptions(**args))
+        tokens, step = args.pop("tokens"), args.pop("prefill_step", 2048)
+        score_tokens(profile, tokens, ScoringOptions(**args), prefill_step=step)
 
 
 # --- importance building blocks -------------------------------------------------------------------

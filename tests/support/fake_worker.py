@@ -96,7 +96,7 @@ class FakeMemo:
 
 
 def make_fake_score(chunk_delay_s=0.0, step=16):
-    def score_with_cache(profile, tokens, draft_cache, options, *, progress=None):
+    def score_with_cache(profile, tokens, draft_cache, options, *, progress=None, prefill_step=2048):
         cache, n = draft_cache.fetch(tokens) if draft_cache is not None else (None, 0)
         t0 = time.perf_counter()
         for p in range(n, len(tokens), step):
@@ -125,8 +125,8 @@ def fake_backend(chunk_delay_s=0.0, shared=None):
 
 
 def fake_runtime(connection, settings=None, chunk_delay_s=0.0, shared=None):
-    settings = settings or Settings(draft_model="fake-draft", threshold=64, tail_tokens=16,
-                                    chunk_size=8, keep=0.25)
+    settings = settings or Settings(draft_model="fake-draft").replace(threshold=64, tail_tokens=16,
+                                                                      chunk_size=8, keep=0.25)
     be = fake_backend(chunk_delay_s, shared)
     return WorkerRuntime(settings, connection, connection, fake_pool(settings.model_lru_size),
                          backend_factory=lambda: be)

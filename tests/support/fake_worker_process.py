@@ -21,7 +21,7 @@ def harness_settings(**overrides):
 
     base = dict(draft_model="fake-draft", threshold=64, tail_tokens=16, chunk_size=8, keep=0.25,
                 heartbeat_interval_s=0.3, retry_max=2, job_timeout_s=60)
-    return Settings(**{**base, **overrides})
+    return Settings().replace(**{**base, **overrides})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.models import hub_identity, local_identity
+
 WORDS = [f"w{i}" for i in range(200)]
 
 
@@ -46,3 +48,9 @@ def save_random_model(folder: Path, words: list[str] = WORDS) -> Path:
 
 def doc_text(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 31 + i * 7 + i * i) % len(WORDS)] for i in range(n))
+
+
+def model_identity(name: str) -> str:
+    """Identity of a model named by a local folder or a hub id (no downloads), as the
+    worker's loader computes it."""
+    return local_identity(name) if Path(name).expanduser().is_dir() else hub_identity(name)

@@ -45,8 +45,8 @@ def worker_proc(redis_url, model_dir, tmp_path):
 
 
 def settings_for(model_dir):
-    return Settings(draft_model=model_dir, threshold=128, tail_tokens=32, chunk_size=16,
-                    keep=0.25, block_size=64)
+    return Settings().replace(draft_model=model_dir, threshold=128, tail_tokens=32, chunk_size=16,
+                              keep=0.25, block_size=64)
 
 
 def run_cli(*args, timeout=120, **kw):

@@ -69,8 +69,8 @@ def make_pool(loads, family="llama"):
 
 
 def runtime(redis_client=None, backend=None, family="llama", **over):
-    settings = Settings(**{**dict(draft_model="fake-draft", target_model="tiny-target", threshold=64,
-                                  tail_tokens=16, chunk_size=8, keep=0.25, block_size=16), **over})
+    settings = Settings().replace(**{**dict(draft_model="fake-draft", target_model="tiny-target", threshold=64,
+                                            tail_tokens=16, chunk_size=8, keep=0.25, block_size=16), **over})
     loads: list[str] = []
     be = backend or fake_backend()
     be.target_store = _target_store
@@ -110,7 +110,7 @@ def test_admission_two_stages():
 
 def test_short_generate_prompt_never_loads_the_draft():
     rt, loads = runtime()
-    res = run(rt, messages=chat(n=20), extra=GREEDY)
+    res = run(rt, messages=chat(n=20), **GREEDY)
     assert loads == ["tiny-target"] and "fake-draft" not in rt.models
     assert res.reason.startswith("keep all:") and "after the protected system prefix" in res.reason
     assert res.kept == res.total and res.fallback is None and res.text
@@ -130,7 +130,7 @@ def test_short_prefill_prompt_never_loads_the_draft():
 
 def _plain(rt_factory, messages):
     rt, _ = rt_factory()
-    return run(rt, "plain", messages=messages, extra={**GREEDY, "full_prefill": True})
+    return run(rt, "plain", messages=messages, **GREEDY, full_prefill=True)
 
 
 def test_draft_scoring_failure_falls_back_to_a_plain_prefill():
@@ -141,7 +141,7 @@ def test_draft_scoring_failure_falls_back_to_a_plain_prefill():
 
     be.score_with_cache = broken
     rt, _ = runtime(backend=be)
-    res = run(rt, messages=chat(), extra=GREEDY)
+    res = run(rt, messages=chat(), **GREEDY)
     assert res.fallback.startswith("fallback: draft failed: RuntimeError: scoring exploded")
     assert res.reason == res.fallback and res.kept == res.total
     ev = [e for e in events(rt) if e.kind == "fallback"]
@@ -157,7 +157,7 @@ def test_draft_block_store_failure_falls_back():
 
     be.block_store = no_store
     rt, _ = runtime(backend=be)
-    res = run(rt, messages=chat(), extra=GREEDY)
+    res = run(rt, messages=chat(), **GREEDY)
     assert "ConnectionRefusedError: block store gone" in res.fallback
     assert res.token_ids == _plain(runtime, chat()).token_ids
 
@@ -168,7 +168,7 @@ def test_sparse_prefill_failure_falls_back(monkeypatch):
 
     monkeypatch.setattr(target_prefill, "sparse_prefill", broken)
     rt, _ = runtime()
-    res = run(rt, messages=chat(), extra=GREEDY)
+    res = run(rt, messages=chat(), **GREEDY)
     assert res.fallback.startswith("fallback: sparse_prefill failed: ValueError") and res.kept == res.total
     assert res.kept_ranges == [(0, res.total)] and res.reason == res.fallback
     assert res.token_ids == _plain(runtime, chat()).token_ids
@@ -179,7 +179,7 @@ def test_strict_setting_fails_instead():
     be.score_with_cache = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("scoring exploded"))
     rt, _ = runtime(backend=be, fallback_strict=True)
     with pytest.raises(RuntimeError, match="scoring exploded"):
-        run(rt, messages=chat(), extra=GREEDY)
+        run(rt, messages=chat(), **GREEDY)
     assert events(rt)[-1].kind == "failed"
 
 
@@ -252,8 +252,8 @@ def test_boundary_edge_cases():
 def test_spec_takes_tools_and_template_args():
     s = Settings(draft_model="m")
     spec = build_spec(s, kind="generate", messages=chat(n=5), extra={"tools": TOOLS})
-    assert spec.tools == tuple(TOOLS) and "tools" not in spec.extra  # the old home still works
-    assert "tools" not in build_spec(s, messages=chat(n=5)).to_payload()  # ids without tools unchanged
+    assert spec.tools == tuple(TOOLS)  # the old home (extra, payload versions 1 and 2) still works
+    assert "tools" not in build_spec(s, messages=chat(n=5)).to_payload()  # no tools: none in the payload
     with pytest.raises(JobSpecError, match="template_args.tokenize: set by the worker"):
         build_spec(s, messages=chat(n=5), template_args={"tokenize": True})
     with pytest.raises(JobSpecError, match="template_args.x: expected a string"):
@@ -267,14 +267,14 @@ def test_spec_takes_tools_and_template_args():
 def test_second_job_restores_the_system_prefix_and_equals_a_full_prefill():
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=1.0)
-    first = run(rt, "a", messages=chat(0), extra=GREEDY)
+    first = run(rt, "a", messages=chat(0), **GREEDY)
     assert first.target_tokens["restored"] == 0 and first.target_tokens["blocks_written"] > 0
-    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    second = run(rt, "b", messages=chat(1), **GREEDY)
     p = second.protected_prefix
     assert second.target_tokens["restored"] == (p // 16) * 16 > 0
     assert second.target_tokens["prefilled_full"] + second.target_tokens["restored"] == second.total
     fresh, _ = runtime(keep=1.0)
-    alone = run(fresh, "c", messages=chat(1), extra=GREEDY)
+    alone = run(fresh, "c", messages=chat(1), **GREEDY)
     assert alone.target_tokens["restored"] == 0
     assert second.token_ids == alone.token_ids and second.text == alone.text
     assert {"target_restore", "target_prefill", "first_token"} <= set(second.ttft_phases)
@@ -283,10 +283,10 @@ def test_second_job_restores_the_system_prefix_and_equals_a_full_prefill():
 def test_sparse_job_on_a_restored_prefix_equals_one_that_prefilled_it():
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=0.2)
-    run(rt, "a", messages=chat(0), extra=GREEDY)
-    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    run(rt, "a", messages=chat(0), **GREEDY)
+    second = run(rt, "b", messages=chat(1), **GREEDY)
     fresh, _ = runtime(keep=0.2)
-    alone = run(fresh, "c", messages=chat(1), extra=GREEDY)
+    alone = run(fresh, "c", messages=chat(1), **GREEDY)
     assert second.target_tokens["restored"] > 0 and second.kept < second.total
     assert second.kept_ranges == alone.kept_ranges
     assert second.token_ids == alone.token_ids
@@ -320,7 +320,7 @@ def test_restored_prefix_logits_equal_a_full_prefill():
 def test_corrupt_target_block_is_a_miss():
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=1.0)
-    run(rt, "a", messages=chat(0), extra=GREEDY)
+    run(rt, "a", messages=chat(0), **GREEDY)
     target = rt.models.get("tiny-target", "target_model")
     fingerprint = _target_store(rt.cache_client, target, rt.settings).raw_store.fingerprint  # the target's own
     keys = list(r.scan_iter(f"specprefill:kv:{fingerprint[:16]}:*"))
@@ -329,11 +329,11 @@ def test_corrupt_target_block_is_a_miss():
         value = bytearray(r.get(key))
         value[-5] ^= 0xFF
         r.set(key, bytes(value))
-    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    second = run(rt, "b", messages=chat(1), **GREEDY)
     assert second.target_tokens["restored"] == 0
     assert int(r.hget(f"specprefill:kvstats:{fingerprint}", "corrupt_blocks")) == 1
     fresh, _ = runtime(keep=1.0)
-    assert second.token_ids == run(fresh, "c", messages=chat(1), extra=GREEDY).token_ids
+    assert second.token_ids == run(fresh, "c", messages=chat(1), **GREEDY).token_ids
 
 
 def test_contiguous_prefix():
@@ -350,7 +350,7 @@ def test_a_timeout_or_a_stop_is_never_a_fallback():
         be.score_with_cache = lambda *a, _e=exc, **k: (_ for _ in ()).throw(_e)
         rt, _ = runtime(backend=be)
         with pytest.raises(type(exc)):
-            run(rt, messages=chat(), extra=GREEDY)
+            run(rt, messages=chat(), **GREEDY)
         with pytest.raises(type(exc)):
             run(rt, "p", kind="prefill", tokens=list(range(2, 200)))
 
@@ -383,13 +383,13 @@ def test_prompt_tools_load_no_weights_for_a_shipped_model():
 def test_a_draft_over_its_time_budget_stops_and_the_job_falls_back():
     be = fake_backend(chunk_delay_s=0.02)  # 16 tokens per step: ~0.3 s for the prompt
     rt, _ = runtime(backend=be, draft_timeout_s=0.05)
-    res = run(rt, messages=chat(), extra=GREEDY)
+    res = run(rt, messages=chat(), **GREEDY)
     assert "DraftStopped: the draft ran over draft_timeout_s=0.05" in res.fallback
     assert res.token_ids == _plain(runtime, chat()).token_ids
     pre = run(rt, "p", kind="prefill", tokens=list(range(2, 200)))
     assert pre.kept == pre.total and "draft_timeout_s" in pre.fallback
     rt, _ = runtime(backend=fake_backend(chunk_delay_s=0.0), draft_timeout_s=30.0)
-    assert run(rt, messages=chat(), extra=GREEDY).fallback is None
+    assert run(rt, messages=chat(), **GREEDY).fallback is None
 
 
 @pytest.mark.parametrize("family,stored", [("qwen3", True), ("phi3", True), ("gemma3_text", False)])
@@ -398,19 +398,19 @@ def test_target_prefix_across_families(family, stored):
     (their early tokens are gone), and the job simply prefills everything itself."""
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, family=family, keep=0.2)
-    first = run(rt, "a", messages=chat(0), extra=GREEDY)
-    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    first = run(rt, "a", messages=chat(0), **GREEDY)
+    second = run(rt, "b", messages=chat(1), **GREEDY)
     assert (first.target_tokens["blocks_written"] > 0) == stored
     assert (second.target_tokens["restored"] > 0) == stored
     fresh, _ = runtime(family=family, keep=0.2)
-    assert second.token_ids == run(fresh, "c", messages=chat(1), extra=GREEDY).token_ids
+    assert second.token_ids == run(fresh, "c", messages=chat(1), **GREEDY).token_ids
 
 
 def test_a_target_store_that_cannot_be_made_is_a_miss():
     be = fake_backend()
     rt, _ = runtime(backend=be)
     be.target_store = lambda *a: (_ for _ in ()).throw(ValueError("no layout for this model"))
-    res = run(rt, messages=chat(), extra=GREEDY)
+    res = run(rt, messages=chat(), **GREEDY)
     assert res.target_tokens["restored"] == 0 and res.fallback is None and res.text
 
 
@@ -428,10 +428,10 @@ def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(mo
     monkeypatch.setattr(target_prefill, "decode", recording)
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=keep)
-    run(rt, "a", messages=chat(0), extra=GREEDY)
-    second = run(rt, "b", messages=chat(1), extra=GREEDY)
+    run(rt, "a", messages=chat(0), **GREEDY)
+    second = run(rt, "b", messages=chat(1), **GREEDY)
     fresh, _ = runtime(keep=keep)
-    alone = run(fresh, "c", messages=chat(1), extra=GREEDY)
+    alone = run(fresh, "c", messages=chat(1), **GREEDY)
     assert second.target_tokens["restored"] > 0 and alone.target_tokens["restored"] == 0
     assert second.kept_ranges == alone.kept_ranges and (second.kept < second.total) == (keep < 1)
     assert np.array_equal(seen[1], seen[2]) and second.token_ids == alone.token_ids

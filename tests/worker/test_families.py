@@ -26,8 +26,8 @@ TEXT = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(150))
 
 
 def runtime(models: dict, **settings) -> WorkerRuntime:
-    s = Settings(draft_model="draft", target_model="target", threshold=64, tail_tokens=16, chunk_size=8,
-                 keep=0.3, n_lookahead=3, block_size=32, prefill_step=32, **settings)
+    s = Settings().replace(draft_model="draft", target_model="target", threshold=64, tail_tokens=16, chunk_size=8,
+                           keep=0.3, n_lookahead=3, block_size=32, prefill_step=32, **settings)
     pool = ModelPool(2, block_size=s.block_size, loader=lambda name: (models[name](), FakeTokenizer()),
                      profile=draft_profiler(*s.kv_quantization("draft")),
                      target_profile=target_profiler(*s.kv_quantization("target")),
@@ -55,14 +55,14 @@ def test_family_as_draft_and_target_through_the_worker(name):
                  target_prefix_cache=False)
     prefill = run(rt, "prefill", "p", return_importance=True)
     direct = score_tokens(profile_model(F.build(name, seed=3, **over)), [1] + [2 + ord(c) % 200 for c in TEXT],
-                          ScoringOptions(n_lookahead=3, prefill_step=32))
+                          ScoringOptions(n_lookahead=3), prefill_step=32)
     assert np.allclose(prefill.importance, np.array(direct.importance), rtol=1e-5, atol=0)
     assert 0 < prefill.kept < prefill.total
     gen = {"max_tokens": 6, "greedy": True}
-    sparse = run(rt, "generate", "g1", keep=1.0, extra=gen)
-    full = run(rt, "generate", "g2", keep=1.0, extra={**gen, "full_prefill": True})
+    sparse = run(rt, "generate", "g1", keep=1.0, **gen)
+    full = run(rt, "generate", "g2", keep=1.0, **gen, full_prefill=True)
     assert sparse.kept == sparse.total and sparse.token_ids == full.token_ids
-    dropped = run(rt, "generate", "g3", extra=gen)
+    dropped = run(rt, "generate", "g3", **gen)
     assert dropped.kept < dropped.total and dropped.kept == sum(e - s for s, e in dropped.kept_ranges)
 
 
@@ -73,7 +73,7 @@ def test_pure_ssm_is_refused_as_draft_and_served_as_target():
     kept_all = run(runtime(models), "prefill")  # by default a refused draft is a fallback (issue 17)
     assert kept_all.kept == kept_all.total and "no full-attention layer" in kept_all.fallback
     rt = runtime({"draft": lambda: F.build("llama", seed=3), "target": lambda: F.build("mamba2", seed=4)})
-    res = run(rt, "generate", extra={"max_tokens": 4, "greedy": True})
+    res = run(rt, "generate", max_tokens=4, greedy=True)
     assert res.kept < res.total and res.generated_tokens > 0
 
 
@@ -108,11 +108,11 @@ def test_quantized_draft_and_target_kv():
     draft = rt.models.get("draft")
     assert draft.profile.kv_bits == 4 and any(e["cache"] == "QuantizedKVCache" for e in draft.profile.kv_layout)
     direct = score_tokens(profile_model(F.build("qwen3_5", seed=3, **over), kv_bits=4, kv_group_size=32),
-                          [1] + [2 + ord(c) % 200 for c in TEXT], ScoringOptions(n_lookahead=3, prefill_step=32))
+                          [1] + [2 + ord(c) % 200 for c in TEXT], ScoringOptions(n_lookahead=3), prefill_step=32)
     assert np.allclose(prefill.importance, np.array(direct.importance), rtol=1e-5, atol=0)
     gen = {"max_tokens": 5, "greedy": True}
-    sparse = run(rt, "generate", "g1", keep=1.0, extra=gen)
-    full = run(rt, "generate", "g2", keep=1.0, extra={**gen, "full_prefill": True})
+    sparse = run(rt, "generate", "g1", keep=1.0, **gen)
+    full = run(rt, "generate", "g2", keep=1.0, **gen, full_prefill=True)
     assert sparse.token_ids == full.token_ids and rt.models.get("target", "target_model").target_profile.kv_bits == 4
 
 

@@ -96,8 +96,8 @@ def models(tmp_path_factory):
 
 def settings_for(models, **over):
     draft, target = models
-    return Settings(draft_model=draft, target_model=target, threshold=128, tail_tokens=32,
-                    chunk_size=16, keep=0.25, block_size=64, **over)
+    return Settings().replace(draft_model=draft, target_model=target, threshold=128, tail_tokens=32,
+                              chunk_size=16, keep=0.25, block_size=64, **over)
 
 
 def start_generate_worker(url, models, log_dir, name, delay=None) -> WorkerProcess:

@@ -45,8 +45,8 @@ def pool_with_target(seed=1):
 
 
 def runtime(settings=None, **over):
-    settings = settings or Settings(draft_model="fake-draft", target_model="tiny-target",
-                                    threshold=64, tail_tokens=16, chunk_size=8, keep=0.25, **over)
+    settings = settings or Settings().replace(draft_model="fake-draft", target_model="tiny-target",
+                                              threshold=64, tail_tokens=16, chunk_size=8, keep=0.25, **over)
     pool, targets = pool_with_target()
     be = fake_backend()
     rt = WorkerRuntime(settings, fakeredis.FakeRedis(), None, pool, backend_factory=lambda: be)
@@ -84,7 +84,7 @@ DOC = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(200))
 
 def test_generate_job_returns_text_with_events_and_timings():
     rt, targets = runtime()
-    res = run(rt, extra={"max_tokens": 24, "greedy": True})
+    res = run(rt, **{"max_tokens": 24, "greedy": True})
     assert res.total == 201 and 0 < res.kept < res.total and res.reason is None
     assert res.generated_tokens == len(res.token_ids) > 0 and res.text
     assert res.finish_reason in ("length", "eos") and res.target_model == "fake:tiny-target"
@@ -105,23 +105,23 @@ def test_generate_job_returns_text_with_events_and_timings():
 def test_keep_one_sparse_path_equals_full_prefill_greedy():
     rt, targets = runtime()
     gen = {"max_tokens": 20, "greedy": True}
-    sparse = run(rt, "a", keep=1.0, extra=gen)
-    full = run(rt, "b", keep=1.0, extra={**gen, "full_prefill": True})
+    sparse = run(rt, "a", keep=1.0, **gen)
+    full = run(rt, "b", keep=1.0, **{**gen, "full_prefill": True})
     assert "keep all" in sparse.reason and not sparse.full_prefill and sparse.kept == sparse.total
     assert full.full_prefill and full.reason == "full_prefill requested" and "draft_scoring" not in full.timings
     assert sparse.token_ids == full.token_ids and sparse.text == full.text
     # A real drop changes what the target saw (and still decodes at the true positions).
-    dropped = run(rt, "c", keep=0.25, extra=gen)
+    dropped = run(rt, "c", keep=0.25, **gen)
     assert dropped.kept < dropped.total and ropes_are_genuine(targets["tiny-target"])
 
 
 def test_stop_string_cuts_text_and_is_never_streamed():
     rt, _ = runtime()
-    base = run(rt, "a", extra={"max_tokens": 40, "greedy": True})
+    base = run(rt, "a", **{"max_tokens": 40, "greedy": True})
     assert len(base.text) >= 12
     stop = base.text[8:11]
     first = base.text.find(stop)
-    res = run(rt, "b", extra={"max_tokens": 40, "greedy": True, "stop": [stop]})
+    res = run(rt, "b", **{"max_tokens": 40, "greedy": True, "stop": [stop]})
     assert res.finish_reason == "stop" and res.text == base.text[:first]
     assert streamed_text(events(rt, "b")) == res.text
 
@@ -129,7 +129,7 @@ def test_stop_string_cuts_text_and_is_never_streamed():
 def test_throttled_text_deltas_are_batched_not_dropped():
     now = [0.0]
     rt, _ = runtime()
-    res = run(rt, min_interval_s=10.0, clock=lambda: now[0], extra={"max_tokens": 30, "greedy": True})
+    res = run(rt, min_interval_s=10.0, clock=lambda: now[0], **{"max_tokens": 30, "greedy": True})
     evs = events(rt)
     text_events = [e for e in evs if e.kind == "text"]
     assert res.generated_tokens > 3 and 1 <= len(text_events) <= 2
@@ -147,14 +147,14 @@ def test_stop_during_decode_ends_stopped_and_next_job_matches_a_fresh_worker():
 
     rt.stop_requested = stop_after_some_decoding
     with pytest.raises(JobStopped):
-        run(rt, "long", extra={"max_tokens": 200, "greedy": True})
+        run(rt, "long", **{"max_tokens": 200, "greedy": True})
     kinds = [e.kind for e in events(rt, "long")]
     assert kinds[-1] == "stopped" and "decode" in kinds and "done" not in kinds
     assert ropes_are_genuine(targets["tiny-target"])
     rt.stop_requested = lambda: False
-    after = run(rt, "next", extra={"max_tokens": 16, "greedy": True})
+    after = run(rt, "next", **{"max_tokens": 16, "greedy": True})
     fresh_rt, _ = runtime()
-    fresh = run(fresh_rt, "next", extra={"max_tokens": 16, "greedy": True})
+    fresh = run(fresh_rt, "next", **{"max_tokens": 16, "greedy": True})
     assert after.token_ids == fresh.token_ids and after.text == fresh.text
 
 
@@ -163,56 +163,60 @@ def test_stop_during_target_prefill():
     rt.stop_requested = lambda: any(e.kind == "loading_model" and e.data.get("role") == "target"
                                     for e in events(rt))
     with pytest.raises(JobStopped):
-        run(rt, extra={"max_tokens": 8})
+        run(rt, **{"max_tokens": 8})
     assert events(rt)[-1].kind == "stopped" and ropes_are_genuine(targets["tiny-target"])
 
 
 def test_sampling_is_seeded():
     rt, _ = runtime()
-    a = run(rt, "a", extra={"max_tokens": 20, "temperature": 1.0, "seed": 5})
-    b = run(rt, "b", keep=0.25, n_lookahead=8, extra={"max_tokens": 20, "temperature": 1.0, "seed": 5,
+    a = run(rt, "a", **{"max_tokens": 20, "temperature": 1.0, "seed": 5})
+    b = run(rt, "b", keep=0.25, n_lookahead=8, **{"max_tokens": 20, "temperature": 1.0, "seed": 5,
                                                      "top_p": 0.95})
     assert a.token_ids == b.token_ids  # same spec content (defaults filled in), same draw
-    other = run(rt, "c", extra={"max_tokens": 20, "temperature": 1.0, "seed": 6})
+    other = run(rt, "c", **{"max_tokens": 20, "temperature": 1.0, "seed": 6})
     assert other.token_ids != a.token_ids
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"max_tokens": 5000}, "max_tokens: 5000 is outside the allowed range [1, 4096] (max_generate_tokens)"),
-    ({"max_tokens": 0}, "max_tokens: 0 is outside the allowed range [1, 4096]"),
-    ({"temperature": -1}, "temperature: -1.0 is outside the allowed range [0.0, 100.0]"),
-    ({"top_p": 0}, "top_p: 0.0 is outside the allowed range (0.0, 1.0]"),
+    ({"max_tokens": 0}, "max_tokens: 0 is outside the allowed range [1, "),
+    ({"temperature": -1}, "temperature: -1.0 is outside the allowed range [0, 100]"),
+    ({"top_p": 0}, "top_p: 0.0 is outside the allowed range (0, 1]"),
     ({"greedy": "yes"}, "greedy: expected true or false"),
     ({"stop": [""]}, "stop[0]: expected a string of 1..256 characters"),
     ({"stop": ["x"] * 17}, "stop: 17 strings, allowed 0..16"),
     ({"target_model": ""}, "target_model: expected a model name, hub id or worker folder"),
-    ({"beam": 4}, "beam: unknown generate option"),
+    ({"beam": 4}, "beam: unknown"),  # a field by name, a generate option in a payload
 ])
 def test_bad_generate_fields_fail_with_the_field_and_range(extra, message):
     with pytest.raises(JobSpecError) as info:
-        build_spec(Settings(draft_model="m"), kind="generate", text="hi", extra=extra)
+        build_spec(Settings(draft_model="m"), kind="generate", text="hi", **extra)
     assert message in str(info.value)
-    # The worker rejects the same payload read off the queue, with the same message.
+    # The worker rejects the same options read off the queue, with the same message: in a
+    # version-3 payload, and in the extra of a version-2 one.
     rt, _ = runtime()
-    payload = {"draft_model": "fake-draft", "text": "hi", "kind": "generate",
-               "extra": {"target_model": "tiny-target", **extra}}
-    pub = ProgressPublisher(rt.connection, "bad", min_interval_s=0.0)
-    with pytest.raises(JobSpecError):
-        execute(payload, JobContext("bad", rt, pub))
-    assert message in events(rt, "bad")[-1].data["error"]
+    own = {k: v for k, v in extra.items() if k != "target_model"}
+    v3 = {"v": 3, "draft_model": "fake-draft", "text": "hi", "generate": own,
+          "target_model": extra.get("target_model", "tiny-target")}
+    v2 = {"v": 2, "draft_model": "fake-draft", "text": "hi", "kind": "generate",
+          "extra": {"target_model": "tiny-target", **extra}}
+    for n, payload in enumerate((v3, v2)):
+        pub = ProgressPublisher(rt.connection, f"bad{n}", min_interval_s=0.0)
+        with pytest.raises(JobSpecError):
+            execute(payload, JobContext(f"bad{n}", rt, pub))
+        assert message in events(rt, f"bad{n}")[-1].data["error"]
 
 
 def test_max_generate_tokens_comes_from_settings_and_defaults_fill_the_spec():
     s = Settings(draft_model="m", target_model="t", max_generate_tokens=8)
     with pytest.raises(JobSpecError, match=r"\[1, 8\] \(max_generate_tokens\)"):
-        build_spec(s, kind="generate", text="hi", extra={"max_tokens": 9})
+        build_spec(s, kind="generate", text="hi", max_tokens=9)
     spec = build_spec(s, kind="generate", text="hi")
-    assert spec.generate.max_tokens == 8 and spec.generate.target_model == "t"
-    assert build_spec(Settings(), kind="generate", text="hi").generate.target_model == "target"
+    assert spec.generate.max_tokens == 8 and spec.target_model == "t"
+    assert build_spec(Settings(), kind="generate", text="hi").target_model == "target"
     assert spec_from_payload(spec.to_payload(), s) == spec
     assert spec.job_id().startswith("generate-")
-    with pytest.raises(ValueError, match="no generate options"):
-        build_spec(s, text="hi").generate
+    assert build_spec(s, text="hi").generate is None and build_spec(s, text="hi").kind == "prefill"
 
 
 def test_text_stream_holds_back_possible_stop_prefixes():
@@ -276,7 +280,7 @@ def test_bad_target_fails_naming_it_before_the_draft_scores():
     rt, _ = runtime()
     rt.models._identify = identify_all_but("bad/target", "'bad/target' is neither a model folder nor a hub model")
     with pytest.raises(ValueError, match="^target_model: 'bad/target': .*is neither"):
-        run(rt, extra={"target_model": "bad/target"})
+        run(rt, **{"target_model": "bad/target"})
     kinds = [e.kind for e in events(rt)]
     assert kinds == ["loading_model", "failed"]  # nothing scored
 
@@ -299,7 +303,7 @@ def test_target_with_sliding_windows_keeps_the_last_window():
     the last 16 prompt tokens are prefilled even when the selection drops some of them."""
     rt, targets = runtime()
     targets["tiny-target"] = make_model("gemma3_text", seed=4)
-    res = run(rt, keep=0.25, tail_tokens=8, extra={"max_tokens": 4, "greedy": True})
+    res = run(rt, keep=0.25, tail_tokens=8, **{"max_tokens": 4, "greedy": True})
     assert res.kept < res.total and res.kept_ranges[-1][1] == res.total
     assert res.kept_ranges[-1][1] - res.kept_ranges[-1][0] >= 16
     assert sum(e - s for s, e in res.kept_ranges) == res.kept

@@ -3,7 +3,7 @@ import fakeredis
 
 from jobs.spec import build_spec
 from tests.support.fake_worker import FakeTokenizer, _run, fake_runtime
-from worker.prompt import tokenize
+from tests.support.prompts import tokenize
 
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 3
 
@@ -15,7 +15,7 @@ def test_same_tokens_with_another_protected_prefix_is_not_a_memo_hit():
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 2+2? " * 8}]
     chat = build_spec(rt.settings, messages=messages)
     tokens, protected_prefix = tokenize(chat, FakeTokenizer())
-    assert protected_prefix > 0 and len(tokens) > rt.settings.threshold
+    assert protected_prefix > 0 and len(tokens) > rt.settings.selection.threshold
 
     as_chat = _run(rt, chat.to_payload(), job_id="chat")
     as_tokens = _run(rt, build_spec(rt.settings, tokens=tokens).to_payload(), job_id="tokens")
