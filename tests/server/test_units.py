@@ -254,7 +254,7 @@ def test_every_error_has_a_code():
 
 
 BAD_OPTIONS = [("keep", 0), ("keep", 1.5), ("threshold", -1), ("tail_tokens", -1), ("chunk_size", 0),
-               ("n_lookahead", 300), ("pool_kernel", 0), ("pool_kernel", 5000), ("include_last_query", 5),
+               ("n_lookahead", 300), ("pool_kernel", -1), ("pool_kernel", 5000), ("include_last_query", 5),
                ("full_prefill", 5), ("greedy", 5), ("draft_model", ""), ("draft_model", "x" * 2000),
                ("draft_model", "a\nb")]
 

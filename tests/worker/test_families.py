@@ -93,7 +93,7 @@ def test_a_chunked_attention_draft_is_served_and_refused_as_target_by_its_cause(
     rt = runtime({"draft": lambda: F.build("llama4", seed=3), "target": lambda: F.build("llama4", seed=4)})
     prefill = run(rt, "prefill", "p", return_importance=True)
     direct = score_tokens(profile_model(F.build("llama4", seed=3)), [1] + [2 + ord(c) % 200 for c in TEXT],
-                          ScoringOptions(n_lookahead=3, prefill_step=32))
+                          ScoringOptions(n_lookahead=3), prefill_step=32)
     assert np.allclose(prefill.importance, np.array(direct.importance), rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="^target_model: 'target': .*chunk mask in its own forward"):
         rt.models.get("target", "target_model")
