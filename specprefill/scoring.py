@@ -18,9 +18,10 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from specprefill.attention.scoring import Progress, ScoreResult, StepHook, score_prompt
+from specprefill.attention.scoring import ScoreResult, StepHook, score_prompt
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import ScoringOptions
+from specprefill.prefill import Progress
 from specprefill.profile import ModelProfile
 
 __all__ = ["ScoreResult", "ScoringOptions", "UnsupportedModelError", "score_tokens"]

@@ -15,8 +15,8 @@ the target, decode, stream, store the target's prefix.
    are stored for the next job (after the answer, so they cost no TTFT).
 
 The reporter's stop check runs after every target prefill chunk and before every generated
-token; the sparse session restores the model on any exit. The target's prefill and decode go
-through ``worker.target_prefill``, the one seam to ``specprefill.sparse``.
+token; the sparse session restores the model on any exit. The target's prefix and sparse
+prefills are ``worker.target_prefill``'s; the plain prefill and the decode ``specprefill.sparse``'s.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from jobs.results import GenerateResult, PrefillResult, rates
 from jobs.spec import GenerateOptions, JobSpec
 from specprefill.selection import to_ranges
 from worker import target_prefill
-from worker.admission import admission_reason
+from worker.admission import two_stage_admission
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
@@ -123,9 +123,9 @@ def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt
     if opts.full_prefill:
         prompt.reason = "full_prefill requested"
         return
-    prompt.reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
-                                     restored=prompt.restored,
-                                     protected_prefix=prompt.prompt.protected_prefix)
+    prompt.reason = two_stage_admission(len(prompt.tokens), threshold=spec.threshold,
+                                        restored=prompt.restored,
+                                        protected_prefix=prompt.prompt.protected_prefix)
     if prompt.reason is not None:
         ctx.publisher.publish("admission", admitted=False, reason=prompt.reason)
         return
@@ -175,10 +175,11 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             stack.close()  # the genuine ropes back before the plain prefill
             prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
     cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    from specprefill.sparse import full_prefill
+
     bits, group = ctx.settings.kv_quantization("target")
-    logits, cache, state = target_prefill.plain_prefill(
-        target.model, tokens, kv_cache=cache, prefill_step=step, progress=reporter.begin(),
-        kv_bits=bits, kv_group_size=group)
+    logits, cache, state = full_prefill(target.model, tokens, kv_cache=cache, prefill_step=step,
+                                        progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
     return logits, cache, state, len(tokens), None
 
 
@@ -196,7 +197,7 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                         timings: dict[str, float], t0: float) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
-    from specprefill.sparse import Sampling
+    from specprefill.sparse import Sampling, generate_tokens
 
     target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
@@ -208,9 +209,9 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed,
                             greedy=opts.greedy)
         ttft, finish = None, "length"
-        for token in target_prefill.decode(target.model, logits, cache, state, max_tokens=opts.max_tokens,
-                                           sampling=sampling, stop_tokens=stop_token_ids(target.tokenizer),
-                                           progress=reporter):
+        for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
+                                     sampling=sampling, stop_tokens=stop_token_ids(target.tokenizer),
+                                     progress=reporter):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             reporter.token(token)

@@ -16,7 +16,7 @@ from typing import Any
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
 from specprefill.options import ScoringOptions, SelectionOptions
-from worker.admission import admission_reason
+from worker.admission import two_stage_admission
 from worker.context import JobContext
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
@@ -49,8 +49,8 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
     timings = {"tokenize": time.perf_counter() - t}
-    reason = admission_reason(len(prompt.tokens), threshold=spec.threshold,
-                              protected_prefix=prompt.protected_prefix)
+    reason = two_stage_admission(len(prompt.tokens), threshold=spec.threshold,
+                                 protected_prefix=prompt.protected_prefix)
     if reason is not None and not spec.return_importance:
         ctx.publisher.publish("admission", admitted=False, reason=reason)
         return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0).to_json()
