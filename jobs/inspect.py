@@ -164,14 +164,6 @@ def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) ->
     return [jid for _, jid in sorted(out, reverse=True)[:limit]]
 
 
-def block_store_counters(cache_client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
-    """The block store's shared counters per model fingerprint (lookups, hits, misses, bytes,
-    corrupt blocks, memo counters)."""
-    from cache_store.store import counters_by_model
-
-    return counters_by_model(cache_client, namespace)
-
-
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
     """RQ status of each job ('missing' when the queue holds no such job), one round trip."""
     with connection.pipeline(transaction=False) as pipe:

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jobs.inspect import block_store_counters, queue_stats, workers
+from cache_store.inventory import counters_by_model
+from jobs.inspect import queue_stats, workers
 from jobs.results import GenerateResult
 from jobs.settings import Settings
 
@@ -90,7 +91,7 @@ class DeploymentCollector(Collector):
         return [count, busy, done]
 
     def _block_store(self) -> list[Any]:
-        counters = block_store_counters(self.cache_client, self.settings.namespace)
+        counters = counters_by_model(self.cache_client, self.settings.namespace)
         families = []
         for field, (name, help_text) in BLOCK_STORE_SERIES.items():
             fam = CounterMetricFamily(f"specprefill_{name}", help_text, labels=["model"])

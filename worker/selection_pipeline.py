@@ -21,7 +21,7 @@ from worker.context import JobContext
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
 from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
-from worker.reporting import JobReporter, ReportingDraftCache
+from worker.reporting import JobReporter
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     """Score with the block store, then select the kept chunks."""
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
-    store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
+    store = backend.block_store(ctx.runtime.cache_client, draft, settings,
+                                on_fetch=reporter.cache_fetched, on_store=reporter.cache_stored)
     ctx.start_draft()
     try:
         score = backend.score_with_cache(
@@ -173,7 +174,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
-    timings.update(store.timings)
+    timings.update(reporter.cache_timings)
     ctx.check_stop()
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
@@ -183,7 +184,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
     importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None
-    return _Selected(ranges, int(selection.kept), selection.reason, score, store.blocks_written,
+    return _Selected(ranges, int(selection.kept), selection.reason, score, reporter.blocks_written,
                      importance)
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from cache_store import RedisBlockStore
 from cache_store.codec import DTYPES
-from tests.support.kv_blocks import fingerprint, prefilled, raw_bits, same_bits
-from specprefill.kv_arrays import MlxDestinations, kv_arrays
+from tests.support.kv_blocks import draft_store, prefilled, raw_bits, same_bits
+from specprefill.kv_arrays import MlxDestinations
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -20,15 +20,16 @@ def stored():
     model = make_model("llama", seed=3)
     tokens = [int(t) for t in np.random.default_rng(4).integers(0, 256, 5 * BS + 1)]
     cache, _ = prefilled(model, tokens)
-    return fingerprint(model, "tiny", block_size=BS), tokens, cache
+    return model, tokens, cache
 
 
 @pytest.fixture
-def store(stored):
-    fp, tokens, cache = stored
-    s = RedisBlockStore(fakeredis.FakeRedis(), fp, block_size=BS)
-    assert s.store(tokens, kv_arrays(cache)) == 5
-    return s
+def store(stored) -> RedisBlockStore:
+    """The raw store under the worker's draft cache, holding the prompt's five blocks."""
+    model, tokens, cache = stored
+    draft_cache = draft_store(fakeredis.FakeRedis(), model, block_size=BS)
+    assert draft_cache.store(tokens, cache) == 5
+    return draft_cache.raw_store
 
 
 def assert_layers_are(layers, cache, n_tokens):
