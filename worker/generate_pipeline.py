@@ -270,6 +270,7 @@ def _result(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, decoded: _D
         keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
         kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
+        tail_start=None if used is None else used.tail_start,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
         blocks_written=sel.blocks_written if sel is not None else 0,
         memo_hit=sel.memo_hit if sel is not None else False,

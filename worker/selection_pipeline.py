@@ -195,12 +195,15 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
     phase_tokens = {"prefill": total - cached, "lookahead": spec.n_lookahead, "importance": total}
     spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
              if spec.return_spans else None)
-    from specprefill.selection import keep_effect
+    from specprefill.selection import keep_effect, tail_start
 
-    effect = keep_effect(total, selected.kept, selection_options(spec), protected_prefix)
+    options = selection_options(spec)
+    effect = keep_effect(total, selected.kept, options, protected_prefix)
+    tail = tail_start(total, options, protected_prefix) if selected.reason is None else None
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
-        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,
+        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, tail_start=tail,
+        cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
         model=draft.identity, draft_name=spec.draft_model, timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)
