@@ -132,11 +132,22 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
 
 
 def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
+    """Scored without the recorder, a recurrent cache cannot be stored: nothing is written and
+    on_store hears why; the next job, scored with it, stores and restores as usual."""
     model = F.build("lfm2", seed=1)
-    store = draft_cache(redis.Redis.from_url(redis_url), model)
+    fetched, stored = [], []
+    store = draft_store(redis.Redis.from_url(redis_url), model, block_size=BLOCK,
+                        on_fetch=lambda *a: fetched.append(a), on_store=lambda *a: stored.append(a))
     result = score_prompt(model, PROMPT, profile_model(model).attention, **SCORE)
     assert store.store(PROMPT, result.kv_cache) == 0
     assert store.stats()["unsupported_stores"] == 1 and "recorder" in store.unsupported_reason
+    assert stored[-1][0] == 0 and "recorder" in stored[-1][2]
+    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 64
+    assert [f[:2] for f in fetched] == [(0, len(PROMPT)), (64, len(PROMPT))]  # (restored, prompt tokens)
+    assert [s[0] for s in stored[1:]] == [4, 0] and all(s[2] is None for s in stored[1:])
+    assert all(seconds >= 0 for *_, seconds in fetched) and all(s[1] >= 0 for s in stored)
 
 
 def test_recorder_interface_is_the_prototype_one():
