@@ -150,8 +150,9 @@ def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
     assert all(seconds >= 0 for *_, seconds in fetched) and all(s[1] >= 0 for s in stored)
 
 
-def test_recorder_interface_is_the_prototype_one():
-    """The on_step hook the store asks for is the scorer's BlockRecorder (fam's integration seam)."""
+def test_the_recorder_is_the_scorers_block_recorder_when_the_cache_needs_one():
+    """The on_step hook the store asks for is the scorer's BlockRecorder (recurrent state), and
+    none for a K/V-only cache."""
     model = F.build("nemotron_h", seed=1)
     store = BlockDraftCache(type("Raw", (), {"block_size": BLOCK})(), lambda: make_cache(model))
     assert isinstance(store.recorder(), BlockRecorder) and store.recorder().block_size == BLOCK
