@@ -43,16 +43,18 @@ import redis  # noqa: E402
 from redis._parsers import _HiredisParser, _RESP2Parser  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from cache_store import RedisBlockStore, SelectionMemo, is_token_array  # noqa: E402
+from cache_store import SelectionMemo, is_token_array, model_fingerprint  # noqa: E402
 from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum  # noqa: E402
 from cache_store.streamed_gets import streamed_gets  # noqa: E402
 from specprefill_cli.embedded_redis import EmbeddedRedis  # noqa: E402
-from specprefill.draft_cache import BlockDraftCache  # noqa: E402
-from specprefill.kv_arrays import block_layout, kv_arrays, to_mlx_many  # noqa: E402
-from specprefill.options import SelectionOptions  # noqa: E402
-from specprefill.profile import profile_model  # noqa: E402
+from specprefill.attention.caches import sliced_blocks  # noqa: E402
+from specprefill.attention.probe import make_cache  # noqa: E402
+from specprefill.kv_arrays import raw_bits_many, to_mlx_many  # noqa: E402
+from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
+from specprefill.profile import ModelProfile, profile_model  # noqa: E402
 from specprefill.reuse import score_with_cache  # noqa: E402
 from specprefill.selection import plan_selection, to_ranges  # noqa: E402
+from worker.runtime import wire_block_store  # noqa: E402
 
 GB = 1e9
 BLOCK = 256
@@ -69,6 +71,14 @@ def _scoring_bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def block_store(client: redis.Redis, profile: ModelProfile, namespace: str, identity: str = "bench"):
+    """The draft's block store for ``profile``'s model, wired as the worker wires it."""
+    model, kv = profile.model, (profile.kv_bits, profile.kv_group_size)
+    fp = model_fingerprint(profile.description, identity, block_size=BLOCK)
+    return wire_block_store(client, model, lambda: make_cache(model, *kv), fp, namespace=namespace,
+                            block_size=BLOCK, ttl_s=3600)
 
 
 def random_cache(n_tokens: int, layers: int = 4, kv_heads: int = 2, head_dim: int = 64,
@@ -98,9 +108,12 @@ def best_rate(n_bytes: int, fn, *, inner: int, rounds: int = 7) -> float:
 
 
 def bench_codec() -> dict[str, float]:
-    layers = kv_arrays(random_cache(4 * BLOCK))
-    span = slice(BLOCK, 2 * BLOCK)  # a block from the middle: a strided slice, as in store()
-    block = [{name: RawArray(dtype, bits[:, :, span]) for name, (dtype, bits) in layer.items()} for layer in layers]
+    _, layers = sliced_blocks(random_cache(4 * BLOCK), 4 * BLOCK, BLOCK)[1]  # a block from the middle:
+    names = [(i, name) for i, layer in enumerate(layers) for name in layer]  # strided slices, as a store's
+    raws = raw_bits_many([layers[i][name] for i, name in names])
+    block = [{} for _ in layers]
+    for (i, name), raw in zip(names, raws):
+        block[i][name] = RawArray(*raw)
     arrays = [a for layer in block for a in layer.values()]
     n_bytes = sum(a.bits.nbytes for a in arrays)
     value = bytes(encode_block(FP, BLOCK, block, digest=DIGEST))
@@ -133,14 +146,15 @@ def bench_codec() -> dict[str, float]:
     return rates
 
 
-def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
+def bench_transport(clients: dict[str, redis.Redis], profile: ModelProfile, n_blocks: int = 64,
                     repeats: int = 9) -> dict[str, dict[str, float]]:
     """Per client (one per parser and transport, all on one server): a chain fetched
-    through the draft cache and by raw pipelined GETs. Every repeat runs every client's
-    pair in turn, so all of them see the same machine state."""
+    through the draft cache (of ``profile``'s model, whose cache shape ``random_cache`` has) and
+    by raw pipelined GETs. Every repeat runs every client's pair in turn, so all of them see the
+    same machine state."""
     n_tokens = n_blocks * BLOCK
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, n_tokens + 1)]
-    stores = {name: BlockDraftCache(RedisBlockStore(c, FP, block_size=BLOCK)) for name, c in clients.items()}
+    stores = {name: block_store(c, profile, "transport") for name, c in clients.items()}
     first = next(iter(stores.values()))
     assert first.store(tokens, random_cache(n_tokens + 1, seed=1)) == n_blocks
     keys = first.raw_store.block_keys(tokens[:-1])
@@ -177,9 +191,8 @@ def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
 
 def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: int) -> dict[str, float]:
     """Cold scoring (no store) vs warm (first 90% stored) vs the memo, in seconds (best of repeats)."""
-    raw_store = RedisBlockStore(client, FP, block_size=BLOCK, namespace=f"e2e{len(tokens)}",
-                                layout=block_layout(profile.kv_layout))
-    store = BlockDraftCache(raw_store)  # as the worker wires it
+    store = block_store(client, profile, f"e2e{len(tokens)}")
+    raw_store = store.raw_store
     memo = SelectionMemo(client, FP, namespace=f"e2e{len(tokens)}")
     settings = dict(keep=SELECT.keep, chunk_size=SELECT.chunk_size, tail_tokens=SELECT.tail_tokens,
                     protected_prefix=0, threshold=SELECT.threshold, n_lookahead=8, seed=0,
@@ -218,12 +231,12 @@ def bench_end_to_end(client: redis.Redis, profile, tokens: list[int], repeats: i
     return {"cold": min(cold), "warm": min(warm), "memo": min(memo_s), "cached": cached, "phases": phases}
 
 
-def transport_rows(server: EmbeddedRedis, rows: list) -> list[tuple[str, float, str, float]]:
+def transport_rows(server: EmbeddedRedis, profile: ModelProfile, rows: list) -> list[tuple[str, float, str, float]]:
     """Fetch throughput per parser and transport, side by side; the verdicts on them."""
     configs = [(parser, where) for parser in PARSERS for where in ("TCP", "unix")]
     clients = {c: redis.Redis.from_url(server.url if c[1] == "TCP" else server.unix_url,
                                        parser_class=PARSERS[c[0]]) for c in configs}
-    results = bench_transport(clients)
+    results = bench_transport(clients, profile)
     for (parser, where), t in results.items():
         rows.append((f"transport ({parser} parser, {where}): fetch of a 64-block chain",
                      f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
@@ -277,19 +290,11 @@ def shaped_model(config: dict):
 
 def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str) -> dict[str, float]:
     """Bytes of one stored block (value, K/V arrays, state arrays) after scoring BLOCK + 1 tokens."""
-    from cache_store import model_fingerprint
-    from specprefill.attention.probe import make_cache, probe_attention
-    from specprefill.draft_cache import block_description, block_layout_of
-    from specprefill.reuse import score_prompt_with_cache
-
-    def fresh():
-        return make_cache(model, kv_bits, 64)
-
-    fp = model_fingerprint(block_description(model, fresh), namespace, block_size=BLOCK)
-    raw = RedisBlockStore(client, fp, namespace=namespace, block_size=BLOCK, layout=block_layout_of(model, fresh))
+    profile = profile_model(model, kv_bits=kv_bits, kv_group_size=64)
+    store = block_store(client, profile, namespace)
+    raw = store.raw_store
     tokens = [int(t) for t in np.random.default_rng(5).integers(0, 1024, BLOCK + 1)]
-    score_prompt_with_cache(model, tokens, probe_attention(model, kv_bits=kv_bits, kv_group_size=64),
-                            BlockDraftCache(raw, fresh), n_lookahead=2)
+    score_with_cache(profile, tokens, store, ScoringOptions(n_lookahead=2))
     (key,) = raw.block_keys(tokens)
     layers, _ = raw.fetch(tokens + [0])
     arrays = [(name, a) for layer in layers for name, a in layer.items()]
@@ -347,11 +352,11 @@ def main() -> int:
         client = redis.Redis.from_url(server.url)
         print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback) "
               f"and {server.unix_url}; block {BLOCK} tokens = {size / 2**20:.2f} MiB")
-        verdicts += transport_rows(server, rows)
+        scoring = _scoring_bench()
+        profile = profile_model(scoring.draft_model())  # its cache is random_cache's shape
+        verdicts += transport_rows(server, profile, rows)
         client.flushall()
 
-        scoring = _scoring_bench()
-        profile = profile_model(scoring.draft_model())
         score_with_cache(profile, scoring.prompt_of(256), None)  # warm-up
         for length in opts.lengths:
             e = bench_end_to_end(client, profile, scoring.prompt_of(length), opts.repeats)

@@ -29,6 +29,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm import load  # noqa: E402
 
+from specprefill.attention.target import target_session  # noqa: E402
 from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
 from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
@@ -104,7 +105,7 @@ def answer(model, prompt: list[int], keep_indices, n_tokens: int, sparse, end: i
     if keep_indices is None:
         logits, cache, state = sparse.full_prefill(model, prompt)
         return list(sparse.generate_tokens(model, logits, cache, state, max_tokens=n_tokens, stop_tokens=stop))
-    with sparse.sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(prompt, keep_indices)
         return list(sparse.generate_tokens(model, logits, cache, state, max_tokens=n_tokens, stop_tokens=stop))
 

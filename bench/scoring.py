@@ -140,34 +140,34 @@ def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
     """Cold and warm (90 % stored) scoring seconds of the hybrid draft, best of ``repeats``."""
     import redis
 
-    from cache_store import RedisBlockStore, model_fingerprint
+    from cache_store import model_fingerprint
     from specprefill_cli.embedded_redis import EmbeddedRedis
-    from specprefill.attention.probe import make_cache, probe_attention
-    from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
+    from specprefill.attention.probe import make_cache
     from specprefill.options import SelectionOptions
-    from specprefill.reuse import score_prompt_with_cache
+    from specprefill.reuse import score_with_cache
     from specprefill.selection import plan_selection
+    from worker.runtime import wire_block_store
 
     model = hybrid_draft()
-    profile = probe_attention(model)
-    fresh = lambda: make_cache(model)  # noqa: E731
-    fp = model_fingerprint(block_description(model, fresh), "bench-hybrid", block_size=HYBRID_BLOCK)
+    profile = profile_model(model)  # once per model, as the worker does when it loads one
+    fp = model_fingerprint(profile.description, "bench-hybrid", block_size=HYBRID_BLOCK)
     select = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
     rows = []
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
-        raw = RedisBlockStore(client, fp, block_size=HYBRID_BLOCK, layout=block_layout_of(model, fresh))
-        store = BlockDraftCache(raw, fresh)
-        score_prompt_with_cache(model, prompt_of(300), profile, None)  # warm-up
+        store = wire_block_store(client, model, lambda: make_cache(model), fp, namespace="bench",
+                                 block_size=HYBRID_BLOCK, ttl_s=3600)  # as the worker wires it
+        raw = store.raw_store
+        score_with_cache(profile, prompt_of(300), None)  # warm-up
         for length in lengths:
             tokens = prompt_of(length)
             cold, warm, cached = [], [], 0
             for _ in range(repeats):
-                seconds, _, _ = measured(lambda: cold.append(score_prompt_with_cache(model, tokens, profile, None)))
+                seconds, _, _ = measured(lambda: cold.append(score_with_cache(profile, tokens, None)))
                 cold[-1] = (seconds, cold[-1])
                 client.flushall()
-                score_prompt_with_cache(model, tokens[:int(0.9 * length)], profile, store)  # the stored 90 %
-                seconds, _, _ = measured(lambda: warm.append(score_prompt_with_cache(model, tokens, profile, store)))
+                score_with_cache(profile, tokens[:int(0.9 * length)], store)  # the stored 90 %
+                seconds, _, _ = measured(lambda: warm.append(score_with_cache(profile, tokens, store)))
                 warm[-1] = (seconds, warm[-1])
                 cached = warm[-1][1].cached_tokens
                 same = (plan_selection(warm[-1][1].importance, select).indices.tolist()

@@ -24,7 +24,8 @@ from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
 from specprefill.profile import profile_model  # noqa: E402
 from specprefill.scoring import score_tokens  # noqa: E402
 from specprefill.selection import select_chunks  # noqa: E402
-from specprefill.sparse import full_prefill, sparse_session  # noqa: E402
+from specprefill.attention.target import target_session  # noqa: E402
+from specprefill.sparse import full_prefill  # noqa: E402
 
 VOCAB = 4096
 DRAFT = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -60,7 +61,7 @@ def time_sparse(draft, target, tokens, keep, step):
     scoring = time.perf_counter() - start
     indices = select_chunks(scored.importance, SelectionOptions(keep=keep, chunk_size=32, tail_tokens=512))
     del scored  # the draft cache is not needed past scoring
-    with sparse_session(target) as session:
+    with target_session(target) as session:
         logits, kv_cache, state = session.prefill(tokens, indices, prefill_step=step)
         int(mx.argmax(logits).item())
     ttft = time.perf_counter() - start

@@ -6,7 +6,7 @@
 - :class:`SelectionMemo` remembers final selections of identical requests.
 - :func:`verify_namespace` checks every stored block and memo entry, removing bad ones.
 """
-from .codec import (FORMAT_VERSION, LAYER_ARRAYS, CorruptBlockError, OldFormatError, RawArray, decode_block,
+from .codec import (FORMAT_VERSION, CorruptBlockError, OldFormatError, RawArray, decode_block,
                     encode_block, is_token_array)
 from .keys import MAX_TOKEN_ID, block_digests, check_namespace, model_fingerprint, prompt_digest
 from .memo import SelectionMemo
@@ -15,7 +15,6 @@ from .verify import VerifyReport, verify_namespace
 
 __all__ = [
     "FORMAT_VERSION",
-    "LAYER_ARRAYS",
     "CorruptBlockError",
     "LOCAL_COUNTERS",
     "MAX_TOKEN_ID",

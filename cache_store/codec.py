@@ -53,8 +53,9 @@ import xxhash
 FORMAT_VERSION = 3
 
 # The named arrays of a plain attention layer (the KV cache), in payload order.
-LAYER_ARRAYS = ("keys", "values")
-TOKEN_PARTS = frozenset(LAYER_ARRAYS)
+# A name with one of these dot-separated parts is a token array (tokens on axis 2); the
+# specprefill side names arrays by the same rule (tests/cache_store/test_codec.py checks both agree).
+TOKEN_PARTS = frozenset(("keys", "values"))
 ARRAY_NAME = re.compile(r"[A-Za-z0-9_]{1,32}(\.[A-Za-z0-9_]{1,32}){0,3}")
 MAX_RANK = 6
 DIGEST_BYTES = 32
@@ -123,7 +124,7 @@ Layer = Mapping[str, RawArray]  # one layer's named arrays
 BlockLayout = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...]
 
 
-def layer_arrays(layer: Mapping[str, Sequence]) -> list[tuple[str, RawArray]]:
+def ordered_arrays(layer: Mapping[str, Sequence]) -> list[tuple[str, RawArray]]:
     """``(name, array)`` of one layer's arrays in payload (name) order; ``ValueError`` for a
     layer that is not a mapping of valid names (see :data:`ARRAY_NAME`) to raw arrays."""
     keys = getattr(layer, "keys", None)
@@ -185,7 +186,7 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     cache does not pin it). Returns a read-only memoryview redis-py sends as is.
     """
     digest = _check_digest(digest)
-    per_layer = [layer_arrays(layer) for layer in layers]
+    per_layer = [ordered_arrays(layer) for layer in layers]
     # Payload order: the token section, then the state section (each in layer, name order).
     arrays = ([a for named in per_layer for name, a in named if is_token_array(name)]
               + [a for named in per_layer for name, a in named if not is_token_array(name)])

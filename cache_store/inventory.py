@@ -1,5 +1,6 @@
-"""What the store holds under one namespace: per-model counters under the names results
-use, hit rates, the bytes of its own keys, and clearing it (that namespace only)."""
+"""What the store holds under one namespace: per-model counters (by fingerprint, and under the
+names results use), hit rates, the layout each model's stores recorded, the bytes of its own
+keys, and clearing it (that namespace only)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,9 @@ from typing import Any, Callable, Iterator
 
 import redis
 
+from .codec import BlockLayout
 from .keys import key_patterns, models_key
-from .replies import as_text
-from .store import counters_by_model
+from .replies import as_int, as_text
 
 _BATCH = 500  # keys per pipelined round trip
 
@@ -53,6 +54,24 @@ def counters_by_name(client: redis.Redis, namespace: str, show: Callable[[str], 
         for field, value in counters.items():
             total[field] = total.get(field, 0) + value
     return out
+def counters_by_model(client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
+    """Every model's shared counters under ``namespace`` (fingerprint -> counters), pipelined."""
+    keys = list(client.scan_iter(match=key_patterns(namespace)["stats"], count=500))
+    with client.pipeline(transaction=False) as pipe:
+        for key in keys:
+            pipe.hgetall(key)
+        hashes = pipe.execute()
+    return {as_text(key).rsplit(":", 1)[1]: {as_text(f): as_int(v) for f, v in counters.items()}
+            for key, counters in zip(keys, hashes)}
+
+
+def recorded_layout(value: Any) -> BlockLayout | None:
+    """The layout a store recorded (see :func:`cache_store.keys.layout_key`), or None if unreadable."""
+    try:
+        return tuple(tuple((str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in layer)
+                     for layer in json.loads(value))
+    except (TypeError, ValueError):
+        return None
 
 
 def labelled_counters(client: redis.Redis, namespace: str) -> dict[str, dict[str, Any]]:

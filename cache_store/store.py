@@ -19,10 +19,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import redis
 
-from .codec import (LAYER_ARRAYS, BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block,
-                    encode_block, is_token_array, layer_arrays, token_section_end)
+from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block, encode_block,
+                    is_token_array, token_section_end)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
-                   check_namespace, check_ttl, key_patterns, layout_key, models_key, stats_key)
+                   check_namespace, check_ttl, layout_key, models_key, stats_key)
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
 from .replies import as_int, as_text
@@ -52,8 +52,7 @@ _BATCH_BLOCKS = 64  # blocks per pipelined SET round trip; bounds the memory of 
 def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> BlockLayout:
     """A full block's expected ``DecodedBlock.layout`` from per-layer ``{name: [dtype, shape]}``.
 
-    ``shape`` is the array's shape in a block (a token array's axis 2 is set to ``block_size``);
-    ``[dtype, kv_heads, head_dim]`` is accepted for ``keys``/``values`` (a plain KV layer).
+    ``shape`` is the array's shape in a block (a token array's axis 2 is set to ``block_size``).
     """
     if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
         raise ValueError("layout: expected a non-empty list of per-layer entries")
@@ -66,18 +65,14 @@ def _expected_layer(i: int, entry: Any, block_size: int) -> tuple:
             raise ValueError
         out = []
         for name in sorted(entry):
-            spec = list(entry[name])
-            if len(spec) == 3 and name in LAYER_ARRAYS and all(isinstance(d, int) for d in spec[1:]):
-                dtype, shape = spec[0], [1, spec[1], block_size, spec[2]]
-            else:
-                dtype, shape = spec[0], [int(d) for d in spec[1]]
+            dtype, dims = entry[name]
+            shape = [int(d) for d in dims]
             if is_token_array(name):
                 shape[2] = block_size
             out.append((str(name), str(dtype), tuple(shape)))
         return tuple(out)
     except (TypeError, ValueError, IndexError):
-        raise ValueError(f"layout[{i}]: expected a mapping of array names to [dtype, shape] "
-                         "(or [dtype, kv_heads, head_dim] for keys and values)") from None
+        raise ValueError(f"layout[{i}]: expected a mapping of array names to [dtype, shape]") from None
 
 
 def _has_state(layout: BlockLayout) -> bool:
@@ -89,11 +84,11 @@ class RedisBlockStore:
 
     ``fingerprint`` comes from :func:`cache_store.keys.model_fingerprint` with the
     same ``block_size``. Give ``client`` a ``socket_timeout`` so a hung Redis cannot
-    hang a job. ``layout`` (per layer ``{name: [dtype, shape]}`` of the arrays a block holds,
-    or ``[dtype, kv_heads, head_dim]`` for plain ``keys``/``values``:
-    ``specprefill.kv_arrays.block_layout`` of the model) makes ``fetch`` reject, as corrupt,
-    well-formed blocks that do not hold this model's layers; without it every block must
-    match the chain's first one. Either way each block's layout is compared once.
+    hang a job. ``layout`` (per layer ``{name: [dtype, shape]}`` of the arrays a block holds:
+    ``specprefill.draft_cache.block_layout_of`` the model, as the worker wires it) makes
+    ``fetch`` reject, as corrupt, well-formed blocks that do not hold this model's layers;
+    without it every block must match the chain's first one. Either way each block's layout
+    is compared once.
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
@@ -292,30 +287,6 @@ class RedisBlockStore:
 
     # -- store ---------------------------------------------------------------
 
-    def store(self, tokens: Sequence[int], layers: Sequence[Layer]) -> int:
-        """Write the full blocks of ``layers`` (token arrays only, describing ``tokens``) not stored yet.
-
-        ``layers``: per layer its named token arrays as ``(dtype name, bits)`` pairs, tokens
-        on axis 2 (the shortest array bounds what is stored). A layer with state arrays
-        (recurrent state exists per block end only) goes through :meth:`store_blocks`.
-        Returns blocks written.
-        """
-        per_layer = [dict(layer_arrays(layer)) for layer in layers]
-        if not per_layer:
-            return 0
-        states = [name for layer in per_layer for name in layer if not is_token_array(name)]
-        if states:
-            raise ValueError(f"layers: {states[0]!r} is a state array; store per block with store_blocks")
-        lengths = [a.bits.shape[2] for layer in per_layer for a in layer.values()]
-        if not lengths:
-            return 0
-        bs = self.block_size
-        n_blocks = min(len(np.asarray(tokens)), min(lengths)) // bs
-        blocks = [((i + 1) * bs, [{name: RawArray(a.dtype, a.bits[:, :, i * bs:(i + 1) * bs])
-                                   for name, a in layer.items()} for layer in per_layer])
-                  for i in range(n_blocks)]
-        return self.store_blocks(tokens, blocks)
-
     def store_blocks(self, tokens: Sequence[int], blocks: Sequence[tuple[int, Sequence[Layer]]]) -> int:
         """Write the given blocks of ``tokens`` that are not stored yet; returns blocks written.
 
@@ -410,22 +381,3 @@ class RedisBlockStore:
             log.warning("block store: could not read statistics: %s", exc)
         return {**counters, **self.local_counters}
 
-
-def recorded_layout(value: Any) -> BlockLayout | None:
-    """The layout a store recorded (see :func:`cache_store.keys.layout_key`), or None if unreadable."""
-    try:
-        return tuple(tuple((str(name), str(dtype), tuple(int(d) for d in shape)) for name, dtype, shape in layer)
-                     for layer in json.loads(value))
-    except (TypeError, ValueError):
-        return None
-
-
-def counters_by_model(client: redis.Redis, namespace: str) -> dict[str, dict[str, int]]:
-    """Every model's shared counters under ``namespace`` (fingerprint -> counters), pipelined."""
-    keys = list(client.scan_iter(match=key_patterns(namespace)["stats"], count=500))
-    with client.pipeline(transaction=False) as pipe:
-        for key in keys:
-            pipe.hgetall(key)
-        hashes = pipe.execute()
-    return {as_text(key).rsplit(":", 1)[1]: {as_text(f): as_int(v) for f, v in counters.items()}
-            for key, counters in zip(keys, hashes)}

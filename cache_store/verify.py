@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import redis
 
 from .codec import CorruptBlockError, decode_block, read_header
+from .inventory import recorded_layout
 from .keys import key_patterns, layout_key, stats_key
 from .memo import decode_entry
 from .replies import as_text
@@ -96,8 +97,6 @@ def block_problem(key: str, value: Any, layouts: dict[str, Any]) -> tuple[str | 
 
 def _model_layouts(client: redis.Redis, namespace: str) -> dict[str, Any]:
     """Per fingerprint, the layout its stores recorded (``RedisBlockStore(layout=...)``)."""
-    from .store import recorded_layout
-
     out = {}
     for key in client.scan_iter(match=layout_key(namespace, "*"), count=500):
         fp = as_text(key).rsplit(":", 1)[1]

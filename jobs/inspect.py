@@ -20,7 +20,6 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
 from cache_store.replies import as_text
-from jobs.model_names import public_name
 from jobs.settings import Settings
 from jobs.spec import JobSpec, spec_from_payload
 
@@ -203,14 +202,6 @@ def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) ->
             for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):
                 out.append((score, as_text(jid)))
     return [jid for _, jid in sorted(out, reverse=True)[:limit]]
-
-
-def block_store_counters(cache_client: redis.Redis, namespace: str) -> dict[tuple[str, str], dict[str, int]]:
-    """The block store's shared counters (lookups, hits, misses, bytes, corrupt blocks, memo
-    counters) per (model name, role); a name that is a worker's folder shows its last part."""
-    from cache_store.inventory import counters_by_name
-
-    return counters_by_name(cache_client, namespace, show=public_name)
 
 
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:

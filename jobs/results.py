@@ -38,6 +38,9 @@ class JobResult:
     keep_effect: str | None = None
     kept_ranges: list[tuple[int, int]] = field(default_factory=list)
     protected_prefix: int = 0
+    # First token of the mandatory tail the selection kept (None: nothing was dropped, or a
+    # result from before this field).
+    tail_start: int | None = None
     cached_tokens: int = 0          # draft prompt tokens restored from the block store
     blocks_written: int = 0
     memo_hit: bool = False

@@ -3,22 +3,22 @@
 Scoring depends only on :class:`DraftCache` (mlx-lm caches in and out), so it runs and is
 tested without Redis. Storage knows no mlx: a :class:`RawBlockStore` keeps, per layer,
 named arrays of raw bits (``cache_store.RedisBlockStore`` is one, structurally). A
-:class:`BlockDraftCache` joins the two; the worker wires them together.
+:class:`BlockDraftCache` joins the two for any cache type mlx-lm gives a layer; the worker
+wires them together (``worker.runtime.wire_block_store``), and tests and benchmarks use that
+same wiring.
 
-The interface between scoring and the store (stable; the kernel-capture scorer and the
-worker both use it):
+The interface between scoring and the store (:func:`specprefill.reuse.score_with_cache` runs it):
 
+* ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
+  objects (K/V of all its blocks, recurrent state of its last), ready for ``kv_cache=``.
 * ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
-  ``specprefill.attention.lookahead.score_prompt(..., block_size=draft_cache.block_size,
-  on_step=recorder)``; the scorer then ends prefill steps at block boundaries and the hook
-  keeps what exists only then (recurrent state after each block's last token, sliding-window
-  K/V) — no second pass over the prompt — and writes each block as soon as it ends (memory:
-  one block). ``None`` when nothing needs recording (plain or quantized K/V only) or the cache
-  cannot be stored. ``recorder()`` without tokens keeps the blocks until ``store``.
-* ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks;
-  ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
-  objects (K/V of all its blocks, recurrent state of its last), ready for ``cache=``.
-  :func:`specprefill.reuse.score_prompt_with_cache` does the three steps.
+  ``score_tokens(..., block_size=draft_cache.block_size, on_step=recorder)``; the scorer then
+  ends prefill steps at block boundaries and the hook keeps what exists only then (recurrent
+  state after each block's last token, sliding-window K/V) — no second pass over the prompt —
+  and writes each block as soon as it ends (memory: one block). ``None`` when nothing needs
+  recording (plain or quantized K/V only) or the cache cannot be stored. ``recorder()``
+  without tokens keeps the blocks until ``store``.
+* ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks.
 * A :class:`RawBlockStore` block is, per layer, ``{name: (dtype, bits)}``: token arrays
   (``keys``, ``values``, ``keys.packed``, ``1.values``... tokens on axis 2) and state arrays
   (``state.<i>``, ``<member>.state.<i>``), named as :func:`specprefill.attention.caches.layer_arrays`
@@ -27,21 +27,27 @@ worker both use it):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from specprefill.kv_arrays import (LayerArrays, MlxDestinations, kv_arrays, kv_cache_from_arrays, raw_bits_many,
-                                   unstorable_reason)
+from specprefill.kv_arrays import LayerArrays, MlxDestinations, raw_bits_many
 
 log = logging.getLogger(__name__)
 
 Blocks = Sequence[tuple[int, Sequence[LayerArrays]]]  # (block end, per-layer named raw arrays)
+# on_fetch(tokens restored, prompt tokens, seconds); on_store(blocks written, seconds, why
+# nothing could be stored or None): how a caller counts and reports what the store did.
+OnFetch = Callable[[int, int, float], None]
+OnStore = Callable[[int, float, "str | None"], None]
 
 
 class DraftCache(Protocol):
     """Stores and restores the draft model's cache for token prefixes."""
+
+    block_size: int
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
         """Restore the longest stored prefix of ``tokens``.
@@ -50,6 +56,11 @@ class DraftCache(Protocol):
         exactly the first ``n_tokens`` tokens, with ``n_tokens < len(tokens)``;
         or ``(None, 0)`` on a miss. Never raises for storage faults.
         """
+        ...
+
+    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
+        """The ``on_step`` hook scoring must run with (block boundaries every ``block_size``
+        tokens) for :meth:`store` to store this cache, or None when none is needed."""
         ...
 
     def store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any = None) -> int:
@@ -75,14 +86,9 @@ class RawBlockStore(Protocol):
         written into (writable, the bits' numpy dtype), e.g. :class:`MlxDestinations`."""
         ...
 
-    def store(self, tokens: Sequence[int], layers: Sequence[LayerArrays]) -> int:
-        """Store the full blocks of ``layers`` (token arrays only, describing ``tokens``)
-        not stored yet; blocks written."""
-        ...
-
     def store_blocks(self, tokens: Sequence[int], blocks: Blocks) -> int:
         """Store the given blocks ``(end, per-layer arrays of tokens [end - block_size, end))``
-        of ``tokens`` not stored yet; blocks written."""
+        of ``tokens`` not stored yet; blocks written. Never raises for storage faults."""
         ...
 
     def stats(self) -> dict[str, int]:
@@ -102,33 +108,33 @@ def _raw_blocks(blocks: list[tuple[int, list[dict[str, mx.array]]]]) -> list[tup
 
 
 class BlockDraftCache:
-    """A :class:`DraftCache` over a :class:`RawBlockStore` for every cache type mlx-lm gives a layer.
+    """The :class:`DraftCache` over a :class:`RawBlockStore`, for every cache type mlx-lm gives a layer.
 
     ``make_cache`` (the model's fresh cache: ``specprefill.attention.probe.make_cache`` with
-    the draft's KV settings) tells which cache object each layer gets back; with it, blocks of
+    the draft's KV settings) tells which cache object each layer gets back: blocks of
     ``KVCache``, ``QuantizedKVCache`` (packed/scales/biases as they are), ``RotatingKVCache``,
-    ``ArraysCache`` (recurrent state) and ``CacheList`` layers are stored and restored. Without
-    it only all-``KVCache`` caches are (the ``specprefill.scoring`` path). A cache that cannot be
-    stored makes ``store`` write nothing (counted in ``unsupported_stores``, the reason logged
-    once and kept in ``unsupported_reason``), so ``fetch`` misses. A fetched prefix that cannot
-    be rebuilt here (memory, say) is a miss; the stored blocks stay for other workers.
+    ``ArraysCache`` (recurrent state) and ``CacheList`` layers are stored and restored. A store
+    that cannot write (a cache with no exact block form, e.g. a window with pinned tokens, whose
+    fetches all miss; or recurrent state scored without the recorder) writes nothing, counted
+    in ``unsupported_stores``, the reason logged once and kept in ``unsupported_reason``. A fetched
+    prefix that cannot be rebuilt here (memory, say) is a miss; the stored blocks stay for
+    other workers. ``on_fetch`` / ``on_store`` (see :data:`OnFetch`, :data:`OnStore`) hear of
+    every fetch and store with the time it took: the worker's progress events and timings.
     """
 
-    def __init__(self, raw_store: RawBlockStore, make_cache: Callable[[], list] | None = None) -> None:
+    def __init__(self, raw_store: RawBlockStore, make_cache: Callable[[], list], *,
+                 on_fetch: OnFetch | None = None, on_store: OnStore | None = None) -> None:
         from specprefill.attention.caches import layer_metas, needs_recorder, storable_reason
 
         self.raw_store = raw_store
         self.block_size = raw_store.block_size
+        self.on_fetch, self.on_store = on_fetch, on_store
         self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0, "stream_errors": 0}
-        self.unsupported_reason: str | None = None
-        self._metas = None
-        self._needs_recorder = False
-        if make_cache is not None:
-            fresh = make_cache()
-            self.unsupported_reason = storable_reason(fresh)
-            if self.unsupported_reason is None:
-                self._metas = layer_metas(fresh)
-                self._needs_recorder = needs_recorder(self._metas)
+        fresh = make_cache()
+        self._unstorable = storable_reason(fresh)  # why this model's blocks can never be stored
+        self.unsupported_reason: str | None = self._unstorable  # why a store wrote nothing
+        self._metas = layer_metas(fresh) if self._unstorable is None else []
+        self._needs_recorder = needs_recorder(self._metas)
 
     def recorder(self, tokens: Sequence[int] | None = None) -> Any:
         """The ``on_step`` hook scoring must run with for :meth:`store` to store this model's
@@ -157,7 +163,14 @@ class BlockDraftCache:
             return 0
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        if self.unsupported_reason is not None:
+        started = time.perf_counter()
+        cache, n_tokens = self._fetch(tokens)
+        if self.on_fetch is not None:
+            self.on_fetch(n_tokens, len(tokens), time.perf_counter() - started)
+        return cache, n_tokens
+
+    def _fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        if self._unstorable is not None:
             return None, 0
         destinations = MlxDestinations()  # the store copies each block once, into mlx memory
         layers, n_tokens = self.raw_store.fetch(tokens, allocate=destinations)
@@ -173,8 +186,6 @@ class BlockDraftCache:
             return None, 0
 
     def _rebuild(self, layers: list[Mapping[str, Any]], n_tokens: int, destinations: MlxDestinations) -> list[Any]:
-        if self._metas is None:
-            return kv_cache_from_arrays(layers, destinations.to_mlx_many)
         from specprefill.attention.caches import restore
 
         names = [(i, name) for i, layer in enumerate(layers) for name in layer]
@@ -187,13 +198,18 @@ class BlockDraftCache:
         return cache
 
     def store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any = None) -> int:
-        if self._metas is None:
-            reason = self.unsupported_reason or unstorable_reason(kv_cache)
-            if reason:
-                return self._unsupported(reason)
-            return self.raw_store.store(tokens, kv_arrays(kv_cache))
+        started, refused = time.perf_counter(), self.local_counters["unsupported_stores"]
+        written = self._store(tokens, kv_cache, recorder)
+        if self.on_store is not None:
+            skipped = self.unsupported_reason if self.local_counters["unsupported_stores"] > refused else None
+            self.on_store(written, time.perf_counter() - started, skipped)
+        return written
+
+    def _store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any) -> int:
         from specprefill.attention.caches import sliced_blocks
 
+        if self._unstorable is not None:
+            return self._unsupported(self._unstorable)
         n_tokens = len(tokens)
         if self._needs_recorder:
             if recorder is None:
@@ -202,8 +218,9 @@ class BlockDraftCache:
             if recorder.sink is not None:  # written while the prefill ran
                 return recorder.written
             blocks = recorder.blocks(kv_cache, n_tokens)
-        else:
-            blocks = sliced_blocks(kv_cache, n_tokens, self.block_size)
+        else:  # K/V only: the blocks are slices of the cache, as far as it holds the tokens
+            held = min((int(c.offset) for c in kv_cache if hasattr(c, "offset")), default=n_tokens)
+            blocks = sliced_blocks(kv_cache, min(n_tokens, held), self.block_size)
         if not blocks:
             return 0
         return self.raw_store.store_blocks(tokens, _raw_blocks(blocks))
@@ -212,7 +229,7 @@ class BlockDraftCache:
         if not self.local_counters["unsupported_stores"]:
             log.warning("draft cache: not storing this model's cache: %s", reason)
         self.local_counters["unsupported_stores"] += 1
-        self.unsupported_reason = self.unsupported_reason or reason
+        self.unsupported_reason = reason
         return 0
 
     def stats(self) -> dict[str, int]:

@@ -1,24 +1,21 @@
-"""mlx-lm KV caches as plain arrays: mx ↔ raw bits, and ``KVCache`` layers ↔ named arrays.
+"""mlx arrays as raw bits and back, for the block store.
 
 Storage (``cache_store``) knows neither mlx nor mlx-lm: it keeps, per layer, named arrays
-of raw bits, each a ``(dtype name, numpy unsigned-int view of the bits)`` pair with the
-tokens on axis 2. This module is the one place that turns a model's cache into that form
-and back. Arrays travel as bits (``bfloat16`` as ``uint16``), so float32, float16 and
-bfloat16 round-trip bit-exactly.
+of raw bits, each a ``(dtype name, numpy unsigned-int view of the bits)`` pair. This module
+is the one place mlx arrays cross into that form and back; which arrays a layer's cache
+holds (every mlx-lm cache type) is :mod:`specprefill.attention.caches`'s, and
+:class:`specprefill.draft_cache.BlockDraftCache` joins the two. Arrays travel as bits
+(``bfloat16`` as ``uint16``), so float32, float16 and bfloat16 round-trip bit-exactly.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 
 RawBits = tuple[str, np.ndarray]  # (dtype name, numpy view of the bits; logical shape)
 LayerArrays = Mapping[str, RawBits]  # one layer's named arrays
-
-# The named arrays of one KVCache layer, in the order a block holds them.
-KV_ARRAYS = ("keys", "values")
 
 # dtype name -> (mlx dtype, numpy dtype of the same width that carries the bits)
 DTYPES: dict[str, tuple[mx.Dtype, np.dtype]] = {
@@ -101,46 +98,3 @@ class MlxDestinations:
         out = [a if a is not None else next(copied) for a in out]
         mx.eval(out)
         return out
-
-
-def unstorable_reason(kv_cache: Sequence[Any]) -> str | None:
-    """Why a model's cache cannot be stored as per-token blocks, or None if it can.
-
-    Only plain full-attention ``KVCache`` layers are storable: a sliding-window
-    ``RotatingKVCache`` no longer holds the early tokens of a long prompt, so a prefix
-    could not be rebuilt exactly, and recurrent/quantized caches have no per-token blocks.
-    """
-    if not kv_cache:
-        return "cache: no layers"
-    for i, c in enumerate(kv_cache):
-        if type(c) is not KVCache:
-            return f"cache layer {i}: {type(c).__name__} is not storable (only KVCache layers are)"
-    return None
-
-
-def kv_arrays(kv_cache: Sequence[KVCache]) -> list[dict[str, RawBits]]:
-    """Per layer, the keys and values the cache holds (exactly ``offset`` tokens) as raw bits."""
-    # A KVCache's buffers grow in steps; only the first ``offset`` tokens are the prompt's.
-    arrays = raw_bits_many([a[..., :c.offset, :] for c in kv_cache for a in (c.keys, c.values)])
-    return [dict(zip(KV_ARRAYS, arrays[i:i + 2])) for i in range(0, len(arrays), 2)]
-
-
-def kv_cache_from_arrays(layers: Sequence[LayerArrays], to_mlx=to_mlx_many) -> list[KVCache]:
-    """One ``KVCache`` per layer holding the given keys and values (``to_mlx``: copied into mlx)."""
-    arrays = to_mlx([layer[name] for layer in layers for name in KV_ARRAYS])
-    kv_cache = []
-    for keys, values in zip(arrays[0::2], arrays[1::2]):
-        layer = KVCache()
-        layer.state = (keys, values, keys.shape[2])
-        kv_cache.append(layer)
-    return kv_cache
-
-
-def block_layout(kv_layout: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """What a stored block holds per layer, from a model's :func:`~specprefill.profile.cache_layout`:
-    each of :data:`KV_ARRAYS` as ``[dtype, kv_heads, head_dim]``."""
-    try:
-        return [{name: list(entry[name]) for name in KV_ARRAYS} for entry in kv_layout]
-    except (KeyError, TypeError):
-        raise ValueError("kv_layout: every layer must describe its 'keys' and 'values' "
-                         "(from cache_layout)") from None

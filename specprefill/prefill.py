@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import numpy as np
 
+# The one progress callback of every scoring, prefill and decode call: progress(processed,
+# total, phase). It may raise to stop the call (the worker's stop checks do).
 Progress = Callable[[int, int, str], None]
 
 

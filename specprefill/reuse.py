@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 from specprefill.draft_cache import DraftCache
 from specprefill.options import PREFILL_STEP, ScoringOptions
 from specprefill.profile import ModelProfile, layout_mismatch
-from specprefill.scoring import Progress, ScoreResult, score_tokens
+from specprefill.prefill import Progress
+from specprefill.scoring import ScoreResult, score_tokens
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +51,15 @@ def score_with_cache(
     shapes, dtypes) is ignored and logged, and the prompt is scored cold.
     """
     tokens = list(tokens)
-    restored = _restore(profile, tokens, draft_cache) if draft_cache is not None else None
-    recorder = _recorder(draft_cache, tokens)
+    if draft_cache is None:
+        return score_tokens(profile, tokens, options, progress=progress, prefill_step=prefill_step)
+    restored = _restore(profile, tokens, draft_cache)
+    recorder = draft_cache.recorder(tokens)
     blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
     result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress,
                           prefill_step=prefill_step, **blocks)
-    if draft_cache is not None:
-        draft_cache.store(tokens, result.kv_cache, recorder) if recorder is not None else draft_cache.store(
-            tokens, result.kv_cache)
+    draft_cache.store(tokens, result.kv_cache, recorder)
     return result
-
-
-def _recorder(draft_cache: DraftCache | None, tokens: list[int]) -> Any:
-    """The draft cache's ``on_step`` hook for this prompt, if it needs one (recurrent state,
-    sliding windows). ``recorder(tokens)`` is optional in a :class:`DraftCache`: stores of
-    K/V-only caches need none."""
-    make = getattr(draft_cache, "recorder", None)
-    return make(tokens) if make is not None else None
 
 
 def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | None:
@@ -87,29 +80,3 @@ def _restore_prompt_cache(draft_cache: DraftCache, tokens: list[int]) -> list | 
                     "scoring cold", n_tokens, held, len(tokens))
         return None
     return restored
-
-
-def score_prompt_with_cache(model: Any, tokens: Sequence[int], profile: Any, draft_cache: DraftCache | None,
-                            **score_args: Any) -> ScoreResult:
-    """:func:`specprefill.attention.lookahead.score_prompt` that prefills only what ``draft_cache`` lacks.
-
-    Fetches the longest stored prefix (K/V of all its blocks, recurrent state of its last),
-    scores the rest on top of it with prefill steps ending at block boundaries and the draft
-    cache's recorder as ``on_step`` (so recurrent state is kept at each block end during the one
-    prefill), then stores the new full blocks. ``result.cached_tokens`` says how many tokens came
-    from the store; a warm run starts at a block boundary and every step ends at one, so cold and
-    warm runs take the same prefill steps after it (warm = cold). ``None``
-    scores cold and stores nothing. ``score_args``: the scorer's keyword arguments (not
-    ``cache``, ``block_size`` or ``on_step``).
-    """
-    from specprefill.attention.lookahead import score_prompt
-
-    tokens = [int(t) for t in tokens]
-    if draft_cache is None:
-        return score_prompt(model, tokens, profile, **score_args)
-    restored = _restore_prompt_cache(draft_cache, tokens)
-    recorder = draft_cache.recorder(tokens)
-    result = score_prompt(model, tokens, profile, cache=restored, block_size=draft_cache.block_size,
-                          on_step=recorder, **score_args)
-    draft_cache.store(tokens, result.kv_cache, recorder)
-    return result

@@ -18,10 +18,11 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from specprefill.attention.lookahead import Progress, ScoreResult, StepHook, score_prompt
+from specprefill.attention.lookahead import ScoreResult, StepHook, score_prompt
 from specprefill.checks import check_int
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP, ScoringOptions
+from specprefill.prefill import Progress
 from specprefill.profile import ModelProfile
 
 __all__ = ["ScoreResult", "ScoringOptions", "UnsupportedModelError", "score_tokens"]

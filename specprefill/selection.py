@@ -52,6 +52,15 @@ def tail_chunk_count(region_tokens: int, chunk_size: int, tail_tokens: int) -> i
     return math.ceil(region_tokens / chunk_size) - first_tail_token // chunk_size
 
 
+def tail_start(total: int, options: SelectionOptions, protected_prefix: int = 0) -> int:
+    """First token of the mandatory tail of a ``total``-token prompt: the start of the first of
+    the ranked region's last :func:`tail_chunk_count` chunks (``total`` when there is none)."""
+    start = min(protected_prefix, total)
+    chunk = options.chunk_size
+    n_chunks = math.ceil((total - start) / chunk)
+    return min(total, start + (n_chunks - tail_chunk_count(total - start, chunk, options.tail_tokens)) * chunk)
+
+
 def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: int = 0) -> np.ndarray:
     """Sorted unique int32 indices of the tokens to keep (``options.threshold`` is not used).
 

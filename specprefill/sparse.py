@@ -1,8 +1,8 @@
 """Sparse prefill of a target model at original positions, and decoding at the true positions.
 
-Usage (one request)::
+Usage (one request; the session is :func:`specprefill.attention.target.target_session`)::
 
-    with sparse_session(target) as session:
+    with target_session(target) as session:
         logits, kv_cache, state = session.prefill(tokens, keep_indices, progress=report)
         # or, for comparison, the plain path:  full_prefill(target, tokens, progress=report)
         for token in generate_tokens(target, logits, kv_cache, state, max_tokens=256,
@@ -41,26 +41,18 @@ one target step nobody reads.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from specprefill.attention.probe import make_cache
-from specprefill.attention.target import target_session
 from specprefill.options import PREFILL_STEP, Sampling
 from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.sampling import sample
 
-__all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens", "sparse_session"]
-
-
-
-def sparse_session(model: nn.Module, profile: Any = None):
-    """:func:`specprefill.attention.target.target_session`: position-mapped ropes, position
-    factors and windows for one request (``profile``: its ``TargetProfile``, else found now)."""
-    return target_session(model, profile)
+__all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens"]
 
 
 def full_prefill(
@@ -104,7 +96,7 @@ def generate_tokens(
     A token in ``stop_tokens`` (e.g. EOS) ends generation and is not yielded; stop strings are
     the caller's (stop iterating). Sampling is reproducible for a given ``sampling.seed`` and
     uses no global random state. After a sparse prefill this must run inside that prefill's
-    ``sparse_session`` block (positions continue at ``state.next_position``).
+    ``target_session`` block (positions continue at ``state.next_position``).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
@@ -112,7 +104,7 @@ def generate_tokens(
     key = mx.random.key(sampling.seed)
     for n in range(1, max_tokens + 1):
         if state.session is not None and not state.session.active:
-            raise RuntimeError("generate_tokens: a sparse prefill decodes only inside its sparse_session")
+            raise RuntimeError("generate_tokens: a sparse prefill decodes only inside its target_session")
         key, step_key = mx.random.split(key)
         token = int(sample(logits, step_key, sampling).item())
         if token in stops:

@@ -18,7 +18,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from jobs.inspect import block_store_counters, queue_stats, workers
+from cache_store.inventory import counters_by_name
+from jobs.inspect import queue_stats, workers
+from jobs.model_names import public_name
 from jobs.results import GenerateResult
 from jobs.settings import Settings
 
@@ -94,7 +96,8 @@ class DeploymentCollector(Collector):
         return [count, busy, done]
 
     def _block_store(self) -> list[Any]:
-        counters = block_store_counters(self.cache_client, self.settings.namespace)
+        # per (model name, role); a name that is a worker's folder shows its last part
+        counters = counters_by_name(self.cache_client, self.settings.namespace, show=public_name)
         families = []
         for field, (name, help_text) in BLOCK_STORE_SERIES.items():
             fam = CounterMetricFamily(f"specprefill_{name}", help_text, labels=["model", "role"])

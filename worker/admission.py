@@ -9,8 +9,8 @@ loading or running the draft: a plain target prefill (generate) or keep-all (pre
 from __future__ import annotations
 
 
-def admission_reason(total: int, *, threshold: int, restored: int = 0,
-                     protected_prefix: int = 0) -> str | None:
+def two_stage_admission(total: int, *, threshold: int, restored: int = 0,
+                        protected_prefix: int = 0) -> str | None:
     """Why a ``total``-token prompt is prefilled in full, or None to score it with the draft.
 
     ``restored``: leading tokens the target restored; ``protected_prefix``: the system block.

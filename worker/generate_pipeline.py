@@ -15,8 +15,8 @@ the target, decode, stream, store the target's prefix.
    are stored for the next job (after the answer, so they cost no TTFT).
 
 The reporter's stop check runs after every target prefill chunk and before every generated
-token; the sparse session restores the model on any exit. The target's prefill and decode go
-through ``worker.target_prefill``, the one seam to ``specprefill.sparse``.
+token; the sparse session restores the model on any exit. The target's prefix and sparse
+prefills are ``worker.target_prefill``'s; the plain prefill and the decode ``specprefill.sparse``'s.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from jobs.spec import JobSpec
 from specprefill.options import GenerateOptions
 from specprefill.selection import to_ranges
 from worker import target_prefill
-from worker.admission import admission_reason
+from worker.admission import two_stage_admission
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
@@ -125,9 +125,9 @@ def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt
     if opts.full_prefill:
         prompt.reason = "full_prefill requested"
         return
-    prompt.reason = admission_reason(len(prompt.tokens), threshold=spec.selection.threshold,
-                                     restored=prompt.restored,
-                                     protected_prefix=prompt.prompt.protected_prefix)
+    prompt.reason = two_stage_admission(len(prompt.tokens), threshold=spec.selection.threshold,
+                                        restored=prompt.restored,
+                                        protected_prefix=prompt.prompt.protected_prefix)
     if prompt.reason is not None:
         ctx.publisher.publish("admission", admitted=False, reason=prompt.reason)
         return
@@ -177,10 +177,11 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             stack.close()  # the genuine ropes back before the plain prefill
             prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
     cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    from specprefill.sparse import full_prefill
+
     bits, group = ctx.settings.kv_quantization("target")
-    logits, cache, state = target_prefill.plain_prefill(
-        target.model, tokens, kv_cache=cache, prefill_step=step, progress=reporter.begin(),
-        kv_bits=bits, kv_group_size=group)
+    logits, cache, state = full_prefill(target.model, tokens, kv_cache=cache, prefill_step=step,
+                                        progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
     return logits, cache, state, len(tokens), None
 
 
@@ -198,6 +199,8 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                         timings: dict[str, float], t0: float) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
+    from specprefill.sparse import generate_tokens
+
     target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
         logits, cache, state, contiguous, kept_ranges = _prefill(prompt, ctx, stack, reporter, timings)
@@ -206,9 +209,9 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         stream = TextStream(target.tokenizer, opts.stop)
         reporter.begin_decode(stream, opts.max_tokens)
         ttft, finish = None, "length"
-        for token in target_prefill.decode(target.model, logits, cache, state, max_tokens=opts.max_tokens,
-                                           sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
-                                           progress=reporter):
+        for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
+                                     sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
+                                     progress=reporter):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             reporter.token(token)
@@ -267,6 +270,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
         kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
+        tail_start=None if used is None else used.tail_start,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
         blocks_written=sel.blocks_written if sel is not None else 0,
         memo_hit=sel.memo_hit if sel is not None else False,

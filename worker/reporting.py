@@ -4,12 +4,14 @@ Pipelines hand :class:`JobReporter` to specprefill as the ``progress(processed, 
 phase)`` callback of every scoring, prefill and decode call: it runs the stop check first
 (the points where a job may stop) and turns the phases into events. Rate events are
 thinned by the publisher's one throttle; the generated text goes out as ``text`` deltas at
-the publisher's sends, so no character is dropped by throttling.
+the publisher's sends, so no character is dropped by throttling. It is also the ``on_fetch`` /
+``on_store`` of the job's draft block store (``specprefill.draft_cache.BlockDraftCache``): the
+``cache_lookup`` and ``cache_store`` events, their timings and the blocks written.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
 
 from worker.context import JobContext
 from worker.detokenize import TextStream
@@ -29,6 +31,8 @@ class JobReporter:
     def __init__(self, ctx: JobContext) -> None:
         self.ctx, self.pub = ctx, ctx.publisher
         self.restored_tokens = 0  # prompt tokens the draft's block store supplied
+        self.blocks_written = 0  # by the draft's block store
+        self.cache_timings: dict[str, float] = {}  # "cache_fetch", "cache_store": seconds
         self._t0 = time.perf_counter()
         self._phase: str | None = None
         self.stream: TextStream | None = None
@@ -60,6 +64,21 @@ class JobReporter:
     def publish(self, kind: str, **data: Any) -> None:
         self.pub.publish(kind, **data)
 
+    # ---- the draft's block store ----
+
+    def cache_fetched(self, restored: int, total: int, seconds: float) -> None:
+        """``on_fetch``: ``restored`` of the prompt's ``total`` tokens came from the block store."""
+        self.restored_tokens = restored
+        self.cache_timings["cache_fetch"] = seconds
+        self.pub.publish("cache_lookup", hit_tokens=restored, total=total)
+
+    def cache_stored(self, written: int, seconds: float, skipped: str | None) -> None:
+        """``on_store``: ``written`` new blocks; ``skipped`` says why the cache could not be
+        stored (e.g. a window with pinned tokens), so a watcher knows it is not a miss by chance."""
+        self.blocks_written = written
+        self.cache_timings["cache_store"] = seconds
+        self.pub.publish("cache_store", blocks=written, **({"skipped": skipped} if skipped else {}))
+
     # ---- decoding ----
 
     def begin_decode(self, stream: TextStream, max_tokens: int) -> None:
@@ -84,39 +103,3 @@ class JobReporter:
         self.pub.publish("decode", tokens=self.tokens, max_tokens=self.max_tokens,
                          tokens_per_s=round(_per_s(self.tokens, self.decode_started), 1))
 
-
-class ReportingDraftCache:
-    """Wraps a DraftCache: publishes cache_lookup / cache_store events and times them."""
-
-    def __init__(self, inner: Any, reporter: JobReporter) -> None:
-        self.inner, self.reporter = inner, reporter
-        self.blocks_written = 0
-        self.timings: dict[str, float] = {}
-
-    def fetch(self, tokens: Sequence[int]) -> tuple[list | None, int]:
-        t0 = time.perf_counter()
-        cache, n = self.inner.fetch(tokens)
-        self.timings["cache_fetch"] = time.perf_counter() - t0
-        self.reporter.restored_tokens = n
-        self.reporter.publish("cache_lookup", hit_tokens=n, total=len(tokens))
-        return cache, n
-
-    @property
-    def block_size(self) -> int:
-        return self.inner.block_size
-
-    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
-        """The inner cache's ``on_step`` hook for ``tokens`` (None if it needs none)."""
-        make = getattr(self.inner, "recorder", None)
-        return make(tokens) if make is not None else None
-
-    def store(self, tokens: Sequence[int], cache: list, recorder: Any = None) -> int:
-        t0 = time.perf_counter()
-        self.blocks_written = (self.inner.store(tokens, cache, recorder) if recorder is not None
-                               else self.inner.store(tokens, cache))
-        self.timings["cache_store"] = time.perf_counter() - t0
-        # A cache the store cannot hold says why (e.g. a window with pinned tokens), so the
-        # watcher knows it is not a miss by chance.
-        reason = getattr(self.inner, "unsupported_reason", None)
-        self.reporter.publish("cache_store", blocks=self.blocks_written, **({"skipped": reason} if reason else {}))
-        return self.blocks_written

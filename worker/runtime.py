@@ -27,7 +27,8 @@ class SelectionBackend:
     plan_selection: Callable[..., Any]
     to_ranges: Callable[[Any], list]
     admission_reason: Callable[..., str | None]
-    block_store: Callable[[redis.Redis, LoadedModel, Settings], Any]
+    # (client, draft, settings, on_fetch=, on_store=) -> the draft's DraftCache for one job
+    block_store: Callable[..., Any]
     memo: Callable[[redis.Redis, str, Settings], Any]
     # The target's prefix KV store (a DraftCache over the target's blocks); None: none.
     target_store: Callable[[redis.Redis, LoadedModel, Settings], Any] | None = None
@@ -49,14 +50,12 @@ class SelectionBackend:
         )
 
 
-def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: str = "draft") -> Any:
+def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: str = "draft",
+                 **callbacks: Any) -> Any:
     """A model's ``DraftCache``, the draft's KV (or, with ``role="target"``, the target's
-    prefix KV): the Redis block store (which rejects blocks of another layout than the
-    model's as corrupt) behind the cache <-> raw-arrays adapter, for every cache type the
-    model's fresh cache (with that role's KV quantization) holds."""
-    from cache_store import RedisBlockStore
+    prefix KV), wired by :func:`wire_block_store` for every cache type the model's fresh
+    cache (with that role's KV quantization) holds. ``callbacks``: ``on_fetch`` / ``on_store``."""
     from specprefill.attention.probe import make_cache
-    from specprefill.draft_cache import BlockDraftCache
 
     verified = loaded.profile if role == "draft" else loaded.target_profile
     model = verified.model if role == "draft" else loaded.model  # the profile's model: what was verified
@@ -67,10 +66,25 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
 
     fingerprint = (loaded.fingerprint if role == "draft"
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
-    raw_store = RedisBlockStore(client, fingerprint, namespace=s.namespace, block_size=s.block_size,
-                                ttl_s=s.block_ttl_s, layout=_block_layout(fingerprint, model, fresh),
-                                model={"model": loaded.identity, "name": loaded.name, "role": role})
-    return BlockDraftCache(raw_store, fresh)
+    return wire_block_store(client, model, fresh, fingerprint, namespace=s.namespace, block_size=s.block_size,
+                            ttl_s=s.block_ttl_s, label={"model": loaded.identity, "name": loaded.name, "role": role},
+                            **callbacks)
+
+
+def wire_block_store(client: redis.Redis, model: Any, fresh: Callable[[], list], fingerprint: str, *,
+                     namespace: str, block_size: int, ttl_s: int, label: dict[str, str] | None = None,
+                     on_fetch: Callable[..., None] | None = None,
+                     on_store: Callable[..., None] | None = None) -> Any:
+    """The one wiring of a block store (the worker's, and every test's and benchmark's): the Redis
+    block store under ``fingerprint``, which rejects blocks of another layout than ``model``'s
+    as corrupt, behind the cache <-> raw-arrays adapter for the caches ``fresh()`` makes.
+    ``label``: how results name the model (``cache stats`` shows it, metrics label by name and role)."""
+    from cache_store import RedisBlockStore
+    from specprefill.draft_cache import BlockDraftCache
+
+    raw_store = RedisBlockStore(client, fingerprint, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
+                                layout=_block_layout(fingerprint, model, fresh), model=label)
+    return BlockDraftCache(raw_store, fresh, on_fetch=on_fetch, on_store=on_store)
 
 
 def _target_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
@@ -78,17 +92,20 @@ def _target_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
     return _block_store(client, loaded, s, role="target")
 
 
-_LAYOUTS: dict[str, list] = {}  # fingerprint -> block layout: one forward pass per model, not per job
+_LAYOUTS: dict[str, list | None] = {}  # fingerprint -> block layout: one forward pass per model, not per job
 _TARGET_FINGERPRINTS: dict[tuple, str] = {}
 
 
-def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> list:
+def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> list | None:
+    """The model's block layout (one forward pass per model, not per job); None when its cache
+    has no exact block form (its draft cache then refuses every store and misses every fetch)."""
+    from specprefill.attention.caches import storable_reason
     from specprefill.draft_cache import block_layout_of
 
     if fingerprint not in _LAYOUTS:
         if len(_LAYOUTS) >= 64:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
-        _LAYOUTS[fingerprint] = block_layout_of(model, fresh)
+        _LAYOUTS[fingerprint] = None if storable_reason(fresh()) else block_layout_of(model, fresh)
     return _LAYOUTS[fingerprint]
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 from jobs.results import KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
-from worker.admission import admission_reason
+from worker.admission import two_stage_admission
 from worker.context import JobContext
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
 from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
-from worker.reporting import JobReporter, ReportingDraftCache
+from worker.reporting import JobReporter
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
     timings = {"tokenize": time.perf_counter() - t}
-    reason = admission_reason(len(prompt.tokens), threshold=spec.selection.threshold,
-                              protected_prefix=prompt.protected_prefix)
+    reason = two_stage_admission(len(prompt.tokens), threshold=spec.selection.threshold,
+                                 protected_prefix=prompt.protected_prefix)
     if reason is not None and not spec.return_importance:
         ctx.publisher.publish("admission", admitted=False, reason=reason)
         return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0).to_json()
@@ -158,7 +158,8 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     """Score with the block store, then select the kept chunks."""
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
-    store = ReportingDraftCache(backend.block_store(ctx.runtime.cache_client, draft, settings), reporter)
+    store = backend.block_store(ctx.runtime.cache_client, draft, settings,
+                                on_fetch=reporter.cache_fetched, on_store=reporter.cache_stored)
     ctx.start_draft()
     try:
         score = backend.score_with_cache(
@@ -167,7 +168,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
-    timings.update(store.timings)
+    timings.update(reporter.cache_timings)
     ctx.check_stop()
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
@@ -177,7 +178,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
     importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None
-    return _Selected(ranges, int(selection.kept), selection.reason, score, store.blocks_written,
+    return _Selected(ranges, int(selection.kept), selection.reason, score, reporter.blocks_written,
                      importance)
 
 
@@ -188,12 +189,14 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
     phase_tokens = {"prefill": total - cached, "lookahead": spec.scoring.n_lookahead, "importance": total}
     spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
              if spec.return_spans else None)
-    from specprefill.selection import keep_effect
+    from specprefill.selection import keep_effect, tail_start
 
     effect = keep_effect(total, selected.kept, spec.selection, protected_prefix)
+    tail = tail_start(total, spec.selection, protected_prefix) if selected.reason is None else None
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
-        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, cached_tokens=cached,
+        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, tail_start=tail,
+        cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
         model=draft.identity, draft_name=spec.draft_model, timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)

@@ -1,16 +1,17 @@
-"""The one seam between the generate pipeline and the target's prefill and decode.
-
-Everything the pipeline asks of ``specprefill.sparse`` goes through these functions, so a
-new sparse-prefill implementation changes this module only.
+"""The two target prefills the generate pipeline composes from ``specprefill``: the protected
+prefix in block steps (so a stored block is what any job computes), and the sparse prefill of
+the kept tokens with the tail a sliding-window target needs. The plain prefill and the decode
+are ``specprefill.sparse``'s own ``full_prefill`` and ``generate_tokens``.
 """
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-Progress = Callable[[int, int, str], None]
+if TYPE_CHECKING:  # the worker imports no mlx until a job needs it
+    from specprefill.prefill import Progress
 
 
 def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end: int, *,
@@ -39,32 +40,12 @@ def sparse_prefill(stack: ExitStack, model: Any, profile: Any, tokens: Sequence[
     long as ``stack``. Returns logits, cache, state and the indices prefilled: ``kept``, the
     last prompt token and, for a target with sliding-window layers, the last ``window``
     prompt tokens (as omlx keeps them), so windowed layers see what a full prefill would."""
-    from specprefill.attention.target import required_tail
-    from specprefill.sparse import sparse_session
+    from specprefill.attention.target import required_tail, target_session
 
-    session = stack.enter_context(sparse_session(model, profile))
+    session = stack.enter_context(target_session(model, profile))
     tail = max(required_tail(session.profile), 1)
     keep = np.union1d(np.asarray(kept, dtype=np.int64), np.arange(max(0, len(tokens) - tail), len(tokens)))
     logits, cache, state = session.prefill(tokens, keep, protected_prefix=protected_prefix,
                                            kv_cache=kv_cache, prefill_step=prefill_step, progress=progress)
     return logits, cache, state, keep
 
-
-
-def plain_prefill(model: Any, tokens: Sequence[int], *, kv_cache: list | None, prefill_step: int,
-                  progress: Progress, kv_bits: int | None = None,
-                  kv_group_size: int = 64) -> tuple[Any, list, Any]:
-    """Prefill every token not already in ``kv_cache`` (a fresh one quantized to ``kv_bits``)."""
-    from specprefill.sparse import full_prefill
-
-    return full_prefill(model, tokens, kv_cache=kv_cache, prefill_step=prefill_step, progress=progress,
-                        kv_bits=kv_bits, kv_group_size=kv_group_size)
-
-
-def decode(model: Any, logits: Any, kv_cache: list, state: Any, *, max_tokens: int, sampling: Any,
-           stop_tokens: Any, progress: Progress) -> Iterator[int]:
-    """The generated token ids after a prefill (inside its session, if sparse)."""
-    from specprefill.sparse import generate_tokens
-
-    return generate_tokens(model, logits, kv_cache, state, max_tokens=max_tokens, sampling=sampling,
-                           stop_tokens=stop_tokens, progress=progress)

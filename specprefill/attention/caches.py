@@ -125,34 +125,36 @@ def _members(arrays: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
     return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
-def layer_from_arrays(meta: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
-    """The cache object :func:`layer_arrays` described (its own array objects)."""
+def layer_from_arrays(meta: dict[str, Any], arrays: dict[str, mx.array], *, own: bool = False) -> Any:
+    """The cache object :func:`layer_arrays` described (its own array objects: copies, or with
+    ``own`` the arrays themselves, when they were made for this cache alone, as a fetch's are)."""
+    take = (lambda a: a) if own else _copy
     kind = meta["class"]
     if kind == "none":
         return None
     if kind == "CacheList":
-        return CacheList(*(layer_from_arrays(m, _members(arrays, f"{i}."))
+        return CacheList(*(layer_from_arrays(m, _members(arrays, f"{i}."), own=own)
                            for i, m in enumerate(meta["members"])))
     if kind == "ArraysCache":
         entry = ArraysCache(meta["size"])
-        entry.cache = [_copy(arrays.get(f"state.{i}")) for i in range(meta["size"])]
+        entry.cache = [take(arrays.get(f"state.{i}")) for i in range(meta["size"])]
         return entry
     if kind == "RotatingKVCache":
         entry = RotatingKVCache(max_size=meta["max_size"], keep=0)
         if arrays:
-            keys, values = _copy(arrays["keys"]), _copy(arrays["values"])
+            keys, values = take(arrays["keys"]), take(arrays["values"])
             entry.state = (keys, values, meta["offset"], 0, meta["max_size"], keys.shape[2])
         return entry
     if kind == "QuantizedKVCache":
         entry = QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
         if arrays:
-            entry.keys = tuple(_copy(arrays[f"keys.{p}"]) for p in QUANT_PARTS)
-            entry.values = tuple(_copy(arrays[f"values.{p}"]) for p in QUANT_PARTS)
+            entry.keys = tuple(take(arrays[f"keys.{p}"]) for p in QUANT_PARTS)
+            entry.values = tuple(take(arrays[f"values.{p}"]) for p in QUANT_PARTS)
             entry.offset = meta["offset"]
         return entry
     entry = KVCache()
     if arrays:
-        entry.keys, entry.values, entry.offset = _copy(arrays["keys"]), _copy(arrays["values"]), meta["offset"]
+        entry.keys, entry.values, entry.offset = take(arrays["keys"]), take(arrays["values"]), meta["offset"]
     return entry
 
 
@@ -188,14 +190,15 @@ def block_arrays(meta: dict[str, Any], arrays: dict[str, mx.array], start: int, 
     return out
 
 
-def assemble(meta: dict[str, Any], blocks: Sequence[dict[str, mx.array]], n_tokens: int) -> Any:
+def assemble(meta: dict[str, Any], blocks: Sequence[dict[str, mx.array]], n_tokens: int, *,
+             own: bool = False) -> Any:
     """One layer's cache holding the first ``n_tokens`` tokens, from its consecutive blocks.
 
     K/V are the blocks' concatenated (a window keeps its last ``max_size``); recurrent state is
-    the last block's.
+    the last block's. ``own``: see :func:`layer_from_arrays`.
     """
     if meta["class"] == "CacheList":
-        return CacheList(*(assemble(m, [_members(b, f"{i}.") for b in blocks], n_tokens)
+        return CacheList(*(assemble(m, [_members(b, f"{i}.") for b in blocks], n_tokens, own=own)
                            for i, m in enumerate(meta["members"])))
     arrays = {}
     for name in blocks[0]:
@@ -203,9 +206,12 @@ def assemble(meta: dict[str, Any], blocks: Sequence[dict[str, mx.array]], n_toke
             arrays[name] = blocks[-1][name]
             continue
         joined = mx.concatenate([b[name] for b in blocks], axis=2)
-        arrays[name] = joined[..., -meta["max_size"]:, :] if meta["class"] == "RotatingKVCache" else joined
+        if meta["class"] == "RotatingKVCache" and joined.shape[2] > meta["max_size"]:
+            # the window alone, in its own memory (a view would keep the whole prefix alive)
+            joined = mx.array(joined[..., -meta["max_size"]:, :])
+        arrays[name] = joined
     restored = {**meta, "offset": n_tokens} if "offset" in meta else meta
-    return layer_from_arrays(restored, arrays)
+    return layer_from_arrays(restored, arrays, own=own)
 
 
 def _window_arrays(meta: dict[str, Any], arrays: dict[str, mx.array], prefix: str = "") -> list[str]:
@@ -316,10 +322,11 @@ def sliced_blocks(cache: list, n_tokens: int, block_size: int) -> list[tuple[int
 
 def restore(metas: Sequence[dict[str, Any]], layers: Sequence[dict[str, mx.array]], n_tokens: int) -> list:
     """The cache of a prefix of ``n_tokens`` from its stored arrays: per layer the blocks' K/V joined
-    and the last block's state (as a block store's fetch returns them)."""
+    and the last block's state (as a block store's fetch returns them: new arrays, each for one
+    layer, which the cache takes as they are: no copy of a restored prefix)."""
     if len(metas) != len(layers):
         raise ValueError(f"restore: {len(layers)} stored layers, the model's cache has {len(metas)}")
-    return [assemble(meta, [arrays], n_tokens) for meta, arrays in zip(metas, layers)]
+    return [assemble(meta, [arrays], n_tokens, own=True) for meta, arrays in zip(metas, layers)]
 
 
 def array_layout(cache: list) -> list[dict[str, list]]:

@@ -30,9 +30,9 @@ from specprefill.attention.kernel import KernelCall, KernelCapture, kernel_captu
 from specprefill.attention.probe import AttentionProfile, holds_keys, make_cache, require_draft
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import Sampling
+from specprefill.prefill import Progress
 from specprefill.sampling import sample
 
-Progress = Callable[[int, int, str], None]
 StepHook = Callable[[int, int, list], None]
 
 

@@ -8,7 +8,6 @@ the companion selected exactly the job's own kept ranges (else it says so).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
@@ -19,7 +18,6 @@ from jobs.spec import JobSpec
 from specprefill_server.errors import APIError, not_found
 from specprefill_server.web.jobview import bands, document_text, segments
 from specprefill_server.state import ServerState
-from specprefill.selection import tail_chunk_count
 
 
 def models_list(svc: ServerState) -> dict[str, Any]:
@@ -57,14 +55,6 @@ def overview(svc: ServerState) -> dict[str, Any]:
             "queues": [q.to_json() for q in queue_stats(conn, s)],
             "batches": svc.batches.store.list_batches(10),
             "recent_jobs": [{"job_id": j, "status": statuses[j]} for j in recent]}
-
-
-def tail_start(total: int, spec: JobSpec, protected_prefix: int) -> int:
-    """First token of the mandatory tail (the selection's own rule: whole chunks)."""
-    start = min(protected_prefix, total)
-    chunk, tail = spec.selection.chunk_size, spec.selection.tail_tokens
-    n_chunks = math.ceil((total - start) / chunk)
-    return start + (n_chunks - tail_chunk_count(total - start, chunk, tail)) * chunk
 
 
 def companion_spec(spec: JobSpec) -> JobSpec:
@@ -127,7 +117,7 @@ def job_view(svc: ServerState, job_id: str) -> dict[str, Any]:
     view["result"] = _summary(result)
     view["explain"], source = explanation(svc, rec, result)
     total, prefix = result.total, result.protected_prefix
-    tail = tail_start(total, spec, prefix) if result.reason is None else None
+    tail = result.tail_start  # where the selection's mandatory tail starts, as the worker says
     spans = [dataclasses.asdict(s) for s in source.spans] if source is not None and source.spans else None
     segs, aligned = segments(total, result.kept_ranges, spans=spans, document=document_text(spec),
                              protected_prefix=prefix, tail_start=tail)
@@ -149,5 +139,4 @@ def importance_source(svc: ServerState, job_id: str) -> tuple[PrefillResult, int
     if source is None or source.importance is None:
         raise APIError(409, info.get("note") or f"the importance is being computed (job {info.get('job_id')})",
                        code="importance_not_ready")
-    tail = tail_start(result.total, rec.spec, result.protected_prefix) if result.reason is None else None
-    return source, tail
+    return source, result.tail_start

@@ -343,3 +343,37 @@ def test_version_2_is_refused_as_an_old_format():
     with pytest.raises(OldFormatError, match="earlier format"):
         decode_block(repack(good_value(), lambda h, p, c: ({**h, "version": 2}, p, c)),
                      fingerprint=FP, n_tokens=8, digest=D)
+
+
+# ---- the token-array rule: one rule on both sides of the store ----
+
+def test_both_sides_name_token_arrays_by_one_rule():
+    """cache_store cannot import specprefill nor the other way round, so each holds the rule
+    "a name with a dot-separated part keys or values is a token array (tokens on axis 2)";
+    here they agree on every array name any cache type gives (quantized K/V, CacheList members,
+    recurrent state) and on edge names, and the rule is what the arrays really are: a token
+    array grows along axis 2 with the prompt, a state array does not."""
+    import tests.support.families as F
+    from cache_store.codec import is_token_array as codec_rule
+    from specprefill.attention.caches import is_token_array as caches_rule
+    from specprefill.attention.caches import layer_arrays
+    from specprefill.attention.probe import make_cache
+
+    def named_shapes(model, kv_bits, n_tokens):
+        cache = make_cache(model, kv_bits, 32)
+        model(mx.array([list(range(1, n_tokens + 1))]), cache=cache)
+        mx.eval([c.state for c in cache if c is not None])
+        return {(i, name): a.shape for i, c in enumerate(cache) for name, a in layer_arrays(c)[1].items()}
+
+    seen = set()  # every cache type: K/V, window, recurrent, CacheList, shared-KV layers without a cache
+    for name in ("llama", "gemma3_text", "qwen3_5", "falcon_h1", "nemotron_h", "gemma4_text", "lfm2", "mamba2"):
+        for kv_bits in ((None, 4) if name in ("llama", "qwen3_5", "falcon_h1") else (None,)):
+            model = F.build(name, seed=1, **(F.for_kv_quantization(name) if kv_bits else {}))
+            short, longer = named_shapes(model, kv_bits, 5), named_shapes(model, kv_bits, 9)
+            for key, shape in short.items():
+                grows = shape[2:3] != longer[key][2:3] if len(shape) > 2 else False
+                assert codec_rule(key[1]) == caches_rule(key[1]) == grows, (name, kv_bits, key, shape)
+                seen.add(key[1])
+    assert {"keys", "values.packed", "keys.scales", "state.0", "1.keys", "0.state.1"} <= seen
+    for edge in ("keysx", "my_values", "state.keys", "0.values.biases", "key", "values_1", "k.v"):
+        assert codec_rule(edge) == caches_rule(edge), edge

@@ -9,31 +9,35 @@ import redis
 
 import tests.support.families as F
 from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
+from tests.support.kv_blocks import draft_store
 from cache_store import RedisBlockStore, model_fingerprint, verify_namespace
 from specprefill.attention.caches import BlockRecorder, layer_arrays
-from specprefill.attention.probe import make_cache, probe_attention
+from specprefill.attention.probe import make_cache
 from specprefill.attention.lookahead import score_prompt
-from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
-from specprefill.reuse import score_prompt_with_cache
+from specprefill.draft_cache import BlockDraftCache, block_description
+from specprefill.options import ScoringOptions
+from specprefill.profile import profile_model
+from specprefill.reuse import score_with_cache
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 BLOCK = 16
-SCORE = dict(prefill_step=48, seed=2)
+# Steps of four blocks: a cache with a recorder ends a step at every block boundary anyway; a
+# K/V-only one (stored without a recorder) then also takes the same steps warm (from token 64)
+# as cold, so its warm cache is the cold one bit for bit, not just to float rounding.
+SCORE = dict(prefill_step=4 * 16, seed=2)
+OPTIONS = ScoringOptions(**SCORE)
 HYBRIDS = F.names("hybrid")
 
 
-def draft_cache(client, model, *, kv_bits=None, namespace="specprefill", layout=True, identity="tiny"):
-    fresh = lambda: make_cache(model, kv_bits, 32)  # noqa: E731
-    fp = model_fingerprint(block_description(model, fresh), identity, block_size=BLOCK)
-    raw = RedisBlockStore(client, fp, namespace=namespace, block_size=BLOCK,
-                          layout=block_layout_of(model, fresh) if layout else None)
-    return BlockDraftCache(raw, fresh)
+def draft_cache(client, model, *, kv_bits=None, namespace="specprefill"):
+    """The worker's block store for ``model`` (KV quantized in groups of 32 when ``kv_bits``)."""
+    return draft_store(client, model, block_size=BLOCK, kv_bits=kv_bits, kv_group_size=32, namespace=namespace)
 
 
-def warm_equals_cold(model, profile, store, prompt=PROMPT):
-    cold = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
+def warm_equals_cold(profile, store, prompt=PROMPT):
+    cold = score_with_cache(profile, prompt, store, OPTIONS)
     assert cold.cached_tokens == 0
-    warm = score_prompt_with_cache(model, prompt, profile, store, **SCORE)
+    warm = score_with_cache(profile, prompt, store, OPTIONS)
     n = (len(prompt) - 1) // BLOCK * BLOCK
     assert warm.cached_tokens == n > 0
     assert_warm_is_cold(warm, cold)
@@ -46,7 +50,7 @@ def test_hybrid_warm_equals_cold_through_redis(redis_url, name):
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
     assert store.recorder() is not None  # recurrent state must be kept per block end
-    warm_equals_cold(model, probe_attention(model), store)
+    warm_equals_cold(profile_model(model), store)
     stats = store.stats()
     assert stats["blocks_written"] == len(PROMPT) // BLOCK and stats["hit_blocks"] == 4
     assert stats["corrupt_blocks"] == 0 and stats["unsupported_stores"] == 0
@@ -59,7 +63,7 @@ def test_quantized_kv_warm_equals_cold_and_blocks_are_about_a_quarter(redis_url,
     sizes = {}
     for bits in (None, 4):
         store = draft_cache(client, model, kv_bits=bits, namespace=f"q{bits}")
-        warm_equals_cold(model, probe_attention(model, kv_bits=bits, kv_group_size=32), store)
+        warm_equals_cold(profile_model(model, kv_bits=bits, kv_group_size=32), store)
         keys = store.raw_store.block_keys(PROMPT)
         sizes[bits] = sum(len(msgpack.unpackb(client.get(k))[1]) for k in keys)  # payload bytes
         if bits:
@@ -76,7 +80,7 @@ def test_sliding_window_layers_hit_the_store(redis_url):
     for name in ("gemma3_text", "gpt_oss"):
         model = F.build(name, seed=5)
         store = draft_cache(redis.Redis.from_url(redis_url), model, namespace=name)
-        warm_equals_cold(model, probe_attention(model), store, PROMPT + PROMPT[:30])
+        warm_equals_cold(profile_model(model), store, PROMPT + PROMPT[:30])
 
 
 def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
@@ -85,7 +89,7 @@ def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     layers, n = store.raw_store.fetch(PROMPT[:33])
     assert n == 32
     cache = make_cache(model)
@@ -103,24 +107,24 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
     model = F.build("falcon_h1", seed=2)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    profile = probe_attention(model)
-    cold = score_prompt_with_cache(model, PROMPT, profile, store, **SCORE)
+    profile = profile_model(model)
+    cold = score_with_cache(profile, PROMPT, store, OPTIONS)
     keys = store.raw_store.block_keys(PROMPT)
     client.set(keys[2], client.get(keys[1]))  # a valid block, of another key
-    warm = score_prompt_with_cache(model, PROMPT, profile, store, **SCORE)
+    warm = score_with_cache(profile, PROMPT, store, OPTIONS)
     assert warm.cached_tokens == 2 * BLOCK and store.stats()["corrupt_blocks"] == 1
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
     # Damage the recurrent state of one block and the layout of another: verify finds both.
     value = bytearray(client.get(keys[0]))
     value[-20] ^= 1  # the payload's last array is the last layer's state
     client.set(keys[0], bytes(value))
-    other = draft_cache(client, F.build("falcon_h1", seed=2, mamba_d_conv=3), layout=False)
-    other.raw_store.fingerprint = store.raw_store.fingerprint  # a writer bug: another layout, same name
-    other.raw_store._stats_key = store.raw_store._stats_key
-    recorder = other.recorder()
+    # A writer bug: another layout's blocks under this model's name (no layout of its own given).
     other_model = F.build("falcon_h1", seed=2, mamba_d_conv=3)
-    result = score_prompt(other_model, PROMPT, probe_attention(other_model), block_size=BLOCK, on_step=recorder,
-                          **SCORE)
+    raw = RedisBlockStore(client, store.raw_store.fingerprint, block_size=BLOCK)
+    other = BlockDraftCache(raw, lambda: make_cache(other_model, None, 32))
+    recorder = other.recorder()
+    result = score_prompt(other_model, PROMPT, profile_model(other_model).attention, block_size=BLOCK,
+                          on_step=recorder, **SCORE)
     client.delete(keys[3])
     assert other.store(PROMPT, result.kv_cache, recorder) == 1
     report = verify_namespace(client, "specprefill")
@@ -128,15 +132,27 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
 
 
 def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
+    """Scored without the recorder, a recurrent cache cannot be stored: nothing is written and
+    on_store hears why; the next job, scored with it, stores and restores as usual."""
     model = F.build("lfm2", seed=1)
-    store = draft_cache(redis.Redis.from_url(redis_url), model)
-    result = score_prompt(model, PROMPT, probe_attention(model), **SCORE)
+    fetched, stored = [], []
+    store = draft_store(redis.Redis.from_url(redis_url), model, block_size=BLOCK,
+                        on_fetch=lambda *a: fetched.append(a), on_store=lambda *a: stored.append(a))
+    result = score_prompt(model, PROMPT, profile_model(model).attention, **SCORE)
     assert store.store(PROMPT, result.kv_cache) == 0
     assert store.stats()["unsupported_stores"] == 1 and "recorder" in store.unsupported_reason
+    assert stored[-1][0] == 0 and "recorder" in stored[-1][2]
+    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 64
+    assert [f[:2] for f in fetched] == [(0, len(PROMPT)), (64, len(PROMPT))]  # (restored, prompt tokens)
+    assert [s[0] for s in stored[1:]] == [4, 0] and all(s[2] is None for s in stored[1:])
+    assert all(seconds >= 0 for *_, seconds in fetched) and all(s[1] >= 0 for s in stored)
 
 
-def test_recorder_interface_is_the_prototype_one():
-    """The on_step hook the store asks for is the scorer's BlockRecorder (fam's integration seam)."""
+def test_the_recorder_is_the_scorers_block_recorder_when_the_cache_needs_one():
+    """The on_step hook the store asks for is the scorer's BlockRecorder (recurrent state), and
+    none for a K/V-only cache."""
     model = F.build("nemotron_h", seed=1)
     store = BlockDraftCache(type("Raw", (), {"block_size": BLOCK})(), lambda: make_cache(model))
     assert isinstance(store.recorder(), BlockRecorder) and store.recorder().block_size == BLOCK
@@ -157,7 +173,7 @@ def test_the_worker_wiring_stores_hybrid_and_quantized_caches(redis_url, name, k
     fp = model_fingerprint(block_description(model, fresh), "wired", block_size=BLOCK)
     loaded = SimpleNamespace(fingerprint=fp, identity="tiny:" + name, name="draft", profile=SimpleNamespace(model=model, kv_bits=kv_bits, kv_group_size=32))
     store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK))
-    warm_equals_cold(model, probe_attention(model, kv_bits=kv_bits, kv_group_size=32), store)
+    warm_equals_cold(profile_model(model, kv_bits=kv_bits, kv_group_size=32), store)
 
 
 def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
@@ -177,10 +193,11 @@ def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
         return written
 
     recorder.sink = spy
-    result = score_prompt(model, PROMPT, probe_attention(model), block_size=BLOCK, on_step=recorder, **SCORE)
+    result = score_prompt(model, PROMPT, profile_model(model).attention, block_size=BLOCK, on_step=recorder,
+                          **SCORE)
     assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
     assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
-    warm = score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     assert warm.cached_tokens == 64
     np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)
 
@@ -196,7 +213,7 @@ def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
 
     model = F.build(name, seed=3)
     store = draft_cache(redis.Redis.from_url(redis_url), model)
-    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
     assert restored is not None and len(restored) == len(make_cache(model))
 
@@ -209,27 +226,37 @@ def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
         raise MemoryError("no room for the block here")
 
     monkeypatch.setattr(store.raw_store, "store_blocks", broken)
-    cold = score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
     monkeypatch.undo()
     assert store.fetch(PROMPT) == (None, 0)
 
 
 def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url):
+    """The worker's wiring of a cache with no block form (a window with pinned tokens): every
+    fetch misses, every store writes nothing, and the job's reporter, as on_fetch / on_store,
+    publishes why."""
+    from types import SimpleNamespace
+
     from mlx_lm.models.cache import RotatingKVCache
 
-    from worker.reporting import ReportingDraftCache
+    from worker.reporting import JobReporter
+    from worker.runtime import wire_block_store
 
     events = []
-    reporter = type("Reporter", (), {"publish": lambda self, kind, **f: events.append((kind, f))})()
+    ctx = SimpleNamespace(publisher=SimpleNamespace(publish=lambda kind, **f: events.append((kind, f))))
+    reporter = JobReporter(ctx)
     model = F.build("llama", seed=1)
-    raw = RedisBlockStore(redis.Redis.from_url(redis_url), "ab" * 32, block_size=BLOCK)
     pinned = lambda: [RotatingKVCache(max_size=32, keep=4) for _ in make_cache(model)]  # noqa: E731
-    store = ReportingDraftCache(BlockDraftCache(raw, pinned), reporter)
+    store = wire_block_store(redis.Redis.from_url(redis_url), model, pinned, "ab" * 32, namespace="pinned",
+                             block_size=BLOCK, ttl_s=100, on_fetch=reporter.cache_fetched,
+                             on_store=reporter.cache_stored)
     assert store.recorder(PROMPT) is None and store.fetch(PROMPT) == (None, 0)
     assert store.store(PROMPT, pinned()) == 0
-    assert events[-1] == ("cache_store", {"blocks": 0, "skipped": "cache layer 0: RotatingKVCache with keep=4 "
-                                                               "(tokens pinned at the start)"})
+    assert events == [("cache_lookup", {"hit_tokens": 0, "total": len(PROMPT)}),
+                      ("cache_store", {"blocks": 0, "skipped": "cache layer 0: RotatingKVCache with keep=4 "
+                                                               "(tokens pinned at the start)"})]
+    assert reporter.blocks_written == 0 and set(reporter.cache_timings) == {"cache_fetch", "cache_store"}
 
 
 def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
@@ -238,7 +265,7 @@ def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     raw = store.raw_store
     keys = raw.block_keys(PROMPT)
     assert len(keys) == 4 and raw._token_end is not None
@@ -259,7 +286,7 @@ def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_prompt_with_cache(model, PROMPT, probe_attention(model), store, **SCORE)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
     keys = store.raw_store.block_keys(PROMPT)
     value = bytearray(client.get(keys[3]))
     value[-20] ^= 0x01  # in the state section: only a whole read sees it

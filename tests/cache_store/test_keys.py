@@ -10,12 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm.models.cache import make_prompt_cache
 
 from cache_store.keys import (block_digests, block_key, canonical_json, check_namespace, memo_key,
                               model_fingerprint, prompt_digest, token_bytes)
 from tests.support.kv_blocks import fingerprint
-from specprefill.kv_arrays import unstorable_reason
 from tests.support.tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,12 +80,6 @@ def test_fingerprint_hashes_the_description_it_is_given():
     assert fp == model_fingerprint(dict(reversed(list(description.items()))), "repo@rev", block_size=16)
     assert fp != model_fingerprint({**description, "args": {"hidden_size": 65, "rope_theta": 1e4}},
                                    "repo@rev", block_size=16)
-
-
-def test_sliding_window_models_are_not_storable():
-    assert unstorable_reason(make_prompt_cache(make_model("llama"))) is None
-    assert "RotatingKVCache" in unstorable_reason(make_prompt_cache(make_model("gemma3_text")))
-    assert unstorable_reason([]) == "cache: no layers"
 
 
 @pytest.mark.parametrize("call, field", [

@@ -1,15 +1,20 @@
 """How a fetch builds a prefix: each block copied once into destinations sized by one probe, in
-numpy or straight into mlx memory; a block gone after the probe trims the prefix; a bad
-allocator or a failed copy is a miss, never an error; nothing returned pins a stored value."""
+numpy or straight into mlx memory that the restored cache then holds (no second copy); a block
+gone after the probe trims the prefix; a bad allocator or a failed copy is a miss, never an
+error; nothing returned pins a stored value."""
 import fakeredis
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import specprefill.draft_cache as draft_cache_mod
+import tests.support.families as F
 from cache_store import RedisBlockStore
 from cache_store.codec import DTYPES
-from tests.support.kv_blocks import fingerprint, prefilled, raw_bits, same_bits
-from specprefill.kv_arrays import MlxDestinations, kv_arrays
+from tests.support.kv_blocks import draft_store, prefilled, raw_bits, same_bits
+from specprefill.attention.scoring import score_prompt
+from specprefill.kv_arrays import MlxDestinations
+from specprefill.profile import profile_model
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -20,15 +25,16 @@ def stored():
     model = make_model("llama", seed=3)
     tokens = [int(t) for t in np.random.default_rng(4).integers(0, 256, 5 * BS + 1)]
     cache, _ = prefilled(model, tokens)
-    return fingerprint(model, "tiny", block_size=BS), tokens, cache
+    return model, tokens, cache
 
 
 @pytest.fixture
-def store(stored):
-    fp, tokens, cache = stored
-    s = RedisBlockStore(fakeredis.FakeRedis(), fp, block_size=BS)
-    assert s.store(tokens, kv_arrays(cache)) == 5
-    return s
+def store(stored) -> RedisBlockStore:
+    """The raw store under the worker's draft cache, holding the prompt's five blocks."""
+    model, tokens, cache = stored
+    draft_cache = draft_store(fakeredis.FakeRedis(), model, block_size=BS)
+    assert draft_cache.store(tokens, cache) == 5
+    return draft_cache.raw_store
 
 
 def assert_layers_are(layers, cache, n_tokens):
@@ -103,3 +109,36 @@ def test_a_fetch_into_mlx_equals_a_fetch_into_numpy(store, stored):
     arrays = destinations.to_mlx_many([layer[name] for layer in layers for name in ("keys", "values")])
     expected = [a[:, :, :n] for c in cache for a in (c.keys, c.values)]
     assert all(same_bits(a, e) for a, e in zip(arrays, expected))
+
+
+def test_the_restored_cache_holds_the_fetched_memory_without_a_copy(stored, monkeypatch):
+    """Each block is copied once, into the destinations, and the restored cache is those arrays:
+    no second copy of the prefix while rebuilding (a sliding window keeps its window only)."""
+    made = []
+
+    class Recording(MlxDestinations):
+        def __call__(self, dtype, shape):
+            view = super().__call__(dtype, shape)
+            made.append(view.__array_interface__["data"][0])
+            return view
+
+    def address(a):
+        return np.array(a.view(mx.uint32) if a.dtype == mx.float32 else a, copy=False).__array_interface__["data"][0]
+
+    monkeypatch.setattr(draft_cache_mod, "MlxDestinations", Recording)
+    model, tokens, cache = stored
+    store = draft_store(fakeredis.FakeRedis(), model, block_size=BS)
+    store.store(tokens, cache)
+    restored, n = store.fetch(tokens)
+    assert n == 5 * BS and {address(a) for c in restored for a in (c.keys, c.values)} <= set(made)
+
+    windowed = F.build("gemma3_text", seed=1)  # sliding-window layers of 16 tokens
+    store = draft_store(fakeredis.FakeRedis(), windowed, block_size=BS)
+    recorder = store.recorder()
+    result = score_prompt(windowed, tokens, profile_model(windowed).attention, block_size=BS, on_step=recorder)
+    made.clear()
+    assert store.store(tokens, result.kv_cache, recorder) == 5
+    restored, n = store.fetch(tokens)
+    windows = [c for c in restored if type(c).__name__ == "RotatingKVCache"]
+    assert n == 5 * BS and windows and all(c.keys.shape[2] == c.max_size < n for c in windows)
+    assert not {address(c.keys) for c in windows} & set(made)  # the window alone, in its own memory

@@ -10,8 +10,6 @@ from mlx_lm.models.cache import KVCache
 from cache_store import RedisBlockStore
 from cache_store.codec import encode_block
 from tests.support.kv_blocks import continue_prefill, draft_store, fingerprint, kv_layer, prefilled, same_bits
-from specprefill.kv_arrays import block_layout
-from specprefill.profile import profile_model
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -23,8 +21,7 @@ def prompt(n, seed=0):
 
 @pytest.fixture(scope="module")
 def llama():
-    model = make_model("llama", seed=0)
-    return model, fingerprint(model, "tiny-llama", block_size=BS)
+    return make_model("llama", seed=0)
 
 
 @pytest.fixture
@@ -37,8 +34,8 @@ def client(server):
     return fakeredis.FakeRedis(server=server)
 
 
-def make_store(client, fp, **kw):
-    return draft_store(client, fp, block_size=BS, **kw)
+def make_store(client, model, **kw):
+    return draft_store(client, model, block_size=BS, **kw)
 
 
 def keys_of(store, tokens):
@@ -56,11 +53,10 @@ def assert_prefix_equal(restored, original, n):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 def test_round_trip_per_dtype(client, dtype):
     model = make_model("llama", seed=1, dtype=dtype)
-    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(70)
     cache, _ = prefilled(model, tokens)
     assert cache[0].keys.dtype == dtype
-    store = make_store(client, fp)
+    store = make_store(client, model)
     assert store.store(tokens, cache) == 4
     restored, n = store.fetch(tokens)
     assert n == 64
@@ -68,10 +64,10 @@ def test_round_trip_per_dtype(client, dtype):
 
 
 def test_never_restores_the_last_token(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(64)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     assert store.store(tokens, cache) == 4
     restored, n = store.fetch(tokens)
     assert n == 48 and restored[0].offset == 48
@@ -81,10 +77,10 @@ def test_never_restores_the_last_token(client, llama):
 
 
 def test_restored_cache_continues_exactly_like_the_original(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(90, seed=3)
     original, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.store(tokens, original)
     restored, n = store.fetch(tokens)
     assert n == 80
@@ -97,8 +93,8 @@ def test_restored_cache_continues_exactly_like_the_original(client, llama):
 
 
 def test_store_writes_only_missing_blocks_and_partial_hits(client, llama):
-    model, fp = llama
-    store = make_store(client, fp)
+    model = llama
+    store = make_store(client, model)
     tokens = prompt(100, seed=4)
     short = tokens[:40]
     short_cache, _ = prefilled(model, short)
@@ -113,19 +109,19 @@ def test_store_writes_only_missing_blocks_and_partial_hits(client, llama):
 
 
 def test_cache_shorter_than_tokens_stores_only_what_it_holds(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(80, seed=6)
     cache, _ = prefilled(model, tokens[:40])
-    store = make_store(client, fp)
+    store = make_store(client, model)
     assert store.store(tokens, cache) == 2
     assert store.fetch(tokens)[1] == 32
 
 
 def test_hole_gives_shorter_hit_and_store_fills_it(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(100, seed=7)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     assert store.store(tokens, cache) == 6
     keys = keys_of(store, tokens)
     client.delete(keys[2])
@@ -156,16 +152,16 @@ def bad_values(good: bytes, foreign: bytes, other_block: bytes):
 @pytest.mark.parametrize("kind", ["truncated", "bit_flip", "not_msgpack", "wrong_version", "format_1",
                                   "wrong_fingerprint", "foreign_layout", "swapped_valid_block", "rebound_digest"])
 def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
-    model, fp = llama
+    model = llama
     tokens = prompt(100, seed=8)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.store(tokens, cache)
     keys = keys_of(store, tokens)
     # A block that decodes (right fingerprint) but whose layout disagrees with the chain's.
     other = make_model("llama", seed=0, num_key_value_heads=1)
     oc, _ = prefilled(other, tokens[:16])
-    foreign = bytes(encode_block(fp, BS, [kv_layer(c.keys[:, :, :16], c.values[:, :, :16]) for c in oc],
+    foreign = bytes(encode_block(store.raw_store.fingerprint, BS, [kv_layer(c.keys[:, :, :16], c.values[:, :, :16]) for c in oc],
                                  digest=bytes.fromhex(keys[3].rsplit(":", 1)[1])))
     client.set(keys[3], bad_values(client.get(keys[3]), foreign, client.get(keys[1]))[kind])
     restored, n = store.fetch(tokens)
@@ -180,9 +176,9 @@ def test_bad_block_is_a_miss_and_is_deleted_and_counted(client, llama, kind):
 
 
 def test_first_block_corrupt_is_a_full_miss(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=9)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.store(tokens, prefilled(model, tokens)[0])
     client.set(keys_of(store, tokens)[0], b"junk")
     assert store.fetch(tokens) == (None, 0)
@@ -190,31 +186,41 @@ def test_first_block_corrupt_is_a_full_miss(client, llama):
 
 
 def test_other_fingerprint_sees_nothing(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=10)
-    make_store(client, fp).store(tokens, prefilled(model, tokens)[0])
-    other_fp = fingerprint(model, "another-revision", block_size=BS)
-    assert make_store(client, other_fp).fetch(tokens) == (None, 0)
-    assert make_store(client, fp, namespace="elsewhere").fetch(tokens) == (None, 0)
+    make_store(client, model).store(tokens, prefilled(model, tokens)[0])
+    assert make_store(client, model, identity="another-revision").fetch(tokens) == (None, 0)
+    assert make_store(client, model, namespace="elsewhere").fetch(tokens) == (None, 0)
 
 
-def test_sliding_window_model_stores_nothing_and_misses(client):
-    model = make_model("gemma3_text")
-    fp = fingerprint(model, "tiny-gemma", block_size=BS)
+def test_a_cache_with_no_exact_block_form_stores_nothing_and_misses(client, llama):
+    """A window with pinned tokens (RotatingKVCache keep > 0) cannot be rebuilt from blocks:
+    nothing is written, every fetch misses, the reason is kept (sliding windows with keep = 0
+    are stored: tests/cache_store/test_hybrid_blocks.py)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from worker.runtime import wire_block_store
+
+    def pinned():
+        return [RotatingKVCache(max_size=32, keep=4) for _ in llama.layers]
+
     tokens = prompt(60, seed=11)
-    cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    cache = pinned()
+    continue_prefill(llama, cache, tokens)
+    store = wire_block_store(client, llama, pinned, fingerprint(llama, "pinned", block_size=BS), namespace="p",
+                             block_size=BS, ttl_s=100)
+    assert store.recorder(tokens) is None
     assert store.store(tokens, cache) == 0
     assert client.dbsize() == 0
     assert store.fetch(tokens) == (None, 0)
-    assert store.stats()["unsupported_stores"] == 1
+    assert store.stats()["unsupported_stores"] == 1 and "keep=4" in store.unsupported_reason
 
 
 def test_redis_down_is_a_miss_and_a_no_op(server, client, llama, caplog):
-    model, fp = llama
+    model = llama
     tokens = prompt(60, seed=12)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     server.connected = False
     assert store.store(tokens, cache) == 0
     assert store.fetch(tokens) == (None, 0)
@@ -228,9 +234,9 @@ def test_redis_down_is_a_miss_and_a_no_op(server, client, llama, caplog):
 
 
 def test_blocks_get_the_ttl_and_fetch_refreshes_it(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=13)
-    store = make_store(client, fp, ttl_s=1000)
+    store = make_store(client, model, ttl_s=1000)
     store.store(tokens, prefilled(model, tokens)[0])
     keys = keys_of(store, tokens)
     assert all(0 < client.ttl(k) <= 1000 for k in keys)
@@ -240,10 +246,10 @@ def test_blocks_get_the_ttl_and_fetch_refreshes_it(client, llama):
 
 
 def test_stats_count_everything(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(70, seed=14)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.fetch(tokens)                  # miss: 4 blocks missed
     store.store(tokens, cache)           # 4 written
     _, n = store.fetch(tokens)           # 4 hit
@@ -256,15 +262,14 @@ def test_stats_count_everything(client, llama):
     assert stats["blocks_written"] == 4 and stats["bytes_written"] == sum(sizes) == stats["bytes_read"]
     assert stats["stores"] == 1 and stats["corrupt_blocks"] == 0 and stats["fetch_errors"] == 0
     # Another process's store object shares the Redis counters.
-    assert make_store(client, fp).stats()["hit_blocks"] == 4
+    assert make_store(client, model).stats()["hit_blocks"] == 4
 
 
 def test_many_blocks_span_several_pipelines(client):
     model = make_model("llama", seed=2)
-    fp = fingerprint(model, "tiny", block_size=2)
     tokens = prompt(301, seed=15)
     cache, _ = prefilled(model, tokens)
-    store = draft_store(client, fp, block_size=2)
+    store = draft_store(client, model, block_size=2)
     assert store.store(tokens, cache) == 150
     restored, n = store.fetch(tokens)
     assert n == 300
@@ -285,18 +290,18 @@ def test_bad_arguments_name_the_field(client, kwargs, field):
 
 
 def test_store_accepts_mx_and_numpy_tokens(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=16)
     cache, _ = prefilled(model, tokens)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     assert store.store(mx.array(tokens), cache) == 2
     assert store.fetch(np.array(tokens))[1] == 32
 
 
 def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=17)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.store(tokens, prefilled(model, tokens)[0])
     keys = keys_of(store, tokens)
     header, payload, checksum = msgpack.unpackb(client.get(keys[1]))
@@ -318,9 +323,9 @@ def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatc
     import cache_store.store as store_mod
     import specprefill.kv_arrays as kv_mod
 
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=18)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     store.store(tokens, prefilled(model, tokens)[0])
 
     def broken(*args, **kwargs):
@@ -340,9 +345,9 @@ def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatc
 
 
 def test_failing_stats_writes_leave_fetch_and_store_working(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=19)
-    store = make_store(client, fp)
+    store = make_store(client, model)
     client.set(store.raw_store._stats_key, b"not a hash")  # every HINCRBY fails with WRONGTYPE
     assert store.store(tokens, prefilled(model, tokens)[0]) == 2
     assert store.fetch(tokens)[1] == 32
@@ -363,7 +368,7 @@ def _write_foreign_chain(client, store, tokens, cache):
 @pytest.mark.parametrize("foreign", ["one_layer", "other_kv_heads", "other_dtype"])
 def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, foreign):
     """Well-formed blocks under the right fingerprint, but not this model's layout."""
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=20)
     if foreign == "one_layer":
         cache = prefilled(model, tokens)[0][:1]
@@ -371,7 +376,7 @@ def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, fore
         cache = prefilled(make_model("llama", seed=0, num_key_value_heads=1), tokens)[0]
     else:
         cache = prefilled(make_model("llama", seed=0, dtype=mx.float16), tokens)[0]
-    store = make_store(client, fp, layout=block_layout(profile_model(model).kv_layout))
+    store = make_store(client, model)  # the worker's store: it knows the model's layout
     _write_foreign_chain(client, store, tokens, cache)
     assert store.fetch(tokens) == (None, 0)
     assert store.stats()["corrupt_blocks"] == 1
@@ -384,25 +389,25 @@ def test_block_with_another_layout_than_the_model_is_corrupt(client, llama, fore
     assert store.fetch(tokens)[1] == 32
 
 
-def test_layout_must_describe_kv_layers(client, llama):
+@pytest.mark.parametrize("layout", [
+    [{"cache": "KVCache"}],
+    [{"keys": ["float32"]}],
+    [],
+    # The first store's short form for a plain K/V layer is gone: every array is [dtype, shape].
+    [{"keys": ["float32", 2, 16], "values": ["float32", 2, 16]}],
+], ids=["no-arrays", "no-shape", "no-layers", "short-kv-form"])
+def test_layout_must_give_every_array_a_dtype_and_shape(client, layout):
     with pytest.raises(ValueError, match="layout"):
-        make_store(client, llama[1], layout=[{"cache": "KVCache"}])
-    with pytest.raises(ValueError, match="layout"):
-        make_store(client, llama[1], layout=[{"keys": ["float32"]}])
-    with pytest.raises(ValueError, match="layout"):
-        make_store(client, llama[1], layout=[])
-    with pytest.raises(ValueError, match="kv_layout"):
-        block_layout([{"cache": "ArraysCache", "state": []}])
+        RedisBlockStore(client, "ab" * 32, block_size=BS, layout=layout)
 
 
 def test_redis_error_mid_stream_keeps_the_validated_prefix(client, monkeypatch):
     import redis
 
     model = make_model("llama", seed=2)
-    fp = fingerprint(model, "tiny", block_size=2)
     tokens = prompt(301, seed=21)
     cache, _ = prefilled(model, tokens)
-    store = draft_store(client, fp, block_size=2)
+    store = draft_store(client, model, block_size=2)
     assert store.store(tokens, cache) == 150
     connection_class = client.connection_pool.connection_class
     real_read, reads = connection_class.read_response, []
@@ -425,10 +430,10 @@ def test_redis_error_mid_stream_keeps_the_validated_prefix(client, monkeypatch):
 
 
 def test_store_refreshes_the_ttl_of_blocks_already_stored(client, llama):
-    model, fp = llama
+    model = llama
     tokens = prompt(40, seed=22)
     cache = prefilled(model, tokens)[0]
-    store = make_store(client, fp, ttl_s=1000)
+    store = make_store(client, model, ttl_s=1000)
     store.store(tokens, cache)
     keys = keys_of(store, tokens)
     client.expire(keys[0], 10)

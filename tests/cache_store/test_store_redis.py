@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from specprefill_cli.embedded_redis import EmbeddedRedis
-from tests.support.kv_blocks import draft_store, fingerprint, prefilled, same_bits
+from tests.support.kv_blocks import draft_store, prefilled, same_bits
 from tests.support.tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,10 +30,9 @@ def connect(url):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
 def test_round_trip_per_dtype_on_real_redis(redis_url, dtype):
     model = make_model("llama", seed=1, dtype=dtype)
-    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(75)
     cache, _ = prefilled(model, tokens)
-    store = draft_store(connect(redis_url), fp, block_size=BS)
+    store = draft_store(connect(redis_url), model, block_size=BS)
     assert store.store(tokens, cache) == 4
     restored, n = store.fetch(tokens)
     assert n == 64
@@ -44,10 +43,9 @@ def test_round_trip_per_dtype_on_real_redis(redis_url, dtype):
 @pytest.mark.parametrize("bad", [b"", b"\x93\x01\x02", b"x" * 1000])
 def test_bad_values_on_real_redis_are_deleted_misses(redis_url, bad):
     model = make_model("llama", seed=1)
-    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(60, seed=2)
     client = connect(redis_url)
-    store = draft_store(client, fp, block_size=BS)
+    store = draft_store(client, model, block_size=BS)
     store.store(tokens, prefilled(model, tokens)[0])
     key = store.raw_store.block_keys(tokens)[1]
     client.set(key, bad)
@@ -62,14 +60,14 @@ sys.path.insert(0, {tests!r})
 from specprefill.blas import preload_openblas; preload_openblas()
 import redis
 from cache_store.codec import encode_block
-from tests.support.kv_blocks import draft_store, fingerprint, kv_layer, prefilled
+from tests.support.kv_blocks import draft_store, kv_layer, prefilled
 from tests.support.tiny_models import make_model
 model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
-fp = fingerprint(model, "tiny", block_size={bs})
 tokens = {tokens!r}
 cache, _ = prefilled(model, tokens)
 client = redis.Redis.from_url({url!r})
-store = draft_store(client, fp, block_size={bs})
+store = draft_store(client, model, block_size={bs})
+fp = store.raw_store.fingerprint
 digests = store.raw_store.block_keys(tokens)
 hashes = []
 for i in range(len(tokens) // {bs}):
@@ -107,7 +105,7 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
                 p.kill()
     assert sum(r["written"] for r in results) == 40  # each block written exactly once
     model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
-    store = draft_store(client, fingerprint(model, "tiny", block_size=BS), block_size=BS)
+    store = draft_store(client, model, block_size=BS)
     for i, key in enumerate(store.raw_store.block_keys(tokens)):
         stored = hashlib.sha256(client.get(key)).hexdigest()
         assert stored in (results[0]["hashes"][i], results[1]["hashes"][i])
@@ -116,14 +114,13 @@ def test_concurrent_stores_of_one_chain_leave_one_intact_copy(redis_url):
 
 
 def test_eviction_under_small_maxmemory_gives_shorter_hits_never_errors():
-    model = make_model("llama", seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
-    fp = fingerprint(model, "tiny", block_size=BS)  # blocks of 64 KiB
+    model = make_model("llama", seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=4)  # 64 KiB blocks
     prompts = [prompt(512, seed=10 + i) for i in range(4)]  # 2 MiB of blocks each
     caches = [prefilled(model, p)[0] for p in prompts]
     args = ["--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru", "--lazyfree-lazy-eviction", "yes"]
     with EmbeddedRedis(extra_args=args) as server:
         client = connect(server.url)
-        store = draft_store(client, fp, block_size=BS)
+        store = draft_store(client, model, block_size=BS)
         for p, c in zip(prompts, caches):
             store.store(p, c)
         assert int(client.info("stats")["evicted_keys"]) > 0
@@ -148,11 +145,10 @@ def test_eviction_under_small_maxmemory_gives_shorter_hits_never_errors():
 
 def test_noeviction_oom_writes_what_fits_and_never_raises():
     model = make_model("llama", seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
-    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(512, seed=20)
     cache, _ = prefilled(model, tokens)
     with EmbeddedRedis(extra_args=["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]) as server:
-        store = draft_store(connect(server.url), fp, block_size=BS)
+        store = draft_store(connect(server.url), model, block_size=BS)
         written = store.store(tokens, cache)
         restored, n = store.fetch(tokens)
         stats = store.stats()
@@ -163,12 +159,11 @@ def test_noeviction_oom_writes_what_fits_and_never_raises():
 
 def test_redis_down_is_a_miss_and_a_no_op():
     model = make_model("llama", seed=1)
-    fp = fingerprint(model, "tiny", block_size=BS)
     tokens = prompt(60, seed=4)
     cache, _ = prefilled(model, tokens)
     server = EmbeddedRedis().start()
     try:
-        store = draft_store(connect(server.url), fp, block_size=BS)
+        store = draft_store(connect(server.url), model, block_size=BS)
         assert store.store(tokens, cache) == 3
         server.kill()
         started = time.monotonic()

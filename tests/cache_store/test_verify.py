@@ -11,9 +11,7 @@ from cache_store import SelectionMemo, verify_namespace
 from cache_store import verify as verify_mod
 from cache_store.codec import encode_block
 from specprefill_cli.main import main
-from tests.support.kv_blocks import draft_store, fingerprint, kv_layer, prefilled
-from specprefill.kv_arrays import block_layout
-from specprefill.profile import profile_model
+from tests.support.kv_blocks import draft_store, kv_layer, prefilled
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -26,8 +24,7 @@ def prompt(n, seed):
 
 @pytest.fixture(scope="module")
 def llama():
-    model = make_model("llama", seed=4)
-    return model, fingerprint(model, "tiny-llama", block_size=BS)
+    return make_model("llama", seed=4)
 
 
 def digest_of(key):
@@ -59,10 +56,11 @@ def damage(client, keys, other_cache, fp):
 
 
 def test_cache_verify_finds_counts_and_removes_every_damaged_key(redis_url, llama, capsys):
-    model, fp = llama
+    model = llama
     client = redis.Redis.from_url(redis_url)
     tokens = prompt(12 * BS, seed=1)
-    store = draft_store(client, fp, block_size=BS, layout=block_layout(profile_model(model).kv_layout))
+    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
+    fp = store.raw_store.fingerprint
     cache, _ = prefilled(model, tokens)
     assert store.store(tokens, cache) == 12
     keys = store.raw_store.block_keys(tokens)
@@ -98,10 +96,10 @@ def test_cache_verify_finds_counts_and_removes_every_damaged_key(redis_url, llam
 
 
 def test_dry_run_counts_and_keeps(redis_url, llama, capsys):
-    model, fp = llama
+    model = llama
     client = redis.Redis.from_url(redis_url)
     tokens = prompt(3 * BS, seed=2)
-    store = draft_store(client, fp, block_size=BS)
+    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
     store.store(tokens, prefilled(model, tokens)[0])
     keys = store.raw_store.block_keys(tokens)
     client.set(keys[1], client.get(keys[0]))
@@ -113,10 +111,10 @@ def test_dry_run_counts_and_keeps(redis_url, llama, capsys):
 
 def test_a_block_rewritten_during_the_scan_is_kept(redis_url, llama, monkeypatch):
     """Live Redis: the value read was bad, but a worker rewrote the key before the delete."""
-    model, fp = llama
+    model = llama
     client = redis.Redis.from_url(redis_url)
     tokens = prompt(2 * BS, seed=3)
-    store = draft_store(client, fp, block_size=BS)
+    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
     store.store(tokens, prefilled(model, tokens)[0])
     keys = store.raw_store.block_keys(tokens)
     real_get_many = verify_mod._get_many

@@ -1,4 +1,12 @@
-"""Imports run one way: cli -> worker -> jobs -> cache_store.replies; nothing imports cli."""
+"""Imports run one way, read from the AST (every import statement, at any depth: a function-level
+import counts as much as one at the top of a module).
+
+specprefill_cli -> specprefill_server, worker, jobs, cache_store; worker -> jobs, specprefill,
+cache_store; jobs -> cache_store's reply and key rules, specprefill's option objects;
+specprefill (MLX) and cache_store (storage) know neither each other nor anything above them;
+specprefill_server speaks to the queue (jobs, cache_store), never to the model; nothing imports
+specprefill_cli.
+"""
 from __future__ import annotations
 
 import ast
@@ -11,37 +19,86 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("specprefill_cli", "specprefill_server", "jobs", "worker", "specprefill", "cache_store")
 
-
-def imported_packages(package: str) -> dict[str, set[str]]:
-    """Module path -> the project packages it imports (at any depth of the module)."""
-    out = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            found |= {n.split(".")[0] for n in names} & set(PACKAGES)
-        out[str(path.relative_to(ROOT))] = found - {package}
-    return out
-
-
-@pytest.mark.parametrize("package, forbidden", [
-    ("jobs", {"worker", "specprefill_cli"}),
-    ("worker", {"specprefill_cli"}),
-    ("specprefill", {"jobs", "worker", "specprefill_cli", "cache_store"}),
-    ("cache_store", {"jobs", "worker", "specprefill_cli"}),
-])
-def test_no_upward_import(package, forbidden):
-    bad = {path: sorted(pkgs & forbidden) for path, pkgs in imported_packages(package).items()
-           if pkgs & forbidden}
-    assert bad == {}
+# package -> what none of its modules may import (a top-level name: the package and all below it)
+FORBIDDEN = {
+    "jobs": {"worker", "specprefill_server", "mlx", "mlx_lm"},
+    "worker": {"specprefill_server"},
+    "specprefill": {"jobs", "worker", "specprefill_server", "cache_store", "redis", "rq"},
+    "cache_store": {"jobs", "worker", "specprefill_server", "specprefill", "mlx", "mlx_lm", "rq"},
+    "specprefill_server": {"worker", "specprefill", "mlx", "mlx_lm"},
+    "specprefill_cli": {"specprefill", "mlx", "mlx_lm"},  # the model runs in the worker
+}
+NOBODY_IMPORTS = "specprefill_cli"  # the top of the stack
+# package -> {another package: the only modules of it it may import}
+ONLY = {"jobs": {"cache_store": {"cache_store.replies", "cache_store.keys"},
+                 "specprefill": {"specprefill.options"}}}
 
 
-def test_jobs_uses_only_the_reply_decoding_and_key_rules_of_cache_store():
-    text = "\n".join((ROOT / p).read_text() for p, pkgs in imported_packages("jobs").items()
-                     if "cache_store" in pkgs)
-    imports = {line.split()[1] for line in text.splitlines() if line.startswith(("from cache_store", "import cache_store"))}
-    assert imports <= {"cache_store.replies", "cache_store.keys"}
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, root: Path) -> set[str]:
+    """Every module ``path`` imports, absolute (relative imports resolved), from every import
+    statement in it wherever it stands; ``from pkg import name`` counts as ``pkg.name``."""
+    module = module_name(path, root).split(".")
+    package = module if path.name == "__init__.py" else module[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            found |= {f"{base}.{alias.name}" if base else alias.name for alias in node.names}
+    return found
+
+
+def violations(root: Path, packages=PACKAGES) -> dict[str, list[str]]:
+    """Module path -> the imports it makes that the rules above forbid."""
+    bad: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            wrong = []
+            for target in sorted(imports_of(path, root)):
+                top = target.split(".")[0]
+                allowed = ONLY.get(package, {}).get(top)
+                if top in FORBIDDEN.get(package, ()) or (top == NOBODY_IMPORTS != package):
+                    wrong.append(target)
+                elif allowed is not None and not any(target == a or target.startswith(a + ".") for a in allowed):
+                    wrong.append(target)
+            if wrong:
+                bad[str(path.relative_to(root))] = wrong
+    return bad
+
+
+def test_no_package_imports_what_its_layer_may_not():
+    assert violations(ROOT) == {}
+
+
+def _plant(root: Path, package: str, module: str, source: str) -> None:
+    folder = root / package
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").touch()
+    (folder / module).write_text(source)
+
+
+@pytest.mark.parametrize("package, source, expected", [
+    ("jobs", "def f():\n    from worker import tasks\n    return tasks\n", ["worker.tasks"]),
+    ("jobs", "class C:\n    def m(self):\n        import cache_store.store\n", ["cache_store.store"]),
+    ("jobs", "def f():\n    from cache_store.replies import as_text\n", []),
+    ("specprefill_server", "def page():\n    if True:\n        from specprefill.selection import x\n",
+     ["specprefill.selection.x"]),
+    ("specprefill", "def f():\n    from .. import worker\n", ["worker"]),
+    ("cache_store", "try:\n    import mlx.core as mx\nexcept ImportError:\n    pass\n", ["mlx.core"]),
+    ("worker", "def f():\n    import specprefill_cli.main\n", ["specprefill_cli.main"]),
+], ids=["function-level", "method-level", "allowed", "nested-block", "relative", "try-block", "cli"])
+def test_a_planted_upward_import_at_any_depth_fails(tmp_path, package, source, expected):
+    _plant(tmp_path, package, "planted.py", source)
+    found = violations(tmp_path, packages=(package,))
+    assert found == ({f"{package}/planted.py": expected} if expected else {})
 
 
 def test_python_m_worker_has_its_own_small_parser():

@@ -1,12 +1,15 @@
-"""Hybrid-cache prototype (specprefill.attention.caches): rewind, named arrays, blocks."""
+"""Every cache type (specprefill.attention.caches): rewind, named arrays, blocks through the
+worker's block store, which caches have a block form."""
+import fakeredis
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 import tests.support.families as F
 import tests.support.family_coverage as C
-from tests.support.hybrid_blocks import MemoryBlockStore, assert_warm_is_cold, from_bytes, same_arrays, to_bytes
+from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
+from tests.support.kv_blocks import draft_store
 from specprefill.attention.caches import (
     BlockRecorder,
     assemble,
@@ -15,9 +18,12 @@ from specprefill.attention.caches import (
     layer_metas,
     rewind,
     rewind_point,
+    storable_reason,
 )
 from specprefill.attention.probe import make_cache, probe_attention
 from specprefill.attention.lookahead import score_prompt
+from specprefill.draft_cache import block_layout_of
+from specprefill.kv_arrays import raw_bits_many, to_mlx_many
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 WITH_ATTENTION = [n for n in F.FAMILIES if n not in C.DRAFT_REFUSED]
@@ -85,13 +91,18 @@ def test_rewind_point_restores_every_cache_type(name):
 
 @pytest.mark.parametrize("name", CACHE_KINDS)
 def test_named_arrays_round_trip_through_raw_bits(name):
-    for dtype in (mx.float32, mx.bfloat16):
+    """Every layer's named arrays through the store's raw bits (specprefill.kv_arrays) and back:
+    the same cache class, bit for bit (float16 and bfloat16 as unsigned bits)."""
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
         model = F.build(name, seed=1, dtype=dtype)
         cache = plain_cache(model, PROMPT[:40])
         rebuilt = []
         for entry in cache:
             meta, arrays = layer_arrays(entry)
-            carried = {k: from_bytes(*to_bytes(a)) for k, a in arrays.items()}
+            raws = raw_bits_many(list(arrays.values()))
+            assert all(bits.dtype.kind == "u" and bits.shape == a.shape for (_, bits), a in zip(raws, arrays.values()))
+            carried = dict(zip(arrays, to_mlx_many(raws)))
+            assert same_arrays(carried, arrays)
             rebuilt.append(layer_from_arrays(meta, carried))
             assert type(rebuilt[-1]) is type(entry)
         step = mx.array([[7]])
@@ -119,7 +130,7 @@ def test_layer_arrays_names():
 def test_warm_equals_cold_through_blocks(name, block, step):
     model = F.build(name, seed=5)
     profile = probe_attention(model)
-    store = MemoryBlockStore(block)
+    store = draft_store(fakeredis.FakeRedis(), model, block_size=block)
     recorder = store.recorder()
     cold = score_prompt(model, PROMPT, profile, block_size=block, on_step=recorder, prefill_step=step, seed=2)
     assert store.store(PROMPT, cold.kv_cache, recorder) == len(PROMPT) // block
@@ -130,21 +141,27 @@ def test_warm_equals_cold_through_blocks(name, block, step):
     assert_warm_is_cold(warm, cold)
 
 
-def test_quantized_blocks_hold_a_fifth_of_float32_and_restore_exactly():
-    sizes = {}
-    for bits in (None, 4):
-        model = F.build("llama", seed=1, head_dim=32)
-        profile = probe_attention(model, kv_bits=bits, kv_group_size=32)
-        store = MemoryBlockStore(16)
-        recorder = store.recorder()
-        result = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder)
-        store.store(PROMPT, result.kv_cache, recorder)
-        sizes[bits] = store.bytes_stored
-        restored, n = store.fetch(PROMPT)
-        warm = score_prompt(model, PROMPT, profile, cache=restored, block_size=16)
-        np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5)
-    # 4-bit values plus a float32 scale and bias per 32: (32*4/8 + 8) / (32*4) = 0.1875 of float32.
-    assert sizes[4] / sizes[None] == pytest.approx(24 / 128)
+def test_which_caches_have_a_block_form():
+    """Full attention, quantized K/V, sliding windows (keep = 0), recurrent state and CacheList
+    are stored; a window with pinned tokens, batched state and unknown classes are refused."""
+    for name in ("llama", "gemma3_text", "qwen3_5", "falcon_h1", "lfm2"):
+        assert storable_reason(make_prompt_cache(F.build(name, seed=1))) is None, name
+    llama = F.build("llama", seed=1)
+    assert storable_reason(make_cache(llama, 4, 32)) is None
+    assert "keep=4" in storable_reason([RotatingKVCache(max_size=32, keep=4)])
+    padded = ArraysCache(2, left_padding=[1])
+    assert "batched" in storable_reason([KVCache(), padded])
+    assert "layer 1: object has no storage layout" in storable_reason([KVCache(), object()])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
+def test_block_layout_is_every_array_with_its_dtype_and_shape(dtype):
+    model = F.build("llama", seed=1, dtype=dtype)
+    args = model.args
+    name = str(dtype).split(".")[-1]
+    shape = [1, args.num_key_value_heads, 1, args.hidden_size // args.num_attention_heads]
+    assert block_layout_of(model, lambda: make_cache(model)) == [
+        {"keys": [name, shape], "values": [name, shape]}] * len(model.layers)
 
 
 def test_recorder_keeps_recurrent_state_only_at_block_ends():

@@ -149,11 +149,13 @@ def test_model_is_left_unchanged_also_when_scoring_fails():
 
 
 def test_warm_equals_cold_on_a_restored_prefix_for_hybrids():
-    from tests.support.hybrid_blocks import MemoryBlockStore
+    import fakeredis
+
+    from tests.support.kv_blocks import draft_store
     for name in ("qwen3_5", "falcon_h1", "gpt_oss"):
         model = F.build(name, seed=4)
         profile = probe_attention(model)
-        store = MemoryBlockStore(16)
+        store = draft_store(fakeredis.FakeRedis(), model, block_size=16)
         recorder = store.recorder()
         cold = score_prompt(model, PROMPT, profile, block_size=16, on_step=recorder, seed=3, prefill_step=48)
         assert store.store(PROMPT, cold.kv_cache, recorder) == 4

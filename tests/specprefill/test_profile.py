@@ -1,5 +1,5 @@
-"""Each model verified and described once (specprefill.profile), its KV cache as plain arrays
-(specprefill.kv_arrays), and storage that knows no mlx (cache_store)."""
+"""Each model verified and described once (specprefill.profile), and storage that knows no mlx
+(cache_store)."""
 import json
 import subprocess
 import sys
@@ -7,12 +7,11 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from cache_store.keys import canonical_json
-from tests.support.kv_blocks import prefilled, same_bits
+from tests.support.kv_blocks import prefilled
 from specprefill.errors import UnsupportedModelError
-from specprefill.kv_arrays import block_layout, kv_arrays, kv_cache_from_arrays, unstorable_reason
 from specprefill.profile import describe_kv_cache, layout_mismatch, profile_model
 from tests.support.tiny_models import FAMILIES, make_model
 from worker.models import ModelPool
@@ -91,27 +90,6 @@ def test_a_model_without_attention_is_refused_as_a_draft():
         profile_model(F.build("mamba2"))
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["f32", "f16", "bf16"])
-def test_kv_arrays_round_trip_bit_exactly(dtype):
-    model = make_model("llama", dtype=dtype)
-    cache, _ = prefilled(model, list(range(30)))  # KVCache buffers of 256 hold 30 tokens
-    layers = kv_arrays(cache)
-    assert [sorted(layer) for layer in layers] == [["keys", "values"]] * 2
-    name, bits = layers[0]["keys"]
-    assert name == str(dtype).split(".")[-1] and bits.shape == (1, 2, 30, 16) and bits.dtype.kind == "u"
-    rebuilt = kv_cache_from_arrays(layers)
-    for ours, theirs in zip(rebuilt, cache):
-        assert type(ours) is KVCache and ours.offset == 30
-        assert same_bits(ours.keys, theirs.keys[..., :30, :]) and same_bits(ours.values, theirs.values[..., :30, :])
-    assert block_layout(profile_model(model).kv_layout) == [
-        {"keys": [name, 2, 16], "values": [name, 2, 16]}] * 2
-
-
-def test_only_plain_kv_caches_are_storable():
-    assert unstorable_reason(make_prompt_cache(make_model("llama"))) is None
-    assert "layer 0: RotatingKVCache" in unstorable_reason(make_prompt_cache(make_model("gemma3_text")))
-
-
 def test_a_loaded_model_is_profiled_once():
     profiled = []
 
@@ -136,10 +114,12 @@ import cache_store, cache_store.codec, cache_store.keys, cache_store.memo, cache
 import jobs.settings
 from cache_store import RawArray, RedisBlockStore
 fp = cache_store.model_fingerprint({"model_type": "x", "layers": []}, "id", block_size=4)
-layout = [{"keys": ["bfloat16", 2, 8], "values": ["bfloat16", 2, 8]}]
+layout = [{"keys": ["bfloat16", [1, 2, 4, 8]], "values": ["bfloat16", [1, 2, 4, 8]]}]
 store = RedisBlockStore(fakeredis.FakeRedis(), fp, block_size=4, layout=layout)
 bits = np.arange(2 * 10 * 8, dtype="<u2").reshape(1, 2, 10, 8)
-assert store.store(list(range(10)), [{"keys": ("bfloat16", bits), "values": ("bfloat16", bits + 1)}]) == 2
+blocks = [(end, [{"keys": ("bfloat16", bits[:, :, end - 4:end]), "values": ("bfloat16", bits[:, :, end - 4:end] + 1)}])
+          for end in (4, 8)]
+assert store.store_blocks(list(range(10)), blocks) == 2
 layers, n = store.fetch(list(range(10)))
 assert n == 8 and np.array_equal(layers[0]["values"].bits, bits[:, :, :8] + 1), n
 assert isinstance(layers[0]["keys"], RawArray) and layers[0]["keys"].dtype == "bfloat16"

@@ -1,19 +1,27 @@
+"""specprefill.reuse.score_with_cache: fetch, score the rest, store; against an in-memory
+DraftCache (what the protocol promises and what is refused) and through the worker's Redis
+block store (warm and cold runs select the same chunks)."""
+import fakeredis
 import mlx.core as mx
 import numpy as np
 import pytest
+import redis
 from mlx_lm.models.cache import KVCache
 
-from specprefill.options import ScoringOptions
+from specprefill.options import ScoringOptions, SelectionOptions
 from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
 from specprefill.scoring import score_tokens
+from specprefill.selection import plan_selection
+from tests.support.kv_blocks import draft_store
 from tests.support.tiny_models import make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 256, 70)]
 
 
 class DictDraftCache:
-    """In-memory DraftCache: per-layer keys/values of every full block prefix, keyed by its tokens."""
+    """In-memory DraftCache of K/V-only caches (no recorder needed): per-layer keys/values of every
+    full block prefix, keyed by its tokens."""
 
     def __init__(self, block_size=16):
         self.block_size = block_size
@@ -35,7 +43,11 @@ class DictDraftCache:
             n -= self.block_size
         return None, 0
 
-    def store(self, tokens, cache):
+    def recorder(self, tokens=None):
+        return None
+
+    def store(self, tokens, cache, recorder=None):
+        assert recorder is None
         written = 0
         for n in range(self.block_size, cache[0].offset + 1, self.block_size):
             key = tuple(tokens[:n])
@@ -176,3 +188,48 @@ def test_scoring_runs_only_its_own_forward_passes(model):
     with CountingCalls(model.model) as warm:
         result = score_with_cache(model, PROMPT, store, ScoringOptions(n_lookahead=3), prefill_step=16)
     assert result.cached_tokens == 64 and warm.calls == 1 + 1 + 3  # tokens 64..68, the last, lookahead
+
+
+# ---- through the worker's block store (Redis) ----
+
+SELECT = SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=16, threshold=0)
+
+
+def prompt(n, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, n)]
+
+
+@pytest.fixture(scope="module")
+def llama11():
+    return profile_model(make_model("llama", seed=11))
+
+
+def run(profile, tokens, store, **options):
+    result = score_with_cache(profile, tokens, store, ScoringOptions(seed=3, n_lookahead=4, **options))
+    return result, plan_selection(result.importance, SELECT)
+
+
+@pytest.mark.parametrize("block_size, prefill_step", [(32, 32), (32, 128)],
+                         ids=["blocks-on-chunk-bounds", "blocks-inside-chunks"])
+def test_warm_equals_cold_selection_through_the_block_store(llama11, block_size, prefill_step):
+    store = draft_store(fakeredis.FakeRedis(), llama11.model, block_size=block_size)
+    tokens = prompt(300, seed=1)
+    cold, cold_sel = run(llama11, tokens, store, prefill_step=prefill_step)
+    warm, warm_sel = run(llama11, tokens, store, prefill_step=prefill_step)
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 288
+    assert warm.lookahead_tokens == cold.lookahead_tokens
+    np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-4, atol=1e-7)
+    np.testing.assert_array_equal(warm_sel.indices, cold_sel.indices)
+    assert 0 < warm_sel.kept < len(tokens)
+
+
+def test_shared_prefix_on_real_redis_selects_like_a_cold_run(llama11, redis_url):
+    store = draft_store(redis.Redis.from_url(redis_url), llama11.model, block_size=32)
+    system = prompt(200, seed=2)
+    run(llama11, system + prompt(50, seed=3), store, prefill_step=32)
+    other = system + prompt(90, seed=4)
+    warm, warm_sel = run(llama11, other, store, prefill_step=32)
+    cold, cold_sel = run(llama11, other, None, prefill_step=32)
+    assert warm.cached_tokens == 192 and cold.cached_tokens == 0
+    np.testing.assert_array_equal(warm_sel.indices, cold_sel.indices)
+    assert store.stats()["hit_blocks"] == 6

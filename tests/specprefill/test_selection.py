@@ -13,6 +13,7 @@ from specprefill.selection import (
     admission_reason,
     plan_selection,
     select_chunks,
+    tail_start,
     to_ranges,
 )
 
@@ -45,9 +46,13 @@ def test_selection_invariants(total, keep, chunk_size, tail_tokens, prefix, seed
         assert kept.size == total
         return
     chosen = chunks_of(kept, start, chunk_size)
-    tail_start = max(start, total - tail_tokens)
-    assert np.isin(np.arange(tail_start, total), kept).all(), "every one of the last tail_tokens kept"
-    n_tail = len(chunks_of(range(tail_start, total), start, chunk_size))  # chunks the tail touches
+    last_tokens = max(start, total - tail_tokens)
+    assert np.isin(np.arange(last_tokens, total), kept).all(), "every one of the last tail_tokens kept"
+    tail_chunks = chunks_of(range(last_tokens, total), start, chunk_size)  # chunks the tail touches
+    n_tail = len(tail_chunks)
+    # The tail's first token (what a result reports): the start of the first chunk it touches.
+    assert tail_start(total, options, prefix) == (start + tail_chunks[0] * chunk_size if tail_chunks else total)
+    assert np.isin(np.arange(tail_start(total, options, prefix), total), kept).all()
     if keep >= 1.0:
         assert kept.size == total
     else:

@@ -12,7 +12,8 @@ from specprefill.positions import (
     rope_owners,
 )
 from specprefill.errors import UnsupportedModelError
-from specprefill.sparse import Sampling, full_prefill, generate_tokens, sparse_session
+from specprefill.attention.target import target_session
+from specprefill.sparse import Sampling, full_prefill, generate_tokens
 from specprefill.wrapping import unwrap_rope
 from tests.support.tiny_models import FAMILIES, make_model
 
@@ -127,7 +128,7 @@ def test_unsupported_rope_is_refused_and_model_untouched():
                        max_position_embeddings=256)
     before = [o.rope for o in rope_owners(model)]
     with pytest.raises(UnsupportedModelError, match="DynamicNTKScalingRoPE"):
-        with sparse_session(model):
+        with target_session(model):
             pass
     assert [o.rope for o in rope_owners(model)] == before
 
@@ -140,7 +141,7 @@ def test_keep_all_equals_plain_prefill(name):
     tokens = prompt(90)
     logits_full, cache_full, state_full = full_prefill(model, tokens, prefill_step=32)
     expected = greedy(model, logits_full, cache_full, state_full)
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(tokens, np.arange(90), protected_prefix=10,
                                                prefill_step=32)
         got = greedy(model, logits, cache, state)
@@ -194,10 +195,10 @@ def test_sparse_decode_attends_kept_tokens_at_original_positions(name):
     T, n_decode = 120, 5
     tokens = prompt(T, seed=2)
     keep = kept_indices(T)
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(tokens, keep, protected_prefix=8, prefill_step=16)
         generated = list(generate_tokens(model, logits, cache, state, max_tokens=n_decode))
-    with sparse_session(model) as session:  # again, keeping the logits of every decode step
+    with target_session(model) as session:  # again, keeping the logits of every decode step
         logits, cache, state = session.prefill(tokens, keep, protected_prefix=8, prefill_step=16)
         steps = [logits]
         for token in generated[:-1]:
@@ -221,7 +222,7 @@ class StopRequested(Exception):
 
 
 def run_request(model, tokens, keep, **progress_kw):
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(tokens, keep, prefill_step=16, **progress_kw)
         return np.array(logits), greedy(model, logits, cache, state, n=8)
 
@@ -248,7 +249,7 @@ def test_request_after_failed_or_stopped_request_equals_fresh_model(family):
             raise StopRequested
 
     with pytest.raises(StopRequested):
-        with sparse_session(model) as session:
+        with target_session(model) as session:
             logits, cache, state = session.prefill(tokens, keep, prefill_step=16)
             list(generate_tokens(model, logits, cache, state, max_tokens=8, progress=stop_in_decode))
     assert all(a is b for a, b in zip((o.rope for o in rope_owners(model)), genuine))
@@ -265,7 +266,7 @@ def test_leftover_wrapper_is_unwrapped_not_wrapped_again():
     genuine = [o.rope for o in rope_owners(model)]
     for owner in rope_owners(model):  # an aborted request that never restored (#766)
         owner.rope = PositionedRoPE(owner.rope, PositionMap())
-    with sparse_session(model):
+    with target_session(model):
         assert all(type(o.rope) is PositionedRoPE and o.rope.genuine is g
                    for o, g in zip(rope_owners(model), genuine))
     assert [o.rope for o in rope_owners(model)] == genuine
@@ -274,9 +275,9 @@ def test_leftover_wrapper_is_unwrapped_not_wrapped_again():
 def test_decode_outside_its_session_is_refused():
     model = make_model("llama")
     tokens = prompt(40)
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(tokens, np.arange(20, 40))
-    with pytest.raises(RuntimeError, match="inside its sparse_session"):
+    with pytest.raises(RuntimeError, match="inside its target_session"):
         next(generate_tokens(model, logits, cache, state, max_tokens=2))
 
 
@@ -286,22 +287,22 @@ def test_cached_prefix_is_reused():
     model = make_model("llama", seed=2)
     tokens = prompt(80, seed=4)
     keep = np.concatenate([np.arange(16), np.arange(40, 80)])
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         expected, _, _ = session.prefill(tokens, keep, prefill_step=16)
     _, prefix_cache, _ = full_prefill(model, tokens[:16])
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         logits, cache, state = session.prefill(tokens, keep, kv_cache=prefix_cache, prefill_step=16)
     assert state.cached_tokens == 16 and cache[0].offset == len(keep)
     assert rel_close(logits, expected, 1e-5)
     _, prefix_cache, _ = full_prefill(model, tokens[:20])
-    with sparse_session(model) as session, pytest.raises(ValueError, match="cache"):
+    with target_session(model) as session, pytest.raises(ValueError, match="cache"):
         session.prefill(tokens, keep, kv_cache=prefix_cache)
 
 
 def test_progress_reports_protected_prefix_step_first():
     model = make_model("llama")
     seen = []
-    with sparse_session(model) as session:
+    with target_session(model) as session:
         session.prefill(prompt(100), np.arange(50, 100), protected_prefix=10, prefill_step=32,
                         progress=lambda *a: seen.append(a))
     assert seen == [(10, 60, "target_prefill"), (42, 60, "target_prefill"),
@@ -315,7 +316,7 @@ def test_progress_reports_protected_prefix_step_first():
     ([], "empty"),
 ])
 def test_bad_keep_indices_are_refused(keep, match):
-    with sparse_session(make_model("llama")) as session, pytest.raises(ValueError, match=match):
+    with target_session(make_model("llama")) as session, pytest.raises(ValueError, match=match):
         session.prefill(prompt(10), keep)
 
 
@@ -344,7 +345,7 @@ def test_full_prefill_inside_a_session_is_the_plain_prefill():
     model = make_model("phi3", seed=4)
     tokens = prompt(50)
     outside = full_prefill(model, tokens, prefill_step=16)
-    with sparse_session(model):
+    with target_session(model):
         inside = full_prefill(model, tokens, prefill_step=16)
         inside_tokens = greedy(model, *inside)
     assert np.array_equal(np.array(inside[0]), np.array(outside[0]))

@@ -7,7 +7,7 @@ from specprefill.attention.kernel import decoder_layers, kernel_capture
 from specprefill.positions import PositionedRoPE, PositionMap, rope_owners
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens
-from specprefill.sparse import sparse_session
+from specprefill.attention.target import target_session
 from specprefill.wrapping import unwrap_rope
 from tests.support.tiny_models import make_model
 
@@ -23,7 +23,7 @@ def test_leftover_position_wrapper_is_not_wrapped_again():
     owner = rope_owners(model)[0]
     rope = owner.rope
     owner.rope = PositionedRoPE(rope, PositionMap())  # left over from an aborted request
-    with sparse_session(model):
+    with target_session(model):
         assert isinstance(owner.rope, PositionedRoPE) and owner.rope.genuine is rope
     assert owner.rope is rope
 
@@ -37,7 +37,7 @@ def test_scoring_after_a_leftover_position_wrapper_matches_a_clean_model():
     assert mx.array_equal(got.importance, clean.importance).item()
 
 
-def test_sparse_session_after_a_leftover_layer_tap_matches_a_clean_model():
+def test_target_session_after_a_leftover_layer_tap_matches_a_clean_model():
     model = make_model("llama", seed=1)
     tokens = mx.arange(12)[None]
     expected = model(tokens)
@@ -47,7 +47,7 @@ def test_sparse_session_after_a_leftover_layer_tap_matches_a_clean_model():
     holder, start = decoder_layers(model)
     assert type(holder[start]).__name__ == "_LayerTap"
     try:
-        with sparse_session(model):
+        with target_session(model):
             assert mx.allclose(model(tokens), expected, atol=1e-5).item()
     finally:
         capture.__exit__(None, None, None)

@@ -66,21 +66,30 @@ class FakeScore:
 
 
 class FakeStore:
-    """Longest stored prefix in blocks of 8 tokens; fetch always leaves >= 1 token."""
+    """A DraftCache: longest stored prefix in blocks of 8 tokens; fetch always leaves >= 1 token.
+    Reports every fetch and store to ``on_fetch`` / ``on_store``, as ``BlockDraftCache`` does."""
 
-    def __init__(self, shared):
+    block_size = 8
+
+    def __init__(self, shared, on_fetch=None, on_store=None):
         self.shared = shared
+        self.on_fetch, self.on_store = on_fetch or (lambda *a: None), on_store or (lambda *a: None)
+
+    def recorder(self, tokens=None):
+        return None
 
     def fetch(self, tokens):
         n = 0
         for end in range(8, len(tokens), 8):
             if tuple(tokens[:end]) in self.shared:
                 n = end
+        self.on_fetch(n, len(tokens), 0.0)
         return (["kv"] if n else None), n
 
-    def store(self, tokens, cache):
+    def store(self, tokens, cache, recorder=None):
         new = [tuple(tokens[:e]) for e in range(8, len(tokens) + 1, 8) if tuple(tokens[:e]) not in self.shared]
         self.shared.update(new)
+        self.on_store(len(new), 0.0, None)
         return len(new)
 
 
@@ -108,7 +117,7 @@ def make_fake_score(chunk_delay_s=0.0, step=16):
             progress(len(tokens), len(tokens), "importance")
         importance = np.array([(t * 7919) % 101 for t in tokens], dtype=np.float32)
         if draft_cache is not None:
-            draft_cache.store(tokens, ["kv"])
+            draft_cache.store(tokens, ["kv"], draft_cache.recorder(tokens))
         return FakeScore(importance, ["kv"], [1] * options.n_lookahead,
                          {"prefill": time.perf_counter() - t0, "lookahead": 0.001, "importance": 0.001},
                          n, len(tokens))
@@ -120,7 +129,7 @@ def fake_backend(chunk_delay_s=0.0, shared=None):
     return SelectionBackend(
         score_with_cache=make_fake_score(chunk_delay_s), plan_selection=plan_selection,
         to_ranges=to_ranges, admission_reason=admission_reason,
-        block_store=lambda client, loaded, s: FakeStore(shared["blocks"]),
+        block_store=lambda client, loaded, s, **callbacks: FakeStore(shared["blocks"], **callbacks),
         memo=lambda client, fp, s: FakeMemo(shared["memo"]))
 
 

@@ -133,15 +133,15 @@ def _plain_logits(model) -> mx.array:
 def target(name: str) -> str:
     """``ok`` when keep-all equals a plain prefill and a sparse keep equals true positions (1e-5)."""
     from specprefill.attention.target import required_tail
-    from specprefill.sparse import sparse_session
+    from specprefill.attention.target import target_session
     from worker.models import target_profiler
 
     model = F.build(name, seed=3)
     profile = target_profiler()(model)
     keep = _keep_set(required_tail(profile))
-    with sparse_session(model, profile) as session:
+    with target_session(model, profile) as session:
         keep_all, _, _ = session.prefill(TARGET_TOKENS, np.arange(T), prefill_step=32)
-    with sparse_session(model, profile) as session:
+    with target_session(model, profile) as session:
         sparse, _, _ = session.prefill(TARGET_TOKENS, keep, prefill_step=32)
     a = relative(np.array(keep_all), np.array(_plain_logits(model)))
     b = relative(np.array(sparse), np.array(true_position_logits(model, TARGET_TOKENS, keep)[0]))

@@ -1,4 +1,5 @@
-"""Helpers for the block-store tests: real draft caches from tiny models."""
+"""Helpers for the block-store tests: real draft caches from tiny models, and the worker's wiring of
+their block store."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -57,17 +58,25 @@ def kv_layer(keys: mx.array, values: mx.array) -> dict:
     return {"keys": raw_bits(keys), "values": raw_bits(values)}
 
 
-def fingerprint(model, identity: str, *, block_size: int) -> str:
-    """A tiny model's block-store fingerprint, derived as the worker derives it (from its profile)."""
+def fingerprint(model, identity: str, *, block_size: int, kv_bits=None, kv_group_size: int = 64) -> str:
+    """A tiny model's block-store fingerprint, derived as the worker derives a draft's (from its profile)."""
     from cache_store import model_fingerprint
     from specprefill.profile import profile_model
 
-    return model_fingerprint(profile_model(model).description, identity, block_size=block_size)
+    profile = profile_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return model_fingerprint(profile.description, identity, block_size=block_size)
 
 
-def draft_store(client, fp: str, **kwargs):
-    """The worker's composition: a ``RedisBlockStore`` behind the KV-cache adapter."""
-    from cache_store import RedisBlockStore
-    from specprefill.draft_cache import BlockDraftCache
+def draft_store(client, model, *, block_size: int, identity: str = "tiny", kv_bits=None, kv_group_size: int = 64,
+                namespace: str = "specprefill", ttl_s: int = 86400, on_fetch=None, on_store=None):
+    """The worker's block store for a draft ``model`` (``worker.runtime.wire_block_store``: a
+    ``RedisBlockStore`` with the model's layout behind ``BlockDraftCache`` over its fresh cache)."""
+    from specprefill.attention.probe import make_cache
+    from worker.runtime import wire_block_store
 
-    return BlockDraftCache(RedisBlockStore(client, fp, **kwargs))
+    def fresh():
+        return make_cache(model, kv_bits, kv_group_size)
+
+    fp = fingerprint(model, identity, block_size=block_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return wire_block_store(client, model, fresh, fp, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
+                            label={"model": identity, "name": "draft"}, on_fetch=on_fetch, on_store=on_store)

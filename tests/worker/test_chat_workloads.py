@@ -18,11 +18,13 @@ from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
+from specprefill import sparse
 from specprefill.profile import profile_model
+from specprefill.sparse import full_prefill
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
 from worker import target_prefill
-from worker.admission import admission_reason
+from worker.admission import two_stage_admission
 from worker.context import JobContext
 from worker.models import ModelPool
 from worker.prompt import system_boundary, tokenize_prompt
@@ -102,10 +104,10 @@ def chat(doc_seed=0, n=200, system=SYSTEM):
 # ---- admission ----
 
 def test_admission_two_stages():
-    assert admission_reason(100, threshold=64) is None
-    assert "64 prompt tokens to prefill (36 restored" in admission_reason(100, threshold=64, restored=36)
-    assert "after the protected system prefix of 40" in admission_reason(100, threshold=64, protected_prefix=40)
-    assert admission_reason(100, threshold=64, restored=10, protected_prefix=20) is None
+    assert two_stage_admission(100, threshold=64) is None
+    assert "64 prompt tokens to prefill (36 restored" in two_stage_admission(100, threshold=64, restored=36)
+    assert "after the protected system prefix of 40" in two_stage_admission(100, threshold=64, protected_prefix=40)
+    assert two_stage_admission(100, threshold=64, restored=10, protected_prefix=20) is None
 
 
 def test_short_generate_prompt_never_loads_the_draft():
@@ -300,17 +302,17 @@ def test_restored_prefix_logits_equal_a_full_prefill():
     tokens = list(np.random.RandomState(0).randint(3, 200, 90))
     store = _target_store(rt.cache_client, target, rt.settings)
     prefix = TargetPrefixCache(store, target)
-    logits, cache, _ = target_prefill.plain_prefill(target.model, tokens[:50], kv_cache=None,
-                                                    prefill_step=64, progress=lambda *a: None)
+    logits, cache, _ = full_prefill(target.model, tokens[:50], kv_cache=None, prefill_step=64,
+                                    progress=lambda *a: None)
     assert prefix.save(tokens, cache, 50) == 3  # three full 16-token blocks
     restored, n = TargetPrefixCache(store, target).restore(tokens)
     assert n == 48
     quiet = dict(prefill_step=64, progress=lambda *a: None)
-    a, _, _ = target_prefill.plain_prefill(target.model, tokens, kv_cache=restored, **quiet)
+    a, _, _ = full_prefill(target.model, tokens, kv_cache=restored, **quiet)
     # The restored rows are the ones the storing job computed (in a 50-token step); a job that
     # computes them itself in other steps rounds the same sums in another order, so the two
     # agree to float32 rounding, and the argmax (greedy text) with them.
-    b, _, _ = target_prefill.plain_prefill(target.model, tokens, kv_cache=None, **quiet)
+    b, _, _ = full_prefill(target.model, tokens, kv_cache=None, **quiet)
     assert mx.allclose(a, b, rtol=0, atol=1e-5).item() and mx.argmax(a).item() == mx.argmax(b).item()
     # Restoring is itself exact: the same rows as the cache that was stored.
     full = cache[0].keys[..., :48, :]
@@ -419,13 +421,13 @@ def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(mo
     """Every job prefills its system prefix in block steps, so a restored block holds exactly
     what the restoring job would have computed: the first logits agree bit for bit."""
     seen = []
-    decode = target_prefill.decode
+    decode = sparse.generate_tokens
 
     def recording(model, logits, *a, **k):
         seen.append(np.array(logits))
         return decode(model, logits, *a, **k)
 
-    monkeypatch.setattr(target_prefill, "decode", recording)
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=keep)
     run(rt, "a", messages=chat(0), **GREEDY)

@@ -26,6 +26,8 @@ def test_prefill_job_events_and_result():
     assert out.total == 201 and out.reason is None and 0 < out.kept < out.total
     assert out.kept == sum(e - s for s, e in out.kept_ranges)
     assert out.kept_ranges[-1][1] == 201  # the tail is kept
+    # tail_tokens 16 in chunks of 8: the last chunk (one token) and the two before it
+    assert out.tail_start == 184 and out.kept_ranges[-1][0] <= out.tail_start
     assert len(out.importance) == 201 and len(out.spans) == len(out.kept_ranges)
     assert out.model == "fake:fake-draft" and not out.memo_hit
     assert {"prefill", "load_model", "selection", "total"} <= set(out.timings)
@@ -40,7 +42,7 @@ def test_short_prompt_keeps_all_with_reason():
     r = fakeredis.FakeRedis()
     rt = fake_runtime(r)
     out = _run(rt, build_spec(rt.settings, tokens=list(range(10))).to_payload())
-    assert out["kept"] == 10 and "threshold" in out["reason"]
+    assert out["kept"] == 10 and "threshold" in out["reason"] and out["tail_start"] is None
 
 
 def test_second_identical_job_is_a_memo_hit_and_shared_prefix_hits_the_store():
@@ -50,6 +52,7 @@ def test_second_identical_job_is_a_memo_hit_and_shared_prefix_hits_the_store():
     first = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "a")
     again = _run(rt, build_spec(rt.settings, tokens=doc).to_payload(), "b")
     assert again["memo_hit"] and again["kept_ranges"] == first["kept_ranges"]
+    assert again["tail_start"] == first["tail_start"] == 112
     other = _run(rt, build_spec(rt.settings, tokens=doc + [5, 6, 7]).to_payload(), "c")
     assert not other["memo_hit"] and other["cached_tokens"] == 128
 
