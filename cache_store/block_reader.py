@@ -1,0 +1,155 @@
+"""One block read in order from a value source (a socket, a file, bytes) into memory the caller places.
+
+:func:`cache_store.codec.decode_block` checks a value held whole in memory. A fetch instead
+reads each value once, straight where its arrays belong (``place``: a prefix's token arrays
+into their slot of the joined arrays, which may be MLX-owned), so no ``bytes`` object of the
+value exists and nothing is copied twice. The checks are the codec's: the header (format,
+version, fingerprint, token count, the key's digest, sizes) before any payload is read, then
+the token-section and state-section checksums over the bytes as they landed. Those run on a
+helper thread (xxhash releases the GIL), so checking one block overlaps reading the next;
+:meth:`PendingBlock.result` waits for the verdict, and nothing is used before it passed.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import xxhash
+
+from .codec import BlockLayout, CorruptBlockError, DecodedBlock, RawArray, bound_format, is_token_array
+from .wire import ValueSource
+
+HEAD_BYTES = 1 << 16  # read first when the header's size is not known beforehand
+_MAX_HEAD = 1 << 22
+_TRAILER = 9  # the state checksum: a msgpack uint64
+_UINT64 = 0xCF
+_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-checksums")
+
+# (the block's layout, whether its state arrays are read) -> per (layer index, array name)
+# the array its bits go to: writable, C-ordered pieces, the array's shape and bits dtype.
+Place = Callable[[BlockLayout, bool], dict[tuple[int, str], np.ndarray]]
+
+
+class PendingBlock:
+    """A block whose bytes are in place and whose checksums are being checked."""
+
+    def __init__(self, block: DecodedBlock, parts: list[memoryview], whole: bool, verdict: Future) -> None:
+        self._block = block
+        self.parts = parts  # the value's bytes as read, in order (a copy can be written elsewhere)
+        self.whole = whole  # parts are the whole value, else its header and token section
+        self._verdict = verdict
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def result(self) -> DecodedBlock:
+        """The block, once its checksums passed; :class:`CorruptBlockError` if they did not."""
+        self._verdict.result()
+        return self._block
+
+
+class _Chained:
+    """The bytes read with the head beyond its header, then the rest of the source."""
+
+    def __init__(self, leftover: memoryview, source: ValueSource) -> None:
+        self._leftover = leftover
+        self._source = source
+
+    def readinto(self, view: memoryview) -> None:
+        have = min(len(view), len(self._leftover))
+        if have:
+            view[:have] = self._leftover[:have]
+            self._leftover = self._leftover[have:]
+        if have < len(view):
+            self._source.readinto(view[have:])
+
+
+def _runs(a: np.ndarray) -> list[memoryview]:
+    """``a`` as C-contiguous byte pieces in C order (a slot of a joined array: one per head)."""
+    if a.flags.c_contiguous:
+        return [memoryview(a).cast("B")]
+    return [run for sub in a for run in _runs(sub)]
+
+
+def _head(source: ValueSource, head_bytes: int | None, *, fingerprint: str, n_tokens: int, digest: bytes):
+    """The value's first bytes and their checked format (reading more while the header does not fit)."""
+    head = bytearray(min(source.length, head_bytes or HEAD_BYTES))
+    source.readinto(memoryview(head))
+    while True:
+        try:
+            return head, bound_format(memoryview(head), fingerprint=fingerprint, n_tokens=n_tokens, digest=digest)
+        except CorruptBlockError as exc:
+            if exc.reason != "header" or len(head) >= min(source.length, _MAX_HEAD):
+                raise
+        more = bytearray(min(source.length, _MAX_HEAD, 4 * len(head)) - len(head))
+        source.readinto(memoryview(more))
+        head += more
+
+
+def _hash(runs: list[memoryview]) -> int:
+    h = xxhash.xxh3_64()
+    for run in runs:
+        h.update(run)
+    return h.intdigest()
+
+
+def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: bytes, state: bool,
+               place: Place, head_bytes: int | None = None, background: bool = True) -> PendingBlock:
+    """Read the block in ``source`` (a whole value, or with ``state=False`` possibly only its
+    header and token section) into the arrays ``place`` gives; ``head_bytes``: the header's
+    size if known (``codec.header_end``). Header checks raise :class:`CorruptBlockError` at
+    once; the checksums are checked on the helper thread (``background``) or here.
+    Without ``state`` the state section is not read (the caller's stream drops it)."""
+    head, (fmt, token_sum) = _head(source, head_bytes, fingerprint=fingerprint, n_tokens=n_tokens, digest=digest)
+    start, end = fmt.payload_start, fmt.payload_start + fmt.payload_length
+    whole = source.length == end + _TRAILER
+    if not whole and (state or source.length != start + fmt.token_length):
+        raise CorruptBlockError(f"value: {source.length} bytes, payload says {end + _TRAILER} (truncated or padded)")
+    read_state = state and whole
+    destinations = place(fmt.layout, read_state)
+    reader = _Chained(memoryview(head)[start:], source)
+    order = sorted(((i, spec) for i, layer in enumerate(fmt.specs) for spec in layer),
+                   key=lambda item: not is_token_array(item[1][0]))  # the token section first (stable)
+    layers: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
+    token_runs: list[memoryview] = []
+    state_runs: list[memoryview] = []
+    for i, (name, dtype, bits_dtype, shape, _) in order:
+        token = is_token_array(name)
+        if not token and not read_state:
+            break
+        out = destinations[(i, name)]
+        if out.shape != shape or out.dtype != bits_dtype or not out.flags.writeable:
+            raise ValueError(f"place: {name} of layer {i} needs a writable {bits_dtype} array of shape {shape}")
+        for run in _runs(out):
+            reader.readinto(run)
+            (token_runs if token else state_runs).append(run)
+        layers[i][name] = RawArray(dtype, out)
+    trailer = bytearray(_TRAILER if read_state else 0)
+    if read_state:
+        reader.readinto(memoryview(trailer))
+    parts = [memoryview(head)[:start], *token_runs, *state_runs, memoryview(trailer)]
+
+    def check() -> None:
+        if _hash(token_runs) != int.from_bytes(token_sum, "big"):
+            raise CorruptBlockError("checksum: token section does not match", "checksum")
+        if read_state and (trailer[0] != _UINT64 or _hash(state_runs) != int.from_bytes(trailer[1:], "big")):
+            raise CorruptBlockError("checksum: state section does not match", "checksum")
+
+    block = DecodedBlock(n_tokens, [{name: layer[name] for name in sorted(layer)} for layer in layers], fmt.layout)
+    # Without the state read, the parts are the value's header and token section.
+    return PendingBlock(block, parts, read_state, _verdict(check, background))
+
+
+def _verdict(check: Callable[[], None], background: bool) -> Future:
+    if background:
+        return _CHECKS.submit(check)
+    done: Future = Future()
+    try:
+        check()
+        done.set_result(None)
+    except BaseException as exc:
+        done.set_exception(exc)
+    return done
+
