@@ -37,7 +37,7 @@ class SharedValues:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
-        return pipe.execute(raise_on_error=False)
+        return self._execute(pipe, raise_on_error=False)
 
     def stream(self, commands: Sequence[tuple]) -> Iterator[ValueSource | None | Exception]:
         """Each command's value in order (see :func:`cache_store.wire.streamed_values`)."""
@@ -61,7 +61,7 @@ class SharedValues:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.expire(key, ttl_s)
-        return [bool(p) for p in pipe.execute()]
+        return [bool(p) for p in self._execute(pipe)]
 
     def write(self, items: Sequence[tuple[str, Any]], ttl_s: int) -> list[Any]:
         """``SET NX EX`` of each ``(key, value)`` (concurrent writers leave one intact copy):
@@ -69,7 +69,15 @@ class SharedValues:
         pipe = self.client.pipeline(transaction=False)
         for key, value in items:
             pipe.set(key, value, nx=True, ex=ttl_s)
-        return pipe.execute(raise_on_error=False)
+        return self._execute(pipe, raise_on_error=False)
+
+    def _execute(self, pipe: Any, raise_on_error: bool = True) -> list[Any]:
+        """``pipe.execute``; a connection error re-reads a cluster's slots first (then raises)."""
+        try:
+            return pipe.execute(raise_on_error=raise_on_error)
+        except (redis.ConnectionError, redis.TimeoutError):
+            cluster.refresh(self.client)
+            raise
 
 
 def _refreshing(client: Any, values: Iterator) -> Iterator:

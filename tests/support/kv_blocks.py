@@ -71,3 +71,19 @@ def draft_store(client, fp: str, **kwargs):
     from specprefill.draft_cache import BlockDraftCache
 
     return BlockDraftCache(RedisBlockStore(client, fp, **kwargs))
+
+
+def worker_store(client, model, *, block_size: int, namespace: str = "specprefill", local=None, identity="tiny"):
+    """A model's block store wired as ``worker.runtime`` wires it: the model's layout checked,
+    every cache type through its fresh cache, optionally a local tier in front."""
+    from cache_store import RedisBlockStore, model_fingerprint
+    from specprefill.attention.probe import make_cache
+    from specprefill.draft_cache import BlockDraftCache, block_description, block_layout_of
+
+    def fresh():
+        return make_cache(model, None, 64)
+
+    fp = model_fingerprint(block_description(model, fresh), identity, block_size=block_size)
+    raw = RedisBlockStore(client, fp, namespace=namespace, block_size=block_size,
+                          layout=block_layout_of(model, fresh), local=local)
+    return BlockDraftCache(raw, fresh)
