@@ -66,9 +66,9 @@ class LocalTier:
         name = hashlib.sha256(key.encode()).hexdigest()
         return self.directory / name[:2] / (name + suffix)
 
-    def has(self, key: str) -> bool:
-        """Whether a value (whole or its token section) of ``key`` is here."""
-        return self._path(key, _WHOLE).exists() or self._path(key, _PART).exists()
+    def has(self, key: str, whole: bool = False) -> bool:
+        """Whether a value of ``key`` is here (``whole``: the whole value; else its token section will do)."""
+        return self._path(key, _WHOLE).exists() or (not whole and self._path(key, _PART).exists())
 
     def open(self, key: str, whole: bool) -> FileValue | None:
         """The value of ``key`` to read (marked used), or None; ``whole=False`` also takes a

@@ -101,22 +101,27 @@ class TieredValues(SharedValues):
         self._from_shared: set[str] = set()
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
-        here = [self.local.has(key) for key in keys]
+        here = [self.local.has(key, whole=False) for key in keys]
         if all(here):
             return list(here)
         elsewhere = iter(super().stored([k for k, h in zip(keys, here) if not h]))
         return [True if h else next(elsewhere) for h in here]
 
     def stream(self, commands: Sequence[tuple]) -> Iterator[ValueSource | None | Exception]:
-        """Local values from their files, the others streamed from Redis, all in order."""
-        local = [self.local.open(command[1], whole=command[0] == "GET") for command in commands]
-        shared = [c for c, f in zip(commands, local) if f is None]
+        """Local values from their files, the others streamed from Redis, all in order (a file
+        evicted since the look is a value gone, like a key evicted in Redis)."""
+        here = [self.local.has(command[1], whole=command[0] == "GET") for command in commands]
+        shared = [c for c, h in zip(commands, here) if not h]
         self._from_shared = {c[1] for c in shared}
-        from_shared = super().stream(shared) if shared else iter(())
+        from_shared = super().stream(shared)
         try:
-            for command, file_value in zip(commands, local):
-                if file_value is None:
+            for command, local in zip(commands, here):
+                if not local:
                     yield next(from_shared)
+                    continue
+                file_value = self.local.open(command[1], whole=command[0] == "GET")
+                if file_value is None:
+                    yield None
                     continue
                 self.local_counters["local_hit_blocks"] += 1
                 try:
@@ -124,9 +129,6 @@ class TieredValues(SharedValues):
                 finally:
                     file_value.close()
         finally:
-            for file_value in local:
-                if file_value is not None:
-                    file_value.close()
             from_shared.close()
 
     def kept(self, key: str, read: PendingBlock) -> None:

@@ -69,8 +69,23 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
     raw_store = RedisBlockStore(client, fingerprint, namespace=s.namespace, block_size=s.block_size,
                                 ttl_s=s.block_ttl_s, layout=_block_layout(fingerprint, model, fresh),
-                                model={"model": loaded.identity, "name": loaded.name})
+                                model={"model": loaded.identity, "name": loaded.name}, local=local_tier(s))
     return BlockDraftCache(raw_store, fresh)
+
+
+_LOCAL_TIERS: dict[tuple[str, int], Any] = {}
+
+
+def local_tier(s: Settings) -> Any:
+    """This node's local tier (``local_cache_dir``), one per process and folder; None without one."""
+    if not s.local_cache_dir:
+        return None
+    key = (s.local_cache_dir, s.local_cache_bytes)
+    if key not in _LOCAL_TIERS:
+        from cache_store.local_tier import LocalTier
+
+        _LOCAL_TIERS[key] = LocalTier(s.local_cache_dir, s.local_cache_bytes)
+    return _LOCAL_TIERS[key]
 
 
 def _target_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:
