@@ -43,8 +43,7 @@ def main() -> None:
         forbid_pickle()  # before rq or redis are imported
     sys.path.insert(0, str(TESTS))
     sys.path.insert(0, str(TESTS.parent))
-    import redis
-
+    from jobs.connection import queue_connection
     from jobs.settings import Settings
     from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
     from worker.models import ModelPool, model_identity
@@ -59,7 +58,7 @@ def main() -> None:
                      identify=lambda n: "fake:" + n if n == known else model_identity(n),
                      warm=lambda m: None)
     backend = fake_backend(delay)
-    conn = redis.Redis.from_url(url)
+    conn = queue_connection(url, settings)  # a redis+sentinel:// URL follows a failover
     runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
     run_worker(runtime, settings.queues, name=name, logging_level="INFO")
 
