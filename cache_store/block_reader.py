@@ -57,13 +57,17 @@ class _Chained:
         self._leftover = leftover
         self._source = source
 
-    def readinto(self, view: memoryview) -> None:
-        have = min(len(view), len(self._leftover))
-        if have:
-            view[:have] = self._leftover[:have]
-            self._leftover = self._leftover[have:]
-        if have < len(view):
-            self._source.readinto(view[have:])
+    def readinto_many(self, views: list[memoryview]) -> None:
+        rest = []
+        for view in views:
+            have = min(len(view), len(self._leftover))
+            if have:
+                view[:have] = self._leftover[:have]
+                self._leftover = self._leftover[have:]
+            if have < len(view):
+                rest.append(view[have:])
+        if rest:
+            self._source.readinto_many(rest)
 
 
 def _runs(a: np.ndarray) -> list[memoryview]:
@@ -122,13 +126,10 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
         out = destinations[(i, name)]
         if out.shape != shape or out.dtype != bits_dtype or not out.flags.writeable:
             raise ValueError(f"place: {name} of layer {i} needs a writable {bits_dtype} array of shape {shape}")
-        for run in _runs(out):
-            reader.readinto(run)
-            (token_runs if token else state_runs).append(run)
+        (token_runs if token else state_runs).extend(_runs(out))
         layers[i][name] = RawArray(dtype, out)
     trailer = bytearray(_TRAILER if read_state else 0)
-    if read_state:
-        reader.readinto(memoryview(trailer))
+    reader.readinto_many([*token_runs, *state_runs, memoryview(trailer)])  # in value order
     parts = [memoryview(head)[:start], *token_runs, *state_runs, memoryview(trailer)]
 
     def check() -> None:

@@ -31,22 +31,31 @@ _RESCAN_SHARE = 0.05  # rescan the directory after writing this share of max_byt
 class FileValue:
     """One stored file as a ``cache_store.wire.ValueSource`` (read in order, then closed)."""
 
-    def __init__(self, file) -> None:
-        self._file = file
-        self.length = os.fstat(file.fileno()).st_size
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pos = 0
+        self.length = os.fstat(fd).st_size
 
     def readinto(self, view: memoryview) -> None:
-        while len(view):
-            n = self._file.readinto(view)
+        self.readinto_many([view])
+
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        """Scatter the next bytes into ``views`` (``preadv``: one call for a whole block)."""
+        pending = [v for v in views if len(v)]
+        while pending:
+            n = os.preadv(self._fd, pending[:512], self._pos)
             if not n:
                 raise OSError("local tier: file ended early (removed or truncated while read)")
-            view = view[n:]
+            self._pos += n
+            pending = _advanced(pending, n)
 
     def skip(self, n: int) -> None:
-        self._file.seek(n, os.SEEK_CUR)
+        self._pos += n
 
     def close(self) -> None:
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class LocalTier:
@@ -76,17 +85,17 @@ class LocalTier:
         for suffix in (_WHOLE,) if whole else (_WHOLE, _PART):
             path = self._path(key, suffix)
             try:
-                file = open(path, "rb", buffering=0)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 log.warning("local tier: cannot read %s: %s", path, exc)
                 return None
             try:
-                os.utime(file.fileno())  # least recently used goes first
+                os.utime(fd)  # least recently used goes first
             except OSError:
                 pass
-            return FileValue(file)
+            return FileValue(fd)
         return None
 
     def put(self, key: str, parts: Sequence[memoryview], whole: bool) -> bool:
@@ -169,11 +178,17 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> int:
     while pending:
         n = os.writev(fd, pending[:512])  # IOV_MAX is at least 1024 on Linux and macOS
         total += n
-        while n:
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        pending = _advanced(pending, n)
     return total
+
+
+def _advanced(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` with their first ``n`` bytes done (a short read or write resumes there)."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        else:
+            views = [views[0][n:], *views[1:]]
+            n = 0
+    return views

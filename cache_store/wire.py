@@ -38,6 +38,10 @@ class ValueSource(Protocol):
         """Fill ``view`` with the value's next ``len(view)`` bytes."""
         ...
 
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        """Fill each of ``views`` in turn (a scatter read: one system call where the source can)."""
+        ...
+
     def skip(self, n: int) -> None:
         """Drop the value's next ``n`` bytes."""
         ...
@@ -58,6 +62,10 @@ class BytesValue:
             raise ValueError("read past the end of the value")
         view[:] = self._view[self._pos:end]
         self._pos = end
+
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        for view in views:
+            self.readinto(view)
 
     def skip(self, n: int) -> None:
         self._pos = min(self.length, self._pos + n)
@@ -153,6 +161,10 @@ class BulkValue:
             raise ValueError("read past the end of the value")
         self._reader.readinto(view)
         self.remaining -= len(view)
+
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        for view in views:
+            self.readinto(view)
 
     def skip(self, n: int) -> None:
         n = min(n, self.remaining)
