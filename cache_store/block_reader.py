@@ -11,6 +11,7 @@ helper thread (xxhash releases the GIL), so checking one block overlaps reading 
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -25,6 +26,9 @@ _MAX_HEAD = 1 << 22
 _TRAILER = 9  # the state checksum: a msgpack uint64
 _UINT64 = 0xCF
 _CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-checksums")
+# Checking on the helper thread pays when a core is free for it; on two cores or fewer the
+# hand-over costs more than the overlap gains (bench/cache_store.py), so checks run inline there.
+OVERLAP = (os.cpu_count() or 1) > 2
 
 # (the block's layout, whether its state arrays are read) -> per (layer index, array name)
 # the array its bits go to: writable, C-ordered pieces, the array's shape and bits dtype.
@@ -100,11 +104,12 @@ def _hash(runs: list[memoryview]) -> int:
 
 
 def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: bytes, state: bool,
-               place: Place, head_bytes: int | None = None, background: bool = True) -> PendingBlock:
+               place: Place, head_bytes: int | None = None, background: bool | None = None) -> PendingBlock:
     """Read the block in ``source`` (a whole value, or with ``state=False`` possibly only its
     header and token section) into the arrays ``place`` gives; ``head_bytes``: the header's
     size if known (``codec.header_end``). Header checks raise :class:`CorruptBlockError` at
-    once; the checksums are checked on the helper thread (``background``) or here.
+    once; the checksums are checked on the helper thread (``background``; default: where a
+    core is free for it, :data:`OVERLAP`) or here.
     Without ``state`` the state section is not read (the caller's stream drops it)."""
     head, (fmt, token_sum) = _head(source, head_bytes, fingerprint=fingerprint, n_tokens=n_tokens, digest=digest)
     start, end = fmt.payload_start, fmt.payload_start + fmt.payload_length
@@ -140,7 +145,7 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
 
     block = DecodedBlock(n_tokens, [{name: layer[name] for name in sorted(layer)} for layer in layers], fmt.layout)
     # Without the state read, the parts are the value's header and token section.
-    return PendingBlock(block, parts, read_state, _verdict(check, background))
+    return PendingBlock(block, parts, read_state, _verdict(check, OVERLAP if background is None else background))
 
 
 def _verdict(check: Callable[[], None], background: bool) -> Future:

@@ -192,9 +192,9 @@ class _Link:
         self.reader = _SocketReader(sock) if sock is not None else None
         self.in_flight = 0
 
-    def send(self, command: tuple) -> None:
-        self.conn.send_packed_command(self.conn.pack_command(*command))
-        self.in_flight += 1
+    def send(self, commands: Sequence[tuple]) -> None:
+        self.conn.send_packed_command(self.conn.pack_commands(commands))
+        self.in_flight += len(commands)
 
     def receive(self) -> "ValueSource | None | redis.ResponseError":
         self.in_flight -= 1
@@ -215,6 +215,25 @@ class _Link:
                     value.finish()
         except BaseException:
             self.conn.disconnect()
+
+
+def _top_up(links: dict[str, _Link], targets: list, commands: Sequence[tuple], sent: int, i: int,
+            window: int, via_parser: bool) -> int:
+    """Send the next requests, in order, while their node has room in its window (request
+    ``i``, the one read next, always goes); a node is topped up once half its window is read,
+    with one write. Returns how many requests are sent now."""
+    batches: dict[str, list[tuple]] = {}
+    while sent < len(commands):
+        name, pool = targets[sent]
+        link = links.get(name) or links.setdefault(name, _Link(pool, via_parser))
+        queued = len(batches.get(name, ()))
+        if sent > i and (link.in_flight + queued >= window or (not queued and link.in_flight > window // 2)):
+            break
+        batches.setdefault(name, []).append(commands[sent])
+        sent += 1
+    for name, batch in batches.items():
+        links[name].send(batch)
+    return sent
 
 
 def single_pool(client: redis.Redis) -> Callable[[str], tuple[str, object]]:
@@ -245,13 +264,7 @@ def streamed_values(client: redis.Redis, commands: Sequence[tuple], window: int 
     value = None
     try:
         for i in range(len(commands)):
-            while sent < len(commands):  # keep every node's window full, in request order
-                name, pool = targets[sent]
-                link = links.get(name) or links.setdefault(name, _Link(pool, via_parser))
-                if link.in_flight >= window and sent > i:
-                    break
-                link.send(commands[sent])
-                sent += 1
+            sent = _top_up(links, targets, commands, sent, i, window, via_parser)
             value = links[targets[i][0]].receive()
             yield value
             if isinstance(value, BulkValue):
