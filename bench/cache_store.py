@@ -30,7 +30,7 @@
 from __future__ import annotations
 
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, verdict  # noqa: E402
+from benchlib import blas_in_use, report  # noqa: E402
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
@@ -436,16 +436,7 @@ def main() -> int:
             print(f"hybrid 4-bit / bf16 block size: {ratios['qwen3_5']:.3f} (recurrent state is not quantized)")
         client.close()
 
-    print()
-    print("| measurement | this | against | ratio |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print()
-    failed = False
-    for name, value, op, bound in verdicts:
-        failed |= not verdict(name, value, op, bound)
-    return 1 if failed else 0
+    return report(rows, verdicts)
 
 
 if __name__ == "__main__":

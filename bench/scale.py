@@ -20,7 +20,7 @@ They go in ``SECTIONS`` below, each a function of the shared chain that returns 
 from __future__ import annotations
 
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import verdict  # noqa: E402
+from benchlib import report  # noqa: E402
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
@@ -200,16 +200,7 @@ def main() -> int:
         rows += more_rows
         verdicts += more_verdicts
     print(f"chain: {opts.blocks} blocks of {BLOCK} tokens, {chain.n_bytes / 2**20:.0f} MiB")
-    print()
-    print("| measurement | this | against | ratio |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print()
-    failed = False
-    for name, value, op, bound in verdicts:
-        failed |= not verdict(name, value, op, bound)
-    return 1 if failed else 0
+    return report(rows, verdicts)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 the nodes, fetched per node, verified, counted and cleared across every primary; a primary
 killed mid-fetch gives a shorter restore or a miss (never an error), then its promoted replica
 serves."""
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -11,9 +10,8 @@ from cache_store.cluster import is_cluster, pool_router, primaries
 from cache_store.inventory import clear
 from jobs.connection import cache_connection, parse_url
 from jobs.settings import Settings
-from specprefill.attention.caches import layer_arrays
 from specprefill_cli.cache import cache_stats
-from tests.support.kv_blocks import prefilled, worker_store
+from tests.support.kv_blocks import assert_restored_prefix, prefilled, stored_chain, worker_store
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -33,11 +31,6 @@ def model():
     return make_model("llama", seed=1)
 
 
-def same_prefix(restored, cache, n):
-    for ours, theirs in zip(restored, cache):
-        a, b = layer_arrays(ours)[1], layer_arrays(theirs)[1]
-        for name in ("keys", "values"):
-            assert mx.array_equal(a[name], b[name][:, :, :n]).item()
 
 
 def test_a_cluster_url_gives_a_cluster_client_and_the_queue_refuses_one(client, cluster_url):
@@ -49,14 +42,11 @@ def test_a_cluster_url_gives_a_cluster_client_and_the_queue_refuses_one(client, 
 
 
 def test_blocks_spread_over_the_primaries_and_restore_exactly(client, model):
-    store = worker_store(client, model, block_size=BS)
-    cache, _ = prefilled(model, PROMPT)
-    assert store.store(PROMPT, cache) == 16
-    keys = store.raw_store.block_keys(PROMPT)
+    store, cache, keys = stored_chain(client, model, PROMPT, block_size=BS)
     assert len({pool_router(client)(key)[0] for key in keys}) == 3  # every node holds some
     restored, n = store.fetch(PROMPT)
     assert n == 16 * BS
-    same_prefix(restored, cache, n)
+    assert_restored_prefix(restored, cache, n)
     stats = store.stats()
     assert stats["hit_blocks"] == 16 and stats["blocks_written"] == 16 and stats["fetch_errors"] == 0
 
@@ -83,10 +73,7 @@ def test_stats_verify_and_clear_cover_every_primary(client, model):
 
 
 def test_a_primary_killed_mid_fetch_is_a_miss_then_its_replica_serves(redis_cluster, client, model):
-    store = worker_store(client, model, block_size=BS)
-    cache, _ = prefilled(model, PROMPT)
-    store.store(PROMPT, cache)
-    keys = store.raw_store.block_keys(PROMPT)
+    store, cache, keys = stored_chain(client, model, PROMPT, block_size=BS)
     redis_cluster.wait_synced()  # the replica that takes over holds every block
     victim = redis_cluster.primary_of_key(keys[8])
     values = store.raw_store._values
@@ -105,7 +92,7 @@ def test_a_primary_killed_mid_fetch_is_a_miss_then_its_replica_serves(redis_clus
         values.stream = real_stream
     assert n < 16 * BS  # a shorter restore or a miss, never an error
     if restored is not None:
-        same_prefix(restored, cache, n)
+        assert_restored_prefix(restored, cache, n)
     try:
         redis_cluster.wait_failover()
         for _ in range(50):  # the client finds the promoted replica on its next tries
@@ -113,7 +100,7 @@ def test_a_primary_killed_mid_fetch_is_a_miss_then_its_replica_serves(redis_clus
             if n == 16 * BS:
                 break
         assert n == 16 * BS
-        same_prefix(restored, cache, n)
+        assert_restored_prefix(restored, cache, n)
     finally:
         redis_cluster.restart(victim)  # it rejoins as a replica: the next tests see 3 + 3 again
         redis_cluster.wait_ok()

@@ -3,10 +3,8 @@ behind the job), read first, bounded in bytes with least-recently-used eviction,
 Redis value (a damaged file is a miss and is removed), shared by several processes."""
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import redis
@@ -14,11 +12,10 @@ import redis
 import tests.support.families as F
 from cache_store.local_tier import LocalTier
 from cache_store.trailing import SHARED_WRITES
-from specprefill.attention.caches import layer_arrays
 from specprefill.attention.probe import profile_model
 from specprefill.reuse import score_prompt_with_cache
 from tests.support.hybrid_blocks import assert_warm_is_cold
-from tests.support.kv_blocks import prefilled, worker_store
+from tests.support.kv_blocks import assert_restored_prefix, prefilled, worker_store
 from tests.support.tiny_models import make_model
 
 BS = 16
@@ -31,10 +28,6 @@ def model():
     return make_model("llama", seed=2)
 
 
-def same_prefix(restored, cache, n):
-    for ours, theirs in zip(restored, cache):
-        a, b = layer_arrays(ours)[1], layer_arrays(theirs)[1]
-        assert all(mx.array_equal(a[k], b[k][:, :, :n]).item() for k in ("keys", "values"))
 
 
 def test_a_fetch_fills_the_tier_and_the_next_one_reads_it_first(redis_url, tmp_path, model):
@@ -46,19 +39,24 @@ def test_a_fetch_fills_the_tier_and_the_next_one_reads_it_first(redis_url, tmp_p
     store = worker_store(client, model, block_size=BS, local=tier)
     restored, n = store.fetch(PROMPT)
     assert n == 8 * BS
-    same_prefix(restored, cache, n)
+    assert_restored_prefix(restored, cache, n)
     assert store.stats()["local_fills"] == 8 and tier.usage()["files"] == 8
     client.flushall()  # the shared store lost everything: this node still has the chain
     restored, n = store.fetch(PROMPT)
     assert n == 8 * BS and store.stats()["local_hit_blocks"] == 8
-    same_prefix(restored, cache, n)
+    assert_restored_prefix(restored, cache, n)
 
 
-def test_a_store_writes_the_tier_now_and_redis_behind_the_job(redis_url, tmp_path, model):
+@pytest.fixture
+def tiered(redis_url, tmp_path, model):
+    """(Redis client, the tier, a store with the tier in front, the prompt's cache)."""
     client = redis.Redis.from_url(redis_url)
     tier = LocalTier(tmp_path / "tier", 10**9)
-    store = worker_store(client, model, block_size=BS, local=tier)
-    cache, _ = prefilled(model, PROMPT)
+    return client, tier, worker_store(client, model, block_size=BS, local=tier), prefilled(model, PROMPT)[0]
+
+
+def test_a_store_writes_the_tier_now_and_redis_behind_the_job(tiered, model):
+    client, tier, store, cache = tiered
     assert store.store(PROMPT, cache) == 8
     assert tier.usage()["files"] == 8
     assert SHARED_WRITES.flush(10)
@@ -67,14 +65,11 @@ def test_a_store_writes_the_tier_now_and_redis_behind_the_job(redis_url, tmp_pat
     other_node = worker_store(client, model, block_size=BS)  # another node reads Redis
     restored, n = other_node.fetch(PROMPT)
     assert n == 8 * BS
-    same_prefix(restored, cache, n)
+    assert_restored_prefix(restored, cache, n)
 
 
-def test_a_damaged_file_is_a_miss_there_and_is_removed(redis_url, tmp_path, model):
-    client = redis.Redis.from_url(redis_url)
-    tier = LocalTier(tmp_path / "tier", 10**9)
-    store = worker_store(client, model, block_size=BS, local=tier)
-    cache, _ = prefilled(model, PROMPT)
+def test_a_damaged_file_is_a_miss_there_and_is_removed(tiered):
+    client, tier, store, cache = tiered
     store.store(PROMPT, cache)
     SHARED_WRITES.flush(10)
     keys = store.raw_store.block_keys(PROMPT)
@@ -84,7 +79,7 @@ def test_a_damaged_file_is_a_miss_there_and_is_removed(redis_url, tmp_path, mode
     path.write_bytes(bytes(data))
     restored, n = store.fetch(PROMPT)
     assert n == 3 * BS and store.stats()["corrupt_blocks"] == 1
-    same_prefix(restored, cache, n)
+    assert_restored_prefix(restored, cache, n)
     assert not path.exists() and client.exists(keys[3])  # the shared copy was fine
     assert store.fetch(PROMPT)[1] == 8 * BS  # read from Redis, and the tier filled again
     assert path.exists()

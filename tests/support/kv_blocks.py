@@ -87,3 +87,26 @@ def worker_store(client, model, *, block_size: int, namespace: str = "specprefil
     raw = RedisBlockStore(client, fp, namespace=namespace, block_size=block_size,
                           layout=block_layout_of(model, fresh), local=local)
     return BlockDraftCache(raw, fresh)
+
+
+def assert_restored_prefix(restored, cache, n_tokens: int) -> None:
+    """``restored`` (a fetch's cache, None for a miss) holds exactly the first ``n_tokens`` of
+    ``cache``'s keys and values, bit for bit."""
+    from specprefill.attention.caches import layer_arrays
+
+    if n_tokens == 0:
+        assert restored is None
+        return
+    for ours, theirs in zip(restored, cache):
+        a, b = layer_arrays(ours)[1], layer_arrays(theirs)[1]
+        for name in ("keys", "values"):
+            assert mx.array_equal(a[name], b[name][:, :, :n_tokens]).item(), name
+
+
+def stored_chain(client, model, tokens, *, block_size: int, **kwargs):
+    """``(store, cache, keys)``: ``tokens`` prefilled by ``model`` and stored through
+    :func:`worker_store` (``kwargs`` go to it), with the keys of its blocks."""
+    store = worker_store(client, model, block_size=block_size, **kwargs)
+    cache, _ = prefilled(model, tokens)
+    store.store(tokens, cache)
+    return store, cache, store.raw_store.block_keys(tokens)
