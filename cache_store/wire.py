@@ -193,7 +193,8 @@ class _Link:
         self.in_flight = 0
 
     def send(self, commands: Sequence[tuple]) -> None:
-        self.conn.send_packed_command(self.conn.pack_commands(commands))
+        # No health check: its PING's reply would be read by the parser while ours are in flight.
+        self.conn.send_packed_command(self.conn.pack_commands(commands), check_health=False)
         self.in_flight += len(commands)
 
     def receive(self) -> "ValueSource | None | redis.ResponseError":

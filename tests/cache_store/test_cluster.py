@@ -104,3 +104,22 @@ def test_a_primary_killed_mid_fetch_is_a_miss_then_its_replica_serves(redis_clus
     finally:
         redis_cluster.restart(victim)  # it rejoins as a replica: the next tests see 3 + 3 again
         redis_cluster.wait_ok()
+
+
+def test_the_memo_and_the_cache_command_on_the_cluster(client, cluster_url, model, capsys):
+    import json
+
+    from cache_store import SelectionMemo
+    from specprefill_cli.main import main
+
+    memo = SelectionMemo(client, "cd" * 32)
+    memo.put(list(range(50)), {"keep": 0.3}, [(0, 16), (40, 50)])
+    assert memo.get(list(range(50)), {"keep": 0.3}) == [(0, 16), (40, 50)]
+    stored_chain(client, model, PROMPT, block_size=BS)
+    assert main(["cache", "stats", "--json", "--redis-url", cluster_url]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["blocks"] == 16 and stats["memo_entries"] == 1 and stats["totals"]["memo_hits"] == 1
+    assert main(["cache", "verify", "--json", "--redis-url", cluster_url]) == 0
+    assert json.loads(capsys.readouterr().out)["valid_blocks"] == 16
+    assert main(["cache", "clear", "--yes", "--json", "--redis-url", cluster_url]) == 0
+    assert json.loads(capsys.readouterr().out)["deleted"]["blocks"] == 16
