@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import io  # noqa: E402
+import os  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -140,7 +141,8 @@ class DiskcacheTier:
         for kind in (True,) if whole else (True, False):
             handle = self.cache.get((key, kind), read=True)  # large values live in files: read in place
             if handle is not None:
-                return FileValue(handle)
+                with handle:
+                    return FileValue(os.dup(handle.fileno()))
         return None
 
     def put(self, key: str, parts, whole: bool) -> bool:

@@ -7,7 +7,7 @@ hash of the block key, written to a temporary name and renamed into place (a rea
 a whole value or none), and read straight into the fetch's arrays (``readinto``). Several
 worker processes may share one directory: names are unique per writer, a rename is atomic,
 and an eviction runs under a file lock; a file removed while another process reads it stays
-readable until closed. Reading a file marks it used (its mtime); when the directory holds
+readable until closed. Reading a file marks it used (its mtime, to the nearest 10 s); when the directory holds
 more than ``max_bytes``, the least recently used files go until it holds 90 % of it.
 Plain files, not ``diskcache``: ``bench/scale.py`` measures both for a warm fetch.
 """
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 _WHOLE, _PART = ".blk", ".part"  # a whole value; a value's header and token section
 _STALE_TMP_S = 3600  # a temporary file this old was left by a writer that died
 _RESCAN_SHARE = 0.05  # rescan the directory after writing this share of max_bytes
+_RECENT_S = 10.0  # a file used this recently is not marked again (a metadata write per read saved)
 
 
 class FileValue:
@@ -34,7 +35,8 @@ class FileValue:
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._pos = 0
-        self.length = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        self.length, self.mtime = st.st_size, st.st_mtime
 
     def readinto(self, view: memoryview) -> None:
         self.readinto_many([view])
@@ -66,18 +68,20 @@ class LocalTier:
             raise ValueError(f"max_bytes: {max_bytes!r}; allowed integers >= 1")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._root = str(self.directory)
         self.max_bytes = max_bytes
         self._written_since_scan = max_bytes  # scan (and bound) on the first write
         self._pid = os.getpid()
         self._serial = 0
 
-    def _path(self, key: str, suffix: str) -> Path:
+    def _path(self, key: str, suffix: str) -> str:
+        # Strings, not Path objects: a fetch looks up every block of a chain (Path parsing showed).
         name = hashlib.sha256(key.encode()).hexdigest()
-        return self.directory / name[:2] / (name + suffix)
+        return os.path.join(self._root, name[:2], name + suffix)
 
     def has(self, key: str, whole: bool = False) -> bool:
         """Whether a value of ``key`` is here (``whole``: the whole value; else its token section will do)."""
-        return self._path(key, _WHOLE).exists() or (not whole and self._path(key, _PART).exists())
+        return os.path.exists(self._path(key, _WHOLE)) or (not whole and os.path.exists(self._path(key, _PART)))
 
     def open(self, key: str, whole: bool) -> FileValue | None:
         """The value of ``key`` to read (marked used), or None; ``whole=False`` also takes a
@@ -91,17 +95,19 @@ class LocalTier:
             except OSError as exc:
                 log.warning("local tier: cannot read %s: %s", path, exc)
                 return None
-            try:
-                os.utime(fd)  # least recently used goes first
-            except OSError:
-                pass
-            return FileValue(fd)
+            value = FileValue(fd)
+            if time.time() - value.mtime > _RECENT_S:  # least recently used goes first
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass
+            return value
         return None
 
     def put(self, key: str, parts: Sequence[memoryview], whole: bool) -> bool:
         """Write a value of ``key`` from its bytes in order (``whole`` or its token section);
         False if the disk refused it (logged)."""
-        path = self._path(key, _WHOLE if whole else _PART)
+        path = Path(self._path(key, _WHOLE if whole else _PART))
         self._serial += 1
         tmp = path.with_name(f"{path.name}.tmp.{self._pid}.{self._serial}")
         try:
@@ -113,7 +119,7 @@ class LocalTier:
                 os.close(fd)
             os.replace(tmp, path)
             if whole:
-                self._path(key, _PART).unlink(missing_ok=True)
+                Path(self._path(key, _PART)).unlink(missing_ok=True)
         except OSError as exc:
             log.warning("local tier: cannot write %s: %s", path, exc)
             tmp.unlink(missing_ok=True)
@@ -126,7 +132,7 @@ class LocalTier:
     def remove(self, key: str) -> None:
         """Delete every value of ``key`` (a bad one found by a fetch)."""
         for suffix in (_WHOLE, _PART):
-            self._path(key, suffix).unlink(missing_ok=True)
+            Path(self._path(key, suffix)).unlink(missing_ok=True)
 
     def evict(self) -> int:
         """Bring the directory under ``max_bytes`` (to 90 % of it), least recently used first,

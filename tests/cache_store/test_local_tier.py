@@ -73,7 +73,7 @@ def test_a_damaged_file_is_a_miss_there_and_is_removed(tiered):
     store.store(PROMPT, cache)
     SHARED_WRITES.flush(10)
     keys = store.raw_store.block_keys(PROMPT)
-    path = tier._path(keys[3], ".blk")
+    path = Path(tier._path(keys[3], ".blk"))
     data = bytearray(path.read_bytes())
     data[-30] ^= 1
     path.write_bytes(bytes(data))
