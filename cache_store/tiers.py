@@ -101,6 +101,7 @@ class TieredValues(SharedValues):
         self._from_shared: set[str] = set()
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
+        self._from_shared = set()  # a fetch starts here: what it reads from Redis is noted anew
         here = [self.local.has(key, whole=False) for key in keys]
         if all(here):
             return list(here)
@@ -112,7 +113,7 @@ class TieredValues(SharedValues):
         evicted since the look is a value gone, like a key evicted in Redis)."""
         here = [self.local.has(command[1], whole=command[0] == "GET") for command in commands]
         shared = [c for c, h in zip(commands, here) if not h]
-        self._from_shared = {c[1] for c in shared}
+        self._from_shared |= {c[1] for c in shared}
         from_shared = super().stream(shared)
         try:
             for command, local in zip(commands, here):

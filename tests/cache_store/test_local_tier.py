@@ -149,3 +149,20 @@ def test_a_hybrid_chain_through_the_tier_is_warm_equals_cold(redis_url, tmp_path
         assert warm.cached_tokens == 64
         assert_warm_is_cold(warm, cold)
     assert other.stats()["local_hit_blocks"] == 4
+
+
+def test_a_bad_shared_block_is_deleted_in_redis_when_the_last_one_is_read_again(redis_url, tmp_path):
+    """A hybrid chain: the last block is bad in Redis, so the one before is read again for its
+    state; the bad block is still deleted where it was read (Redis), not looked for locally."""
+    model = F.build("qwen3_5", seed=3)
+    client = redis.Redis.from_url(redis_url)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, F.VOCAB, 70)]
+    writer = worker_store(client, model, block_size=BS)
+    score_prompt_with_cache(model, prompt, profile_model(model), writer, prefill_step=48, seed=2)
+    keys = writer.raw_store.block_keys(prompt)
+    value = bytearray(client.get(keys[3]))
+    value[-20] ^= 1  # its state section: only its whole read sees it
+    client.set(keys[3], bytes(value))
+    store = worker_store(client, model, block_size=BS, local=LocalTier(tmp_path, 10**9))
+    assert store.fetch(prompt)[1] == 48
+    assert not client.exists(keys[3]) and store.stats()["corrupt_blocks"] == 1
