@@ -43,7 +43,9 @@ def main() -> None:
         forbid_pickle()  # before rq or redis are imported
     sys.path.insert(0, str(TESTS))
     sys.path.insert(0, str(TESTS.parent))
-    from jobs.connection import queue_connection
+    import redis
+
+    from jobs.connection import parse_url, queue_connection
     from jobs.settings import Settings
     from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
     from worker.models import ModelPool, model_identity
@@ -58,7 +60,9 @@ def main() -> None:
                      identify=lambda n: "fake:" + n if n == known else model_identity(n),
                      warm=lambda m: None)
     backend = fake_backend(delay)
-    conn = queue_connection(url, settings)  # a redis+sentinel:// URL follows a failover
+    # A redis+sentinel:// URL through the service's own connection (it follows a failover);
+    # any other as the harness always made it.
+    conn = queue_connection(url, settings) if parse_url(url) else redis.Redis.from_url(url)
     runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
     run_worker(runtime, settings.queues, name=name, logging_level="INFO")
 
