@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from .codec import BlockLayout, CorruptBlockError, DecodedBlock, RawArray, bound_format, is_token_array
+from .codec import BlockLayout, CorruptBlockError, DecodedBlock, RawArray, bound_format
 from .wire import ValueSource
 
 HEAD_BYTES = 1 << 16  # read first when the header's size is not known beforehand
@@ -78,6 +78,8 @@ def _runs(a: np.ndarray) -> list[memoryview]:
     """``a`` as C-contiguous byte pieces in C order (a slot of a joined array: one per head)."""
     if a.flags.c_contiguous:
         return [memoryview(a).cast("B")]
+    if a.ndim > 1 and a.shape[0] == 1:  # the batch axis of a cache array: nothing to split
+        return _runs(a[0])
     return [run for sub in a for run in _runs(sub)]
 
 
@@ -94,6 +96,15 @@ def _head(source: ValueSource, head_bytes: int | None, *, fingerprint: str, n_to
         more = bytearray(min(source.length, _MAX_HEAD, 4 * len(head)) - len(head))
         source.readinto(memoryview(more))
         head += more
+
+
+def _read_hashed(reader: _Chained, runs: list[memoryview]) -> int:
+    """Read ``runs`` in turn, hashing each as soon as it is in: the 64-bit XXH3 of them all."""
+    h = xxhash.xxh3_64()
+    for run in runs:
+        reader.readinto_many([run])
+        h.update(run)
+    return h.intdigest()
 
 
 def _hash(runs: list[memoryview]) -> int:
@@ -119,13 +130,10 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
     read_state = state and whole
     destinations = place(fmt.layout, read_state)
     reader = _Chained(memoryview(head)[start:], source)
-    order = sorted(((i, spec) for i, layer in enumerate(fmt.specs) for spec in layer),
-                   key=lambda item: not is_token_array(item[1][0]))  # the token section first (stable)
     layers: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
     token_runs: list[memoryview] = []
     state_runs: list[memoryview] = []
-    for i, (name, dtype, bits_dtype, shape, _) in order:
-        token = is_token_array(name)
+    for i, (name, dtype, bits_dtype, shape, _), token in fmt.payload_order:
         if not token and not read_state:
             break
         out = destinations[(i, name)]
@@ -134,18 +142,25 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
         (token_runs if token else state_runs).extend(_runs(out))
         layers[i][name] = RawArray(dtype, out)
     trailer = bytearray(_TRAILER if read_state else 0)
-    reader.readinto_many([*token_runs, *state_runs, memoryview(trailer)])  # in value order
+    overlap = OVERLAP if background is None else background
+    if overlap:  # read it all (one call where the source can), check on the helper thread
+        reader.readinto_many([*token_runs, *state_runs, memoryview(trailer)])  # in value order
+        sums = None
+    else:  # check each piece right after it landed, while it is still in the cache
+        sums = (_read_hashed(reader, token_runs), _read_hashed(reader, state_runs))
+        reader.readinto_many([memoryview(trailer)])
     parts = [memoryview(head)[:start], *token_runs, *state_runs, memoryview(trailer)]
 
     def check() -> None:
-        if _hash(token_runs) != int.from_bytes(token_sum, "big"):
+        token_hash, state_hash = sums or (_hash(token_runs), _hash(state_runs))
+        if token_hash != int.from_bytes(token_sum, "big"):
             raise CorruptBlockError("checksum: token section does not match", "checksum")
-        if read_state and (trailer[0] != _UINT64 or _hash(state_runs) != int.from_bytes(trailer[1:], "big")):
+        if read_state and (trailer[0] != _UINT64 or state_hash != int.from_bytes(trailer[1:], "big")):
             raise CorruptBlockError("checksum: state section does not match", "checksum")
 
     block = DecodedBlock(n_tokens, [{name: layer[name] for name in sorted(layer)} for layer in layers], fmt.layout)
     # Without the state read, the parts are the value's header and token section.
-    return PendingBlock(block, parts, read_state, _verdict(check, OVERLAP if background is None else background))
+    return PendingBlock(block, parts, read_state, _verdict(check, overlap))
 
 
 def _verdict(check: Callable[[], None], background: bool) -> Future:

@@ -346,6 +346,13 @@ class ValueFormat:
     masked: bool  # the token checksum and digest sit where the encoder puts them (see _SUM_TAIL)
     uniform: bool  # every array has one dtype and shape (a plain K/V block)
 
+    @functools.cached_property
+    def payload_order(self) -> tuple[tuple[int, tuple, bool], ...]:
+        """``(layer index, array spec, is a token array)`` in payload order: the token section's
+        arrays, then the state section's (each in layer, name order). Worked out once per format."""
+        flat = [(i, spec, is_token_array(spec[0])) for i, layer in enumerate(self.specs) for spec in layer]
+        return tuple([a for a in flat if a[2]] + [a for a in flat if not a[2]])
+
 
 # Parsed prefixes seen recently, most recent last: every block of a store has the same one
 # but for its digest, so a fetch of many blocks parses the header once (a pure memo, like
