@@ -9,12 +9,14 @@
    (``RedisBlockStore.fetch`` behind ``BlockDraftCache``: values read off the socket straight
    into MLX-owned arrays, validated, rebuilt ``KVCache`` objects) against raw GETs of the same
    keys streamed the same way, a few requests ahead, with nothing done to the values but
-   redis-py's parser making them ``bytes`` (hiredis; ``cache_store.streamed_gets``): the wire's
-   own rate. Beside it, where the fetch's time goes outside the socket reads (header checks,
-   the copies out of the read buffer, rebuilding the cache; the checksums run on a helper
-   thread, overlapped). For context: one pipeline of all 64 GETs, and the streamed raw GETs
-   with redis-py's own Python parser (why hiredis is a dependency), over TCP loopback and a
-   unix socket.
+   redis-py's parser making them ``bytes`` (hiredis; ``cache_store.streamed_gets``), kept as
+   they come: the wire's own rate for a chain that ends up in memory. Raw GETs that drop each
+   value as the next comes are shown beside it: they write every value into the same freed,
+   cache-hot buffer, while any reader of a chain (the fetch included) writes 64 MiB of new
+   memory. Beside it too, where the fetch's time goes outside its socket reads (making the MLX
+   arrays, header checks, Python, the rebuild). For context: one pipeline of all 64 GETs, and
+   the streamed raw GETs with redis-py's own Python parser (why hiredis is a dependency), over
+   TCP loopback and a unix socket.
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
@@ -144,38 +146,38 @@ def _chain_layout(layers: int = 4, kv_heads: int = 2, head_dim: int = 64) -> lis
 
 
 class _Clock:
-    """Time spent inside the socket reads of the block store's wire reader, and in checksums."""
+    """Time a fetch spends inside its socket reads (the block store's wire reader), making its
+    MLX destinations (``MlxDestinations``: allocation and MLX's zero fill) and in checksums run
+    on the helper thread; the rest is header checks, Python, the rebuild and the bookkeeping."""
 
     def __init__(self) -> None:
-        self.socket = self.checksums = 0.0
+        self.socket = self.allocate = self.checksums = 0.0
+
+    def _timed(self, fn, field: str):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+        return timed
 
     def __enter__(self) -> "_Clock":
         from cache_store import block_reader, wire
+        from specprefill import kv_arrays
 
-        self._saved = (wire._SocketReader._recv_into, block_reader._hash)
-        recv, hash_ = self._saved
-
-        def timed_recv(reader, view):
-            start = time.perf_counter()
-            try:
-                return recv(reader, view)
-            finally:
-                self.socket += time.perf_counter() - start
-
-        def timed_hash(runs):
-            start = time.perf_counter()
-            try:
-                return hash_(runs)
-            finally:
-                self.checksums += time.perf_counter() - start
-
-        wire._SocketReader._recv_into, block_reader._hash = timed_recv, timed_hash
+        self._saved = (wire._SocketReader._recv_into, kv_arrays.MlxDestinations.__call__, block_reader._hash)
+        recv, allocate, hash_ = self._saved
+        wire._SocketReader._recv_into = self._timed(recv, "socket")
+        kv_arrays.MlxDestinations.__call__ = self._timed(allocate, "allocate")
+        block_reader._hash = self._timed(hash_, "checksums")
         return self
 
     def __exit__(self, *exc) -> None:
         from cache_store import block_reader, wire
+        from specprefill import kv_arrays
 
-        wire._SocketReader._recv_into, block_reader._hash = self._saved
+        wire._SocketReader._recv_into, kv_arrays.MlxDestinations.__call__, block_reader._hash = self._saved
 
 
 def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
@@ -199,19 +201,23 @@ def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
         values = pipe.execute()
         assert all(v is not None for v in values)
 
-    def raw_streamed(client):
+    def raw_streamed(client):  # each value dropped as the next comes: one buffer, reused, cache-hot
         assert all(v is not None for v in streamed_gets(client, keys))
+
+    def raw_kept(client):  # the chain's values kept, as any reader of a chain must hold them
+        values = list(streamed_gets(client, keys))
+        assert all(v is not None for v in values)
 
     def store_fetch(store):
         cache, n = store.fetch(tokens)
         assert n == n_tokens
         mx.eval([c.state[:2] for c in cache])
 
-    times = {name: {"raw": [], "streamed": [], "store": []} for name in clients}
+    times = {name: {"raw": [], "streamed": [], "kept": [], "store": []} for name in clients}
     for rep in range(repeats + 1):  # the first round warms up
         for name in clients:
             for kind, fn, arg in (("raw", raw_gets, clients[name]), ("streamed", raw_streamed, clients[name]),
-                                  ("store", store_fetch, stores[name])):
+                                  ("kept", raw_kept, clients[name]), ("store", store_fetch, stores[name])):
                 start = time.perf_counter()
                 fn(arg)
                 if rep:
@@ -220,11 +226,16 @@ def bench_transport(clients: dict[str, redis.Redis], n_blocks: int = 64,
                   **{f"{kind}_median": statistics.median(t[kind]) for kind in t}}
            for name, t in times.items()}
     for name, store in stores.items():  # where a fetch's time goes, measured apart (timers cost a little)
-        with _Clock() as clock:
-            start = time.perf_counter()
-            store_fetch(store)
-            out[name]["clocked"] = time.perf_counter() - start
-        out[name]["socket"], out[name]["checksums"] = clock.socket, clock.checksums
+        best = None
+        for _ in range(3):
+            with _Clock() as clock:
+                start = time.perf_counter()
+                store_fetch(store)
+                total = time.perf_counter() - start
+            if best is None or total < best[0]:
+                best = (total, clock)
+        out[name].update(clocked=best[0], socket=best[1].socket, allocate=best[1].allocate,
+                         checksums=best[1].checksums)
     return out
 
 
@@ -283,12 +294,16 @@ def transport_rows(server: EmbeddedRedis, rows: list, n_blocks: int = 64,
         t = results["hiredis", where]
         rows.append((f"transport ({where}): fetch of a {n_blocks}-block chain",
                      f"{t['bytes'] / t['store'] / GB:.2f} GB/s ({t['store'] * 1e3:.0f} ms)",
-                     f"raw GETs streamed (hiredis) {t['bytes'] / t['streamed'] / GB:.2f} GB/s "
-                     f"({t['streamed'] * 1e3:.0f} ms)", f"{t['streamed'] / t['store']:.2f}"))
-        rows.append(("  the fetch outside its socket reads (checks, MLX allocation, rebuild, bookkeeping)",
-                     f"{(t['clocked'] - t['socket']) * 1e3:.1f} ms of {t['clocked'] * 1e3:.1f} ms",
-                     f"checksums {t['checksums'] * 1e3:.1f} ms on the helper thread (overlapped)" if OVERLAP
-                     else "checksums inline, each piece as it lands (2 cores or fewer)", ""))
+                     f"raw GETs streamed, values kept (hiredis) {t['bytes'] / t['kept'] / GB:.2f} GB/s "
+                     f"({t['kept'] * 1e3:.0f} ms)", f"{t['kept'] / t['store']:.2f}"))
+        rows.append(("  context: raw GETs streamed, each value dropped as the next comes", "",
+                     f"{t['bytes'] / t['streamed'] / GB:.2f} GB/s ({t['streamed'] * 1e3:.0f} ms)",
+                     f"{t['streamed'] / t['store']:.2f}"))
+        rows.append(("  a timed fetch: outside its socket reads / of which MLX allocation (zero fill)",
+                     f"{(t['clocked'] - t['socket']) * 1e3:.1f} of {t['clocked'] * 1e3:.1f} ms",
+                     f"{t['allocate'] * 1e3:.1f} ms; " + (f"checksums {t['checksums'] * 1e3:.1f} ms on the helper "
+                                                        "thread" if OVERLAP else "checksums inline as pieces land"),
+                     ""))
         rows.append(("  context: raw GETs, one pipeline", "", f"{t['bytes'] / t['raw'] / GB:.2f} GB/s "
                      f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))
         slow = results["python", where]
@@ -299,8 +314,8 @@ def transport_rows(server: EmbeddedRedis, rows: list, n_blocks: int = 64,
     for c in clients.values():
         c.close()
     tcp, unix = results["hiredis", "TCP"], results["hiredis", "unix"]
-    return [("transport_vs_raw_gets", tcp["streamed"] / tcp["store"], ">=", GOALS["transport"]),
-            ("transport_vs_raw_gets_unix", unix["streamed"] / unix["store"], ">=", GOALS["transport"]),
+    return [("transport_vs_raw_gets", tcp["kept"] / tcp["store"], ">=", GOALS["transport"]),
+            ("transport_vs_raw_gets_unix", unix["kept"] / unix["store"], ">=", GOALS["transport"]),
             ("hiredis_vs_python_parser_gets", results["python", "TCP"]["streamed"] / tcp["streamed"], ">=",
              GOALS["hiredis"])]
 

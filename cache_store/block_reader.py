@@ -61,6 +61,9 @@ class _Chained:
         self._leftover = leftover
         self._source = source
 
+    def readinto(self, view: memoryview) -> None:
+        self.readinto_many([view])
+
     def readinto_many(self, views: list[memoryview]) -> None:
         rest = []
         for view in views:
@@ -98,12 +101,13 @@ def _head(source: ValueSource, head_bytes: int | None, *, fingerprint: str, n_to
         head += more
 
 
-def _read_hashed(reader: _Chained, runs: list[memoryview]) -> int:
+def _read_hashed(reader: ValueSource, runs: list[memoryview]) -> int:
     """Read ``runs`` in turn, hashing each as soon as it is in: the 64-bit XXH3 of them all."""
     h = xxhash.xxh3_64()
+    read, update = reader.readinto, h.update
     for run in runs:
-        reader.readinto_many([run])
-        h.update(run)
+        read(run)
+        update(run)
     return h.intdigest()
 
 
@@ -129,7 +133,8 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
         raise CorruptBlockError(f"value: {source.length} bytes, payload says {end + _TRAILER} (truncated or padded)")
     read_state = state and whole
     destinations = place(fmt.layout, read_state)
-    reader = _Chained(memoryview(head)[start:], source)
+    leftover = memoryview(head)[start:]  # payload bytes read with the head (none when its size is known)
+    reader = _Chained(leftover, source) if len(leftover) else source
     layers: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
     token_runs: list[memoryview] = []
     state_runs: list[memoryview] = []

@@ -157,10 +157,11 @@ class BulkValue:
         self.remaining = length
 
     def readinto(self, view: memoryview) -> None:
-        if len(view) > self.remaining:
+        n = len(view)
+        if n > self.remaining:
             raise ValueError("read past the end of the value")
         self._reader.readinto(view)
-        self.remaining -= len(view)
+        self.remaining -= n
 
     def readinto_many(self, views: Sequence[memoryview]) -> None:
         for view in views:
