@@ -401,10 +401,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-sizes", action="store_true", help="skip the per-model block sizes (4.)")
     parser.add_argument("--quick", action="store_true",
-                        help="seconds: a 16-block chain, one 1024-token prompt once, no sizes (the same code)")
+                        help="seconds: a 16-block chain, one 2048-token prompt twice, no sizes (the same code)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.lengths, opts.repeats, opts.no_sizes = [1024], 1, True
+        opts.lengths, opts.repeats, opts.no_sizes = [2048], 2, True
 
     print(f"BLAS: {blas_in_use()}")
     rows: list[tuple[str, str, str, str]] = []
