@@ -8,6 +8,7 @@ import pytest
 from cache_store import verify_namespace
 from cache_store.cluster import is_cluster, pool_router, primaries
 from cache_store.inventory import clear
+from cache_store.trailing import BOOKKEEPING
 from jobs.connection import cache_connection, parse_url
 from jobs.settings import Settings
 from specprefill_cli.cache import cache_stats
@@ -56,6 +57,7 @@ def test_stats_verify_and_clear_cover_every_primary(client, model):
     cache, _ = prefilled(model, PROMPT)
     store.store(PROMPT, cache)
     store.fetch(PROMPT)
+    BOOKKEEPING.flush()  # its counters are written behind it
     keys = store.raw_store.block_keys(PROMPT)
     value = bytearray(client.get(keys[5]))
     value[-20] ^= 1
