@@ -24,7 +24,7 @@ from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
 SETTINGS = Settings.from_env()
 preload_openblas(SETTINGS.openblas, SETTINGS.openblas_path or None)
 
-__all__ = ["ROOT", "SETTINGS", "blas_in_use", "verdict"]
+__all__ = ["ROOT", "SETTINGS", "blas_in_use", "report", "verdict"]
 
 
 def verdict(name: str, value: float, op: str, bound: float, shown: str | None = None) -> bool:
@@ -32,3 +32,18 @@ def verdict(name: str, value: float, op: str, bound: float, shown: str | None = 
     ok = value <= bound if op == "<=" else value >= bound
     print(f"target {name}: {shown or f'{value:.4g}'} (goal {op} {bound}) {'PASS' if ok else 'FAIL'}")
     return ok
+
+
+def report(rows: list[tuple[str, str, str, str]], verdicts: list[tuple[str, float, str, float]]) -> int:
+    """Print the table of ``rows`` (measurement, this, against, ratio) and a verdict line per
+    target; the exit status: 1 if any target failed, else 0."""
+    print()
+    print("| measurement | this | against | ratio |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print()
+    failed = False
+    for name, value, op, bound in verdicts:
+        failed |= not verdict(name, value, op, bound)
+    return 1 if failed else 0

@@ -227,10 +227,21 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
 def token_section_end(fingerprint: str, n_tokens: int, layout: BlockLayout) -> int:
     """How many leading bytes of a block laid out as ``layout`` (``DecodedBlock.layout``) hold its
     header and token section: what ``decode_block(..., state=False)`` needs."""
+    header, token_bytes = _section_sizes(fingerprint, n_tokens, layout)
+    return header + token_bytes
+
+
+def header_end(fingerprint: str, n_tokens: int, layout: BlockLayout) -> int:
+    """How many leading bytes of a block laid out as ``layout`` come before its payload (the
+    header and the payload's marker): :attr:`ValueFormat.payload_start` of such a value."""
+    return _section_sizes(fingerprint, n_tokens, layout)[0]
+
+
+def _section_sizes(fingerprint: str, n_tokens: int, layout: BlockLayout) -> tuple[int, int]:
     specs = tuple(tuple((name, dtype, tuple(shape)) for name, dtype, shape in layer) for layer in layout)
     sizes = [(name, DTYPES[dtype].itemsize * math.prod(shape)) for layer in specs for name, dtype, shape in layer]
     prefix = _aligned_prefix(fingerprint, n_tokens, specs, sum(size for _, size in sizes))
-    return len(prefix) + sum(size for name, size in sizes if is_token_array(name))
+    return len(prefix), sum(size for name, size in sizes if is_token_array(name))
 
 
 @functools.lru_cache(maxsize=64)
@@ -323,7 +334,7 @@ class _ViewReader:
 
 
 @dataclass(frozen=True)
-class _Format:
+class ValueFormat:
     """A parsed and validated value prefix (header and payload marker)."""
 
     prefix: bytes
@@ -336,11 +347,18 @@ class _Format:
     masked: bool  # the token checksum and digest sit where the encoder puts them (see _SUM_TAIL)
     uniform: bool  # every array has one dtype and shape (a plain K/V block)
 
+    @functools.cached_property
+    def payload_order(self) -> tuple[tuple[int, tuple, bool], ...]:
+        """``(layer index, array spec, is a token array)`` in payload order: the token section's
+        arrays, then the state section's (each in layer, name order). Worked out once per format."""
+        flat = [(i, spec, is_token_array(spec[0])) for i, layer in enumerate(self.specs) for spec in layer]
+        return tuple([a for a in flat if a[2]] + [a for a in flat if not a[2]])
+
 
 # Parsed prefixes seen recently, most recent last: every block of a store has the same one
 # but for its digest, so a fetch of many blocks parses the header once (a pure memo, like
 # ``re``'s pattern cache). Bounded LRU; the lock makes lookups safe from several threads.
-_FORMATS: OrderedDict[bytes, _Format] = OrderedDict()
+_FORMATS: OrderedDict[bytes, ValueFormat] = OrderedDict()
 _FORMATS_LOCK = threading.Lock()
 _MAX_FORMATS = 16
 
@@ -352,9 +370,9 @@ def _masked(view: memoryview | bytes, n: int) -> bytes:
             + bytes(DIGEST_BYTES) + bytes(view[n - 5:n]))
 
 
-def _same_prefix(view: memoryview, fmt: _Format) -> bool:
+def _same_prefix(view: memoryview, fmt: ValueFormat) -> bool:
     n = len(fmt.prefix)
-    if len(view) <= n:
+    if len(view) < n:
         return False
     if not fmt.masked:
         return view[:n] == fmt.prefix
@@ -362,7 +380,7 @@ def _same_prefix(view: memoryview, fmt: _Format) -> bool:
     return all(view[a:b] == fmt.prefix[a:b] for a, b in spans)
 
 
-def _known_format(view: memoryview) -> tuple[_Format, bytes, bytes] | None:
+def _known_format(view: memoryview) -> tuple[ValueFormat, bytes, bytes] | None:
     """A remembered format this value has, and the value's digest and token checksum."""
     with _FORMATS_LOCK:
         for key, fmt in _FORMATS.items():
@@ -376,7 +394,7 @@ def _known_format(view: memoryview) -> tuple[_Format, bytes, bytes] | None:
     return None
 
 
-def _remember_format(fmt: _Format) -> None:
+def _remember_format(fmt: ValueFormat) -> None:
     key = _masked(fmt.prefix, len(fmt.prefix)) if fmt.masked else fmt.prefix
     with _FORMATS_LOCK:
         _FORMATS[key] = fmt
@@ -404,7 +422,7 @@ def read_header(value: bytes | memoryview) -> tuple[dict, int]:
     return header, payload_at
 
 
-def _read_format(view: memoryview, n_tokens: int) -> _Format:
+def _read_format(view: memoryview, n_tokens: int) -> ValueFormat:
     header, payload_at = read_header(view)
     if header.get("version") != FORMAT_VERSION:
         version = header.get("version")
@@ -437,10 +455,31 @@ def _read_format(view: memoryview, n_tokens: int) -> _Format:
     layout = tuple(tuple((name, dtype, shape) for name, dtype, _, shape, _ in layer) for layer in specs)
     flat = [(a[1], a[3]) for layer in specs for a in layer]
     token_length = sum(a[4] for layer in specs for a in layer if is_token_array(a[0]))
-    fmt = _Format(bytes(view[:start]), header, specs, layout, start, length, token_length, masked,
+    fmt = ValueFormat(bytes(view[:start]), header, specs, layout, start, length, token_length, masked,
                   flat.count(flat[0]) == len(flat))
     _remember_format(fmt)
     return fmt
+
+
+def bound_format(head: memoryview, *, fingerprint: str, n_tokens: int, digest: bytes) -> tuple[ValueFormat, bytes]:
+    """The format of the value whose first bytes are ``head`` (at least its header and payload
+    marker: :attr:`ValueFormat.payload_start` bytes), checked against the model's fingerprint,
+    the token count and the key's ``digest``; and the value's token checksum (8 bytes).
+    :class:`CorruptBlockError` saying which check failed."""
+    known = _known_format(head)
+    if known is None:
+        fmt = _read_format(head, n_tokens)
+        stored_digest, token_sum = fmt.header["digest"], fmt.header["token_checksum"]
+    else:
+        fmt, stored_digest, token_sum = known
+    header = fmt.header
+    if header.get("fingerprint") != fingerprint:
+        raise CorruptBlockError("fingerprint: block belongs to another model or layout", "fingerprint")
+    if header.get("tokens") != n_tokens:
+        raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
+    if stored_digest != digest:
+        raise CorruptBlockError("key: a valid block of another key (its digest names another prefix)", "key")
+    return fmt, token_sum
 
 
 def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
@@ -454,19 +493,7 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
     the token section is checked and returned (``layout`` still describes every array).
     """
     view = memoryview(value)
-    known = _known_format(view)
-    if known is None:
-        fmt = _read_format(view, n_tokens)
-        stored_digest, token_sum = fmt.header["digest"], fmt.header["token_checksum"]
-    else:
-        fmt, stored_digest, token_sum = known
-    header = fmt.header
-    if header.get("fingerprint") != fingerprint:
-        raise CorruptBlockError("fingerprint: block belongs to another model or layout", "fingerprint")
-    if header.get("tokens") != n_tokens:
-        raise CorruptBlockError(f"tokens: {header.get('tokens')!r}, expected {n_tokens}")
-    if stored_digest != digest:
-        raise CorruptBlockError("key: a valid block of another key (its digest names another prefix)", "key")
+    fmt, token_sum = bound_format(view, fingerprint=fingerprint, n_tokens=n_tokens, digest=digest)
     start, end = fmt.payload_start, fmt.payload_start + fmt.payload_length
     token_end = start + fmt.token_length
     whole = end + 9 == len(view) and view[end] == _UINT64
@@ -480,7 +507,7 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
     return DecodedBlock(n_tokens, _payload_arrays(data, fmt, state), fmt.layout)
 
 
-def _payload_arrays(data: np.ndarray, fmt: _Format, state: bool = True) -> list[dict[str, RawArray]]:
+def _payload_arrays(data: np.ndarray, fmt: ValueFormat, state: bool = True) -> list[dict[str, RawArray]]:
     """Per layer, views of its arrays in the payload bytes ``data`` (token section first, then,
     with ``state``, the state section)."""
     flat = [(i, spec) for i, layer in enumerate(fmt.specs) for spec in layer]

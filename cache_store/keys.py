@@ -160,9 +160,10 @@ def layout_key(namespace: str, fingerprint: str) -> str:
 
 def key_patterns(namespace: str) -> dict[str, str]:
     """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo
-    entries and the model names (every key of the store matches exactly one)."""
+    entries, the model names and the layout records (every key of the store matches exactly one)."""
     return {"blocks": f"{namespace}:kv:*", "stats": stats_key(namespace, "*"),
-            "memo": f"{namespace}:memo:*", "models": models_key(namespace)}
+            "memo": f"{namespace}:memo:*", "models": models_key(namespace),
+            "layouts": layout_key(namespace, "*")}
 
 
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:

@@ -14,19 +14,23 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import closing
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import redis
 
-from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, decode_block, encode_block,
+from .block_reader import PendingBlock, read_block
+from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, encode_block, header_end,
                     is_token_array, token_section_end)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, layout_key, models_key, stats_key)
+from .local_tier import LocalTier
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
 from .replies import as_int, as_text
-from .streamed_gets import streamed_replies
+from .tiers import SharedValues, TieredValues
+from .trailing import BOOKKEEPING
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ REDIS_COUNTERS = (
     "missed_blocks",   # full blocks fetch looked for but did not restore
     "bytes_read",      # bytes of valid and corrupt values read by fetch
     "corrupt_blocks",  # bad values found (deleted)
+    "vanished_blocks", # found by fetch's probe, gone when read (expired or evicted in between)
+    "chain_holes",     # fetches that found a later block stored behind a missing one (evicted)
     "stores",          # store calls that had blocks to write
     "blocks_written",  # blocks written by store (SET NX won)
     "bytes_written",
@@ -47,6 +53,22 @@ REDIS_COUNTERS = (
 LOCAL_COUNTERS = ("fetch_errors", "store_errors", "stats_errors")
 
 _BATCH_BLOCKS = 64  # blocks per pipelined SET round trip; bounds the memory of one batch
+
+
+@dataclass
+class _FetchTally:
+    """What one fetch found, for its counters (written behind it)."""
+
+    hit_keys: list[str] = field(default_factory=list)
+    missed: int = 0
+    bytes_read: int = 0
+    vanished: int = 0
+    holes: int = 0
+    corrupt: list[str] = field(default_factory=list)
+
+
+class _PlaceFailed(RuntimeError):
+    """The arrays a block goes to could not be made here (memory): not the block's fault."""
 
 
 def _block_layout(layout: Sequence[Mapping[str, Any]], block_size: int) -> BlockLayout:
@@ -88,14 +110,17 @@ class RedisBlockStore:
     ``specprefill.draft_cache.block_layout_of`` the model, as the worker wires it) makes
     ``fetch`` reject, as corrupt, well-formed blocks that do not hold this model's layers;
     without it every block must match the chain's first one. Either way each block's layout
-    is compared once.
+    is compared once. ``client`` may be a ``RedisCluster`` (:mod:`cache_store.cluster`).
+    ``local``: this node's :class:`cache_store.local_tier.LocalTier`, read first and filled by
+    fetches; stores write it at once and Redis behind the job (:class:`cache_store.tiers.TieredValues`).
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
                  block_size: int = 256, ttl_s: int = 86400,
                  layout: Sequence[Mapping[str, Any]] | None = None,
-                 model: Mapping[str, str] | None = None) -> None:
+                 model: Mapping[str, str] | None = None, local: LocalTier | None = None) -> None:
         self.client = client
+        self._values = SharedValues(client) if local is None else TieredValues(client, local)
         # How results name this model ({"model": identity, "name": ...}): recorded next to
         # the counters so ``cache stats`` shows the names results use, not the fingerprint.
         self._model_label = None if model is None else canonical_json(dict(model))
@@ -110,6 +135,9 @@ class RedisBlockStore:
         # whole only for a prefix's last block); None: blocks are read whole.
         self._token_end = (token_section_end(self.fingerprint, self.block_size, self._expected)
                            if self._expected is not None and _has_state(self._expected) else None)
+        # A block's header size, known from the layout: the first read takes exactly the header.
+        self._head_bytes = (None if self._expected is None
+                            else header_end(self.fingerprint, self.block_size, self._expected))
 
     def block_keys(self, tokens) -> list[str]:
         """Redis keys of the full blocks of ``tokens``, in prompt order."""
@@ -126,131 +154,148 @@ class RedisBlockStore:
         default numpy; the stored bytes are not pinned): token arrays holding the first
         ``n_tokens`` tokens (the blocks' joined), state arrays as the prefix's last block holds
         them; or ``(None, 0)``. One round trip finds how many leading blocks are stored, then
-        their values stream in a few at a time, each checked and copied into place as it comes.
-        Stops at the first missing, corrupt or mismatched block; corrupt ones (a valid block
-        under another key included) are deleted and counted, and their TTL never renewed.
-        A Redis error ends the lookup there: the blocks validated before it are still returned.
+        their values stream in a few at a time, each read straight into its place and checked
+        (the check of one overlapping the read of the next). Stops at the first missing,
+        corrupt or mismatched block; corrupt ones (a valid block under another key included)
+        are deleted and counted, and their TTL never renewed. A Redis error ends the lookup
+        there: the blocks validated before it are still returned. The counters and TTL
+        renewals are written behind the caller (:data:`cache_store.trailing.BOOKKEEPING`).
         """
         digests = block_digests(self.fingerprint, np.asarray(tokens)[:-1], self.block_size)
         keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
+        tally = _FetchTally()
         try:
-            n_stored = self._stored_run(keys)
+            n_stored = self._stored_run(keys, tally)
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: fetch failed, treating as a miss: %s", exc)
             return None, 0
         prefix = PrefixAssembler(self.block_size, n_stored, allocate)
-        corrupt: list[str] = []
-        bytes_read = self._stream_into(prefix, keys[:n_stored], digests, corrupt)
+        self._stream_into(prefix, keys[:n_stored], digests, tally)
         if prefix.needs_state:  # the last stored block failed after the one before it was read in part
-            bytes_read += self._state_of_last(prefix, keys, digests, corrupt)
+            self._state_of_last(prefix, keys, digests, tally)
         # Without the last block's state there is no prefix (never an earlier block's state).
         layers = None if prefix.needs_state else self._result(prefix)
         n_blocks = prefix.n_blocks if layers is not None else 0
-        self._record_fetch(keys[:n_blocks], len(keys) - n_blocks, n_blocks * self.block_size, bytes_read, corrupt)
+        tally.hit_keys = keys[:n_blocks]
+        tally.missed = len(keys) - n_blocks
+        if tally.corrupt:  # rare: deleted now, so no other reader meets them
+            self._delete_corrupt(tally.corrupt)
+        BOOKKEEPING.submit(lambda: self._record_fetch(tally))
         return layers, n_blocks * self.block_size
 
-    def _stored_run(self, keys: list[str]) -> int:
-        """How many leading ``keys`` are stored (one pipelined round trip, which counts the lookup)."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(key)
-        pipe.hincrby(self._stats_key, "lookups", 1)
-        results = pipe.execute(raise_on_error=False)
-        self._count_stats_failures(results[len(keys):])
+    def _stored_run(self, keys: list[str], tally: "_FetchTally") -> int:
+        """How many leading ``keys`` are stored (one pipelined round trip); counts a hole (a
+        later block stored while an earlier one is not: evicted from the middle of a chain)."""
+        results = self._values.stored(keys) if keys else []
         n = 0
-        for present in results[:len(keys)]:
+        for present in results:
             if isinstance(present, Exception):
                 self.local_counters["fetch_errors"] += 1
                 log.warning("block store: EXISTS failed, treating as a miss: %s", present)
-                break
+                return n
             if not present:
                 break
             n += 1
+        if any(p is True or (isinstance(p, int) and p > 0) for p in results[n:]):
+            tally.holes = 1
         return n
 
     def _stream_into(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
-                     corrupt: list[str]) -> int:
-        """Read ``keys`` a few at a time, adding each valid block to ``prefix`` until one is not;
-        returns bytes read. Only the last block's state is used, so with a layout that has state
-        arrays the blocks before it are read up to their token section's end (``GETRANGE``)."""
-        n_read = 0
+                     tally: "_FetchTally") -> None:
+        """Read ``keys`` a few at a time, each straight into ``prefix``, until one is not valid.
+        Only the last block's state is used, so with a layout that has state arrays the blocks
+        before it are read up to their token section's end (``GETRANGE``)."""
         last = len(keys) - 1
         commands = [("GET", key) if i == last or self._token_end is None
                     else ("GETRANGE", key, 0, self._token_end - 1) for i, key in enumerate(keys)]
+        pending = None  # the block read before this one, its checksums being checked
         try:
-            with closing(streamed_replies(self.client, commands)) as values:
-                for i, (key, digest, value) in enumerate(zip(keys, digests, values)):
-                    whole = commands[i][0] == "GET"
-                    if value == b"" and not whole:  # GETRANGE of a key that is gone
-                        value = None
-                    if value is not None and not isinstance(value, Exception):
-                        n_read += len(value)
-                    if not self._take(key, digest, value, prefix, corrupt, state=whole):
-                        break
+            with closing(self._values.stream(commands)) as values:
+                for i, (key, digest, source) in enumerate(zip(keys, digests, values)):
+                    read = self._read(key, digest, source, prefix, tally, state=commands[i][0] == "GET")
+                    before, pending = pending, None
+                    if before is not None and not self._commit(*before, prefix.commit, tally):
+                        return
+                    pending = None if read is None else (key, read)
+                    if read is None:
+                        return
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             # The blocks already validated are a correct prefix: use them.
             log.warning("block store: fetch failed after %d blocks, using those: %s", prefix.n_blocks, exc)
-        return n_read
+        finally:
+            if pending is not None:
+                self._commit(*pending, prefix.commit, tally)
 
     def _state_of_last(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
-                       corrupt: list[str]) -> int:
-        """Read the prefix's last block whole for its state arrays; returns bytes read. If that
-        fails, the prefix has no state and is a miss (never an earlier block's state)."""
+                       tally: "_FetchTally") -> None:
+        """Read the prefix's last block whole for its state arrays. If that fails, the prefix has
+        no state and is a miss (never an earlier block's state)."""
         i = prefix.n_blocks - 1
         try:
-            value = self.client.get(keys[i])
+            with closing(self._values.stream([("GET", keys[i])])) as values:
+                read = self._read(keys[i], digests[i], next(values), prefix, tally, state=True,
+                                  place=prefix.place_state)
+                if read is not None:
+                    self._commit(keys[i], read, prefix.take_state, tally)
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not read the state of %s: %s", keys[i], exc)
-            return 0
-        self._take(keys[i], digests[i], value, prefix, corrupt, use=prefix.take_state)
-        return 0 if value is None else len(value)
 
-    def _take(self, key: str, digest: bytes, value: Any, prefix: PrefixAssembler, corrupt: list[str],
-              state: bool = True, use: Callable[[DecodedBlock], None] | None = None) -> bool:
-        """Add the block in ``value`` (with its state section or, ``state=False``, its token
-        section only) to ``prefix`` (or hand it to ``use``) if it is valid; False ends the prefix
-        there."""
-        if value is None:  # gone since it was found (TTL, eviction)
-            return False
-        if isinstance(value, Exception):
+    def _read(self, key: str, digest: bytes, source: Any, prefix: PrefixAssembler, tally: "_FetchTally",
+              state: bool, place: Callable | None = None) -> PendingBlock | None:
+        """The block in ``source`` read into ``prefix``'s places (``place``, default the next
+        slot), its checksums pending; None ends the prefix there (gone, failed or corrupt)."""
+        if source is None or (not state and source.length == 0):  # gone since the probe (TTL, eviction)
+            tally.vanished += 1
+            return None
+        if isinstance(source, Exception):
             self.local_counters["fetch_errors"] += 1
-            log.warning("block store: GET %s failed, treating as a miss: %s", key, value)
-            return False
+            log.warning("block store: GET %s failed, treating as a miss: %s", key, source)
+            return None
+        tally.bytes_read += source.length
         try:
-            block = self._decode(value, digest, prefix, state)
-        except MemoryError:  # this process's trouble, not the block's
+            return read_block(source, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest,
+                              state=state, head_bytes=self._head_bytes,
+                              place=lambda layout, st: self._place(prefix, layout, st, place or prefix.place))
+        except (MemoryError, _PlaceFailed) as exc:  # this process's trouble, not the block's
             self.local_counters["fetch_errors"] += 1
-            log.warning("block store: out of memory decoding %s, treating as a miss", key)
-            return False
+            log.warning("block store: could not read %s here, the prefix ends before it: %s", key, exc)
+        except redis.RedisError:
+            raise
         except Exception as exc:  # decoding must never take a job down: any failure is corrupt
-            log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
-            corrupt.append(key)
-            return False
-        try:
-            (use or prefix.add)(block)
-        except Exception as exc:  # the block is valid: the failure is this process's (memory, say)
-            self.local_counters["fetch_errors"] += 1
-            log.warning("block store: could not copy %s here, the prefix ends before it: %s: %s",
-                        key, type(exc).__name__, exc)
-            return False
-        return True
+            self._corrupt(key, exc, tally)
+        return None
 
-    def _decode(self, value: bytes, digest: bytes, prefix: PrefixAssembler, state: bool = True) -> DecodedBlock:
-        """The validated block in ``value`` bound to ``digest``, laid out as this model's (or,
-        without a layout, the chain's first)."""
-        block = decode_block(value, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest,
-                             state=state)
-        if self._expected is None and prefix.first_layout is None:
-            return block
+    def _place(self, prefix: PrefixAssembler, layout: BlockLayout, state: bool, place: Callable) -> Any:
+        """Where a block laid out as ``layout`` goes, once its layout is this model's (or, without
+        a layout, the chain's first)."""
         expected = self._expected if self._expected is not None else prefix.first_layout
-        if block.layout != expected:
-            raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(block.layers)} "
+        if expected is not None and layout != expected:
+            raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(layout)} "
                                     f"layers, expected {len(expected)}, or other names, dtypes or shapes)",
                                     "layout")
-        return block
+        try:
+            return place(layout, state)
+        except Exception as exc:  # allocation: this process's trouble (memory, say)
+            raise _PlaceFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _commit(self, key: str, read: PendingBlock, use: Callable[[DecodedBlock], None],
+                tally: "_FetchTally") -> bool:
+        """Hand the block to ``use`` once its checksums passed; False ends the prefix before it."""
+        try:
+            block = read.result()
+        except Exception as exc:
+            self._corrupt(key, exc, tally)
+            return False
+        use(block)
+        self._values.kept(key, read)
+        return True
+
+    def _corrupt(self, key: str, exc: BaseException, tally: "_FetchTally") -> None:
+        log.warning("block store: deleting corrupt block %s: %s: %s", key, type(exc).__name__, exc)
+        tally.corrupt.append(key)
 
     def _result(self, prefix: PrefixAssembler) -> list[dict[str, RawArray]] | None:
         """The prefix's arrays; None (a miss) if that fails here."""
@@ -264,23 +309,32 @@ class RedisBlockStore:
                         prefix.n_blocks, type(exc).__name__, exc)
             return None
 
-    def _record_fetch(self, hit_keys: list[str], missed: int, n_tokens: int, bytes_read: int,
-                      corrupt: list[str]) -> None:
+    def _delete_corrupt(self, keys: list[str]) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
-            for field, amount in (("hit_blocks", len(hit_keys)), ("hit_tokens", n_tokens),
-                                  ("missed_blocks", missed), ("bytes_read", bytes_read),
-                                  ("corrupt_blocks", len(corrupt))):
+            self._values.forget(pipe, keys)
+            self._count_stats_failures(pipe.execute(raise_on_error=False))
+        except redis.RedisError as exc:
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: could not delete corrupt blocks: %s", exc)
+
+    def _record_fetch(self, tally: "_FetchTally") -> None:
+        """The fetch's counters, TTL renewals and deletions, in one round trip (on the
+        bookkeeping thread)."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for field, amount in (("lookups", 1), ("hit_blocks", len(tally.hit_keys)),
+                                  ("hit_tokens", len(tally.hit_keys) * self.block_size),
+                                  ("missed_blocks", tally.missed), ("bytes_read", tally.bytes_read),
+                                  ("corrupt_blocks", len(tally.corrupt)), ("vanished_blocks", tally.vanished),
+                                  ("chain_holes", tally.holes)):
                 if amount:
                     pipe.hincrby(self._stats_key, field, amount)
             if self._model_label is not None:
                 pipe.hset(models_key(self.namespace), self.fingerprint, self._model_label)
-            for key in hit_keys:  # a prefix in use stays stored: its TTL counts from the last use
-                pipe.expire(key, self.ttl_s)
-            if corrupt:
-                pipe.delete(*corrupt)
-            if len(pipe):
-                self._count_stats_failures(pipe.execute(raise_on_error=False))
+            # A prefix in use stays stored: its TTL counts from the last use.
+            self._values.renew(pipe, tally.hit_keys, self.ttl_s)
+            self._count_stats_failures(pipe.execute(raise_on_error=False))
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not record fetch statistics: %s", exc)
@@ -310,11 +364,9 @@ class RedisBlockStore:
         order = sorted(given)
         written = n_bytes = 0
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for i in order:
-                # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
-                pipe.expire(keys[i], self.ttl_s)
-            missing = [i for i, present in zip(order, pipe.execute()) if not present]
+            # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
+            present = self._values.present([keys[i] for i in order], self.ttl_s)
+            missing = [i for i, here in zip(order, present) if not here]
             if not missing:
                 return 0
             for start in range(0, len(missing), _BATCH_BLOCKS):
@@ -345,14 +397,10 @@ class RedisBlockStore:
 
     def _write_blocks(self, keys: list[str], digests: list[bytes], indices: list[int],
                       given: dict[int, Sequence[Layer]]) -> tuple[int, int]:
-        pipe = self.client.pipeline(transaction=False)
-        sizes = []
-        for i in indices:
-            value = encode_block(self.fingerprint, self.block_size, given[i], digest=digests[i])
-            pipe.set(keys[i], value, nx=True, ex=self.ttl_s)
-            sizes.append(len(value))
+        items = [(keys[i], encode_block(self.fingerprint, self.block_size, given[i], digest=digests[i]))
+                 for i in indices]
         written = n_bytes = 0
-        for size, result in zip(sizes, pipe.execute(raise_on_error=False)):
+        for size, result in zip([len(value) for _, value in items], self._values.write(items, self.ttl_s)):
             if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
                 self.local_counters["store_errors"] += 1
                 log.warning("block store: SET failed: %s", result)
@@ -371,7 +419,9 @@ class RedisBlockStore:
                 log.warning("block store: bookkeeping command failed: %s", result)
 
     def stats(self) -> dict[str, int]:
-        """This model's counters from Redis (all processes) plus this process's error counts."""
+        """This model's counters from Redis (all processes) plus this process's error counts
+        (and the local tier's, with one); this process's fetches so far are counted first."""
+        BOOKKEEPING.flush(timeout=5.0)
         counters = dict.fromkeys(REDIS_COUNTERS, 0)
         try:
             for field, value in self.client.hgetall(self._stats_key).items():
@@ -379,5 +429,5 @@ class RedisBlockStore:
         except redis.RedisError as exc:
             self.local_counters["stats_errors"] += 1
             log.warning("block store: could not read statistics: %s", exc)
-        return {**counters, **self.local_counters}
+        return {**counters, **self.local_counters, **self._values.local_counters}
 

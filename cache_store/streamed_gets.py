@@ -1,11 +1,12 @@
-"""Read many large values over one connection, a few requests ahead of the reader.
+"""Many large values over one connection, a few requests ahead, as ``bytes`` from redis-py's parser.
 
 One pipeline of every GET makes Redis queue all the replies in its output buffer and the
-client hold them all before it can look at the first (64 one-MiB blocks: 64 MiB on both sides,
-in memory that is new each time). Keeping only ``window`` requests in flight streams the
-values instead: Redis writes the next replies while the caller checks and copies the one it
-has, and each side holds a few values at a time. Measured side by side in
-``bench/cache_store.py`` (raw GETs both ways, no decoding).
+client hold them all before it can look at the first (64 one-MiB blocks: 64 MiB on both
+sides, in memory that is new each time). Keeping only ``window`` requests in flight streams
+the values instead (:func:`cache_store.wire.streamed_values`, which the block store reads
+with, straight into its arrays); this is the same stream with every reply parsed into
+``bytes`` by redis-py (hiredis when installed): the raw-GET baseline of
+``bench/cache_store.py`` and a plain reader for callers that want the bytes.
 """
 from __future__ import annotations
 
@@ -13,10 +14,7 @@ from typing import Iterator, Sequence
 
 import redis
 
-# Requests in flight: enough that Redis always has a reply to write while the caller works on
-# one (more gained nothing in bench/cache_store.py), few enough that a chain of 20 MiB hybrid
-# blocks keeps under 100 MiB in Redis's output buffer.
-WINDOW = 4
+from .wire import WINDOW, streamed_values
 
 
 def streamed_gets(client: redis.Redis, keys: Sequence[str], window: int = WINDOW
@@ -35,44 +33,24 @@ def streamed_replies(client: redis.Redis, commands: Sequence[tuple], window: int
     dropped, so the connection goes back to the pool clean. A connection error raises
     ``redis.RedisError`` (the connection is dropped, not returned dirty).
     """
-    if window < 1:
-        raise ValueError(f"window: {window}; allowed >= 1")
-    if not commands:
-        return
-    pool, own = client.connection_pool, client.connection  # a single-connection client has its own
-    conn = own or pool.get_connection()
-    sent = received = 0
+    with_own = client.connection  # a single-connection client has its own
+    pool_of = None if with_own is None else (lambda key: ("", _OwnConnection(with_own)))
+    with_values = streamed_values(client, commands, window, pool_of, via_parser=True)
     try:
-        sent = min(window, len(commands))
-        conn.send_packed_command(conn.pack_commands(commands[:sent]))
-        while received < len(commands):
-            try:
-                value = conn.read_response(disable_decoding=True)
-            except redis.ResponseError as exc:  # this command's error, the connection is fine
-                value = exc
-            received += 1
-            if sent < len(commands):  # ask for the next value before handing this one over
-                conn.send_packed_command(conn.pack_command(*commands[sent]))
-                sent += 1
-            yield value
-    except GeneratorExit:
-        _drain(conn, sent - received)
-        raise
-    except BaseException:
-        conn.disconnect()
-        raise
+        for value in with_values:
+            yield value if value is None or isinstance(value, Exception) else value.value
     finally:
-        if own is None:
-            pool.release(conn)
+        with_values.close()
 
 
-def _drain(conn, n_replies: int) -> None:
-    """Read and drop the replies still in flight; drop the connection if that fails."""
-    try:
-        for _ in range(n_replies):
-            try:
-                conn.read_response(disable_decoding=True)
-            except redis.ResponseError:
-                pass
-    except BaseException:
-        conn.disconnect()
+class _OwnConnection:
+    """A single-connection client's connection as a pool of one (never released elsewhere)."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+
+    def get_connection(self):
+        return self._conn
+
+    def release(self, conn) -> None:
+        pass

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import redis
 
+from .cluster import primaries
 from .codec import CorruptBlockError, decode_block, read_header
 from .inventory import recorded_layout
 from .keys import key_patterns, layout_key, stats_key
@@ -110,35 +111,37 @@ def verify_namespace(client: redis.Redis, namespace: str, *, batch: int = DEFAUL
                      remove: bool = True) -> VerifyReport:
     """Check every block and memo entry under ``namespace``; count and (``remove``) delete bad ones.
 
-    Bad keys are added to their model's counters only when removed (a dry run writes nothing).
+    On a Redis Cluster every primary is scanned on its own connection. Bad keys are added to
+    their model's counters only when removed (a dry run writes nothing).
     """
     if not isinstance(batch, int) or not 1 <= batch <= 10000:
         raise ValueError(f"batch: {batch!r}; allowed integers in [1, 10000]")
     report = VerifyReport(namespace)
     patterns = key_patterns(namespace)
-    delete = client.register_script(_COMPARE_AND_DELETE)
     fingerprints = {as_text(k).rsplit(":", 1)[1] for k in client.scan_iter(match=patterns["stats"], count=500)}
     layouts = _model_layouts(client, namespace)
-    for keys in _scan(client, patterns["blocks"], batch):
-        bad = []
-        for key, value in zip(keys, _get_many(client, keys)):
-            reason, _ = block_problem(as_text(key), value, layouts)
-            report.blocks += 1
-            if reason is None:
-                report.valid_blocks += 1
-                continue
-            report.bad_blocks[reason] = report.bad_blocks.get(reason, 0) + 1
-            bad.append((key, value, reason, "corrupt_blocks"))
-        _settle(client, delete, namespace, bad, fingerprints, report, remove)
-    for keys in _scan(client, patterns["memo"], batch):
-        bad = []
-        for key, value in zip(keys, _get_many(client, keys)):
-            report.memo_entries += 1
-            reason = "header" if not isinstance(value, bytes) else decode_entry(value, as_text(key), None, None)[1]
-            if reason:
-                report.bad_memo[reason] = report.bad_memo.get(reason, 0) + 1
-                bad.append((key, value, reason, None if reason == "version" else "memo_corrupt"))
-        _settle(client, delete, namespace, bad, fingerprints, report, remove)
+    for node in primaries(client):
+        settle = _Settler(node, client, namespace, fingerprints, report, remove)
+        for keys in _scan(node, patterns["blocks"], batch):
+            bad = []
+            for key, value in zip(keys, _get_many(node, keys)):
+                reason, _ = block_problem(as_text(key), value, layouts)
+                report.blocks += 1
+                if reason is None:
+                    report.valid_blocks += 1
+                    continue
+                report.bad_blocks[reason] = report.bad_blocks.get(reason, 0) + 1
+                bad.append((key, value, reason, "corrupt_blocks"))
+            settle(bad)
+        for keys in _scan(node, patterns["memo"], batch):
+            bad = []
+            for key, value in zip(keys, _get_many(node, keys)):
+                report.memo_entries += 1
+                reason = "header" if not isinstance(value, bytes) else decode_entry(value, as_text(key), None, None)[1]
+                if reason:
+                    report.bad_memo[reason] = report.bad_memo.get(reason, 0) + 1
+                    bad.append((key, value, reason, None if reason == "version" else "memo_corrupt"))
+            settle(bad)
     return report
 
 
@@ -149,34 +152,42 @@ def _get_many(client: redis.Redis, keys: list[bytes]) -> list[Any]:
     return pipe.execute(raise_on_error=False)  # a WRONGTYPE reply comes back as an exception
 
 
-def _settle(client: redis.Redis, delete: Any, namespace: str, bad: list[tuple], fingerprints: set[str],
-            report: VerifyReport, remove: bool) -> None:
-    """Delete (if still unchanged) and count one batch's bad keys; without ``remove``, only report
-    them (nothing is written: ``removed`` says how many would go)."""
-    if not bad:
-        return
-    if remove:
-        pipe = client.pipeline(transaction=False)
-        for key, value, _, _ in bad:
-            delete(keys=[key], args=[value if isinstance(value, bytes) else b""], client=pipe)
-        results = pipe.execute(raise_on_error=False)
-    else:
-        results = [1] * len(bad)
-    counts: dict[tuple[str, str], int] = {}
-    for (key, _, reason, counter), removed in zip(bad, results):
-        text = as_text(key)
-        if len(report.bad_keys) < 100:
-            report.bad_keys.append((text, reason))
-        if removed is True or (isinstance(removed, int) and removed > 0):
-            report.removed += 1
-        fp = _full_fingerprint(text, fingerprints)
-        if counter and fp and remove:
-            counts[(fp, counter)] = counts.get((fp, counter), 0) + 1
-    if counts:
-        pipe = client.pipeline(transaction=False)
-        for (fp, counter), n in counts.items():
-            pipe.hincrby(stats_key(namespace, fp), counter, n)
-        pipe.execute(raise_on_error=False)
+class _Settler:
+    """Deletes (if still unchanged) and counts one node's bad keys, batch by batch; without
+    ``remove``, only reports them (nothing is written: ``removed`` says how many would go).
+    Deletions go to the node that holds the keys, counters through ``counters`` (any key's node)."""
+
+    def __init__(self, node: redis.Redis, counters: redis.Redis, namespace: str, fingerprints: set[str],
+                 report: VerifyReport, remove: bool) -> None:
+        self.node, self.counters, self.namespace = node, counters, namespace
+        self.fingerprints, self.report, self.remove = fingerprints, report, remove
+        self.delete = node.register_script(_COMPARE_AND_DELETE)
+
+    def __call__(self, bad: list[tuple]) -> None:
+        if not bad:
+            return
+        if self.remove:
+            pipe = self.node.pipeline(transaction=False)
+            for key, value, _, _ in bad:
+                self.delete(keys=[key], args=[value if isinstance(value, bytes) else b""], client=pipe)
+            results = pipe.execute(raise_on_error=False)
+        else:
+            results = [1] * len(bad)
+        counts: dict[tuple[str, str], int] = {}
+        for (key, _, reason, counter), removed in zip(bad, results):
+            text = as_text(key)
+            if len(self.report.bad_keys) < 100:
+                self.report.bad_keys.append((text, reason))
+            if removed is True or (isinstance(removed, int) and removed > 0):
+                self.report.removed += 1
+            fp = _full_fingerprint(text, self.fingerprints)
+            if counter and fp and self.remove:
+                counts[(fp, counter)] = counts.get((fp, counter), 0) + 1
+        if counts:
+            pipe = self.counters.pipeline(transaction=False)
+            for (fp, counter), n in counts.items():
+                pipe.hincrby(stats_key(self.namespace, fp), counter, n)
+            pipe.execute(raise_on_error=False)
 
 
 def _full_fingerprint(key: str, fingerprints: set[str]) -> str | None:

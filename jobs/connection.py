@@ -5,7 +5,18 @@ a failed command ``settings.redis_retries`` times with jittered backoff, the blo
 client never retries (every block-store error is already a miss). AUTH (an ACL user and
 password), TLS (``rediss://``) and unix sockets (``unix://``) come from the URL; replies
 are parsed by hiredis when it is installed (a dependency: ~1.7x redis-py's own parser on
-1 MiB blocks, see bench/cache_store.py).
+1 MiB values, see bench/cache_store.py).
+
+Two more URL forms name a deployment of several servers (:func:`parse_url`):
+
+- ``redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/db]`` (``rediss+sentinel``
+  for TLS): the queue's Redis behind Redis Sentinel. The client asks the sentinels for the
+  primary of ``SERVICE`` and asks again when a connection to it fails, so workers, clients and
+  the HTTP server follow a failover (redis-py's ``Sentinel``); ``?sentinel_password=`` when the
+  sentinels have a password of their own.
+- ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster``): the block
+  store on a Redis Cluster (redis-py's ``RedisCluster``; any reachable node is enough to find
+  the others). The queue cannot live on a cluster: RQ's commands touch several keys at once.
 
 :func:`wait_for_redis` is not a second retry layer: it is what a long-running loop (a
 batch, a progress watcher) does once those retries gave up, because Redis is restarting or
@@ -16,41 +27,113 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 URL_HELP = ("redis://[user:password@]host:port/db, rediss:// for TLS, "
-            "unix:///path/redis.sock?db=0 for a Redis on this machine")
+            "unix:///path/redis.sock?db=0 for a Redis on this machine, "
+            "redis+sentinel://host:port,host:port/SERVICE for a primary behind Sentinel")
+_MULTI = re.compile(r"(?P<scheme>rediss?)\+(?P<kind>sentinel|cluster)://(?P<rest>.*)", re.S)
 
 
 class RedisUnreachable(RuntimeError):
     """Redis did not answer when a command line started (wrong URL, password or host)."""
 
 
+@dataclass(frozen=True)
+class ServerSet:
+    """A ``redis+sentinel://`` or ``redis+cluster://`` URL, parsed."""
+
+    kind: str  # "sentinel" or "cluster"
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    service: str = ""  # sentinel: the primary's name
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    options: dict[str, str] = field(default_factory=dict)  # the query string (ssl_ca_certs, ...)
+
+
+def parse_url(url: str) -> ServerSet | None:
+    """The servers a ``redis+sentinel://`` / ``redis+cluster://`` URL names; None for any other
+    URL (redis-py reads those itself). ``ValueError`` naming what is wrong in a malformed one."""
+    match = _MULTI.fullmatch(url or "")
+    if match is None:
+        return None
+    kind = match["kind"]
+    parts = urlsplit(f"{match['scheme']}://{match['rest']}")
+    creds, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = creds.partition(":")
+    nodes = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"{kind} URL {safe_url(url)}: {host!r} is not host:port")
+        nodes.append((name.strip("[]"), int(port)))
+    if not nodes:
+        raise ValueError(f"{kind} URL {safe_url(url)}: no host:port")
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if kind == "sentinel" and not path:
+        raise ValueError(f"sentinel URL {safe_url(url)}: name the primary's service: .../SERVICE[/db]")
+    if kind == "cluster" and path:
+        raise ValueError(f"cluster URL {safe_url(url)}: a cluster has no database number or service")
+    db = path[1] if len(path) > 1 else "0"
+    if not db.isdigit():
+        raise ValueError(f"sentinel URL {safe_url(url)}: database {db!r} is not a number")
+    return ServerSet(kind, tuple(nodes), match["scheme"] == "rediss", path[0] if path else "", int(db),
+                     unquote(user) or None, unquote(password) or None, dict(parse_qsl(parts.query)))
+
+
+def _from_url(url: str, *, role: str, **kwargs: Any) -> Any:
+    """A client for ``url``: a plain ``Redis``, a Sentinel-managed primary, or (``role="cache"``
+    only) a ``RedisCluster``; ``kwargs`` are the connections' own (timeouts, retry)."""
+    servers = parse_url(url)
+    if servers is None:
+        return redis.Redis.from_url(url, **kwargs)
+    tls = {"ssl": True, **{k: v for k, v in servers.options.items() if k.startswith("ssl_")}} if servers.tls else {}
+    auth = {"username": servers.username, "password": servers.password}
+    if servers.kind == "cluster":
+        if role != "cache":
+            raise ValueError(f"{safe_url(url)}: the queue needs one Redis (or a primary behind Sentinel): RQ's "
+                             "commands span several keys; a cluster is for SPECPREFILL_CACHE_REDIS_URL")
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in servers.nodes], require_full_coverage=False,
+                            **auth, **tls, **kwargs)
+    sentinel_auth = {"password": servers.options["sentinel_password"]} if "sentinel_password" in servers.options else {}
+    timeouts = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel = Sentinel(list(servers.nodes), sentinel_kwargs={**timeouts, **sentinel_auth, **tls}, **tls)
+    return sentinel.master_for(servers.service, db=servers.db, **auth, **kwargs)
+
+
 def queue_connection(url: str, settings: Settings) -> redis.Redis:
-    """A client for the queue's Redis: ``settings.redis_retries`` retries with backoff."""
+    """A client for the queue's Redis: ``settings.redis_retries`` retries with backoff (behind
+    Sentinel: the retries span a failover, each asking the sentinels for the new primary)."""
     retry = (Retry(ExponentialWithJitterBackoff(base=1, cap=10), settings.redis_retries)
              if settings.redis_retries > 0 else Retry(NoBackoff(), 0))
-    return redis.Redis.from_url(url, retry=retry)
+    return _from_url(url, role="queue", retry=retry)
 
 
 def cache_connection(settings: Settings) -> redis.Redis:
-    """The block store's client: bounded waits and no retries (a dead or hung cache makes
-    jobs run cold instead of stalling them)."""
+    """The block store's client (a plain Redis or a Redis Cluster): bounded waits and no
+    retries (a dead or hung cache makes jobs run cold instead of stalling them)."""
     timeout = settings.cache_socket_timeout_s
-    return redis.Redis.from_url(settings.block_store_url, socket_timeout=timeout,
-                                socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+    return _from_url(settings.block_store_url, role="cache", socket_timeout=timeout,
+                     socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
 
 
-def checked_connection(url: str | None, settings: Settings) -> redis.Redis:
-    """A queue client for ``url`` (else ``settings.redis_url``) that has answered a PING.
+def checked_connection(url: str | None, settings: Settings, *, role: str = "queue") -> redis.Redis:
+    """A queue client for ``url`` (else ``settings.redis_url``) that has answered a PING;
+    ``role="cache"``: a block-store client (a cluster URL allowed), with the queue's retries.
 
     Raises ``ValueError`` without a URL and :class:`RedisUnreachable` (password masked)
     when Redis does not answer.
@@ -58,7 +141,12 @@ def checked_connection(url: str | None, settings: Settings) -> redis.Redis:
     url = url or settings.redis_url
     if not url:
         raise ValueError(f"no Redis URL: pass --redis-url or set REDIS_URL ({URL_HELP})")
-    client = queue_connection(url, settings)
+    retry = (Retry(ExponentialWithJitterBackoff(base=1, cap=10), settings.redis_retries)
+             if settings.redis_retries > 0 else Retry(NoBackoff(), 0))
+    try:
+        client = _from_url(url, role=role, retry=retry)
+    except redis.RedisError as exc:  # a cluster or Sentinel client asks its servers at once
+        raise RedisUnreachable(f"cannot reach Redis at {safe_url(url)}: {exc}") from None
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -103,5 +191,9 @@ def side_connection(client: redis.Redis, timeout_s: float) -> redis.Redis:
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "socket_timeout": timeout_s,
               "socket_connect_timeout": timeout_s, "retry": Retry(NoBackoff(), 0)}
+    if isinstance(pool, SentinelConnectionPool):  # its own pool, asking the same sentinels
+        kwargs.pop("connection_pool", None)
+        return redis.Redis(connection_pool=SentinelConnectionPool(pool.service_name, pool.sentinel_manager,
+                                                                  max_connections=2, **kwargs))
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
                                                             max_connections=2, **kwargs))

@@ -91,6 +91,10 @@ class Settings:
     # Block store.
     block_size: int = 256
     block_ttl_s: int = 24 * 3600
+    # This node's local tier of blocks in front of the shared store (a folder on its SSD, shared
+    # by the node's workers, least recently used out past local_cache_bytes). Empty: none.
+    local_cache_dir: str = ""
+    local_cache_bytes: int = 16 * 2**30
     # A separate block-store Redis is a cache: a call to it that hangs this long is a miss
     # (the job runs cold) instead of a stuck job.
     cache_socket_timeout_s: float = 5.0

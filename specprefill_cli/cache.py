@@ -27,6 +27,7 @@ def _rate(value: float | None) -> str:
 def cache_stats(client: redis.Redis, namespace: str) -> dict[str, Any]:
     """Counters per model (keyed as results name the model) and in total, hit rates, and
     the store's own memory (its keys' bytes) next to the whole Redis's."""
+    from cache_store.cluster import primaries
     from cache_store.inventory import hit_rates, labelled_counters, usage
 
     per_model = labelled_counters(client, namespace)
@@ -39,13 +40,13 @@ def cache_stats(client: redis.Redis, namespace: str) -> dict[str, Any]:
     return {"namespace": namespace, "blocks": use["keys"].get("blocks", 0),
             "memo_entries": use["keys"].get("memo", 0), "store_bytes": use["total_bytes"],
             "bytes_by_kind": use["bytes"],
-            "redis_used_memory": int(client.info("memory").get("used_memory", 0)),
+            "redis_used_memory": sum(int(node.info("memory").get("used_memory", 0)) for node in primaries(client)),
             "totals": totals, **hit_rates(totals), "models": per_model}
 
 
 def _print_stats(stats: dict[str, Any]) -> None:
     print(f"namespace {stats['namespace']}: {stats['blocks']} blocks, {stats['memo_entries']} memo "
-          f"entries, {stats['store_bytes'] / 1e6:.1f} MB stored (this Redis uses "
+          f"entries, {stats['store_bytes'] / 1e6:.1f} MB stored (Redis uses "
           f"{stats['redis_used_memory'] / 1e6:.1f} MB in all)")
     print(f"  block hit rate  {_rate(stats['block_hit_rate'])}   memo hit rate  "
           f"{_rate(stats['memo_hit_rate'])}")
@@ -99,7 +100,7 @@ def run_verify(client: redis.Redis, args: argparse.Namespace, namespace: str) ->
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    client = checked_connection(args.redis_url or settings.block_store_url, settings)
+    client = checked_connection(args.redis_url or settings.block_store_url, settings, role="cache")
     if args.action == "clear":
         return _clear(client, settings.namespace, args)
     if args.action == "verify":

@@ -38,3 +38,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    """A local Redis Cluster (3 primaries, a replica each; redis-server 7 from PATH), started once."""
+    from tests.support.redis_servers import LocalCluster
+
+    with LocalCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_url(redis_cluster):
+    """The cluster's ``redis+cluster://`` URL, every primary flushed before each test."""
+    redis_cluster.wait_ok()
+    redis_cluster.flush()
+    return redis_cluster.url

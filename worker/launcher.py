@@ -41,6 +41,7 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
     """Connect, preload models and work the queues until stopped (exit status 0).
 
     Raises ``ValueError`` (no URL, bad settings) and :class:`RedisUnreachable`."""
+    from worker.memory_policy import warn_about_eviction
     from worker.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
@@ -49,6 +50,7 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
         settings = settings.replace(preload_models=tuple(args.preload))
     conn = checked_connection(args.redis_url, settings)
     runtime = WorkerRuntime.from_settings(settings, conn)
+    warn_about_eviction(conn, runtime.cache_client, separate_cache=bool(settings.cache_redis_url))
     run_worker(runtime, args.queue or settings.queues, preload=settings.preload_models,
                name=args.name, burst=args.burst, logging_level=args.log_level, max_jobs=args.max_jobs)
     return 0

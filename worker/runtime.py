@@ -68,23 +68,39 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
     return wire_block_store(client, model, fresh, fingerprint, namespace=s.namespace, block_size=s.block_size,
                             ttl_s=s.block_ttl_s, label={"model": loaded.identity, "name": loaded.name, "role": role},
-                            **callbacks)
+                            local=local_tier(s), **callbacks)
 
 
 def wire_block_store(client: redis.Redis, model: Any, fresh: Callable[[], list], fingerprint: str, *,
                      namespace: str, block_size: int, ttl_s: int, label: dict[str, str] | None = None,
-                     on_fetch: Callable[..., None] | None = None,
+                     local: Any = None, on_fetch: Callable[..., None] | None = None,
                      on_store: Callable[..., None] | None = None) -> Any:
     """The one wiring of a block store (the worker's, and every test's and benchmark's): the Redis
     block store under ``fingerprint``, which rejects blocks of another layout than ``model``'s
-    as corrupt, behind the cache <-> raw-arrays adapter for the caches ``fresh()`` makes.
-    ``label``: how results name the model (``cache stats`` shows it, metrics label by name and role)."""
+    as corrupt, with this node's local tier (``local``, None: none) in front, behind the cache <->
+    raw-arrays adapter for the caches ``fresh()`` makes. ``label``: how results name the model
+    (``cache stats`` shows it, metrics label by name and role)."""
     from cache_store import RedisBlockStore
     from specprefill.draft_cache import BlockDraftCache
 
     raw_store = RedisBlockStore(client, fingerprint, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
-                                layout=_block_layout(fingerprint, model, fresh), model=label)
+                                layout=_block_layout(fingerprint, model, fresh), model=label, local=local)
     return BlockDraftCache(raw_store, fresh, on_fetch=on_fetch, on_store=on_store)
+
+
+_LOCAL_TIERS: dict[tuple[str, int], Any] = {}
+
+
+def local_tier(s: Settings) -> Any:
+    """This node's local tier (``local_cache_dir``), one per process and folder; None without one."""
+    if not s.local_cache_dir:
+        return None
+    key = (s.local_cache_dir, s.local_cache_bytes)
+    if key not in _LOCAL_TIERS:
+        from cache_store.local_tier import LocalTier
+
+        _LOCAL_TIERS[key] = LocalTier(s.local_cache_dir, s.local_cache_bytes)
+    return _LOCAL_TIERS[key]
 
 
 def _target_store(client: redis.Redis, loaded: LoadedModel, s: Settings) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import redis
 
+from cache_store.trailing import BOOKKEEPING
 from jobs.connection import REDIS_DOWN
 from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
@@ -61,6 +62,8 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
         raise
     finally:
         ctx.publisher.flush()  # a non-terminal last event (retrying) must not stay buffered
+    # The block store's counters trail its fetches: written before the job is seen done.
+    BOOKKEEPING.flush(timeout=2.0)
     ctx.check_claim()  # the last moment: a copy that lost its claim publishes no "done"
     ctx.publisher.publish("done", **_done_summary(result, time.perf_counter() - t0))
     return result

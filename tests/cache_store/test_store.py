@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache
 
 from cache_store import RedisBlockStore
 from cache_store.codec import encode_block
+from cache_store.trailing import BOOKKEEPING
 from tests.support.kv_blocks import continue_prefill, draft_store, fingerprint, kv_layer, prefilled, same_bits
 from tests.support.tiny_models import make_model
 
@@ -242,6 +243,7 @@ def test_blocks_get_the_ttl_and_fetch_refreshes_it(client, llama):
     assert all(0 < client.ttl(k) <= 1000 for k in keys)
     client.expire(keys[0], 10)
     store.fetch(tokens)
+    BOOKKEEPING.flush()  # the renewal is written behind the fetch
     assert client.ttl(keys[0]) > 10
 
 
@@ -313,8 +315,8 @@ def test_crafted_header_with_valid_checksum_is_a_counted_miss(client, llama):
 
 
 @pytest.mark.parametrize("where, error, is_corrupt", [
-    ("decode_block", TypeError, True),       # the stored bytes broke the decoder: drop them
-    ("decode_block", MemoryError, False),    # this process's trouble: keep the shared blocks
+    ("read_block", TypeError, True),         # the stored bytes broke the decoder: drop them
+    ("read_block", MemoryError, False),      # this process's trouble: keep the shared blocks
     ("to_mlx_many", TypeError, False),       # validated blocks that could not be rebuilt here
     ("to_mlx_many", MemoryError, False),
 ])
@@ -332,12 +334,12 @@ def test_decode_or_rebuild_exception_is_a_counted_miss(client, llama, monkeypatc
         raise error("unexpected")
 
     with monkeypatch.context() as m:
-        m.setattr(store_mod if where == "decode_block" else kv_mod, where, broken)
+        m.setattr(store_mod if where == "read_block" else kv_mod, where, broken)
         assert store.fetch(tokens) == (None, 0)
     stats = store.stats()
     assert (stats["corrupt_blocks"] >= 1) == is_corrupt
     # The store counts what failed in it; the adapter what failed converting to mlx.
-    counter = "fetch_errors" if where == "decode_block" else "rebuild_errors"
+    counter = "fetch_errors" if where == "read_block" else "rebuild_errors"
     assert stats[counter] == (0 if is_corrupt else 1)
     assert client.exists(keys_of(store, tokens)[0]) == (0 if is_corrupt else 1)
     if not is_corrupt:  # another worker (or this one, recovered) still gets the blocks

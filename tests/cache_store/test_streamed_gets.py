@@ -89,3 +89,26 @@ def test_a_dropped_connection_raises_and_the_pool_recovers(redis_url):
     assert len(list(streamed_gets(client, keys))) == 40
     client.close()
     killer.close()
+
+
+def test_values_read_off_the_socket_with_health_checks_on(redis_url):
+    """A client with ``health_check_interval`` never has a PING read in the middle of a stream."""
+    import time
+
+    from cache_store.wire import streamed_values
+
+    client = redis.Redis.from_url(redis_url + "?health_check_interval=1")
+    keys = [f"hc{i}" for i in range(12)]
+    for i, key in enumerate(keys):
+        client.set(key, bytes([i]) * 70000)
+    client.ping()
+    time.sleep(1.1)  # the next send would check health first
+    got = []
+    for i, value in enumerate(streamed_values(client, [("GET", k) for k in keys], window=3)):
+        if i == 2:
+            time.sleep(1.1)  # the next request goes out with replies in flight: no PING then
+        out = bytearray(value.length)
+        value.readinto_many([memoryview(out)[:5], memoryview(out)[5:]])
+        got.append(bytes(out))
+    assert got == [bytes([i]) * 70000 for i in range(12)]
+    assert client.get(keys[0]) == bytes([0]) * 70000  # the connection went back clean

@@ -46,6 +46,7 @@ def main() -> None:
     sys.path.insert(0, str(TESTS.parent))
     import redis
 
+    from jobs.connection import parse_url, queue_connection
     from jobs.settings import Settings
     from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
     from tests.support.model_folders import model_identity
@@ -61,7 +62,9 @@ def main() -> None:
                      identify=lambda n: "fake:" + n if n == known else model_identity(n),
                      warm=lambda m: None)
     backend = fake_backend(delay)
-    conn = redis.Redis.from_url(url)
+    # A redis+sentinel:// URL through the service's own connection (it follows a failover);
+    # any other as the harness always made it.
+    conn = queue_connection(url, settings) if parse_url(url) else redis.Redis.from_url(url)
     runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
     run_worker(runtime, settings.queues, name=name, logging_level="INFO")
 

@@ -68,7 +68,7 @@ def fingerprint(model, identity: str, *, block_size: int, kv_bits=None, kv_group
 
 
 def draft_store(client, model, *, block_size: int, identity: str = "tiny", kv_bits=None, kv_group_size: int = 64,
-                namespace: str = "specprefill", ttl_s: int = 86400, on_fetch=None, on_store=None):
+                namespace: str = "specprefill", ttl_s: int = 86400, local=None, on_fetch=None, on_store=None):
     """The worker's block store for a draft ``model`` (``worker.runtime.wire_block_store``: a
     ``RedisBlockStore`` with the model's layout behind ``BlockDraftCache`` over its fresh cache)."""
     from specprefill.attention.probe import make_cache
@@ -79,4 +79,34 @@ def draft_store(client, model, *, block_size: int, identity: str = "tiny", kv_bi
 
     fp = fingerprint(model, identity, block_size=block_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
     return wire_block_store(client, model, fresh, fp, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
-                            label={"model": identity, "name": "draft"}, on_fetch=on_fetch, on_store=on_store)
+                            label={"model": identity, "name": "draft"}, local=local, on_fetch=on_fetch,
+                            on_store=on_store)
+
+
+def worker_store(client, model, *, block_size: int, namespace: str = "specprefill", local=None, identity="tiny"):
+    """A model's block store wired as ``worker.runtime`` wires it (:func:`draft_store`), optionally
+    with a local tier in front."""
+    return draft_store(client, model, block_size=block_size, namespace=namespace, local=local, identity=identity)
+
+
+def assert_restored_prefix(restored, cache, n_tokens: int) -> None:
+    """``restored`` (a fetch's cache, None for a miss) holds exactly the first ``n_tokens`` of
+    ``cache``'s keys and values, bit for bit."""
+    from specprefill.attention.caches import layer_arrays
+
+    if n_tokens == 0:
+        assert restored is None
+        return
+    for ours, theirs in zip(restored, cache):
+        a, b = layer_arrays(ours)[1], layer_arrays(theirs)[1]
+        for name in ("keys", "values"):
+            assert mx.array_equal(a[name], b[name][:, :, :n_tokens]).item(), name
+
+
+def stored_chain(client, model, tokens, *, block_size: int, **kwargs):
+    """``(store, cache, keys)``: ``tokens`` prefilled by ``model`` and stored through
+    :func:`worker_store` (``kwargs`` go to it), with the keys of its blocks."""
+    store = worker_store(client, model, block_size=block_size, **kwargs)
+    cache, _ = prefilled(model, tokens)
+    store.store(tokens, cache)
+    return store, cache, store.raw_store.block_keys(tokens)
