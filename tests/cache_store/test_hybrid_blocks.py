@@ -25,7 +25,7 @@ BLOCK = 16
 # K/V-only one (stored without a recorder) then also takes the same steps warm (from token 64)
 # as cold, so its warm cache is the cold one bit for bit, not just to float rounding.
 SCORE = dict(prefill_step=4 * 16, seed=2)
-OPTIONS = ScoringOptions(**SCORE)
+OPTIONS = ScoringOptions(seed=SCORE["seed"])  # prefill_step is score_with_cache's own keyword
 HYBRIDS = F.names("hybrid")
 
 
@@ -35,9 +35,9 @@ def draft_cache(client, model, *, kv_bits=None, namespace="specprefill"):
 
 
 def warm_equals_cold(profile, store, prompt=PROMPT):
-    cold = score_with_cache(profile, prompt, store, OPTIONS)
+    cold = score_with_cache(profile, prompt, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert cold.cached_tokens == 0
-    warm = score_with_cache(profile, prompt, store, OPTIONS)
+    warm = score_with_cache(profile, prompt, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     n = (len(prompt) - 1) // BLOCK * BLOCK
     assert warm.cached_tokens == n > 0
     assert_warm_is_cold(warm, cold)
@@ -89,7 +89,7 @@ def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     layers, n = store.raw_store.fetch(PROMPT[:33])
     assert n == 32
     cache = make_cache(model)
@@ -108,10 +108,10 @@ def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_ur
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
     profile = profile_model(model)
-    cold = score_with_cache(profile, PROMPT, store, OPTIONS)
+    cold = score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     keys = store.raw_store.block_keys(PROMPT)
     client.set(keys[2], client.get(keys[1]))  # a valid block, of another key
-    warm = score_with_cache(profile, PROMPT, store, OPTIONS)
+    warm = score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert warm.cached_tokens == 2 * BLOCK and store.stats()["corrupt_blocks"] == 1
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
     # Damage the recurrent state of one block and the layout of another: verify finds both.
@@ -142,8 +142,8 @@ def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
     assert store.store(PROMPT, result.kv_cache) == 0
     assert store.stats()["unsupported_stores"] == 1 and "recorder" in store.unsupported_reason
     assert stored[-1][0] == 0 and "recorder" in stored[-1][2]
-    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
-    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
+    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert cold.cached_tokens == 0 and warm.cached_tokens == 64
     assert [f[:2] for f in fetched] == [(0, len(PROMPT)), (64, len(PROMPT))]  # (restored, prompt tokens)
     assert [s[0] for s in stored[1:]] == [4, 0] and all(s[2] is None for s in stored[1:])
@@ -197,7 +197,7 @@ def test_blocks_are_written_as_the_prefill_passes_them(redis_url):
                           **SCORE)
     assert seen == [1, 2, 3, 4] and recorder.states == {} and recorder.written == 4
     assert store.store(PROMPT, result.kv_cache, recorder) == 4  # nothing left to write
-    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    warm = score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert warm.cached_tokens == 64
     np.testing.assert_allclose(np.array(warm.importance), np.array(result.importance), rtol=1e-5, atol=0)
 
@@ -213,7 +213,7 @@ def test_the_worker_restore_check_accepts_hybrid_prefixes(redis_url, name):
 
     model = F.build(name, seed=3)
     store = draft_cache(redis.Redis.from_url(redis_url), model)
-    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     restored = _restore(SimpleNamespace(kv_layout=cache_layout(model)), PROMPT, store)
     assert restored is not None and len(restored) == len(make_cache(model))
 
@@ -226,7 +226,7 @@ def test_a_failing_streamed_write_never_fails_scoring(redis_url, monkeypatch):
         raise MemoryError("no room for the block here")
 
     monkeypatch.setattr(store.raw_store, "store_blocks", broken)
-    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    cold = score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert cold.cached_tokens == 0 and store.local_counters["stream_errors"] == 4
     monkeypatch.undo()
     assert store.fetch(PROMPT) == (None, 0)
@@ -265,7 +265,7 @@ def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     raw = store.raw_store
     keys = raw.block_keys(PROMPT)
     assert len(keys) == 4 and raw._token_end is not None
@@ -286,7 +286,7 @@ def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
     store = draft_cache(client, model)
-    score_with_cache(profile_model(model), PROMPT, store, OPTIONS)
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     keys = store.raw_store.block_keys(PROMPT)
     value = bytearray(client.get(keys[3]))
     value[-20] ^= 0x01  # in the state section: only a whole read sees it

@@ -12,8 +12,9 @@ import redis
 import tests.support.families as F
 from cache_store.local_tier import LocalTier
 from cache_store.trailing import SHARED_WRITES
-from specprefill.attention.probe import profile_model
-from specprefill.reuse import score_prompt_with_cache
+from specprefill.options import ScoringOptions
+from specprefill.profile import profile_model
+from specprefill.reuse import score_with_cache
 from tests.support.hybrid_blocks import assert_warm_is_cold
 from tests.support.kv_blocks import assert_restored_prefix, prefilled, worker_store
 from tests.support.tiny_models import make_model
@@ -136,16 +137,16 @@ def test_a_hybrid_chain_through_the_tier_is_warm_equals_cold(redis_url, tmp_path
     store = worker_store(client, model, block_size=BS, local=tier)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, F.VOCAB, 70)]
     profile = profile_model(model)
-    cold = score_prompt_with_cache(model, prompt, profile, store, prefill_step=48, seed=2)
+    cold = score_with_cache(profile, prompt, store, ScoringOptions(seed=2), prefill_step=48)
     SHARED_WRITES.flush(10)
     for _ in range(2):  # from the tier (written by the store), then again
-        warm = score_prompt_with_cache(model, prompt, profile, store, prefill_step=48, seed=2)
+        warm = score_with_cache(profile, prompt, store, ScoringOptions(seed=2), prefill_step=48)
         assert warm.cached_tokens == 64
         assert_warm_is_cold(warm, cold)
     fresh_tier = LocalTier(tmp_path / "other", 10**9)  # a node that fills from Redis: K/V sections + a whole last
     other = worker_store(client, model, block_size=BS, local=fresh_tier)
     for _ in range(2):
-        warm = score_prompt_with_cache(model, prompt, profile, other, prefill_step=48, seed=2)
+        warm = score_with_cache(profile, prompt, other, ScoringOptions(seed=2), prefill_step=48)
         assert warm.cached_tokens == 64
         assert_warm_is_cold(warm, cold)
     assert other.stats()["local_hit_blocks"] == 4
@@ -158,7 +159,7 @@ def test_a_bad_shared_block_is_deleted_in_redis_when_the_last_one_is_read_again(
     client = redis.Redis.from_url(redis_url)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, F.VOCAB, 70)]
     writer = worker_store(client, model, block_size=BS)
-    score_prompt_with_cache(model, prompt, profile_model(model), writer, prefill_step=48, seed=2)
+    score_with_cache(profile_model(model), prompt, writer, ScoringOptions(seed=2), prefill_step=48)
     keys = writer.raw_store.block_keys(prompt)
     value = bytearray(client.get(keys[3]))
     value[-20] ^= 1  # its state section: only its whole read sees it

@@ -12,7 +12,7 @@ import tests.support.families as F
 from cache_store import RedisBlockStore
 from cache_store.codec import DTYPES
 from tests.support.kv_blocks import draft_store, prefilled, raw_bits, same_bits
-from specprefill.attention.scoring import score_prompt
+from specprefill.attention.lookahead import score_prompt
 from specprefill.kv_arrays import MlxDestinations
 from specprefill.profile import profile_model
 from tests.support.tiny_models import make_model
