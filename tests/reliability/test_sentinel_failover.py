@@ -49,7 +49,8 @@ def test_jobs_survive_a_failover_and_a_lost_one_runs_once_more(sentinels, tmp_pa
     settings = fake_settings(redis_retries=8, heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
     workers = [start_worker(sentinels, settings, f"sw{i}-{os.getpid()}", tmp_path) for i in range(2)]
     try:
-        client = Client(queue_connection(sentinels.url, Settings(**settings)), Settings(**settings))
+        s = Settings().replace(**settings)
+        client = Client(queue_connection(sentinels.url, s), s)
         early = [client.submit(tokens=doc) for doc in DOCS[:4]]
         for h in early[:2]:
             h.result(timeout=60)

@@ -204,8 +204,8 @@ def llama11():
     return profile_model(make_model("llama", seed=11))
 
 
-def run(profile, tokens, store, **options):
-    result = score_with_cache(profile, tokens, store, ScoringOptions(seed=3, n_lookahead=4, **options))
+def run(profile, tokens, store, prefill_step):
+    result = score_with_cache(profile, tokens, store, ScoringOptions(seed=3, n_lookahead=4), prefill_step=prefill_step)
     return result, plan_selection(result.importance, SELECT)
 
 

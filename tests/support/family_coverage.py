@@ -73,7 +73,7 @@ def relative(a, b) -> float:
 def _options():
     from specprefill.options import ScoringOptions
 
-    return ScoringOptions(**SCORE)
+    return ScoringOptions(seed=SCORE["seed"])  # prefill_step: the scorers' own keyword
 
 
 def draft(name: str, dtype: mx.Dtype = mx.float32, kv_bits: int | None = None) -> str:
@@ -83,7 +83,7 @@ def draft(name: str, dtype: mx.Dtype = mx.float32, kv_bits: int | None = None) -
 
     overrides = F.for_kv_quantization(name) if kv_bits else {}
     model = F.build(name, seed=3, dtype=dtype, **overrides)
-    result = score_tokens(draft_profiler(kv_bits, 32)(model), PROMPT, _options())
+    result = score_tokens(draft_profiler(kv_bits, 32)(model), PROMPT, _options(), prefill_step=SCORE["prefill_step"])
     feed = {"prefill_step": 16} if kv_bits or dtype != mx.float32 else {}
     expected = oracle(model, PROMPT, result.lookahead_tokens, kv_bits=kv_bits, kv_group_size=32, **feed)
     err = relative(np.array(result.importance), expected.importance)
@@ -104,8 +104,8 @@ def store(name: str) -> str:
     loaded = LoadedModel(name, model, None, f"tiny:{name}", _default_fingerprint(profile, f"tiny:{name}", BLOCK),
                          F.VOCAB, 0.0, profile)
     blocks = _block_store(fakeredis.FakeRedis(), loaded, Settings(block_size=BLOCK))
-    cold = score_with_cache(profile, PROMPT, blocks, _options())
-    warm = score_with_cache(profile, PROMPT, blocks, _options())
+    cold = score_with_cache(profile, PROMPT, blocks, _options(), prefill_step=SCORE["prefill_step"])
+    warm = score_with_cache(profile, PROMPT, blocks, _options(), prefill_step=SCORE["prefill_step"])
     if warm.cached_tokens == 0:
         return "0 restored"
     same = warm.lookahead_tokens == cold.lookahead_tokens and relative(
