@@ -26,6 +26,7 @@ from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
 from specprefill_server import completions
+from specprefill_server.answering import JOB_HEADER
 from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api
 from specprefill_server.web import routes as web
@@ -125,7 +126,7 @@ def _middleware(settings: Settings, metrics: ServerMetrics) -> list[Middleware]:
     if settings.http_cors_origins:
         origins = list(settings.http_cors_origins)
         stack.insert(0, Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
-                                   allow_headers=["*"], expose_headers=[completions.JOB_HEADER],
+                                   allow_headers=["*"], expose_headers=[JOB_HEADER],
                                    max_age=600))  # keys go in a header, never in cookies
     return stack
 
