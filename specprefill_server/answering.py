@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import redis
 from starlette.requests import Request
@@ -59,21 +59,23 @@ class Exchange:
         return request_timeout(self.limit.seconds or 0, self.limit.source, self.handle.id)
 
 
-async def submit(request: Request, spec: JobSpec, *, endpoint: str, stream: bool,
-                 started: float) -> Exchange:
-    """Check the models against the live workers (503/404 now rather than a job no worker
-    would take), enqueue ``spec`` (429 when the queue is full) and start its deadline."""
+async def submit(request: Request, spec: JobSpec, *, endpoint: str, stream: bool, started: float,
+                 models: Mapping[str, str] | None = None) -> Exchange:
+    """Check the models (``{field: name}``; default: the spec's target and draft) against
+    the live workers (503/404 now rather than a job no worker would take), enqueue ``spec``
+    (429 when the queue is full) and start its deadline."""
     svc = state(request)
     limit = request_deadline(request.headers, svc.settings, stream=stream)
     deadline = Deadline(limit.seconds)
-    models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
+    if models is None:
+        models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
     handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
     return Exchange(svc, request, handle, endpoint, started, limit, deadline)
 
 
-async def result_of(ex: Exchange) -> GenerateResult | None:
-    """The job's result, counted in the metrics; None when the client went away first (its
-    hold released). A failure or the deadline raises the API error."""
+async def result_of(ex: Exchange, count: bool = True) -> Any:
+    """The job's result, counted in the metrics as an answer (``count``); None when the
+    client went away first (its hold released). A failure or the deadline raises the API error."""
     try:
         result = await ex.svc.runner.result(ex.handle, ex.request, ex.deadline.left())
     except ClientGone:
@@ -82,7 +84,8 @@ async def result_of(ex: Exchange) -> GenerateResult | None:
         raise ex.timeout() from None
     except (JobFailed, StreamDiverged) as exc:
         raise failure(exc) from None
-    ex.svc.metrics.answered(ex.endpoint, result, ex.started, mode="sync")
+    if count:
+        ex.svc.metrics.answered(ex.endpoint, result, ex.started, mode="sync")
     return result
 
 

@@ -178,3 +178,10 @@ def openai_client(stack):
     from openai import OpenAI
 
     return OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def anthropic_client(stack):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=stack.server.url, api_key=API_KEY, max_retries=0, timeout=120)

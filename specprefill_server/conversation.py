@@ -1,0 +1,74 @@
+"""The conversation an API request carries, in the one internal format both the Anthropic
+Messages and the OpenAI Responses bodies are converted into: Hugging Face chat-template
+messages (``role``; ``content`` a string or None; assistant ``tool_calls`` as
+``{"id", "type": "function", "function": {"name", "arguments": dict}}``; a tool result's
+``tool_call_id`` and ``name``; ``reasoning_content``), and tools as OpenAI function tools.
+
+:func:`spec_messages` is the one place that hands such a conversation to the job spec.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from specprefill_server.errors import bad_request
+
+# Keys of a message beyond role and content, which the job spec's conversation takes once
+# it carries tool calls (until then a message holding one is refused by its request field).
+RICH_KEYS = {"tool_calls": "tool calls", "tool_call_id": "tool results", "name": "message names",
+             "reasoning_content": "reasoning texts"}
+
+
+@dataclass
+class Conversation:
+    """Messages in the internal format, each with the request field it came from."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    origins: list[str] = field(default_factory=list)
+
+    def add(self, message: dict[str, Any], where: str) -> None:
+        self.messages.append(message)
+        self.origins.append(where)
+
+    def last_assistant(self) -> dict[str, Any] | None:
+        """The last message, if it is the assistant's (tool calls join its turn)."""
+        return self.messages[-1] if self.messages and self.messages[-1]["role"] == "assistant" else None
+
+
+def tool_call(call_id: str, name: str, arguments: Any, where: str) -> dict[str, Any]:
+    """One assistant tool call; ``arguments`` a JSON object or its text."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise bad_request(f"{where}: not valid JSON ({exc})", where) from None
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}: expected a JSON object", where, code="invalid_type")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str) -> dict[str, Any]:
+    """An OpenAI function tool (what chat templates take as ``tools``)."""
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.name: expected a non-empty string", f"{where}.name")
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+def spec_messages(conversation: Conversation) -> list[dict[str, str]]:
+    """The conversation as the job spec takes it today: ``{role, content}`` strings. A tool
+    call, a tool result or reasoning text is refused by the request field it came from
+    until the spec's conversation carries them."""
+    out = []
+    for message, where in zip(conversation.messages, conversation.origins):
+        rich = [what for key, what in RICH_KEYS.items() if message.get(key)]
+        if rich or message["role"] == "tool":
+            what = rich[0] if rich else "tool results"
+            raise bad_request(f"{where}: {what} are not carried by this server's "
+                              "job spec yet (text conversations only)", where, code="unsupported_value")
+        out.append({"role": message["role"], "content": message.get("content") or ""})
+    return out

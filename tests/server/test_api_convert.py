@@ -1,0 +1,114 @@
+"""The Messages and Responses converters (pure: no server, no Redis): request bodies into
+the agreed internal conversation (Hugging Face chat-template messages, OpenAI function
+tools), and results and stream events into each API's shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.results import GenerateResult
+from specprefill_server.anthropic_convert import conversation, tools_of
+from specprefill_server.anthropic_reply import MessageFrames, message
+from specprefill_server.anthropic_types import MessagesRequest
+from specprefill_server.conversation import spec_messages
+from specprefill_server.errors import APIError
+from specprefill_server.openai_types import parse
+from specprefill_server.stream_events import Finished, Opened, TextDelta, ToolCallDelta
+
+
+def result(**kw) -> GenerateResult:
+    base = dict(job_id="generate-abc123", text="hi", finish_reason="eos", token_ids=[5, 6], ttft_s=0.1,
+                kept=40, total=100, kept_ranges=[(0, 40)], target_tokens={"restored": 64})
+    return GenerateResult(**{**base, **kw})
+
+
+def anthropic_request(**kw) -> MessagesRequest:
+    return parse(MessagesRequest, {"model": "target", "max_tokens": 5, **kw})
+
+
+AGENT_TURNS = [
+    {"role": "user", "content": "what is the code of room 7?"},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "I should look it up.", "signature": "sig"},
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"room": 7}},
+        {"type": "tool_use", "id": "toolu_2", "name": "lookup", "input": {"room": 8}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4417", "cache_control": {"type": "ephemeral"}},
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "99"}]},
+        {"type": "text", "text": "and?"}]},
+]
+
+
+def test_anthropic_tool_use_and_results_become_the_agreed_format():
+    req = anthropic_request(system=[{"type": "text", "text": "Be brief."}], messages=AGENT_TURNS,
+                            tools=[{"name": "lookup", "description": "find", "input_schema": {"type": "object"}}])
+    conv = conversation(req)
+    assert conv.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "what is the code of room 7?"},
+        {"role": "assistant", "content": "Looking.", "reasoning_content": "I should look it up.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
+            {"id": "toolu_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "lookup", "content": "4417"},
+        {"role": "tool", "tool_call_id": "toolu_2", "name": "lookup", "content": "99"},
+        {"role": "user", "content": "and?"}]
+    assert conv.origins[3] == "messages[2].content[0]"
+    assert tools_of(req.tools) == [{"type": "function", "function": {
+        "name": "lookup", "description": "find", "parameters": {"type": "object"}}}]
+    with pytest.raises(APIError) as err:  # until the job spec carries tool calls
+        spec_messages(conv)
+    assert err.value.param == "messages[1].content" and "tool calls" in err.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "w"}]},
+     "tools[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{"}]}]},
+     "messages[0].content[0].input"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": ["a", "b"]}, "stop_sequences"),
+])
+def test_anthropic_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        conversation(anthropic_request(**body))
+        tools_of(anthropic_request(**body).tools)
+    assert err.value.param == param and err.value.status == 400
+
+
+def _events(frames: list[str]) -> list[dict]:
+    out = []
+    for frame in frames:
+        name, data = frame.strip().split("\n")
+        body = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {body['type']}"
+        out.append(body)
+    return out
+
+
+def test_anthropic_stream_of_text_then_a_tool_call():
+    frames = MessageFrames(job_id="generate-abc123", model="target", stop_sequences=None)
+    events = _events([f for ev in (Opened(), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallDelta(0, id="toolu_9", name="lookup"), ToolCallDelta(0, arguments='{"ro'),
+                                   ToolCallDelta(0, arguments='om": 7}'),
+                                   Finished(result(finish_reason="tool_calls", text="Let me see.")))
+                      for f in frames(ev)])
+    kinds = [(e["type"], e.get("index")) for e in events]
+    assert kinds == [("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
+                     ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+                     ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+                     ("message_delta", None), ("message_stop", None)]
+    assert events[6]["content_block"] == {"type": "tool_use", "id": "toolu_9", "name": "lookup", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[7:9]) == '{"room": 7}'
+    delta = events[10]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"] == {"input_tokens": 36, "output_tokens": 2, "cache_read_input_tokens": 64}
+
+
+def test_anthropic_message_body():
+    body = message(result(finish_reason="stop"), model="target", stop_sequences=["END"])
+    assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == "END"
+    assert body["content"] == [{"type": "text", "text": "hi"}] and body["id"] == "msg_abc123"
+    assert message(result(finish_reason="length", text=""), model="t", stop_sequences=None)["content"] == []
