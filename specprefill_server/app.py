@@ -25,7 +25,7 @@ from starlette.routing import Route
 from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from specprefill_server import completions, messages
+from specprefill_server import completions, messages, responses
 from specprefill_server.answering import JOB_HEADER
 from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api
@@ -77,6 +77,9 @@ ROUTES = [
     Route("/v1/completions", completions.completions, methods=["POST"]),
     Route("/v1/messages", messages.create_message, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/files", batch_api.upload_file, methods=["POST"]),
     Route("/v1/files", batch_api.list_files, methods=["GET"]),
     Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
