@@ -38,7 +38,7 @@ class ResponseShape:
     req: ResponsesRequest
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+        content = [_text_part(text)] if status == "completed" else []
         return {"type": "message", "id": "msg_" + self.id[5:], "status": status, "role": "assistant",
                 "content": content}
 
@@ -67,52 +67,80 @@ def answer_messages(result: GenerateResult) -> list[dict[str, Any]]:
 
 
 class ResponseFrames:
-    """The stream of one Response; items open as their first delta arrives."""
+    """The stream of one Response; items open as their first delta arrives (the message,
+    then a ``function_call`` item per tool call) and close when the next opens or the answer ends."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape, self.seq = shape, 0
-        self.text: str | None = None  # the open message item's text so far
+        self.index = -1  # the open item's output_index
+        self.item: dict[str, Any] | None = None  # the open item (its text or arguments so far)
 
     def _ev(self, kind: str, **fields: Any) -> str:
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq, **fields}, kind)
 
-    def _open_message(self) -> list[str]:
-        self.text = ""
-        item_id = "msg_" + self.shape.id[5:]
-        return [self._ev("response.output_item.added", output_index=0, item=self.shape.message_item("", "in_progress")),
-                self._ev("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+    def _open(self, item: dict[str, Any]) -> list[str]:
+        frames = self._close()
+        self.index, self.item = self.index + 1, item
+        frames.append(self._ev("response.output_item.added", output_index=self.index, item=item))
+        if item["type"] == "message":
+            frames.append(self._ev("response.content_part.added", item_id=item["id"], output_index=self.index,
+                                   content_index=0, part=_text_part("")))
+            item["text"] = ""
+        return frames
 
-    def _close_message(self) -> list[str]:
-        if self.text is None:
+    def _close(self) -> list[str]:
+        item, self.item = self.item, None
+        if item is None:
             return []
-        text, self.text, item_id = self.text, None, "msg_" + self.shape.id[5:]
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        at = dict(item_id=item_id, output_index=0, content_index=0)
-        return [self._ev("response.output_text.done", text=text, logprobs=[], **at),
-                self._ev("response.content_part.done", part=part, **at),
-                self._ev("response.output_item.done", output_index=0, item=self.shape.message_item(text))]
+        at = dict(item_id=item["id"], output_index=self.index)
+        if item["type"] == "function_call":
+            done = {**item, "status": "completed"}
+            return [self._ev("response.function_call_arguments.done", arguments=item["arguments"], **at),
+                    self._ev("response.output_item.done", output_index=self.index, item=done)]
+        text = item.pop("text")
+        return [self._ev("response.output_text.done", content_index=0, text=text, logprobs=[], **at),
+                self._ev("response.content_part.done", content_index=0, part=_text_part(text), **at),
+                self._ev("response.output_item.done", output_index=self.index, item=self.shape.message_item(text))]
 
     def __call__(self, event: StreamEvent) -> list[str]:
         if isinstance(event, Opened):
             body = self.shape.body(None)
             return [self._ev("response.created", response=body), self._ev("response.in_progress", response=body)]
         if isinstance(event, TextDelta):
-            head = self._open_message() if self.text is None else []
-            self.text = (self.text or "") + event.text
-            return head + [self._ev("response.output_text.delta", item_id="msg_" + self.shape.id[5:],
-                                    output_index=0, content_index=0, delta=event.text, logprobs=[])]
+            head = [] if self.item and self.item["type"] == "message" else self._open(
+                self.shape.message_item("", "in_progress"))
+            self.item["text"] += event.text  # type: ignore[index]
+            return head + [self._ev("response.output_text.delta", item_id=self.item["id"],  # type: ignore[index]
+                                    output_index=self.index, content_index=0, delta=event.text, logprobs=[])]
+        if isinstance(event, ToolCallDelta):
+            return self._tool_call(event)
         if isinstance(event, Finished):
-            result = event.result
-            head = [] if self.text is not None else self._open_message()
-            self.text = result.text  # the result's text is the streamed text (checked by the client)
-            body = self.shape.body(result)
-            kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-            return head + self._close_message() + [self._ev(kind, response=body)]
+            return self._finish(event.result)
         if isinstance(event, Failed):
             e = event.error
             return [self._ev("error", code=e.code, message=e.message, param=e.param)]
-        if isinstance(event, ToolCallDelta):
-            return []  # the output is not parsed into function calls yet
         return []
+
+    def _tool_call(self, event: ToolCallDelta) -> list[str]:
+        head = []
+        if event.id is not None:
+            head = self._open({"type": "function_call", "id": f"fc_{self.shape.id[5:]}_{event.index}",
+                               "call_id": event.id, "name": event.name, "arguments": "", "status": "in_progress"})
+        if not event.arguments or self.item is None:
+            return head
+        self.item["arguments"] += event.arguments
+        return head + [self._ev("response.function_call_arguments.delta", item_id=self.item["id"],
+                                output_index=self.index, delta=event.arguments)]
+
+    def _finish(self, result: GenerateResult) -> list[str]:
+        head = [] if self.index >= 0 else self._open(self.shape.message_item("", "in_progress"))
+        if self.item is not None and self.item["type"] == "message":
+            self.item["text"] = result.text  # the streamed text (the client checks they agree)
+        body = self.shape.body(result)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        return head + self._close() + [self._ev(kind, response=body)]
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -112,3 +112,58 @@ def test_anthropic_message_body():
     assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == "END"
     assert body["content"] == [{"type": "text", "text": "hi"}] and body["id"] == "msg_abc123"
     assert message(result(finish_reason="length", text=""), model="t", stop_sequences=None)["content"] == []
+
+
+def test_responses_items_become_the_agreed_format():
+    from specprefill_server.responses_convert import conversation as items_conversation, tools_of as flat_tools
+
+    prefix = [{"role": "user", "content": "what is the code of room 7?"}]
+    conv = items_conversation([
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "a summary"}],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{\"room\": 7}", "id": "fc_1"},
+        {"type": "function_call", "call_id": "call_2", "name": "lookup", "arguments": "{\"room\": 8}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "4417"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "99"}]},
+        {"role": "developer", "content": "be brief"}], prefix=prefix)
+    assert conv.messages == [
+        prefix[0],
+        {"role": "assistant", "content": "Looking.", "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
+            {"id": "call_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "lookup", "content": "4417"},
+        {"role": "tool", "tool_call_id": "call_2", "name": "lookup", "content": "99"},
+        {"role": "system", "content": "be brief"}]
+    assert conv.origins[:2] == ["previous_response_id", "input[3]"]
+    assert flat_tools([{"type": "function", "name": "lookup", "parameters": {"type": "object"}, "strict": True}]) == \
+        [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    # a call with no assistant text before it opens the assistant's turn
+    alone = items_conversation([{"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}])
+    assert alone.messages == [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]
+
+
+def test_responses_stream_of_text_then_a_tool_call():
+    from specprefill_server.responses_reply import ResponseFrames, ResponseShape
+    from specprefill_server.responses_types import ResponsesRequest
+
+    shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
+    frames = ResponseFrames(shape)
+    events = _events([f for ev in (Opened(), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallDelta(0, id="call_9", name="lookup"), ToolCallDelta(0, arguments='{"ro'),
+                                   ToolCallDelta(0, arguments='om": 7}'), Finished(result(text="Let me see.")))
+                      for f in frames(ev)])
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds == [
+        ("response.created", None), ("response.in_progress", None), ("response.output_item.added", 0),
+        ("response.content_part.added", 0), ("response.output_text.delta", 0), ("response.output_text.delta", 0),
+        ("response.output_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1), ("response.completed", None)]
+    assert [e["sequence_number"] for e in events] == list(range(1, 16))
+    assert events[6]["text"] == "Let me see." and events[12]["arguments"] == '{"room": 7}'
+    assert events[13]["item"] == {"type": "function_call", "id": "fc_abc123_0", "call_id": "call_9",
+                                  "name": "lookup", "arguments": '{"room": 7}', "status": "completed"}
+    assert events[14]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 64}
