@@ -9,9 +9,9 @@ from typing import Any, Mapping
 
 from jobs.settings import Settings
 from specprefill_server.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingConfig
-from specprefill_server.conversation import Conversation, function_tool, spec_messages, tool_call
+from specprefill_server.conversation import Conversation, function_tool, refuse_unknown, spec_messages, tool_call
 from specprefill_server.errors import bad_request
-from specprefill_server.openai_types import SPECPREFILL_FIELDS
+from specprefill_server.convert import job_fields
 # Keys a block may carry that change nothing here: the block store reuses shared prefixes on
 # its own (cache_control); citations are a past turn's references.
 IGNORED_KEYS = {"cache_control", "citations"}
@@ -33,9 +33,7 @@ def _blocks(content: Any, where: str, allowed: tuple[str, ...]) -> list[dict[str
         if kind not in allowed:
             raise bad_request(f"{at}.type: {kind!r:.40} blocks are not supported here (only "
                               f"{', '.join(allowed)})", f"{at}.type", code="unsupported_value")
-        extra = sorted(set(block) - {"type"} - BLOCK_KEYS[kind] - IGNORED_KEYS)
-        if extra:
-            raise bad_request(f"{at}.{extra[0]}: unknown field", f"{at}.{extra[0]}", code="unknown_parameter")
+        refuse_unknown(block, {"type"} | BLOCK_KEYS[kind] | IGNORED_KEYS, at)
         if kind == "text" and not isinstance(block.get("text"), str):
             raise bad_request(f"{at}.text: expected a string", f"{at}.text", code="invalid_type")
     return content
@@ -107,9 +105,7 @@ def conversation(req: CountTokensRequest) -> Conversation:
         role, where = m.get("role"), f"messages[{i}]"
         if role not in ROLE_BLOCKS:
             raise bad_request(f"{where}.role: {role!r:.40} is not one of user, assistant", f"{where}.role")
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise bad_request(f"{where}.{extra[0]}: unknown field", f"{where}.{extra[0]}", code="unknown_parameter")
+        refuse_unknown(m, {"role", "content"}, where)
         blocks = _blocks(m.get("content"), f"{where}.content", ROLE_BLOCKS[role])
         (_user_turn if role == "user" else _assistant_turn)(conv, blocks, f"{where}.content", names)
     return conv
@@ -123,9 +119,7 @@ def tools_of(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if tool.get("type", "custom") != "custom":
             raise bad_request(f"{where}.type: {tool.get('type')!r:.60}: server tools are not supported "
                               "(only client tools with an input_schema)", f"{where}.type", code="unsupported_value")
-        extra = sorted(set(tool) - {"type", "name", "description", "input_schema", "cache_control"})
-        if extra:
-            raise bad_request(f"{where}.{extra[0]}: unknown field", f"{where}.{extra[0]}", code="unknown_parameter")
+        refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, where)
         out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
     return out
 
@@ -151,10 +145,8 @@ def _conversation_fields(req: CountTokensRequest) -> dict[str, Any]:
 
 def message_fields(req: MessagesRequest) -> dict[str, Any]:
     """``Client.generate_spec`` arguments for a Messages request."""
-    fields: dict[str, Any] = {name: getattr(req, name) for name in SPECPREFILL_FIELDS}
-    fields.update(target_model=req.model, max_tokens=req.max_tokens, temperature=req.temperature,
-                  top_p=req.top_p, stop=req.stop_sequences)
-    fields = {k: v for k, v in fields.items() if v is not None}
+    fields = job_fields(req, target_model=req.model, max_tokens=req.max_tokens, temperature=req.temperature,
+                        top_p=req.top_p, stop=req.stop_sequences)
     return {**fields, **_conversation_fields(req)}
 
 

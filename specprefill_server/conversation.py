@@ -36,6 +36,13 @@ class Conversation:
         return self.messages[-1] if self.messages and self.messages[-1]["role"] == "assistant" else None
 
 
+def refuse_unknown(obj: Any, known: set[str], where: str) -> None:
+    """400 naming the first key of ``obj`` outside ``known`` (``where.key: unknown field``)."""
+    extra = sorted(set(obj) - known)
+    if extra:
+        raise bad_request(f"{where}.{extra[0]}: unknown field", f"{where}.{extra[0]}", code="unknown_parameter")
+
+
 def tool_call(call_id: str, name: str, arguments: Any, where: str) -> dict[str, Any]:
     """One assistant tool call; ``arguments`` a JSON object or its text."""
     if isinstance(arguments, str):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from specprefill_server.conversation import Conversation, function_tool, spec_messages, tool_call
+from specprefill_server.conversation import Conversation, function_tool, refuse_unknown, spec_messages, tool_call
 from specprefill_server.errors import bad_request
-from specprefill_server.openai_types import SPECPREFILL_FIELDS
+from specprefill_server.convert import job_fields
 from specprefill_server.responses_types import ResponsesRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -98,9 +98,7 @@ def conversation(items: str | list[dict[str, Any]], *, prefix: list[dict[str, An
         if kind not in ITEM_KEYS:
             raise bad_request(f"{at}.type: {kind!r:.40} items are not supported (only {', '.join(ITEM_KEYS)})",
                               f"{at}.type", code="unsupported_value")
-        extra = sorted(set(item) - {"type"} - ITEM_KEYS[kind])
-        if extra:
-            raise bad_request(f"{at}.{extra[0]}: unknown field", f"{at}.{extra[0]}", code="unknown_parameter")
+        refuse_unknown(item, {"type"} | ITEM_KEYS[kind], at)
         if kind == "message":
             _message(conv, item, at, reasoning)
         elif kind == "function_call":
@@ -121,9 +119,7 @@ def tools_of(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         if tool.get("type") != "function":
             raise bad_request(f"{where}.type: {tool.get('type')!r:.60}: only function tools are supported",
                               f"{where}.type", code="unsupported_value")
-        extra = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
-        if extra:
-            raise bad_request(f"{where}.{extra[0]}: unknown field", f"{where}.{extra[0]}", code="unknown_parameter")
+        refuse_unknown(tool, {"type", "name", "description", "parameters", "strict"}, where)
         out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
     return out
 
@@ -142,10 +138,8 @@ def with_instructions(conv: Conversation, instructions: str | None) -> Conversat
 def response_fields(req: ResponsesRequest, conv: Conversation) -> dict[str, Any]:
     """``Client.generate_spec`` arguments for a Responses request whose conversation
     (``input`` after the previous response's) is ``conv``."""
-    fields: dict[str, Any] = {name: getattr(req, name) for name in SPECPREFILL_FIELDS}
-    fields.update(target_model=req.model, max_tokens=req.max_output_tokens, temperature=req.temperature,
-                  top_p=req.top_p)
-    fields = {k: v for k, v in fields.items() if v is not None}
+    fields = job_fields(req, target_model=req.model, max_tokens=req.max_output_tokens,
+                        temperature=req.temperature, top_p=req.top_p)
     fields["messages"] = spec_messages(with_instructions(conv, req.instructions))
     tools = tools_of(req.tools)
     if tools and req.tool_choice != "none":
