@@ -10,8 +10,8 @@ channel notes when the first ``text`` event is published, the HTTP reader when t
 chunk with content arrives (the same clock, one process). Ends with ``target ...`` lines.
 The HTTP path includes the front door's checks (the live-model gate, the deadline).
 
-    .venv/bin/python bench/http.py            # 30 requests per path
-    .venv/bin/python bench/http.py --quick    # 6 per path: seconds, same goals
+    .venv/bin/python bench/http.py            # 32 requests per path
+    .venv/bin/python bench/http.py --quick    # 8 per path: seconds, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import verdict  # noqa: E402
@@ -33,10 +33,11 @@ from pathlib import Path  # noqa: E402
 import redis  # noqa: E402
 
 ROOT = benchlib.ROOT
-REPS = 30
+REPS = 32  # a multiple of the four paths: each runs as often in each place of the rotation
 PROMPT_WORDS, MAX_TOKENS = 200, 6  # about 100 ms of work on the tiny models here
 STREAM_WORDS, STREAM_TOKENS = 600, 64
 SELECTION = {"threshold": 0, "tail_tokens": 32, "keep": 0.25}
+GREEDY = {"temperature": 0}  # every path the same work: argmax decoding, whatever the API's sampling defaults
 
 
 def env_for(**settings: str) -> dict:
@@ -143,7 +144,7 @@ def spec_of(client, path: str, body: dict):
 
 
 def callers(port: int, client) -> dict:
-    """name -> run(text, seed): one request's wall time, through each path."""
+    """name -> run(text): one request's wall time, through each path."""
     from anthropic import Anthropic
     from openai import OpenAI
 
@@ -153,21 +154,21 @@ def callers(port: int, client) -> dict:
     user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
 
     def timed(call):
-        def run(text: str, seed: int) -> float:
+        def run(text: str) -> float:
             t0 = time.perf_counter()
-            call(text, seed)
+            call(text)
             return time.perf_counter() - t0
         return run
 
     return {
-        "client": timed(lambda t, s: client.generate(messages=user(t), target_model="target", max_tokens=MAX_TOKENS,
-                                                     seed=s, **SELECTION).result(timeout=120)),
-        "chat": timed(lambda t, s: sdk.chat.completions.create(model="target", messages=user(t), max_tokens=MAX_TOKENS,
-                                                               seed=s, extra_body=SELECTION)),
-        "messages": timed(lambda t, s: claude.messages.create(model="target", messages=user(t), max_tokens=MAX_TOKENS,
-                                                              extra_body=SELECTION)),
-        "responses": timed(lambda t, s: sdk.responses.create(model="target", input=t, max_output_tokens=MAX_TOKENS,
-                                                             extra_body=SELECTION)),
+        "client": timed(lambda t: client.generate(messages=user(t), target_model="target", max_tokens=MAX_TOKENS,
+                                                  **GREEDY, **SELECTION).result(timeout=120)),
+        "chat": timed(lambda t: sdk.chat.completions.create(model="target", messages=user(t), max_tokens=MAX_TOKENS,
+                                                            **GREEDY, extra_body=SELECTION)),
+        "messages": timed(lambda t: claude.messages.create(model="target", messages=user(t), max_tokens=MAX_TOKENS,
+                                                           extra_body={**GREEDY, **SELECTION})),
+        "responses": timed(lambda t: sdk.responses.create(model="target", input=t, max_output_tokens=MAX_TOKENS,
+                                                          **GREEDY, extra_body=SELECTION)),
     }
 
 
@@ -190,13 +191,13 @@ def run_bench(server_url: str, conn: redis.Redis, tmp: Path, reps: int, vocab: l
         client = Client(conn, settings)
         paths = callers(port, client)
         for i in range(3):  # warm-up: caches, connections, first-call costs
-            for j, run in enumerate(paths.values()):
-                run(prompt(rng, vocab, PROMPT_WORDS), 10_000 + 10 * i + j)
+            for run in paths.values():
+                run(prompt(rng, vocab, PROMPT_WORDS))
         times: dict = {name: [] for name in paths}
         for i in range(reps):  # interleaved, each job new (fresh text: no memo, no shared job)
             order = list(paths.items())
             for name, run in order[i % len(order):] + order[:i % len(order)]:
-                times[name].append(run(prompt(rng, vocab, PROMPT_WORDS), i))
+                times[name].append(run(prompt(rng, vocab, PROMPT_WORDS)))
         delays: dict = {}
         for i in range(reps):
             for path, body in stream_bodies(prompt(rng, vocab, STREAM_WORDS), i).items():
@@ -212,8 +213,8 @@ def run_bench(server_url: str, conn: redis.Redis, tmp: Path, reps: int, vocab: l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="6 requests per path instead of 30")
-    reps = 6 if parser.parse_args().quick else REPS
+    parser.add_argument("--quick", action="store_true", help="8 requests per path instead of 32")
+    reps = 8 if parser.parse_args().quick else REPS
 
     from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.settings import SHIPPED_MODELS

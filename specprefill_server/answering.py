@@ -23,7 +23,7 @@ from specprefill_server.deadline import RequestDeadline, request_deadline
 from specprefill_server.errors import APIError, from_job_failure, redis_down, request_timeout
 from specprefill_server.runner import ClientGone, DeadlinePassed
 from specprefill_server.state import ServerState, state
-from specprefill_server.stream_events import Failed, Finished, Frames, Opened, TextDelta
+from specprefill_server.stream_events import Failed, Finish, Frames, Opened, TextDelta
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 JOB_HEADER = "x-specprefill-job-id"  # which job answered (for the web page and the logs)
@@ -112,7 +112,7 @@ def stream(ex: Exchange, frames: Frames, on_result: OnResult | None = None) -> S
 
 
 async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterator[Any]:
-    """Opened, a TextDelta per text delta as it is published, then Finished (counted in the
+    """Opened, a TextDelta per text delta as it is published, then Finish (counted in the
     metrics) or Failed: a job failure after the headers went out, or the deadline (its hold
     released). A client that goes away releases this request's hold on the job."""
     svc, ended = ex.svc, False
@@ -129,7 +129,7 @@ async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterat
         svc.metrics.answered(ex.endpoint, result, ex.started, mode="stream")
         if on_result is not None:
             await on_result(result)
-        yield Finished(result)
+        yield Finish(result)
     except (JobFailed, StreamDiverged, redis.ConnectionError, redis.TimeoutError) as exc:
         ended = True  # the job is over (or unreachable): nothing to cancel
         yield Failed(failure(exc))

@@ -8,7 +8,8 @@ from typing import Any
 
 from jobs.results import GenerateResult
 from specprefill_server.convert import specprefill_info
-from specprefill_server.stream_events import Failed, Finished, Opened, StreamEvent, TextDelta, ToolCallDelta, sse
+from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningDelta, StreamEvent, TextDelta,
+                                              ToolCallArguments, ToolCallStart, sse)
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -44,7 +45,8 @@ def message(result: GenerateResult, *, model: str, stop_sequences: list[str] | N
 
 class MessageFrames:
     """The stream of one Message: content blocks opened as their first delta arrives (a
-    text block, then one per tool call), closed when the next starts or the answer ends."""
+    thinking block, a text block, one per tool call), closed when the next starts or the
+    answer ends."""
 
     def __init__(self, *, job_id: str, model: str, stop_sequences: list[str] | None) -> None:
         self.id, self.model, self.stop_sequences = message_id(job_id), model, stop_sequences
@@ -73,15 +75,17 @@ class MessageFrames:
                      "usage": {"input_tokens": 0, "output_tokens": 0}}  # the real counts: message_delta
             return [sse({"type": "message_start", "message": start}, "message_start"),
                     sse({"type": "ping"}, "ping")]
+        if isinstance(event, ReasoningDelta):
+            head = self._start({"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
+            return head + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         if isinstance(event, TextDelta):
             head = self._start({"type": "text", "text": ""}) if self.open != "text" else []
             return head + [self._delta({"type": "text_delta", "text": event.text})]
-        if isinstance(event, ToolCallDelta):
-            head = (self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
-                    if event.id is not None else [])
-            body = [self._delta({"type": "input_json_delta", "partial_json": event.arguments})] if event.arguments else []
-            return head + body
-        if isinstance(event, Finished):
+        if isinstance(event, ToolCallStart):
+            return self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+        if isinstance(event, ToolCallArguments):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.delta})] if event.delta else []
+        if isinstance(event, Finish):
             return self._finish(event.result)
         if isinstance(event, Failed):
             return [sse(event.error.anthropic_body(), "error")]

@@ -11,7 +11,7 @@ from specprefill_server import answering
 from specprefill_server.convert import ChunkMaker, endpoint
 from specprefill_server.openai_types import parse
 from specprefill_server.state import read_json, state
-from specprefill_server.stream_events import Failed, Finished, Frames, Opened, StreamEvent, TextDelta, sse
+from specprefill_server.stream_events import Failed, Finish, Frames, Opened, StreamEvent, TextDelta, sse
 
 
 async def chat_completions(request: Request) -> Response:
@@ -45,7 +45,7 @@ def chunk_frames(maker: ChunkMaker, include_usage: bool) -> Frames:
             return [sse(first)] if first is not None else []
         if isinstance(event, TextDelta):
             return [sse(maker.text(event.text))]
-        if isinstance(event, Finished):
+        if isinstance(event, Finish):
             tail = [sse(maker.usage(event.result))] if include_usage else []
             return [sse(maker.last(event.result)), *tail, "data: [DONE]\n\n"]
         if isinstance(event, Failed):

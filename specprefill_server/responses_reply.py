@@ -1,7 +1,7 @@
 """A :class:`GenerateResult` as an OpenAI Response object, or as its stream of events
 (``response.created``, ``response.in_progress``, ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta`` / ``.done``,
-``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``,
+``response.reasoning_text.delta`` / ``.done``, ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``,
 ``response.completed`` or ``response.incomplete``; a failure is an ``error`` event), each
 numbered by ``sequence_number``; and the conversation a stored response leaves behind."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 from jobs.results import GenerateResult
 from specprefill_server.convert import specprefill_info
 from specprefill_server.responses_types import ResponsesRequest
-from specprefill_server.stream_events import Failed, Finished, Opened, StreamEvent, TextDelta, ToolCallDelta, sse
+from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningDelta, StreamEvent, TextDelta,
+                                              ToolCallArguments, ToolCallStart, sse)
 
 
 def response_id(job_id: str) -> str:
@@ -67,8 +68,9 @@ def answer_messages(result: GenerateResult) -> list[dict[str, Any]]:
 
 
 class ResponseFrames:
-    """The stream of one Response; items open as their first delta arrives (the message,
-    then a ``function_call`` item per tool call) and close when the next opens or the answer ends."""
+    """The stream of one Response; items open as their first delta arrives (a ``reasoning``
+    item, the message, a ``function_call`` item per tool call) and close when the next opens
+    or the answer ends."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape, self.seq = shape, 0
@@ -86,6 +88,7 @@ class ResponseFrames:
         if item["type"] == "message":
             frames.append(self._ev("response.content_part.added", item_id=item["id"], output_index=self.index,
                                    content_index=0, part=_text_part("")))
+        if item["type"] in ("message", "reasoning"):
             item["text"] = ""
         return frames
 
@@ -99,6 +102,10 @@ class ResponseFrames:
             return [self._ev("response.function_call_arguments.done", arguments=item["arguments"], **at),
                     self._ev("response.output_item.done", output_index=self.index, item=done)]
         text = item.pop("text")
+        if item["type"] == "reasoning":
+            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+            return [self._ev("response.reasoning_text.done", content_index=0, text=text, **at),
+                    self._ev("response.output_item.done", output_index=self.index, item=done)]
         return [self._ev("response.output_text.done", content_index=0, text=text, logprobs=[], **at),
                 self._ev("response.content_part.done", content_index=0, part=_text_part(text), **at),
                 self._ev("response.output_item.done", output_index=self.index, item=self.shape.message_item(text))]
@@ -113,25 +120,27 @@ class ResponseFrames:
             self.item["text"] += event.text  # type: ignore[index]
             return head + [self._ev("response.output_text.delta", item_id=self.item["id"],  # type: ignore[index]
                                     output_index=self.index, content_index=0, delta=event.text, logprobs=[])]
-        if isinstance(event, ToolCallDelta):
-            return self._tool_call(event)
-        if isinstance(event, Finished):
+        if isinstance(event, ReasoningDelta):
+            head = [] if self.item and self.item["type"] == "reasoning" else self._open(
+                {"type": "reasoning", "id": "rs_" + self.shape.id[5:], "summary": [], "status": "in_progress"})
+            self.item["text"] += event.text  # type: ignore[index]
+            return head + [self._ev("response.reasoning_text.delta", item_id=self.item["id"],  # type: ignore[index]
+                                    output_index=self.index, content_index=0, delta=event.text)]
+        if isinstance(event, ToolCallStart):
+            return self._open({"type": "function_call", "id": f"fc_{self.shape.id[5:]}_{event.index}",
+                               "call_id": event.id, "name": event.name, "arguments": "", "status": "in_progress"})
+        if isinstance(event, ToolCallArguments):
+            if not event.delta or self.item is None or self.item["type"] != "function_call":
+                return []
+            self.item["arguments"] += event.delta
+            return [self._ev("response.function_call_arguments.delta", item_id=self.item["id"],
+                             output_index=self.index, delta=event.delta)]
+        if isinstance(event, Finish):
             return self._finish(event.result)
         if isinstance(event, Failed):
             e = event.error
             return [self._ev("error", code=e.code, message=e.message, param=e.param)]
         return []
-
-    def _tool_call(self, event: ToolCallDelta) -> list[str]:
-        head = []
-        if event.id is not None:
-            head = self._open({"type": "function_call", "id": f"fc_{self.shape.id[5:]}_{event.index}",
-                               "call_id": event.id, "name": event.name, "arguments": "", "status": "in_progress"})
-        if not event.arguments or self.item is None:
-            return head
-        self.item["arguments"] += event.arguments
-        return head + [self._ev("response.function_call_arguments.delta", item_id=self.item["id"],
-                                output_index=self.index, delta=event.arguments)]
 
     def _finish(self, result: GenerateResult) -> list[str]:
         head = [] if self.index >= 0 else self._open(self.shape.message_item("", "in_progress"))

@@ -1,8 +1,8 @@
 """The neutral events of one streamed answer, which each API's formatter turns into its own
 server-sent events (OpenAI chunks, Anthropic's message events, Responses events).
 
-One module, so that the stream contract of the job spec's conversation work (tool-call
-deltas, reasoning text) replaces these in one place.
+One module, so that the stream contract of the conversation work (``jobs.answer_stream``:
+reasoning, text and tool-call deltas) replaces these in one place.
 """
 from __future__ import annotations
 
@@ -19,25 +19,41 @@ class Opened:
     """The job was accepted: the stream's headers are out, nothing generated yet."""
 
 
+# The answer's events carry the names and fields of the stream contract of the conversation
+# work (jobs.answer_stream): once it is on main they are imported from there instead.
 @dataclass(frozen=True)
 class TextDelta:
-    """Generated text, as the worker published it."""
+    """Visible answer text, as the worker published it."""
 
     text: str
 
 
 @dataclass(frozen=True)
-class ToolCallDelta:
-    """Part of a tool call: its start (``id`` and ``name``) or a piece of its JSON arguments."""
+class ReasoningDelta:
+    """Reasoning ("thinking") text, separated from the answer."""
 
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
+    text: str
 
 
 @dataclass(frozen=True)
-class Finished:
+class ToolCallStart:
+    """A tool call of the answer (``index`` from 0), before its arguments."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallArguments:
+    """JSON text of a call's arguments (the fragments of one index make one object)."""
+
+    index: int
+    delta: str
+
+
+@dataclass(frozen=True)
+class Finish:
     """The job's result: the stream's last frames (finish reason, usage)."""
 
     result: GenerateResult
@@ -50,7 +66,7 @@ class Failed:
     error: APIError
 
 
-StreamEvent = Union[Opened, TextDelta, ToolCallDelta, Finished, Failed]
+StreamEvent = Union[Opened, TextDelta, ReasoningDelta, ToolCallStart, ToolCallArguments, Finish, Failed]
 # An API's formatter: one event -> the server-sent events it sends for it (maybe none).
 Frames = Callable[[StreamEvent], list[str]]
 

@@ -14,7 +14,7 @@ from specprefill_server.anthropic_types import MessagesRequest
 from specprefill_server.conversation import spec_messages
 from specprefill_server.errors import APIError
 from specprefill_server.openai_types import parse
-from specprefill_server.stream_events import Finished, Opened, TextDelta, ToolCallDelta
+from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
 def result(**kw) -> GenerateResult:
@@ -90,19 +90,21 @@ def _events(frames: list[str]) -> list[dict]:
 
 def test_anthropic_stream_of_text_then_a_tool_call():
     frames = MessageFrames(job_id="generate-abc123", model="target", stop_sequences=None)
-    events = _events([f for ev in (Opened(), TextDelta("Let me "), TextDelta("see."),
-                                   ToolCallDelta(0, id="toolu_9", name="lookup"), ToolCallDelta(0, arguments='{"ro'),
-                                   ToolCallDelta(0, arguments='om": 7}'),
-                                   Finished(result(finish_reason="tool_calls", text="Let me see.")))
+    events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallStart(0, "toolu_9", "lookup"), ToolCallArguments(0, '{"ro'),
+                                   ToolCallArguments(0, 'om": 7}'),
+                                   Finish(result(finish_reason="tool_calls", text="Let me see.")))
                       for f in frames(ev)])
     kinds = [(e["type"], e.get("index")) for e in events]
     assert kinds == [("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
-                     ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
-                     ("content_block_delta", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+                     ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1),
+                     ("content_block_delta", 1), ("content_block_stop", 1), ("content_block_start", 2),
+                     ("content_block_delta", 2), ("content_block_delta", 2), ("content_block_stop", 2),
                      ("message_delta", None), ("message_stop", None)]
-    assert events[6]["content_block"] == {"type": "tool_use", "id": "toolu_9", "name": "lookup", "input": {}}
-    assert "".join(e["delta"]["partial_json"] for e in events[7:9]) == '{"room": 7}'
-    delta = events[10]
+    assert events[3]["delta"] == {"type": "thinking_delta", "thinking": "hmm"}
+    assert events[9]["content_block"] == {"type": "tool_use", "id": "toolu_9", "name": "lookup", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[10:12]) == '{"room": 7}'
+    delta = events[13]
     assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert delta["usage"] == {"input_tokens": 36, "output_tokens": 2, "cache_read_input_tokens": 64}
 
@@ -150,20 +152,23 @@ def test_responses_stream_of_text_then_a_tool_call():
 
     shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
     frames = ResponseFrames(shape)
-    events = _events([f for ev in (Opened(), TextDelta("Let me "), TextDelta("see."),
-                                   ToolCallDelta(0, id="call_9", name="lookup"), ToolCallDelta(0, arguments='{"ro'),
-                                   ToolCallDelta(0, arguments='om": 7}'), Finished(result(text="Let me see.")))
+    events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallStart(0, "call_9", "lookup"), ToolCallArguments(0, '{"ro'),
+                                   ToolCallArguments(0, 'om": 7}'), Finish(result(text="Let me see.")))
                       for f in frames(ev)])
     kinds = [(e["type"], e.get("output_index")) for e in events]
     assert kinds == [
         ("response.created", None), ("response.in_progress", None), ("response.output_item.added", 0),
-        ("response.content_part.added", 0), ("response.output_text.delta", 0), ("response.output_text.delta", 0),
-        ("response.output_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
-        ("response.output_item.added", 1), ("response.function_call_arguments.delta", 1),
-        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.done", 1),
-        ("response.output_item.done", 1), ("response.completed", None)]
-    assert [e["sequence_number"] for e in events] == list(range(1, 16))
-    assert events[6]["text"] == "Let me see." and events[12]["arguments"] == '{"room": 7}'
-    assert events[13]["item"] == {"type": "function_call", "id": "fc_abc123_0", "call_id": "call_9",
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1), ("response.output_text.delta", 1), ("response.output_text.delta", 1),
+        ("response.output_text.done", 1), ("response.content_part.done", 1), ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2), ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2), ("response.completed", None)]
+    assert [e["sequence_number"] for e in events] == list(range(1, 20))
+    assert events[5]["item"]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert events[10]["text"] == "Let me see." and events[16]["arguments"] == '{"room": 7}'
+    assert events[17]["item"] == {"type": "function_call", "id": "fc_abc123_0", "call_id": "call_9",
                                   "name": "lookup", "arguments": '{"room": 7}', "status": "completed"}
-    assert events[14]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 64}
+    assert events[18]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 64}
