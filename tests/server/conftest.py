@@ -75,6 +75,14 @@ def scrape_metrics(url: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+def value(samples: list, suffix: str = "", **labels: str) -> float:
+    """The one sample of a family with ``labels`` (and a name ending in ``suffix``)."""
+    found = [s.value for s in samples if s.name.endswith(suffix) and all(
+        s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (suffix, labels, samples)
+    return found[0]
+
+
 def queued_jobs(redis_url: str, namespace: str) -> list[str]:
     return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
 

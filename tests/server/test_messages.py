@@ -9,7 +9,7 @@ import json
 import anthropic
 import pytest
 
-from tests.server.conftest import TARGET, raw_request, words
+from tests.server.conftest import TARGET, raw_request, scrape_metrics, value, words
 
 pytestmark = pytest.mark.timeout(300)
 SYSTEM = "You answer from the notes."
@@ -111,3 +111,14 @@ def test_errors_have_anthropics_shape(anthropic_client, stack):
         anthropic.Anthropic(base_url=stack.server.url, api_key="wrong", max_retries=0).messages.create(
             model=TARGET, max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert err.value.body["error"]["type"] == "authentication_error"
+
+
+def test_messages_and_responses_answers_are_counted(anthropic_client, openai_client, stack):
+    ask(anthropic_client, words(90, seed=26), max_tokens=2)
+    list(ask(anthropic_client, words(90, seed=27), max_tokens=2, stream=True))
+    openai_client.responses.create(model=TARGET, input=words(90, seed=28), max_output_tokens=2)
+    server = scrape_metrics(stack.server.url + "/metrics")
+    answers = server["specprefill_http_answers"]
+    assert value(answers, "_total", endpoint="/v1/messages", mode="sync") >= 1
+    assert value(answers, "_total", endpoint="/v1/messages", mode="stream") >= 1
+    assert value(answers, "_total", endpoint="/v1/responses", mode="sync") >= 1
