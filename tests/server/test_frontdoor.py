@@ -232,6 +232,10 @@ def test_messages_and_responses_share_the_gate_and_the_deadline(front, http_redi
     assert time.perf_counter() - started < 2.0
     assert err.value.status_code == 503 and err.value.body["type"] == "error"
     assert err.value.body["error"]["type"] == "overloaded_error" and err.value.body["error"]["code"] == "model_not_available"
+    with pytest.raises(anthropic.APIStatusError) as err:  # counting runs on a worker too: the same gate
+        anthropic.Anthropic(base_url=front.url, api_key="none", max_retries=0).messages.count_tokens(
+            model=TARGET, messages=msg["messages"])
+    assert err.value.status_code == 503 and err.value.body["error"]["param"] == "model"
     with pytest.raises(APIStatusError) as err:
         sdk(front).responses.create(model=TARGET, input=words(40, seed=7), max_output_tokens=2)
     assert err.value.status_code == 503 and err.value.body["code"] == "model_not_available"
