@@ -34,10 +34,23 @@ def stop_of(result: GenerateResult, stop_sequences: list[str] | None) -> tuple[s
     return reason, (stop_sequences[0] if reason == "stop_sequence" and stop_sequences else None)
 
 
+def content_blocks(result: GenerateResult) -> list[dict[str, Any]]:
+    """The answer's blocks in the order they were generated: its reasoning (a thinking block,
+    with no signature: nothing here checks one), its text, its tool calls."""
+    blocks: list[dict[str, Any]] = []
+    if reasoning := getattr(result, "reasoning", ""):
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if result.text:
+        blocks.append({"type": "text", "text": result.text})
+    for call in getattr(result, "tool_calls", ()):
+        blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"], "input": call["arguments"]})
+    return blocks
+
+
 def message(result: GenerateResult, *, model: str, stop_sequences: list[str] | None) -> dict[str, Any]:
     """The Message of a non-streamed answer."""
     reason, sequence = stop_of(result, stop_sequences)
-    content = [{"type": "text", "text": result.text}] if result.text else []
+    content = content_blocks(result)
     return {"id": message_id(result.job_id), "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(result),
             "specprefill": specprefill_info(result)}

@@ -6,6 +6,7 @@
 numbered by ``sequence_number``; and the conversation a stored response leaves behind."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,22 @@ class ResponseShape:
         return {"type": "message", "id": "msg_" + self.id[5:], "status": status, "role": "assistant",
                 "content": content}
 
+    def output(self, result: GenerateResult) -> list[dict[str, Any]]:
+        """The answer's items: its reasoning, its message (also an empty one when there is
+        nothing else), its function calls."""
+        items: list[dict[str, Any]] = []
+        if reasoning := getattr(result, "reasoning", ""):
+            items.append({"type": "reasoning", "id": "rs_" + self.id[5:], "summary": [], "status": "completed",
+                          "content": [{"type": "reasoning_text", "text": reasoning}]})
+        calls = getattr(result, "tool_calls", ())
+        if result.text or not calls:
+            items.append(self.message_item(result.text))
+        for index, call in enumerate(calls):
+            items.append({"type": "function_call", "id": f"fc_{self.id[5:]}_{index}", "call_id": call["id"],
+                          "name": call["name"], "arguments": arguments_json(call["arguments"]),
+                          "status": "completed"})
+        return items
+
     def body(self, result: GenerateResult | None) -> dict[str, Any]:
         """The Response: in progress (no result yet), completed, or incomplete (max tokens)."""
         r = self.req
@@ -53,7 +70,7 @@ class ResponseShape:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": details, "model": r.model,
                 "instructions": r.instructions, "previous_response_id": r.previous_response_id,
-                "output": [self.message_item(result.text)] if result is not None else [],
+                "output": self.output(result) if result is not None else [],
                 "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "tool_choice": r.tool_choice or "auto",
                 "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
@@ -62,9 +79,23 @@ class ResponseShape:
                 "specprefill": specprefill_info(result) if result is not None else None}
 
 
+def arguments_json(arguments: Any) -> str:
+    """A call's arguments as JSON text, as the stream's argument deltas spell them."""
+    return json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
+
+
 def answer_messages(result: GenerateResult) -> list[dict[str, Any]]:
-    """The answer as it joins the conversation a following response continues."""
-    return [{"role": "assistant", "content": result.text}]
+    """The answer as it joins the conversation a following response continues (the
+    internal format: its text, its tool calls, its reasoning)."""
+    message: dict[str, Any] = {"role": "assistant", "content": result.text}
+    calls = getattr(result, "tool_calls", ())
+    if calls:
+        message["content"] = result.text or None
+        message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+    if reasoning := getattr(result, "reasoning", ""):
+        message["reasoning_content"] = reasoning
+    return [message]
 
 
 class ResponseFrames:

@@ -172,3 +172,23 @@ def test_responses_stream_of_text_then_a_tool_call():
     assert events[17]["item"] == {"type": "function_call", "id": "fc_abc123_0", "call_id": "call_9",
                                   "name": "lookup", "arguments": '{"room": 7}', "status": "completed"}
     assert events[18]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 64}
+
+
+def test_answers_with_reasoning_and_tool_calls():
+    """What a chat job's result holds once the worker separates reasoning and parses tool
+    calls (the conversation work): each API's body, and the conversation a stored Response leaves."""
+    from specprefill_server.responses_reply import ResponseShape, answer_messages
+    from specprefill_server.responses_types import ResponsesRequest
+
+    r = result(text="", finish_reason="tool_calls")
+    r.reasoning, r.tool_calls = "need it", [{"id": "call_1", "name": "lookup", "arguments": {"room": 7}}]
+    body = message(r, model="target", stop_sequences=None)
+    assert body["stop_reason"] == "tool_use" and body["content"] == [
+        {"type": "thinking", "thinking": "need it", "signature": ""},
+        {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"room": 7}}]
+    shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
+    assert [(i["type"], i.get("arguments")) for i in shape.body(r)["output"]] == \
+        [("reasoning", None), ("function_call", '{"room": 7}')]
+    assert answer_messages(r) == [{"role": "assistant", "content": None, "reasoning_content": "need it",
+                                   "tool_calls": [{"id": "call_1", "type": "function",
+                                                   "function": {"name": "lookup", "arguments": {"room": 7}}}]}]
