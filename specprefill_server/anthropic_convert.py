@@ -53,7 +53,7 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     return "".join(b["text"] for b in _blocks(content, f"{where}.content", ("text",)))
 
 
-def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, names: dict[str, str]) -> None:
+def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str) -> None:
     """Text blocks as user messages, each tool_result as a tool message, in their order."""
     texts: list[str] = []
     for j, block in enumerate(blocks):
@@ -66,15 +66,14 @@ def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, nam
         call_id = block.get("tool_use_id")
         if not isinstance(call_id, str) or not call_id:
             raise bad_request(f"{where}[{j}].tool_use_id: missing", f"{where}[{j}].tool_use_id")
-        message = {"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, f"{where}[{j}]")}
-        if call_id in names:
-            message["name"] = names[call_id]
-        conv.add(message, f"{where}[{j}]")
+        # no "name": the same conversation through chat completions renders the same prompt
+        conv.add({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, f"{where}[{j}]")},
+                 f"{where}[{j}]")
     if texts or not blocks:
         conv.add({"role": "user", "content": "".join(texts)}, where)
 
 
-def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, names: dict[str, str]) -> None:
+def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str) -> None:
     """One assistant message: its text, its tool_use blocks as tool calls, its thinking."""
     text = "".join(b["text"] for b in blocks if b["type"] == "text")
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -85,7 +84,6 @@ def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str
                 if not isinstance(block.get(key), str) or not block[key]:
                     raise bad_request(f"{where}[{j}].{key}: expected a non-empty string", f"{where}[{j}].{key}")
             calls.append(tool_call(block["id"], block["name"], block.get("input", {}), f"{where}[{j}].input"))
-            names[block["id"]] = block["name"]
     thinking = "".join(b["thinking"] for b in blocks if b["type"] == "thinking")
     if calls:
         message["tool_calls"] = calls
@@ -97,7 +95,7 @@ def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str
 
 def conversation(req: CountTokensRequest) -> Conversation:
     """``system`` and ``messages`` in the internal format."""
-    conv, names = Conversation(), {}
+    conv = Conversation()
     system = system_text(req.system)
     if system:
         conv.add({"role": "system", "content": system}, "system")
@@ -107,7 +105,7 @@ def conversation(req: CountTokensRequest) -> Conversation:
             raise bad_request(f"{where}.role: {role!r:.40} is not one of user, assistant", f"{where}.role")
         refuse_unknown(m, {"role", "content"}, where)
         blocks = _blocks(m.get("content"), f"{where}.content", ROLE_BLOCKS[role])
-        (_user_turn if role == "user" else _assistant_turn)(conv, blocks, f"{where}.content", names)
+        (_user_turn if role == "user" else _assistant_turn)(conv, blocks, f"{where}.content")
     return conv
 
 
