@@ -65,14 +65,13 @@ def _function_call(conv: Conversation, item: Mapping[str, Any], where: str, reas
     conv.origins[-1] = where
 
 
-def _function_output(conv: Conversation, item: Mapping[str, Any], where: str, names: dict[str, str]) -> None:
+def _function_output(conv: Conversation, item: Mapping[str, Any], where: str) -> None:
     call_id = item.get("call_id")
     if not isinstance(call_id, str) or not call_id:
         raise bad_request(f"{where}.call_id: expected a non-empty string", f"{where}.call_id")
-    message = {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output", ""), f"{where}.output")}
-    if call_id in names:
-        message["name"] = names[call_id]
-    conv.add(message, where)
+    # no "name": the same conversation through chat completions renders the same prompt
+    conv.add({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output", ""), f"{where}.output")},
+             where)
 
 
 def _reasoning_text(item: Mapping[str, Any]) -> str:
@@ -90,7 +89,6 @@ def conversation(items: str | list[dict[str, Any]], *, prefix: list[dict[str, An
     if isinstance(items, str):
         conv.add({"role": "user", "content": items}, where)
         return conv
-    names = {c["id"]: c["function"]["name"] for m in conv.messages for c in m.get("tool_calls") or ()}
     reasoning: list[str] = []
     for i, item in enumerate(items):
         at = f"{where}[{i}]"
@@ -103,9 +101,8 @@ def conversation(items: str | list[dict[str, Any]], *, prefix: list[dict[str, An
             _message(conv, item, at, reasoning)
         elif kind == "function_call":
             _function_call(conv, item, at, reasoning)
-            names[item["call_id"]] = item["name"]
         elif kind == "function_call_output":
-            _function_output(conv, item, at, names)
+            _function_output(conv, item, at)
         elif text := _reasoning_text(item):
             reasoning.append(text)
     return conv

@@ -51,8 +51,8 @@ def test_anthropic_tool_use_and_results_become_the_agreed_format():
         {"role": "assistant", "content": "Looking.", "reasoning_content": "I should look it up.", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
             {"id": "toolu_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "name": "lookup", "content": "4417"},
-        {"role": "tool", "tool_call_id": "toolu_2", "name": "lookup", "content": "99"},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "4417"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "99"},
         {"role": "user", "content": "and?"}]
     assert conv.origins[3] == "messages[2].content[0]"
     assert tools_of(req.tools) == [{"type": "function", "function": {
@@ -134,8 +134,8 @@ def test_responses_items_become_the_agreed_format():
         {"role": "assistant", "content": "Looking.", "reasoning_content": "Look it up.", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
             {"id": "call_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "name": "lookup", "content": "4417"},
-        {"role": "tool", "tool_call_id": "call_2", "name": "lookup", "content": "99"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4417"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "99"},
         {"role": "system", "content": "be brief"}]
     assert conv.origins[:2] == ["previous_response_id", "input[3]"]
     assert flat_tools([{"type": "function", "name": "lookup", "parameters": {"type": "object"}, "strict": True}]) == \
