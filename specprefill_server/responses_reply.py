@@ -24,11 +24,15 @@ def response_id(job_id: str) -> str:
 
 def usage(result: GenerateResult) -> dict[str, Any]:
     """``cached_tokens``: the prompt tokens the target restored from the block store.
-    Reasoning text is not separated from the answer here, so none counts as reasoning."""
-    return {"input_tokens": result.total,
-            "input_tokens_details": {"cached_tokens": result.target_tokens.get("restored", 0)},
-            "output_tokens": result.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": result.total + result.generated_tokens}
+    ``reasoning_tokens`` is said only when it is known, 0 for an answer without reasoning
+    (the worker reports the reasoning's text, not its tokens, and this server has no tokenizer)."""
+    out: dict[str, Any] = {"input_tokens": result.total,
+                           "input_tokens_details": {"cached_tokens": result.target_tokens.get("restored", 0)},
+                           "output_tokens": result.generated_tokens,
+                           "total_tokens": result.total + result.generated_tokens}
+    if not getattr(result, "reasoning", ""):
+        out["output_tokens_details"] = {"reasoning_tokens": 0}
+    return out
 
 
 @dataclass

@@ -189,6 +189,8 @@ def test_answers_with_reasoning_and_tool_calls():
     shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
     assert [(i["type"], i.get("arguments")) for i in shape.body(r)["output"]] == \
         [("reasoning", None), ("function_call", '{"room": 7}')]
+    assert "output_tokens_details" not in shape.body(r)["usage"]  # its reasoning's tokens are not known here
+    assert shape.body(result())["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
     assert answer_messages(r) == [{"role": "assistant", "content": None, "reasoning_content": "need it",
                                    "tool_calls": [{"id": "call_1", "type": "function",
                                                    "function": {"name": "lookup", "arguments": {"room": 7}}}]}]
