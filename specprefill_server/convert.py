@@ -149,10 +149,10 @@ def tool_calls(result: GenerateResult) -> list[dict[str, Any]]:
 
 
 def assistant_message(result: GenerateResult) -> dict[str, Any]:
-    """The answer as a chat message: content (null when the turn is only tool calls), the
-    reasoning as ``reasoning_content``, the tool calls."""
+    """The answer as a chat message: content as generated (null when the turn is only tool
+    calls), the reasoning as ``reasoning_content``, the tool calls."""
     message: dict[str, Any] = {"role": "assistant",
-                               "content": None if result.tool_calls and not result.text.strip() else result.text}
+                               "content": None if result.tool_calls and not result.text else result.text}
     if result.reasoning:
         message["reasoning_content"] = result.reasoning
     if result.tool_calls:

@@ -37,16 +37,19 @@ class Script:
         enc = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
         self.rules = [(enc(r["when"]) if r.get("when") else [], enc(r["say"]) + [eos]) for r in rules]
 
-    def answer(self, seen: list[int]) -> list[int]:
-        """The answer of the rule whose ``when`` occurs latest (no ``when``: the fallback)."""
+    def answer(self, seen: list[int]) -> list[int] | None:
+        """The answer of the rule whose ``when`` occurs latest (no ``when``: the fallback);
+        None when no rule matches (the model's own logits then: warm-up, profiling)."""
         at = [(_last_at(seen, when) if when else -1, -i) for i, (when, _) in enumerate(self.rules)]
         best = max(range(len(self.rules)), key=lambda i: at[i])
         if at[best][0] < 0 and self.rules[best][0]:
-            raise ValueError("scripted target: no rule matches this prompt")
+            return None
         return self.rules[best][1]
 
-    def next_token(self, seen: list[int]) -> int:
+    def next_token(self, seen: list[int]) -> int | None:
         say = self.answer(seen)
+        if say is None:
+            return None
         k = next(k for k in range(min(len(say) - 1, len(seen)), -1, -1) if _ends_with(seen, say[:k]))
         return say[k]
 
@@ -65,6 +68,8 @@ def scripted(model: Any, script: Script) -> Any:
             fresh = not offsets or min(offsets) <= len(fed)  # this call filled the cache from 0
             self._seen = fed if fresh else getattr(self, "_seen", []) + fed
             forced = script.next_token(self._seen)
+            if forced is None:
+                return logits
             row = mx.where(mx.arange(logits.shape[-1]) == forced, 0.0, -1e9).astype(logits.dtype)
             return mx.broadcast_to(row, logits.shape)
 
