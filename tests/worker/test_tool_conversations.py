@@ -84,6 +84,17 @@ def test_rendered_prompt_equals_apply_chat_template(folders, style, forms, turn)
         assert tokenizer.decode(prompt.tokens[:prompt.protected_prefix]) == block + "<|im_start|>user\n"
 
 
+def test_tools_without_a_system_message_are_a_protected_block(folders):
+    """Qwen3 renders the tools as a system block of their own: it is protected too."""
+    tokenizer = load_tokenizer(folders["qwen3"])
+    messages = agent_conversation(reasoning=True)[1:5]
+    prompt = tokenize_prompt(build_spec(Settings(draft_model="d"), messages=messages, tools=TOOLS), tokenizer)
+    head = tokenizer.decode(prompt.tokens[:prompt.protected_prefix])
+    assert head.startswith("<|im_start|>system\n# Tools") and head.endswith("</tool_call><|im_end|>\n<|im_start|>user\n")
+    bare = tokenize_prompt(build_spec(Settings(draft_model="d"), messages=messages), tokenizer)
+    assert bare.protected_prefix == 0 and bare.boundary_reason == "no leading system or developer message"
+
+
 def test_text_parts_render_as_their_joined_string(folders):
     tokenizer = load_tokenizer(folders["qwen3"])
     parts = [{"role": "user", "content": [{"type": "text", "text": "What are "}, {"type": "text", "text": "alpha?"}]}]
