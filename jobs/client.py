@@ -233,17 +233,21 @@ class JobHandle:
                         yield attempt[len(shown):]
                         shown = attempt
         if last is None or last.kind != "done":
-            status = self.status()
-            event_error = (last.data.get("error") if last is not None else None) or None
-            if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
-                # The terminal event came before RQ marked the job: the event says how it ended.
-                raise JobFailed(self.id, last.kind, event_error or last.kind)
-            raise JobFailed(self.id, status, self.error() if status == "failed" else event_error or status)
+            raise self.failure(last)
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
         self._check_same(shown, text)
         if len(text) > len(shown):
             yield text[len(shown):]
+
+    def failure(self, last: ProgressEvent | None) -> JobFailed:
+        """How a job whose events ended with ``last`` (not ``done``) failed."""
+        status = self.status()
+        event_error = (last.data.get("error") if last is not None else None) or None
+        if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
+            # The terminal event came before RQ marked the job: the event says how it ended.
+            return JobFailed(self.id, last.kind, event_error or last.kind)
+        return JobFailed(self.id, status, self.error() if status == "failed" else event_error or status)
 
     def _check_same(self, shown: str, text: str) -> None:
         at = len(os.path.commonprefix([shown, text]))

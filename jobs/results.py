@@ -104,7 +104,11 @@ class GenerateResult(JobResult):
     job's start on the worker (model loading included) to the first generated token.
     ``fallback`` says why the draft's part was skipped after a failure (the target then
     prefilled every token). ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string, which is not part of
-    ``text``) or ``"length"`` (``max_tokens`` reached).
+    ``text``), ``"length"`` (``max_tokens`` reached) or ``"tool_calls"`` (the turn ended with
+    tool calls). For a chat job ``text`` is the answer's content; ``reasoning`` the reasoning
+    text and ``tool_calls`` the calls (``{"id", "name", "arguments"}``, arguments an object),
+    separated and parsed with the model's own mlx-lm markers and tool parser
+    (``jobs.answer_stream`` is how they stream).
     """
 
     text: str
@@ -120,6 +124,8 @@ class GenerateResult(JobResult):
     # contiguous prefix), prefilled sparse; and its prefix blocks written.
     target_tokens: dict[str, int] = field(default_factory=dict)
     ttft_phases: dict[str, float] = field(default_factory=dict)  # seconds before the first token
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     kind: str = "generate"
 
     @property

@@ -23,7 +23,7 @@ from specprefill_server.deadline import RequestDeadline, request_deadline
 from specprefill_server.errors import APIError, from_job_failure, redis_down, request_timeout
 from specprefill_server.runner import ClientGone, DeadlinePassed
 from specprefill_server.state import ServerState, state
-from specprefill_server.stream_events import Failed, Finish, Frames, Opened, TextDelta
+from specprefill_server.stream_events import Failed, Finish, Frames, Opened
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 JOB_HEADER = "x-specprefill-job-id"  # which job answered (for the web page and the logs)
@@ -112,24 +112,27 @@ def stream(ex: Exchange, frames: Frames, on_result: OnResult | None = None) -> S
 
 
 async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterator[Any]:
-    """Opened, a TextDelta per text delta as it is published, then Finish (counted in the
-    metrics) or Failed: a job failure after the headers went out, or the deadline (its hold
-    released). A client that goes away releases this request's hold on the job."""
+    """Opened, the answer's events as they are published (jobs.answer_stream: reasoning,
+    text and tool-call deltas), then its Finish (counted in the metrics) or Failed: a job
+    failure after the headers went out, or the deadline (its hold released). A client that
+    goes away releases this request's hold on the job."""
     svc, ended = ex.svc, False
     try:
         yield Opened()
-        sent_text = False
-        async for delta in svc.runner.stream_text(ex.handle, ex.deadline.left()):
-            if not sent_text:
+        sent = False
+        async for event in svc.runner.stream_answer(ex.handle, ex.deadline.left()):
+            if isinstance(event, Finish):
+                ended = True
+                svc.metrics.answered(ex.endpoint, event.result, ex.started, mode="stream")
+                if on_result is not None:
+                    await on_result(event.result)
+                yield event
+                return
+            if not sent:
                 svc.metrics.first_chunk.observe(time.perf_counter() - ex.started)
-                sent_text = True
-            yield TextDelta(delta)
-        result: GenerateResult = await svc.runner.call(ex.handle.result, 30)
-        ended = True
-        svc.metrics.answered(ex.endpoint, result, ex.started, mode="stream")
-        if on_result is not None:
-            await on_result(result)
-        yield Finish(result)
+                sent = True
+            yield event
+        raise RuntimeError(f"job {ex.handle.id}: the answer stream ended without its finish")
     except (JobFailed, StreamDiverged, redis.ConnectionError, redis.TimeoutError) as exc:
         ended = True  # the job is over (or unreachable): nothing to cancel
         yield Failed(failure(exc))

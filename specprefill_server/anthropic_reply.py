@@ -38,11 +38,11 @@ def content_blocks(result: GenerateResult) -> list[dict[str, Any]]:
     """The answer's blocks in the order they were generated: its reasoning (a thinking block,
     with no signature: nothing here checks one), its text, its tool calls."""
     blocks: list[dict[str, Any]] = []
-    if reasoning := getattr(result, "reasoning", ""):
+    if reasoning := result.reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if result.text:
         blocks.append({"type": "text", "text": result.text})
-    for call in getattr(result, "tool_calls", ()):
+    for call in result.tool_calls:
         blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"], "input": call["arguments"]})
     return blocks
 

@@ -11,7 +11,7 @@ from specprefill_server import answering
 from specprefill_server.convert import ChunkMaker, endpoint
 from specprefill_server.openai_types import parse
 from specprefill_server.state import read_json, state
-from specprefill_server.stream_events import Failed, Finish, Frames, Opened, StreamEvent, TextDelta, sse
+from specprefill_server.stream_events import Failed, Finish, Frames, Opened, StreamEvent, sse
 
 
 async def chat_completions(request: Request) -> Response:
@@ -37,19 +37,19 @@ async def _answer(request: Request, url: str) -> Response:
 
 
 def chunk_frames(maker: ChunkMaker, include_usage: bool) -> Frames:
-    """OpenAI's stream: the role chunk, a chunk per text delta, the finish chunk (with
-    ``specprefill``), the usage chunk if asked, ``[DONE]``; a failure is an ``error`` event."""
+    """OpenAI's stream: the role chunk, a chunk per answer event (text, reasoning, tool-call
+    deltas: :meth:`ChunkMaker.event`), the finish chunk (with ``specprefill``), the usage
+    chunk if asked, ``[DONE]``; a failure is an ``error`` event."""
     def frames(event: StreamEvent) -> list[str]:
         if isinstance(event, Opened):
             first = maker.first()
             return [sse(first)] if first is not None else []
-        if isinstance(event, TextDelta):
-            return [sse(maker.text(event.text))]
         if isinstance(event, Finish):
             tail = [sse(maker.usage(event.result))] if include_usage else []
             return [sse(maker.last(event.result)), *tail, "data: [DONE]\n\n"]
         if isinstance(event, Failed):
             return [sse(event.error.body())]
-        return []  # tool-call deltas: not parsed from the output yet
+        chunk = maker.event(event)
+        return [sse(chunk)] if chunk is not None else []
 
     return frames

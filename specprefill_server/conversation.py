@@ -9,15 +9,13 @@ messages (``role``; ``content`` a string or None; assistant ``tool_calls`` as
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.conversation import ConversationError, check_messages
 from specprefill_server.errors import bad_request
 
-# Keys of a message beyond role and content, which the job spec's conversation takes once
-# it carries tool calls (until then a message holding one is refused by its request field).
-RICH_KEYS = {"tool_calls": "tool calls", "tool_call_id": "tool results", "name": "message names",
-             "reasoning_content": "reasoning texts"}
 
 
 @dataclass
@@ -66,16 +64,22 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
     return {"type": "function", "function": function}
 
 
-def spec_messages(conversation: Conversation) -> list[dict[str, str]]:
-    """The conversation as the job spec takes it today: ``{role, content}`` strings. A tool
-    call, a tool result or reasoning text is refused by the request field it came from
-    until the spec's conversation carries them."""
-    out = []
-    for message, where in zip(conversation.messages, conversation.origins):
-        rich = [what for key, what in RICH_KEYS.items() if message.get(key)]
-        if rich or message["role"] == "tool":
-            what = rich[0] if rich else "tool results"
-            raise bad_request(f"{where}: {what} are not carried by this server's "
-                              "job spec yet (text conversations only)", where, code="unsupported_value")
-        out.append({"role": message["role"], "content": message.get("content") or ""})
-    return out
+def spec_messages(conversation: Conversation) -> list[dict[str, Any]]:
+    """The conversation as the job spec takes it (``jobs.conversation``), checked here so
+    that an error names the request field a message came from (``messages[2].content[0]``
+    of an Anthropic request, ``input[3]`` of a Responses one), not its place in the converted
+    list (the rest of the message says which part of it). The spec checks sizes again (its
+    limits are the deployment's)."""
+    try:
+        check_messages(conversation.messages, max_chars=2**62)
+    except ConversationError as exc:
+        message = str(exc)
+        m = _INDEX.match(message)
+        if m is None:
+            raise bad_request(message) from None
+        where, detail = conversation.origins[int(m.group(1))], message[m.end():]
+        raise bad_request(f"{where}: {detail.lstrip(': ')}", where) from None
+    return conversation.messages
+
+
+_INDEX = re.compile(r"^messages\[(\d+)\]\.?")

@@ -6,10 +6,10 @@
 numbered by ``sequence_number``; and the conversation a stored response leaves behind."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from jobs.answer_stream import arguments_json
 from jobs.results import GenerateResult
 from specprefill_server.convert import specprefill_info
 from specprefill_server.responses_types import ResponsesRequest
@@ -30,7 +30,7 @@ def usage(result: GenerateResult) -> dict[str, Any]:
                            "input_tokens_details": {"cached_tokens": result.target_tokens.get("restored", 0)},
                            "output_tokens": result.generated_tokens,
                            "total_tokens": result.total + result.generated_tokens}
-    if not getattr(result, "reasoning", ""):
+    if not result.reasoning:
         out["output_tokens_details"] = {"reasoning_tokens": 0}
     return out
 
@@ -52,10 +52,10 @@ class ResponseShape:
         """The answer's items: its reasoning, its message (also an empty one when there is
         nothing else), its function calls."""
         items: list[dict[str, Any]] = []
-        if reasoning := getattr(result, "reasoning", ""):
+        if reasoning := result.reasoning:
             items.append({"type": "reasoning", "id": "rs_" + self.id[5:], "summary": [], "status": "completed",
                           "content": [{"type": "reasoning_text", "text": reasoning}]})
-        calls = getattr(result, "tool_calls", ())
+        calls = result.tool_calls
         if result.text or not calls:
             items.append(self.message_item(result.text))
         for index, call in enumerate(calls):
@@ -83,21 +83,16 @@ class ResponseShape:
                 "specprefill": specprefill_info(result) if result is not None else None}
 
 
-def arguments_json(arguments: Any) -> str:
-    """A call's arguments as JSON text, as the stream's argument deltas spell them."""
-    return json.dumps(arguments, ensure_ascii=False, separators=(", ", ": "))
-
-
 def answer_messages(result: GenerateResult) -> list[dict[str, Any]]:
     """The answer as it joins the conversation a following response continues (the
     internal format: its text, its tool calls, its reasoning)."""
     message: dict[str, Any] = {"role": "assistant", "content": result.text}
-    calls = getattr(result, "tool_calls", ())
+    calls = result.tool_calls
     if calls:
         message["content"] = result.text or None
         message["tool_calls"] = [{"id": c["id"], "type": "function",
                                   "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
-    if reasoning := getattr(result, "reasoning", ""):
+    if reasoning := result.reasoning:
         message["reasoning_content"] = reasoning
     return [message]
 

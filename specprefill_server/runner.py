@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from starlette.requests import Request
 
+from jobs.answer_stream import AnswerEvent, answer_events
 from jobs.client import Client, JobHandle
 from jobs.inspect import queue_depth
 from jobs.spec import JobSpec
@@ -183,6 +184,11 @@ class JobRunner:
         """A generate job's text deltas as the worker publishes them (JobFailed, ... raised;
         ``TimeoutError`` once ``timeout`` passed)."""
         return self.iterate(partial(handle.stream_text, timeout))
+
+    def stream_answer(self, handle: JobHandle, timeout: float | None = None) -> AsyncIterator[AnswerEvent]:
+        """A generate job's answer events (jobs.answer_stream) as the worker publishes them,
+        ending with ``Finish`` (JobFailed, ... raised; ``TimeoutError`` once ``timeout`` passed)."""
+        return self.iterate(partial(answer_events, handle, timeout))
 
     def cancel(self, handle: JobHandle) -> None:
         """:func:`give_up` in the pool, not waited for (the caller may be being canceled)."""

@@ -1,8 +1,8 @@
 """The neutral events of one streamed answer, which each API's formatter turns into its own
 server-sent events (OpenAI chunks, Anthropic's message events, Responses events).
 
-One module, so that the stream contract of the conversation work (``jobs.answer_stream``:
-reasoning, text and tool-call deltas) replaces these in one place.
+The answer's own events are :mod:`jobs.answer_stream`'s (reasoning, text and tool-call
+deltas, then ``Finish``); this module adds the two a request's stream has besides them.
 """
 from __future__ import annotations
 
@@ -10,53 +10,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from jobs.results import GenerateResult
+# The answer's events: the stream contract (Finish last, exactly once), re-exported here.
+from jobs.answer_stream import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart  # noqa: F401
 from specprefill_server.errors import APIError
 
 
 @dataclass(frozen=True)
 class Opened:
     """The job was accepted: the stream's headers are out, nothing generated yet."""
-
-
-# The answer's events carry the names and fields of the stream contract of the conversation
-# work (jobs.answer_stream): once it is on main they are imported from there instead.
-@dataclass(frozen=True)
-class TextDelta:
-    """Visible answer text, as the worker published it."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    """Reasoning ("thinking") text, separated from the answer."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    """A tool call of the answer (``index`` from 0), before its arguments."""
-
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArguments:
-    """JSON text of a call's arguments (the fragments of one index make one object)."""
-
-    index: int
-    delta: str
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The job's result: the stream's last frames (finish reason, usage)."""
-
-    result: GenerateResult
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from specprefill.options import GenerateOptions
 from specprefill.selection import to_ranges
 from worker import target_prefill
 from worker.admission import two_stage_admission
+from worker.answer_split import AnswerSplitter, splits_answer
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
@@ -75,6 +76,7 @@ class _Decoded:
     contiguous: int  # leading prompt tokens the target's cache holds in order
     target: dict[str, int] = field(default_factory=dict)
     kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
+    splitter: AnswerSplitter | None = None  # a chat answer's content, reasoning and tool calls
 
 
 def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
@@ -84,7 +86,8 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     timings: dict[str, float] = {}
     prompt = _target_prompt(spec, opts, ctx, timings)
     _plan(spec, opts, ctx, prompt, timings)
-    decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0)
+    splitter = _splitter(spec, ctx, prompt)
+    decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0, splitter)
     timings["total"] = time.perf_counter() - t0
     return _result(spec, prompt, ctx, decoded, timings).to_json()
 
@@ -105,6 +108,14 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
         timings.update(out.prefix.timings)
         ctx.publisher.publish("target_cache_lookup", hit_tokens=out.restored, total=len(prompt.tokens))
     return out
+
+
+def _splitter(spec: JobSpec, ctx: JobContext, prompt: _Prompt) -> AnswerSplitter | None:
+    """A chat answer's splitter into content, reasoning and tool calls (None: the text as it is)."""
+    tokenizer = prompt.target.tokenizer
+    if spec.messages is None or not splits_answer(tokenizer, bool(spec.tools)):
+        return None
+    return AnswerSplitter(tokenizer, tools=spec.tools, prompt=prompt.tokens, job_id=ctx.job_id)
 
 
 def _prefix_cache(ctx: JobContext, target: LoadedModel) -> TargetPrefixCache | None:
@@ -196,8 +207,8 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
     return cache
 
 
-def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
-                        timings: dict[str, float], t0: float) -> _Decoded:
+def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, timings: dict[str, float],
+                        t0: float, splitter: AnswerSplitter | None = None) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
     from specprefill.sparse import generate_tokens
 
@@ -207,7 +218,7 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         timings["target_prefill"] = state.seconds
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
-        reporter.begin_decode(stream, opts.max_tokens)
+        reporter.begin_decode(stream, opts.max_tokens, splitter)
         ttft, finish = None, "length"
         for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
                                      sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
@@ -225,7 +236,10 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         timings["decode"] = time.perf_counter() - reporter.decode_started
     _store_prefix(prompt, ctx, cache, contiguous, timings)
     del logits, cache
-    return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges)
+    if splitter is not None and splitter.tool_calls and finish in ("eos", "stop"):
+        finish = "tool_calls"
+    return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges,
+                    splitter=splitter)
 
 
 def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int,
@@ -255,6 +269,14 @@ def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
     return {k: round(v, 6) for k, v in phases.items()}
 
 
+def _answer(decoded: _Decoded) -> dict[str, Any]:
+    """The answer's text, and for a split chat answer its reasoning and tool calls."""
+    split = decoded.splitter
+    if split is None:
+        return {"text": decoded.stream.text}
+    return {"text": split.content, "reasoning": split.reasoning, "tool_calls": list(split.tool_calls)}
+
+
 def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
@@ -263,7 +285,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
     counts = _target_counts(prompt, decoded)
     ttft = decoded.ttft_s if decoded.ttft_s is not None else timings["total"]
     return GenerateResult(
-        job_id=ctx.job_id, text=decoded.stream.text, finish_reason=decoded.finish_reason,
+        job_id=ctx.job_id, finish_reason=decoded.finish_reason, **_answer(decoded),
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=spec.generate.full_prefill,
         reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
@@ -276,7 +298,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         memo_hit=sel.memo_hit if sel is not None else False,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
         draft_name=sel.draft_name if sel is not None else "", target_name=spec.target_model,
-        warnings=prompt.warnings,
+        warnings=prompt.warnings + (decoded.splitter.warnings if decoded.splitter is not None else []),
         target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft),
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,

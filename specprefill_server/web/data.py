@@ -109,7 +109,7 @@ def job_view(svc: ServerState, job_id: str) -> dict[str, Any]:
         "job_id": job_id, "status": rec.status, "kind": spec.kind, "input_kind": spec.input_kind,
         "options": spec.options(), "worker": rec.worker,
         "times": {"enqueued_at": rec.enqueued_at, "started_at": rec.started_at, "ended_at": rec.ended_at},
-        "messages": [{"role": r, "content": c} for r, c in spec.messages] if spec.messages else None,
+        "messages": [dict(m) for m in spec.messages] if spec.messages else None,
         "result": None, "explain": None, "segments": None}
     if rec.status != "finished":
         return view

@@ -117,5 +117,5 @@ def document_text(spec: Any) -> str | None:
     if spec.text is not None:
         return spec.text
     if spec.messages is not None:
-        return "\n".join(content for _, content in spec.messages)
+        return "\n".join(m.get("content") or "" for m in spec.messages)
     return None

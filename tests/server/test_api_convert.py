@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from jobs.answer_stream import Usage
 from jobs.results import GenerateResult
 from specprefill_server.anthropic_convert import conversation, tools_of
 from specprefill_server.anthropic_reply import MessageFrames, message
@@ -15,6 +16,10 @@ from specprefill_server.conversation import spec_messages
 from specprefill_server.errors import APIError
 from specprefill_server.openai_types import parse
 from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+
+
+def finish(r: GenerateResult) -> Finish:
+    return Finish(r.finish_reason, Usage.of(r), r)
 
 
 def result(**kw) -> GenerateResult:
@@ -57,9 +62,11 @@ def test_anthropic_tool_use_and_results_become_the_agreed_format():
     assert conv.origins[3] == "messages[2].content[0]"
     assert tools_of(req.tools) == [{"type": "function", "function": {
         "name": "lookup", "description": "find", "parameters": {"type": "object"}}}]
-    with pytest.raises(APIError) as err:  # until the job spec carries tool calls
-        spec_messages(conv)
-    assert err.value.param == "messages[1].content" and "tool calls" in err.value.message
+    assert spec_messages(conv) == conv.messages  # what the job spec takes
+    orphan = conversation(anthropic_request(messages=[AGENT_TURNS[0], AGENT_TURNS[2]]))
+    with pytest.raises(APIError) as err:  # a result of no call: named by the request's own field
+        spec_messages(orphan)
+    assert err.value.param == "messages[1].content[0]" and "answers no tool call" in err.value.message
 
 
 @pytest.mark.parametrize("body, param", [
@@ -93,7 +100,7 @@ def test_anthropic_stream_of_text_then_a_tool_call():
     events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
                                    ToolCallStart(0, "toolu_9", "lookup"), ToolCallArguments(0, '{"ro'),
                                    ToolCallArguments(0, 'om": 7}'),
-                                   Finish(result(finish_reason="tool_calls", text="Let me see.")))
+                                   finish(result(finish_reason="tool_calls", text="Let me see.")))
                       for f in frames(ev)])
     kinds = [(e["type"], e.get("index")) for e in events]
     assert kinds == [("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
@@ -154,7 +161,7 @@ def test_responses_stream_of_text_then_a_tool_call():
     frames = ResponseFrames(shape)
     events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
                                    ToolCallStart(0, "call_9", "lookup"), ToolCallArguments(0, '{"ro'),
-                                   ToolCallArguments(0, 'om": 7}'), Finish(result(text="Let me see.")))
+                                   ToolCallArguments(0, 'om": 7}'), finish(result(text="Let me see.")))
                       for f in frames(ev)])
     kinds = [(e["type"], e.get("output_index")) for e in events]
     assert kinds == [
@@ -180,8 +187,8 @@ def test_answers_with_reasoning_and_tool_calls():
     from specprefill_server.responses_reply import ResponseShape, answer_messages
     from specprefill_server.responses_types import ResponsesRequest
 
-    r = result(text="", finish_reason="tool_calls")
-    r.reasoning, r.tool_calls = "need it", [{"id": "call_1", "name": "lookup", "arguments": {"room": 7}}]
+    r = result(text="", finish_reason="tool_calls", reasoning="need it",
+               tool_calls=[{"id": "call_1", "name": "lookup", "arguments": {"room": 7}}])
     body = message(r, model="target", stop_sequences=None)
     assert body["stop_reason"] == "tool_use" and body["content"] == [
         {"type": "thinking", "thinking": "need it", "signature": ""},

@@ -95,12 +95,12 @@ def test_errors_have_anthropics_shape(anthropic_client, stack):
         ask(anthropic_client, "vibo", max_tokens=2, extra_body={"top_k": 5})
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
     assert err.value.body["error"]["message"].startswith("top_k:")
-    with pytest.raises(anthropic.BadRequestError) as err:  # tool calls: not in the job spec yet
+    with pytest.raises(anthropic.BadRequestError) as err:  # a result of no call
         anthropic_client.messages.create(model=TARGET, max_tokens=2, messages=[
             {"role": "user", "content": "look it up"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": 1}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}])
-    assert err.value.body["error"]["param"] == "messages[1].content"
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "42"}]}])
+    assert err.value.body["error"]["param"] == "messages[2].content[0]"
     with pytest.raises(anthropic.NotFoundError) as err:
         ask(anthropic_client, "vibo", max_tokens=2, model="no-such-model")
     assert err.value.body["error"]["code"] == "model_not_found"

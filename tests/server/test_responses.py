@@ -81,10 +81,10 @@ def test_refusals_name_the_field(openai_client):
              ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
              ({"input": [{"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{"}]},
               "input[0].arguments"),
-             # tool calls parse, then wait for the job spec to carry them
+             # the output of no call
              ({"input": [{"role": "user", "content": "look it up"},
                          {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{\"q\": 1}"},
-                         {"type": "function_call_output", "call_id": "c1", "output": "42"}]}, "input[1]")]
+                         {"type": "function_call_output", "call_id": "c2", "output": "42"}]}, "input[2]")]
     for body, param in cases:
         with pytest.raises(BadRequestError) as err:
             openai_client.responses.create(model=TARGET, max_output_tokens=2, **body)

@@ -35,11 +35,11 @@ def test_chat_request_maps_to_generate_fields():
         "max_completion_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
         "tools": [{"type": "function", "function": {"name": "f"}}], "user": "u"})
     fields = chat_fields(req)
-    assert fields == {"target_model": "target", "messages": [{"role": "system", "content": "s"},
-                                                             {"role": "user", "content": "ab"}],
+    assert fields == {"target_model": "target", "messages": req.messages,
                       "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
                       "tools": [{"type": "function", "function": {"name": "f"}}]}
     spec = generate_spec(**fields)
+    assert spec.messages[1] == {"role": "user", "content": "ab"}  # text parts joined by the spec
     kwargs = chat_fields(parse(ChatCompletionRequest, {
         "model": "t", "messages": [{"role": "user", "content": "a"}],
         "chat_template_kwargs": {"enable_thinking": False}}))
@@ -71,12 +71,52 @@ def test_unsupported_request_fields_are_refused_by_name():
         with pytest.raises(APIError) as err:
             parse(ChatCompletionRequest, {"model": "m", "messages": [], **body})
         assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+    for messages, param in [([{"role": "user", "content": "x", "tool_call_id": "c"}], "messages[0].tool_call_id"),
+                            ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": []}],
+                             "messages[1].content"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+                             "messages[0].content[0]")]:
+        with pytest.raises(JobSpecError) as err:
+            generate_spec(**chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": messages})))
+        assert from_spec_error(err.value).param == param, str(err.value)
+
+
+def test_openai_tool_conversations_convert_to_the_conversation_format():
+    replayed = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
+                "annotations": [], "reasoning": "look it up",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"k": [1, 2]}'}},
+                               {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    out = chat_messages([{"role": "user", "content": "q", "name": "bob"}, replayed,
+                         {"role": "tool", "tool_call_id": "c1", "content": "r"}])
+    assert out[1] == {"role": "assistant", "content": None, "reasoning_content": "look it up",
+                      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"k": [1, 2]}}},
+                                     {"id": "c2", "type": "function", "function": {"name": "f", "arguments": {}}}]}
+    spec = generate_spec(**chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": [
+        {"role": "user", "content": "q", "name": "bob"}, replayed, {"role": "tool", "tool_call_id": "c1", "content": "r"}]})))
+    assert spec.messages[1]["tool_calls"][0]["function"]["arguments"] == {"k": [1, 2]}
     with pytest.raises(APIError) as err:
-        chat_messages([{"role": "user", "content": "x", "name": "bob"}])
-    assert err.value.param == "messages[0].name"
-    with pytest.raises(APIError) as err:
-        chat_messages([{"role": "assistant", "content": None, "tool_calls": []}])
-    assert err.value.param == "messages[0].tool_calls"
+        chat_messages([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}])
+    assert err.value.param == "messages[0].tool_calls[0].function.arguments" and "not valid JSON" in err.value.message
+
+
+def test_tool_call_results_and_chunks_in_openai_form():
+    from jobs.answer_stream import Finish, ReasoningDelta, ToolCallArguments, ToolCallStart, Usage
+    from specprefill_server.convert import chat_completion
+
+    res = result(text="", reasoning="hmm", finish_reason="tool_calls",
+                 tool_calls=[{"id": "abc123def", "name": "lookup", "arguments": {"key": "alpha"}}])
+    choice = chat_completion(res, model="m", created=1)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": "hmm", "tool_calls": [
+        {"id": "abc123def", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "alpha"}'}}]}
+    maker = ChunkMaker(chat=True, job_id="generate-abc", model="m", created=1)
+    assert maker.event(ReasoningDelta("hm"))["choices"][0]["delta"] == {"reasoning_content": "hm"}
+    assert maker.event(ToolCallStart(0, "abc123def", "lookup"))["choices"][0]["delta"] == {"tool_calls": [
+        {"index": 0, "id": "abc123def", "type": "function", "function": {"name": "lookup", "arguments": ""}}]}
+    assert maker.event(ToolCallArguments(0, '{"key"'))["choices"][0]["delta"] == {
+        "tool_calls": [{"index": 0, "function": {"arguments": '{"key"'}}]}
+    assert maker.event(Finish("tool_calls", Usage(1, 1), res)) is None
+    assert maker.last(res)["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
 
 
 def test_completion_prompts():
