@@ -46,6 +46,14 @@ RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
 _ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps changing
 _MAX_NAME = 120  # characters of a document name kept in the job's description
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+# What a job that ended without a result and without an error of its own went through.
+ENDED_WITHOUT_ERROR = {"stopped": "a cancel stopped it while it ran",
+                       "canceled": "it was canceled before it started"}
+
+
+def ended_reason(status: str) -> str:
+    """The error of a job that ended ``status`` without one of its own (stopped, canceled)."""
+    return ENDED_WITHOUT_ERROR.get(status, status)
 
 
 class EnqueueConflict(RuntimeError):
@@ -136,7 +144,7 @@ class JobHandle:
                     return result_from_json(value)
                 return value
             if status in TERMINAL_STATUSES:
-                raise JobFailed(self.id, status, self.error() if status == "failed" else status)
+                raise JobFailed(self.id, status, self.error() if status == "failed" else ended_reason(status))
             if status == "missing":
                 if self.recover():
                     continue
@@ -237,8 +245,9 @@ class JobHandle:
             event_error = (last.data.get("error") if last is not None else None) or None
             if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
                 # The terminal event came before RQ marked the job: the event says how it ended.
-                raise JobFailed(self.id, last.kind, event_error or last.kind)
-            raise JobFailed(self.id, status, self.error() if status == "failed" else event_error or status)
+                raise JobFailed(self.id, last.kind, event_error or ended_reason(last.kind))
+            raise JobFailed(self.id, status, self.error() if status == "failed"
+                            else event_error or ended_reason(status))
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
         self._check_same(shown, text)
