@@ -39,6 +39,9 @@ def test_item6_submit_prints_the_id_alone_on_stdout(redis_url):
     assert again.stdout == res.stdout and "already submitted" in again.stderr
     as_json = json.loads(submit(redis_url, DOC, "--json").stdout)
     assert as_json["job_id"] == job and as_json["status"] == "queued"
+    generated = cli("generate", "--text", "hello there", "--redis-url", redis_url)  # generate alike
+    gen = generated.stdout.strip()
+    assert generated.returncode == 0 and generated.stdout == gen + "\n" and gen.startswith("generate-"), generated
 
 
 def test_items4_7_list_status_cancel_result_of_a_running_job(redis_url, start_worker):
