@@ -107,3 +107,13 @@ def test_item13_worker_logs_json_lines_naming_job_and_worker(redis_url, tmp_path
     during = [line for line in lines if line["job_id"] == handle.id]
     assert any(line["logger"].startswith("rq.") for line in during)  # RQ's lines name the job too
     assert handle.result(timeout=10).total > 0
+
+
+def test_item13_a_bad_log_format_is_refused_naming_it():
+    import pytest
+
+    from jobs.settings import Settings
+
+    with pytest.raises(ValueError, match=r"setting log_format \(SPECPREFILL_LOG_FORMAT\): must be one of text, json"):
+        Settings.from_env({"SPECPREFILL_LOG_FORMAT": "xml"})
+    assert Settings.from_env({"SPECPREFILL_LOG_FORMAT": "json"}).log_format == "json"
