@@ -96,28 +96,32 @@ def _most_running(client, job_ids, stop) -> int:
     return most
 
 
-@pytest.mark.parametrize("follow", ["result", "events"])
-def test_issue28_item17_a_batch_resubmits_every_lost_job_at_once(private_redis, workers, follow):
-    """After a data-losing restart a batch's ``result()`` / ``events()`` submit every lost
-    job again in one go, so the recovery runs on all three workers (before: each handle
-    resubmitted its own job and waited for it, one job queued or running at a time)."""
+def test_issue28_item17_a_batch_resubmits_every_lost_job_at_once(private_redis, workers):
+    """After a data-losing restart a batch's ``result()`` (then, after another restart, a
+    second batch's ``events()``) submits every lost job again in one go, so the recovery
+    runs on all three workers (before: each handle resubmitted its own job and waited for
+    it, one job queued or running at a time)."""
+    server = private_redis(persist=False)
+    s = fake_settings()
+    for i in range(3):
+        workers.fake(server.url, s, delay=0.05, name=f"rec{i}")
+    for round_no, follow in enumerate(("result", "events")):
+        _recover_a_batch(server, s, follow, round_no)
+
+
+def _recover_a_batch(server, s, follow: str, round_no: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from threading import Event
 
-    server = private_redis(persist=False)
-    url = server.url
-    s = fake_settings()
-    for i in range(3):
-        workers.fake(url, s, delay=0.05, name=f"rec{i}-{follow}")
-    c = client_for(url, s)
-    docs = [[2 + (i * 37 + j * 13) % 250 for j in range(320)] for i in range(6)]  # 20 chunks, ~1 s each
+    c = client_for(server.url, s)
+    docs = [[2 + (i * 37 + j * 13 + round_no) % 250 for j in range(320)] for i in range(6)]  # ~1 s each
     batch = c.submit_many([{"tokens": d} for d in docs])
     wait_for(lambda: batch.progress().running >= 2, timeout=30, what="the batch running")
     server.stop()
     server.start()  # empty: every job of the batch is lost
     stop = Event()
     with ThreadPoolExecutor(1) as pool:
-        watcher = pool.submit(_most_running, client_for(url, s), batch.job_ids, stop)
+        watcher = pool.submit(_most_running, client_for(server.url, s), batch.job_ids, stop)
         try:
             if follow == "result":
                 results = batch.result(timeout=120)
@@ -128,6 +132,6 @@ def test_issue28_item17_a_batch_resubmits_every_lost_job_at_once(private_redis, 
         finally:
             stop.set()
         most = watcher.result()
-    assert all(not isinstance(r, JobFailed) and r.total == 320 for r in results), results
-    assert all(h.resubmitted for h in batch.handles)
-    assert most >= 2, f"at most {most} job(s) of the batch ran at once during the recovery"
+    assert all(not isinstance(r, JobFailed) and r.total == 320 for r in results), (follow, results)
+    assert all(h.resubmitted for h in batch.handles), follow
+    assert most >= 2, f"{follow}: at most {most} job(s) of the batch ran at once during the recovery"
