@@ -221,15 +221,18 @@ def listening_workers(connection: redis.Redis, queue_name: str) -> list[str]:
 
 def jobs_by_state(connection: redis.Redis, queue_name: str, limit: int = 20) -> dict[str, list[str]]:
     """Job ids of one queue by state (queued in queue order, the registries newest first),
-    at most ``limit`` of each; read-only (no registry clean-up)."""
+    at most ``limit`` of each; read-only (no registry clean-up). Ids, never RQ's execution
+    entries: each is a job ``status`` and ``cancel`` accept."""
     q = Queue(queue_name, connection=connection, serializer=JSONSerializer)
-    keys = {name: getattr(q, f"{name}_job_registry").key for name in ("started", "finished", "failed", "canceled")}
+    registries = {name: getattr(q, f"{name}_job_registry") for name in ("started", "finished", "failed", "canceled")}
     with connection.pipeline(transaction=False) as pipe:
         pipe.lrange(q.key, 0, limit - 1)
-        for key in keys.values():
-            pipe.zrevrange(key, 0, limit - 1)
+        for registry in registries.values():
+            pipe.zrevrange(registry.key, 0, limit - 1)
         replies = pipe.execute()
     out = {"queued": [as_text(j) for j in replies[0]]}
-    for name, ids in zip(keys, replies[1:]):
-        out[name] = [as_text(j) for j in ids]
+    for (name, registry), entries in zip(registries.items(), replies[1:]):
+        # The started registry holds executions ("JOB_ID:EXECUTION_ID"); RQ's own parser
+        # gives the job id that status and cancel take (one job may have two executions).
+        out[name] = list(dict.fromkeys(registry.parse_job_id(as_text(e)) for e in entries))
     return out

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from cache_store.keys import check_namespace
 from jobs import settings_check
 from jobs.settings_check import SettingsError
+from jobs.log_format import LOG_FORMATS
 from specprefill.options import PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
@@ -141,6 +142,10 @@ class Settings:
     # interval, a busy one between its jobs (a requeued job waits for a free worker anyway).
     maintenance_interval_s: float = 60.0
 
+    # Logs of workers and the server: "text" lines, or "json" (one object per line with
+    # job_id, worker and event, for log collectors; jobs/log_format.py).
+    log_format: str = "text"
+
     # Linux CPU speed-up: preload a system OpenBLAS before mlx.
     openblas: bool = True
     openblas_path: str = ""
@@ -207,6 +212,9 @@ class Settings:
                                     f"{type(getattr(self, group)).__name__}", group)
         check_namespace(self.namespace)
         settings_check.validate(self, ENV_PREFIX)
+        if self.log_format not in LOG_FORMATS:
+            raise SettingsError(f"setting log_format ({ENV_PREFIX}LOG_FORMAT): must be one of "
+                                f"{', '.join(LOG_FORMATS)}, got {self.log_format!r:.40}", "log_format")
         for role in ("draft", "target"):
             bits, group = f"{role}_kv_bits", f"{role}_kv_group_size"
             if getattr(self, bits) not in KV_BITS:

@@ -73,6 +73,9 @@ def human(key: str, v: object) -> str:
     """A value as a person reads it: 20.0% not 0.20039980009995004, 1.2s, yes/no."""
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if key.endswith("_per_s") and isinstance(v, (int, float)):  # a rate, not a duration
+        unit = " tok/s" if key == "tokens_per_s" else "/s"
+        return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
     if isinstance(v, float):
         if key == "ratio" or key.endswith("_share"):
             return f"{100 * v:.1f}%"
@@ -86,6 +89,10 @@ def human(key: str, v: object) -> str:
 
 
 def _label(key: str) -> str:
+    if key == "tokens_per_s":  # "rate 1880 tok/s"
+        return "rate"
+    if key.endswith("_per_s"):  # "blocks_per_s": "blocks 12/s"
+        return key[:-len("_per_s")].replace("_", " ")
     return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
 
 
@@ -121,7 +128,8 @@ def describe(ev: ProgressEvent) -> str:
 
 
 def total_row(name: str, view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
-    """The total row of a batch: the finished prompt tokens per wall second (cumulative, so
+    """The total row of a batch: the prompt tokens finished jobs got through by running
+    (memo hits excluded: :func:`jobs.rate.worked_tokens`) per wall second (cumulative, so
     it does not flicker between completions), the counts and the ETA."""
     eta = f", eta {human_seconds(view.eta_s)}" if view.eta_s else ""
     overall = finished_tokens / max(elapsed_s, 1e-9)

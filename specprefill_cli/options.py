@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from jobs.connection import checked_connection
+from jobs.model_names import job_default
 from jobs.settings import Settings
 from jobs.spec import option_names
 from specprefill.options import GenerateOptions
@@ -126,8 +127,10 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
     s = settings or Settings()
     sel, sc = s.selection, s.scoring
     p.add_argument("--model", "--draft-model", dest="model",
-                   help=f"draft model: a local mlx-lm folder or a hub id (default: "
-                        f"{s.draft_model}, SPECPREFILL_DRAFT_MODEL; Python: draft_model= or model=)")
+                   help="draft model by name: 'draft', an alias or hub id the workers know, or a folder "
+                        f"on the worker (default: {job_default(s, 'draft')}, the name jobs send, which "
+                        "each worker resolves with its own SPECPREFILL_DRAFT_MODEL; Python: "
+                        "draft_model= or model=)")
     p.add_argument("--keep", type=float,
                    help="share of the prompt's chunks the target prefills, in (0, 1]; it applies "
                         f"only to prompts longer than --threshold, and the --tail-tokens come out "
