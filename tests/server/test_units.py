@@ -345,3 +345,15 @@ def test_server_metrics_count_answers_of_every_mode():
     assert v("specprefill_http_job_duration_seconds_count", {"endpoint": "/v1/chat/completions"}) == 2
     assert v("specprefill_http_queue_wait_seconds_count") == 1 and v("specprefill_http_queue_wait_seconds_sum") == 0.3
     assert v("specprefill_http_kept_ratio_bucket", {"le": "0.4"}) == 2 and v("specprefill_http_kept_ratio_count") == 3
+
+
+def test_a_job_without_a_curve_says_why():
+    from specprefill_server.web.data import curve_note
+
+    base = dict(job_id="j", kept=10, total=10, kept_ranges=[(0, 10)])
+    assert curve_note(PrefillResult(**base, importance_curve=ImportanceCurve(1, [0.0] * 10))) is None
+    assert "selection memo" in curve_note(PrefillResult(**base, memo_hit=True))
+    assert "threshold" in curve_note(PrefillResult(**base, reason="keep all: 10 tokens, not more than the threshold"))
+    assert "skipped (draft: boom)" in curve_note(PrefillResult(**base, fallback="draft: boom", reason="draft: boom"))
+    gen = GenerateResult(**base, text="", finish_reason="length", token_ids=[], ttft_s=0.1, full_prefill=True)
+    assert "full prefill requested" in curve_note(gen)
