@@ -26,6 +26,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -110,9 +111,23 @@ def one_round(client, target: str, texts: Texts, args, flip: bool) -> dict:
     for i in range(args.short_pairs):  # cheap jobs: several pairs, in both orders
         for mode, fields in (pair[::-1] if flip ^ (i % 2 == 1) else pair):
             res = run_job(client, target, short(), th, **fields)
+            SHORT_RUNS[mode].append(res)
             if mode not in out or res.ttft_s < out[mode].ttft_s:
                 out[mode] = res
     return out
+
+
+SHORT_RUNS: dict[str, list] = {"short_plain": [], "short_admission": []}  # every short job, for the cost line
+
+
+def admission_cost() -> str:
+    """What admission adds on a short prompt, apart from the prefill both jobs run: the median
+    over the short jobs of TTFT minus the target's prefill, per mode."""
+    outside = {mode: statistics.median(r.ttft_s - r.ttft_phases.get("target_prefill", 0.0) for r in runs)
+               for mode, runs in SHORT_RUNS.items()}
+    return (f"short prompts, TTFT outside the target's prefill (median of {len(SHORT_RUNS['short_plain'])} "
+            f"each): plain {1000 * outside['short_plain']:.1f} ms, admission "
+            f"{1000 * outside['short_admission']:.1f} ms")
 
 
 def main() -> None:
@@ -168,6 +183,7 @@ def report(rounds: list, args) -> None:
         phases = ", ".join(f"{k} {1000 * v:.0f}" for k, v in res.ttft_phases.items() if v >= 0.0005)
         print(f"| {mode} | {res.total} | {res.kept} | {t.get('restored', 0)} / {t.get('prefilled_full', 0)} / "
               f"{t.get('prefilled_sparse', 0)} | {1000 * res.ttft_s:.0f} | {phases} | {(res.reason or '')[:90]} |")
+    print(admission_cost())
     for mode in ("first", "second"):
         if best[mode].fallback:
             print(f"warning: {mode} fell back: {best[mode].fallback}")
