@@ -68,3 +68,20 @@ def test_quick_run_prints_its_target_lines(runs, script):
     assert not bad, f"malformed target lines: {bad}"
     failed = any(line.endswith(" FAIL") for line in lines)
     assert out.returncode == 0 or (out.returncode == 1 and failed), shown
+
+
+def test_chat_bench_compares_admission_and_plain_on_prompts_of_one_length():
+    """admission_vs_plain_ttft read above its goal from prompts of unequal length (random texts
+    sized by an average tokens-per-word: 262 against 254 tokens, and only the longer one reached
+    a full block to look up), not from admission (issue 28 item 15): each text of a pair has
+    exactly the asked length, and texts differ."""
+    code = ("import sys; sys.path.insert(0, 'bench'); import chat\n"
+            "from mlx_lm.tokenizer_utils import load\n"
+            "from jobs.settings import SHIPPED_MODELS\n"
+            "t = chat.Texts(load(SHIPPED_MODELS / 'target-tiny'))\n"
+            "texts = [t.make_exact(n) for n in (254, 254, 1024, 1024)]\n"
+            "print(*[t.count(x) for x in texts], len(set(texts)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["254", "254", "1024", "1024", "4"]
