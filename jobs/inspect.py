@@ -20,6 +20,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
 from cache_store.replies import as_text
+from jobs.client import described_name
 from jobs.settings import Settings
 from jobs.spec import JobSpec, spec_from_payload
 
@@ -208,7 +209,7 @@ LABEL_WORDS = 8  # the recent-jobs list names a job by its input's first words
 
 
 def input_label(spec: JobSpec) -> str:
-    """A job's input as a list names it: the first words of its text or last user message
+    """A job's input as a list names it when it has no document name: the first words of its text or last user message
     (of its last message when none is the user's), or its token count."""
     if spec.tokens is not None:
         return f"{len(spec.tokens)} tokens"
@@ -230,7 +231,7 @@ def _job_row(job: Job, settings: Settings) -> dict[str, Any]:
                            "ended_at": _ts(job.ended_at)}
     try:
         spec = spec_from_payload(job.args[0], settings)
-        row.update(label=input_label(spec), kind=spec.kind)
+        row.update(label=described_name(job.description, spec.kind) or input_label(spec), kind=spec.kind)
     except Exception:  # a foreign or unreadable payload: listed without a label
         pass
     done = (job.meta or {}).get("progress") or {}
