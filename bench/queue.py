@@ -4,7 +4,7 @@ service's job (validation, progress, block store, memo), measured side by side i
 Also: the share of job time spent publishing progress, and the enqueue time of a
 1000-document batch. Ends with one ``target ...: PASS/FAIL`` line per target.
 
-    .venv/bin/python bench/queue.py [--quick]   # --quick: 5 repeats, a 200-document batch
+    .venv/bin/python bench/queue.py [--quick]   # --quick: 3 repeats, a 100-document batch
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
 from benchlib import verdict  # noqa: E402
@@ -59,9 +59,9 @@ def start_worker(args: list, env: dict, log: Path, conn: redis.Redis, name: str)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="seconds: 5 repeats, a 200-document batch")
+    parser.add_argument("--quick", action="store_true", help="seconds: 3 repeats, a 100-document batch")
     quick = parser.parse_args().quick
-    reps, n_docs = (5, 200) if quick else (REPS, 1000)
+    reps, n_docs = (3, 100) if quick else (REPS, 1000)
     measure(reps, n_docs)
 
 
