@@ -385,6 +385,15 @@ def describe(spec: JobSpec, name: str | None = None) -> str:
     return f"{spec.kind} {str(name)[:_MAX_NAME]} ({size})"
 
 
+def described_name(description: str | None, kind: str) -> str | None:
+    """The document name :func:`describe` put into a job's description (None: it was given none)."""
+    head = f"{kind} "
+    if not description or not description.startswith(head) or " (" not in description:
+        return None
+    name = description[len(head):description.rindex(" (")]
+    return None if name == "document" or name[:1] in "'\"" else name
+
+
 @dataclass
 class _Plan:
     spec: JobSpec

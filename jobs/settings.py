@@ -119,6 +119,10 @@ class Settings:
     max_prompt_tokens: int = 131072
     max_batch_documents: int = 10000
     max_generate_tokens: int = 4096
+    # What a result keeps for the job page: the importance in at most this many points (the
+    # maximum of each run of positions), and the kept text when at most this many tokens are kept.
+    page_curve_points: int = 1024
+    page_text_tokens: int = 32768
 
     # Queue behaviour.
     job_timeout_s: int = 1800

@@ -118,10 +118,13 @@ def describe(ev: ProgressEvent) -> str:
     if ev.kind == "loading_model":
         return f"loading model {d.get('model', '?')}" + (f" as {d['role']}" if d.get("role") else "")
     if ev.kind == "done" and "kept" in d and "total" in d:
-        parts = [f"kept {d['kept']}/{d['total']} tokens ({human('ratio', d['kept'] / max(1, d['total']))})"]
+        share = d.get("ratio", d["kept"] / max(1, d["total"]))  # of the tokens not restored
+        parts = [f"kept {d['kept']}/{d['total']} tokens ({human('ratio', share)})"]
+        if d.get("restored_ratio"):
+            parts.append(f"restored {human('ratio', d['restored_ratio'])} of the prompt")
         if d.get("keep_effect") or d.get("reason"):
             parts.append(str(d.get("keep_effect") or d["reason"]))
-        parts.append(_pairs(d, skip=("kept", "total", "ratio", "reason", "keep_effect")))
+        parts.append(_pairs(d, skip=("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect")))
         return "done: " + ", ".join(p for p in parts if p)
     extra = _pairs(d)
     return ev.kind.replace("_", " ") + (f": {extra}" if extra else "")

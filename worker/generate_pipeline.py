@@ -39,7 +39,7 @@ from worker.fallback import fallback_reason
 from worker.models import LoadedModel
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.reporting import JobReporter
-from worker.selection_pipeline import load_model, prompt_warnings, select_prompt
+from worker.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
 from worker.target_prefix import TargetPrefixCache, contiguous_prefix
 from worker.tokenizer_pair import check_pair_once
 
@@ -157,7 +157,7 @@ def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
     t = time.perf_counter()
     p = prompt.prompt
     protected = PromptTokens(p.tokens, max(p.protected_prefix, prompt.restored), p.boundary_reason)
-    selection, _ = select_prompt(spec, ctx, draft, prompt=protected)
+    selection, _ = select_prompt(spec, ctx, draft, prompt=protected, spans=False)
     st = selection.timings
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
@@ -275,12 +275,30 @@ def _answer(decoded: _Decoded) -> dict[str, Any]:
     if split is None:
         return {"text": decoded.stream.text}
     return {"text": split.content, "reasoning": split.reasoning, "tool_calls": list(split.tool_calls)}
+def _keep_effect(spec: JobSpec, prompt: _Prompt, used: PrefillResult | None, kept: int) -> str | None:
+    """Why more was kept than keep asked for. A restored prefix is held whole and not selected
+    over (the kept share, ``ratio``, is of the other tokens): said first, then the selection's
+    own effect over those tokens."""
+    if used is None:
+        return f"keep had no effect: {prompt.reason}"
+    restored, total = prompt.restored, len(prompt.tokens)
+    if not restored:
+        return used.keep_effect
+    from specprefill.selection import keep_effect
+
+    inner = keep_effect(total - restored, kept - restored, spec.selection,
+                        max(0, prompt.prompt.protected_prefix - restored))
+    note = (f"the target restored its first {restored} tokens ({100 * restored / total:.1f}% of the prompt) "
+            f"from the block store, held whole and not selected over: keep {spec.selection.keep:g} applies "
+            f"to the other {total - restored} tokens")
+    return note + (f"; {inner}" if inner else "")
 
 
 def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
     used = sel if prompt.fallback is None else None  # the selection the target prefilled
+    kept_ranges = [(0, total)] if used is None else decoded.kept_ranges
     scored = {"draft_scoring": total - sel.cached_tokens} if sel is not None and not sel.memo_hit else {}
     counts = _target_counts(prompt, decoded)
     ttft = decoded.ttft_s if decoded.ttft_s is not None else timings["total"]
@@ -289,8 +307,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=spec.generate.full_prefill,
         reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
-        keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
-        kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
+        keep_effect=_keep_effect(spec, prompt, used, state.kept_tokens), kept_ranges=kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
         tail_start=None if used is None else used.tail_start,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
@@ -304,4 +321,6 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
                                      "decode": decoded.tokens, **scored}),
         draft_timings=dict(sel.timings) if sel is not None else {},
+        importance_curve=used.importance_curve if used is not None else None,
+        spans=kept_spans(spec, ctx, prompt.target.tokenizer, prompt.tokens, kept_ranges),
     )

@@ -33,7 +33,7 @@ RUNNERS: dict[str, Callable[[JobSpec, JobContext], dict[str, Any]]] = {
 
 
 def _done_summary(result: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    keys = ("kept", "total", "ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
+    keys = ("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
             "generated_tokens", "ttft_s", "finish_reason")
     return {**{k: result.get(k) for k in keys if k in result}, "elapsed_s": round(elapsed, 4)}
 

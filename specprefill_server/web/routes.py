@@ -11,6 +11,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from jobs.layout import regions
 from specprefill_server.batch.store import TERMINAL
 from specprefill_server.completions import SSE_HEADERS, sse
 from specprefill_server.errors import not_found
@@ -87,9 +88,8 @@ async def job_events(request: Request) -> Response:
 
 async def importance(request: Request) -> Response:
     svc = state(request)
-    source, tail = await svc.runner.call(importance_source, svc, request.path_params["job_id"])
-    svg = importance_svg(source.importance or [], source.kept_ranges,
-                         protected_prefix=source.protected_prefix, tail_start=tail)
+    result = await svc.runner.call(importance_source, svc, request.path_params["job_id"])
+    svg = importance_svg(result.importance_curve, result.total, regions(result))
     return Response(svg, media_type="image/svg+xml")
 
 

@@ -29,7 +29,9 @@ def test_chat_completion_usage_and_specprefill(openai_client, stack):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     sp = r.model_extra["specprefill"]
     assert 0 < sp["kept_ratio"] < 0.5  # keep 0.2 plus the 32-token tail, not the whole prompt
-    assert sp["kept_tokens"] == round(sp["kept_ratio"] * sp["prompt_tokens"])
+    restored = sp["target_tokens"]["restored"]  # not selected over: outside the kept share
+    assert sp["kept_tokens"] - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    assert sp["restored_ratio"] == round(restored / sp["prompt_tokens"], 6)
     assert set(sp["ttft_phases_s"]) >= {"draft_scoring", "target_prefill"} and sp["ttft_s"] > 0
     # the job carries the request's options
     job = Job.fetch(sp["job_id"], connection=redis.Redis.from_url(stack.redis_url), serializer=JSONSerializer)

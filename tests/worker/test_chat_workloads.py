@@ -437,3 +437,40 @@ def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(mo
     assert second.target_tokens["restored"] > 0 and alone.target_tokens["restored"] == 0
     assert second.kept_ranges == alone.kept_ranges and (second.kept < second.total) == (keep < 1)
     assert np.array_equal(seen[1], seen[2]) and second.token_ids == alone.token_ids
+
+
+# ---- the kept share of a job on a restored prefix (issue 28 item 9) ----
+
+def test_a_restored_prefix_does_not_inflate_the_kept_share():
+    """The second turn of a conversation restores the first turn's whole prompt (a plain prefill
+    stored it), more than its system block: the kept share is of the tokens selected over, the
+    restored share is beside it, and keep_effect says why kept/total is more than keep."""
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, keep=0.1, threshold=48)
+    turn = chat(0, n=30)
+    first = run(rt, "a", messages=turn, **GREEDY)
+    assert first.reason and first.reason.startswith("keep all")  # short: plain, its prefix stored
+    second = run(rt, "b", messages=turn + [{"role": "assistant", "content": "ok"}, chat(2, n=400)[1]],
+                 **GREEDY)
+    restored, total, kept = second.restored, second.total, second.kept
+    assert restored == second.target_tokens["restored"] > second.protected_prefix
+    assert kept < total
+    assert second.ratio == pytest.approx((kept - restored) / (total - restored))
+    assert second.ratio < kept / total  # what was reported before
+    assert second.restored_ratio == pytest.approx(restored / total)
+    assert f"restored its first {restored} tokens" in second.keep_effect
+    assert f"applies to the other {total - restored} tokens" in second.keep_effect
+    d = second.to_json()
+    assert d["ratio"] == second.ratio and d["restored_ratio"] == second.restored_ratio
+
+
+def test_a_job_without_a_restore_reports_kept_over_total():
+    rt, _ = runtime(keep=0.25)
+    res = run(rt, "a", messages=chat(1), **GREEDY)
+    assert res.restored == 0 and res.restored_ratio == 0.0
+    assert res.ratio == pytest.approx(res.kept / res.total)
+    assert res.keep_effect is None or "restored" not in res.keep_effect
+    # what the job page shows, kept with the answer: the draft's importance and the kept text
+    assert res.importance_curve is not None and res.importance_curve.tokens_per_bin == 1
+    assert len(res.importance_curve.max) == res.total
+    assert [(s.start, s.end) for s in res.spans] == res.kept_ranges
