@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from jobs.model_names import ModelCatalog, UnknownModelError, looks_like_path
+from worker.context_window import ContextWindow, context_window, model_config
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
     from specprefill.attention.target import TargetProfile
@@ -143,6 +144,7 @@ class LoadedModel:
     profile: ModelProfile | None = None  # as a draft: layer roles, cache layout (None: not yet, or a fake)
     target_profile: TargetProfile | None = None  # as a target: ropes, factors, window (None: not yet)
     roles: frozenset[str] = frozenset()  # roles verified ("draft", "target")
+    context: ContextWindow | None = None  # the window its config declares (None: it declares none)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -310,7 +312,7 @@ class ModelPool:
             raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source, where.path)}") from None
         self._warm(model)
         loaded = LoadedModel(name, model, tokenizer, where.identity, "", _vocab_size(model),
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, context=context_window(model_config(where.path, model)))
         self.loads += 1
         log.info("model %s loaded from %s in %.2fs (%s)", name, where.path, loaded.load_seconds,
                  where.identity)
