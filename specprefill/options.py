@@ -23,6 +23,9 @@ MAX_POOL_KERNEL = 1023
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# What a worker's models compute in (specprefill.compute_dtype): "auto" is float32 on MLX's CPU
+# backend and the model's own dtype on Metal, "model" always the model's own.
+COMPUTE_DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 
 
 class OptionError(ValueError):
