@@ -81,3 +81,13 @@ def test_target_prefix_blocks_are_named_by_the_dtype_too():
     client = fakeredis.FakeRedis()
     assert _target_store(client, a, settings).raw_store.fingerprint != \
         _target_store(client, b, settings).raw_store.fingerprint
+
+
+def test_the_setting_reaches_the_workers_pool_from_the_environment():
+    from worker.runtime import WorkerRuntime
+
+    settings = Settings.from_env({"SPECPREFILL_COMPUTE_DTYPE": "bfloat16"})
+    runtime = WorkerRuntime.from_settings(settings, fakeredis.FakeRedis())
+    assert runtime.models.compute_dtype == "bfloat16"
+    loaded = runtime.models.get(DRAFT)
+    assert loaded.dtypes == ("bfloat16",) and parameter_dtypes(loaded.model) == ("bfloat16",)
