@@ -14,7 +14,7 @@ from cache_store.keys import check_namespace
 from jobs import settings_check
 from jobs.settings_check import SettingsError
 from jobs.log_format import LOG_FORMATS
-from specprefill.options import PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
+from specprefill.options import COMPUTE_DTYPES, PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
 
 ENV_PREFIX = "SPECPREFILL_"
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
@@ -88,6 +88,11 @@ class Settings:
     draft_kv_group_size: int = 64
     target_kv_bits: int = 0
     target_kv_group_size: int = 64
+    # What the draft and the target compute in (specprefill/compute_dtype.py): their floating
+    # weights cast after loading, quantized ones dequantized. "auto": float32 on MLX's CPU
+    # backend (bf16 and quantized matmuls there are 8x and more slower), the model's own dtype
+    # on Metal; "model": always the model's own; or float32, bfloat16, float16.
+    compute_dtype: str = "auto"
 
     # Block store.
     block_size: int = 256
@@ -219,6 +224,10 @@ class Settings:
         if self.log_format not in LOG_FORMATS:
             raise SettingsError(f"setting log_format ({ENV_PREFIX}LOG_FORMAT): must be one of "
                                 f"{', '.join(LOG_FORMATS)}, got {self.log_format!r:.40}", "log_format")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise settings_check.SettingsError(
+                f"setting compute_dtype ({ENV_PREFIX}COMPUTE_DTYPE): must be one of {', '.join(COMPUTE_DTYPES)}, "
+                f"got {self.compute_dtype!r}", "compute_dtype")
         for role in ("draft", "target"):
             bits, group = f"{role}_kv_bits", f"{role}_kv_group_size"
             if getattr(self, bits) not in KV_BITS:

@@ -72,6 +72,11 @@ class JobSpecError(ValueError):
     """A job spec field is missing, of the wrong type, or out of its allowed range."""
 
 
+class ContextLengthError(JobSpecError):
+    """A prompt (plus what a job adds to it) is longer than a model's context window; the
+    HTTP API answers it as 400 ``context_length_exceeded``."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a spec must respect, derived from :class:`Settings` (:meth:`from_settings`):

@@ -23,6 +23,9 @@ MAX_POOL_KERNEL = 1023
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# What a worker's models compute in (specprefill.compute_dtype): "auto" is float32 on MLX's CPU
+# backend and the model's own dtype on Metal, "model" always the model's own.
+COMPUTE_DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 
 
 class OptionError(ValueError):
@@ -110,6 +113,8 @@ class ScoringOptions:
     ``n_lookahead`` tokens are sampled with ``temperature`` / ``top_p`` / ``seed`` (or
     ``greedy``); their queries, and the last prompt token's if ``include_last_query``,
     score the prompt; attention is pooled over ``pool_kernel`` positions (0 or 1: none).
+    ``allow_beyond_context`` lets the job run past the context window the draft's and the
+    target's configs declare (refused otherwise, when the worker tokenizes the prompt).
     How many tokens one forward pass prefills is the caller's (``prefill_step``), not an
     option: it does not change what is selected.
     """
@@ -121,10 +126,12 @@ class ScoringOptions:
     seed: int = 0
     pool_kernel: int = 13
     include_last_query: bool = True
+    allow_beyond_context: bool = False
 
     def __post_init__(self) -> None:
         _set(self, n_lookahead=check_integer("n_lookahead", self.n_lookahead, 0, MAX_LOOKAHEAD),
              include_last_query=check_flag("include_last_query", self.include_last_query),
+             allow_beyond_context=check_flag("allow_beyond_context", self.allow_beyond_context),
              pool_kernel=check_integer("pool_kernel", self.pool_kernel, 0, MAX_POOL_KERNEL))
         if not self.include_last_query and self.n_lookahead == 0:
             raise OptionError("n_lookahead", "0 needs include_last_query=true (no query would "

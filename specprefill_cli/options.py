@@ -147,6 +147,10 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
                    help=f"lookahead tokens the draft decodes to score the prompt (default: {sc.n_lookahead})")
     p.add_argument("--seed", type=int, help=(seed_help or "seeds the draft's lookahead sampling")
                    + " (default: 0)")
+    p.add_argument("--allow-beyond-context", dest="allow_beyond_context", action="store_true", default=None,
+                   help="run prompts longer than the draft's or the target's context window (the "
+                        "one its config declares; refused otherwise) (default: off, "
+                        "SPECPREFILL_ALLOW_BEYOND_CONTEXT)")
 
 
 def add_generate_options(p: argparse.ArgumentParser) -> None:

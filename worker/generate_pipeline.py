@@ -37,6 +37,7 @@ from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
+from worker.context_window import check_context
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.reporting import JobReporter
 from worker.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
@@ -99,6 +100,8 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     t = time.perf_counter()
     prompt = tokenize_prompt(spec, target.tokenizer)
     check_prompt(prompt.tokens, target, ctx.settings)
+    check_context(len(prompt.tokens), opts.max_tokens, "max_tokens", target.context, "target",
+                  allowed=spec.scoring.allow_beyond_context)
     check_positions(prompt.tokens, opts.max_tokens, target)
     timings["tokenize"] = time.perf_counter() - t
     out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target),

@@ -128,7 +128,7 @@ def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> li
 def _target_fingerprint(loaded: LoadedModel, fresh: Callable[[], list], kv: tuple, block_size: int) -> str:
     """Names the target's prefix blocks: its weights, its cache description and the role (the
     target prefills its prefix in block steps of its own, so its blocks are not the draft's)."""
-    key = (loaded.identity, kv, block_size)
+    key = (loaded.identity, loaded.dtypes, kv, block_size)  # the description hashes the dtypes too
     if key not in _TARGET_FINGERPRINTS:
         from cache_store import model_fingerprint
         from specprefill.draft_cache import block_description
@@ -205,7 +205,7 @@ class WorkerRuntime:
         connection = connection or queue_connection(settings.redis_url, settings)
         cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
         models = kwargs.pop("models", None) or ModelPool(
-            settings.model_lru_size, block_size=settings.block_size,
+            settings.model_lru_size, block_size=settings.block_size, compute_dtype=settings.compute_dtype,
             profile=draft_profiler(*settings.kv_quantization("draft")),
             target_profile=target_profiler(*settings.kv_quantization("target")))
         return cls(settings, connection, cache_client, models, **kwargs)

@@ -17,6 +17,7 @@ from jobs.results import ImportanceCurve, KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
 from worker.admission import two_stage_admission
 from worker.context import JobContext
+from worker.context_window import check_context
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
 from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
@@ -122,6 +123,8 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     prompt = prompt or tokenize_prompt(spec, draft.tokenizer)
     tokens, protected_prefix = prompt.tokens, prompt.protected_prefix
     check_prompt(tokens, draft, ctx.settings)
+    check_context(len(tokens), spec.scoring.n_lookahead, "n_lookahead", draft.context, "draft",
+                  allowed=spec.scoring.allow_beyond_context)
     warnings = prompt_warnings(ctx, tokens, draft.tokenizer)
     timings["tokenize"] = time.perf_counter() - t
     backend = ctx.runtime.backend

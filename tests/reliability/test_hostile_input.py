@@ -25,7 +25,7 @@ VALID = {"draft_model": "fake-draft", "tokens": [2 + i % 200 for i in range(60)]
 INTS = ["chunk_size", "tail_tokens", "threshold", "n_lookahead", "pool_kernel", "lookahead_seed"]
 FLOATS = ["keep", "lookahead_temperature", "lookahead_top_p"]
 OLD_NAMES = {"seed": "lookahead_seed", "temperature": "lookahead_temperature", "top_p": "lookahead_top_p"}
-BOOLS = ["include_last_query", "return_importance", "return_spans"]
+BOOLS = ["include_last_query", "allow_beyond_context", "return_importance", "return_spans"]
 
 not_a_number = st.one_of(st.text(max_size=5), st.lists(st.integers(), max_size=2),
                          st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))

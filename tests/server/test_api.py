@@ -93,6 +93,15 @@ def test_bad_requests_name_the_field(openai_client):
     assert err.value.body["param"] == "messages[0].content[0]"
 
 
+def test_a_prompt_beyond_the_targets_context_is_400_context_length_exceeded(openai_client):
+    # the shipped target declares max_position_embeddings 8192: 8100 prompt tokens + 200 do not fit
+    with pytest.raises(BadRequestError) as err:
+        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(8100)], max_tokens=200)
+    body = err.value.body
+    assert err.value.status_code == 400 and body["code"] == "context_length_exceeded", body
+    assert body["param"] == "max_tokens" and "8100 tokens" in body["message"] and "8192 tokens" in body["message"]
+
+
 def test_unauthorized_and_not_found(stack, openai_client):
     bad = OpenAI(base_url=stack.base, api_key="wrong", max_retries=0)
     with pytest.raises(AuthenticationError) as err:
