@@ -1,8 +1,10 @@
 """The draft-KV block store on Redis: per-layer named raw arrays in content-addressed blocks.
 
 One Redis string per full block of ``block_size`` tokens, named by a chained
-digest of the prompt (see :mod:`cache_store.keys`) and holding the block's arrays of
-every layer (see :mod:`cache_store.codec`). It knows no mlx: arrays come and go as raw
+digest of the prompt (see :mod:`cache_store.keys`) and holding the block's token arrays of
+every layer (see :mod:`cache_store.codec`); a hybrid model's recurrent state is one more
+string per checkpoint (:func:`cache_store.keys.checkpoint_key`), at the block ends its writer
+chose. It knows no mlx: arrays come and go as raw
 bits (``(dtype name, bits)`` pairs, tokens on axis 2), so it is a
 ``specprefill.draft_cache.RawBlockStore``; ``specprefill.draft_cache.BlockDraftCache``
 turns a model's KV cache into such arrays and back. Storage faults never reach the caller:
@@ -154,8 +156,10 @@ class RedisBlockStore:
 
         Returns ``(layers, n_tokens)``: per layer its named arrays (new arrays from ``allocate``,
         default numpy; the stored bytes are not pinned): token arrays holding the first
-        ``n_tokens`` tokens (the blocks' joined), state arrays as the prefix's last block holds
-        them; or ``(None, 0)``. One round trip finds how many leading blocks are stored, then
+        ``n_tokens`` tokens (the blocks' joined) and, for a model with recurrent state, the state
+        arrays of the checkpoint after the last of them (the prefix ends at the last checkpoint
+        it reaches: a missing or bad one falls back to the one before, none is a miss); or
+        ``(None, 0)``. One round trip finds how many leading blocks and checkpoints are stored, then
         their values stream in a few at a time, each read straight into its place and checked
         (the check of one overlapping the read of the next). Stops at the first missing,
         corrupt or mismatched block; corrupt ones (a valid block under another key included)

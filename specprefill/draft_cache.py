@@ -10,12 +10,14 @@ same wiring.
 The interface between scoring and the store (:func:`specprefill.reuse.score_with_cache` runs it):
 
 * ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
-  objects (K/V of all its blocks, recurrent state of its last), ready for ``kv_cache=``.
+  objects (K/V of all its blocks; for a hybrid model, up to the last recurrent-state
+  checkpoint it reaches, with that checkpoint's state), ready for ``kv_cache=``.
 * ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
   ``score_tokens(..., block_size=draft_cache.block_size, on_step=recorder)``; the scorer then
   ends prefill steps at block boundaries and the hook keeps what exists only then (recurrent
   state after each block's last token, sliding-window K/V) — no second pass over the prompt —
-  and writes each block as soon as it ends (memory: one block). ``None`` when nothing needs
+  and writes each block as soon as it ends (memory: one block), the state only at the prompt's
+  checkpoints (:func:`checkpoint_ends`). ``None`` when nothing needs
   recording (plain or quantized K/V only) or the cache cannot be stored. ``recorder()``
   without tokens keeps the blocks until ``store``.
 * ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks.
