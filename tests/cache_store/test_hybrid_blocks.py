@@ -337,3 +337,46 @@ def test_a_missing_or_bad_checkpoint_is_a_shorter_restore_or_a_miss(redis_url):
     client.set(states[1], client.get(states[3]))  # a valid checkpoint of another prefix
     assert store.fetch(PROMPT) == (None, 0)
     assert not client.exists(states[1]) and store.stats()["corrupt_blocks"] == 2
+
+
+def test_checkpoint_ends_are_the_prompts_end_its_system_prefix_and_every_k_blocks():
+    from specprefill.draft_cache import checkpoint_ends
+
+    assert checkpoint_ends(70, 16, 0) == {64}
+    assert checkpoint_ends(70, 16, 2) == {32, 64}
+    assert checkpoint_ends(70, 16, 0, also=(40,)) == {32, 64}
+    assert checkpoint_ends(64, 16, 3, also=(10,)) == {48, 64}
+    assert checkpoint_ends(10, 16, 2, also=(5,)) == set()
+
+
+def test_a_prompt_sharing_the_system_prefix_restores_to_its_checkpoint(redis_url):
+    """score_with_cache(checkpoints=(system end,)) keeps the state at the system prefix's last
+    block end too: another prompt with the same system part restores up to there, warm = cold."""
+    model = F.build("nemotron_h", seed=2)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model, checkpoint_blocks=0)
+    profile = profile_model(model)
+    score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"], checkpoints=(40,))
+    assert store.stats()["checkpoints_written"] == 2  # after blocks 2 (the system part) and 4 (the end)
+    other = PROMPT[:40] + [int(t) for t in np.random.default_rng(12).integers(0, F.VOCAB, 30)]
+    warm = score_with_cache(profile, other, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    cold_store = draft_cache(client, model, namespace="cold")  # the same block steps, nothing stored
+    cold = score_with_cache(profile, other, cold_store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    assert warm.cached_tokens == 32 and cold.cached_tokens == 0
+    assert_warm_is_cold(warm, cold)
+
+
+def test_the_worker_setting_chooses_the_checkpoint_spacing(redis_url):
+    from types import SimpleNamespace
+
+    from jobs.settings import Settings
+    from worker.runtime import _block_store
+
+    model = F.build("lfm2", seed=4)
+    fresh = lambda: make_cache(model)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), "spacing", block_size=BLOCK)
+    loaded = SimpleNamespace(fingerprint=fp, identity="tiny:lfm2", name="draft", profile=SimpleNamespace(model=model))
+    store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK, state_checkpoint_blocks=1))
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    assert store.stats()["checkpoints_written"] == 4  # one per block, as format 3 kept them
+    assert store.fetch(PROMPT[:40])[1] == 32
