@@ -25,9 +25,9 @@ A value is the msgpack array ``[header, payload, checksum]``:
   for a block without state).
 
 The value's first :func:`token_section_end` bytes (header and token section) are a unit a
-reader can fetch and check alone (``GETRANGE``; :func:`decode_block` ``state=False``): a
-prefix needs the K/V of every block but the recurrent state of its last one only, which
-is most of a hybrid model's block (18.6 of 21.6 MiB for Qwen3.5-0.8B).
+reader can fetch and check alone (``GETRANGE``; :func:`decode_block` ``state=False``). The
+store (format 4) writes values of one section each: a block holds its token arrays, a
+recurrent-state checkpoint its state arrays (see :func:`split_layout`).
 
 Any msgpack reader can read a value; :func:`decode_block` reads it without copying the
 payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so float32, float16 and

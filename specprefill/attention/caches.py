@@ -228,7 +228,7 @@ class BlockRecorder:
     """A scorer ``on_step`` hook that keeps, per block, what exists only during the prefill.
 
     At each block end it keeps every layer's state arrays (recurrent state after the block's
-    last token), and while the prefill runs it keeps each sliding window's newest tokens
+    last token; only at the checkpoints ``keep_state`` names), and while the prefill runs it keeps each sliding window's newest tokens
     (the window lets them go later). The K/V of unbounded layers are sliced from the final
     cache instead (:meth:`blocks`), so holding nothing here pins a KV buffer being written.
 

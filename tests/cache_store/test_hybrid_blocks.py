@@ -1,4 +1,4 @@
-"""The Redis block store for every cache type: hybrid families (recurrent state per block end),
+"""The Redis block store for every cache type: hybrid families (recurrent state at checkpoints),
 quantized KV (packed/scales/biases as they are), sliding windows; warm = cold through a real
 Redis, with the layout check and the key binding covering the new parts."""
 import mlx.core as mx
