@@ -14,7 +14,8 @@ from cache_store.keys import check_namespace
 from jobs import settings_check
 from jobs.settings_check import SettingsError
 from jobs.log_format import LOG_FORMATS
-from specprefill.options import COMPUTE_DTYPES, PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
+from specprefill.options import (COMPUTE_DTYPES, PREFILL_STEP, STATE_CHECKPOINT_BLOCKS, OptionError, ScoringOptions,
+                                 SelectionOptions)
 
 ENV_PREFIX = "SPECPREFILL_"
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
@@ -97,6 +98,9 @@ class Settings:
     # Block store.
     block_size: int = 256
     block_ttl_s: int = 24 * 3600
+    # A hybrid model's recurrent state is stored at checkpoints only: the end of the system
+    # prefix, each stored prompt's last full block, and every this many blocks (0: only those).
+    state_checkpoint_blocks: int = STATE_CHECKPOINT_BLOCKS
     # This node's local tier of blocks in front of the shared store (a folder on its SSD, shared
     # by the node's workers, least recently used out past local_cache_bytes). Empty: none.
     local_cache_dir: str = ""

@@ -22,7 +22,7 @@ log = logging.getLogger("jobs.settings")
 # only type-checked (finite numbers); the SpecPrefill option defaults are objects that check
 # themselves when they are built (specprefill/options.py), with the ranges jobs have.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
+    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None), "state_checkpoint_blocks": (0, None),
     "local_cache_bytes": (1, None),
     "cache_socket_timeout_s": (0.001, None), "redis_retries": (0, 100), "memo_ttl_s": (1, None),
     "max_prompt_tokens": (1, None), "max_batch_documents": (1, None),

@@ -57,6 +57,7 @@ class _Prompt:
     restored_cache: list | None = None
     restored: int = 0
     prefix: TargetPrefixCache | None = None
+    recorder: Any = None  # the prefix prefill's block recorder (a hybrid or windowed target's)
     selection: PrefillResult | None = None
     reason: str | None = None
     fallback: str | None = None
@@ -190,7 +191,12 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
             stack.close()  # the genuine ropes back before the plain prefill
             prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
-    cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    end = min(prompt.prompt.protected_prefix, len(tokens) - 1)
+    if prompt.prefix is not None and prompt.prefix.recorder(end) is not None:
+        # A hybrid target's prompt is restorable up to a checkpoint only: its last full block's
+        # end is one, so the prefix steps (block steps) go on to there.
+        end = max(end, (len(tokens) - 1) // ctx.settings.block_size * ctx.settings.block_size)
+    cache = _prefix(prompt, ctx, reporter, end, timings)
     from specprefill.sparse import full_prefill
 
     bits, group = ctx.settings.kv_quantization("target")
@@ -203,9 +209,11 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
             timings: dict[str, float]) -> list | None:
     t = time.perf_counter()
     bits, group = ctx.settings.kv_quantization("target")
+    system = (prompt.prompt.protected_prefix,)
+    prompt.recorder = None if prompt.prefix is None else prompt.prefix.recorder(end, system)
     cache = target_prefill.prefill_prefix(prompt.target.model, prompt.tokens, prompt.restored_cache, end,
                                           block_size=ctx.settings.block_size, progress=reporter.begin(),
-                                          kv_bits=bits, kv_group_size=group)
+                                          kv_bits=bits, kv_group_size=group, on_step=prompt.recorder)
     timings["target_prefix"] = time.perf_counter() - t
     return cache
 
@@ -249,7 +257,7 @@ def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int
                   timings: dict[str, float]) -> None:
     if prompt.prefix is None:
         return
-    written = prompt.prefix.save(prompt.tokens, cache, contiguous)
+    written = prompt.prefix.save(prompt.tokens, cache, contiguous, prompt.recorder)
     timings["target_store"] = prompt.prefix.timings.get("target_store", 0.0)
     ctx.publisher.publish("target_cache_store", blocks=written)
 

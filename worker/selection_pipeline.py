@@ -178,7 +178,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     try:
         score = backend.score_with_cache(
             draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
-            prefill_step=settings.prefill_step)
+            prefill_step=settings.prefill_step, checkpoints=(protected_prefix,))
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
