@@ -23,6 +23,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
+from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
@@ -49,6 +50,7 @@ class InProcessWorker(SimpleWorker):
         kwargs.setdefault("worker_ttl", max(16, math.ceil(s.maintenance_interval_s) + 15))
         super().__init__(queues, connection=runtime.connection, **kwargs)
         self.runtime = runtime
+        runtime.listen_queues = tuple(self.queue_names())
         self.liveness: Liveness | None = None
         runtime_mod.install(runtime)
 
@@ -245,6 +247,15 @@ def default_worker_name() -> str:
     return f"{host}.{os.getpid()}"
 
 
+def listen_order(queues: Sequence[str], *, heal: bool) -> list[str]:
+    """The worker's queues in RQ's order: its own, then (``heal``) each one's heal queue, so a
+    heal is taken only when no user job waits (a heal queue named outright is kept)."""
+    own = [q for q in queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
+    named = [q for q in queues if q.endswith(HEAL_QUEUE_SUFFIX)]
+    behind = [heal_queue_name(q) for q in own] if heal else []
+    return own + [q for q in dict.fromkeys(behind + named)]
+
+
 def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
                preload: Sequence[str] = (), name: str | None = None, burst: bool = False,
                logging_level: str = "INFO", max_jobs: int | None = None) -> bool:
@@ -252,8 +263,8 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     from specprefill.blas import blas_in_use
 
     log.info("BLAS in use: %s", blas_in_use())
-    queues = list(queues or runtime.settings.queues)
     s = runtime.settings
+    queues = listen_order(queues or s.queues, heal=s.heal)
     for model in preload:  # verified in the role the settings give it (a draft unless only the target)
         as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
         runtime.models.get(model, "target_model" if as_target else "draft_model")
