@@ -179,3 +179,30 @@ def test_heal_payloads_are_checked():
                        ({"target_model": ""}, "target_model")):
         with pytest.raises(JobSpecError, match=field):
             heal_spec_from_payload({**payload, **bad})
+
+
+def test_heal_jobs_show_in_the_list_rq_and_the_job_record(redis_url):
+    import json
+
+    import redis as redis_py
+
+    from jobs.inspect import job_record
+    from jobs.settings import Settings
+    from tests.support.real_worker import run_cli
+
+    conn = redis_py.Redis.from_url(redis_url)
+    settings = Settings(redis_url=redis_url)
+    heal = HealSpec("tiny-target", tuple(range(3, 40)), source_job="generate-x")
+    handle = Client(conn, settings, queue_name=HEAL_QUEUE).submit(heal, name="after generate-x")
+    assert handle.id == heal.job_id(settings.namespace) and handle.status() == "queued"
+    listed = run_cli("list", "--json", "--redis-url", redis_url)
+    assert listed.returncode == 0, listed.stderr
+    info = json.loads(listed.stdout)
+    assert info["heal"]["queue"] == HEAL_QUEUE and info["heal"]["jobs"]["queued"] == [handle.id]
+    text = run_cli("list", "--redis-url", redis_url).stdout
+    assert f"queue {HEAL_QUEUE}" in text and handle.id in text
+    rec = job_record(conn, handle.id, settings)
+    assert rec.spec == heal and rec.status == "queued"
+    job = Job.fetch(handle.id, connection=conn, serializer=JSONSerializer)
+    assert job.description.startswith("heal after generate-x") and job.ttl == settings.heal_ttl_s
+    assert payload_kind(job.args[0]) == "heal"  # the metrics' kind label
