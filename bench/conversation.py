@@ -77,6 +77,7 @@ def mode_settings(mode: str, url: str, args) -> Settings:
     return Settings.from_env(
         redis_url=url, namespace=f"conv-{mode}", draft_model=DRAFT, target_model=TARGET,
         block_size=args.block_size, threshold=args.threshold, keep=args.keep,
+        **({"tail_tokens": args.tail_tokens} if args.tail_tokens else {}),
         target_prefix_cache=mode != "full", heal=mode == "heal")
 
 
@@ -149,23 +150,24 @@ def correct(result: dict, answer: list[str]) -> bool:
 
 
 def run_trace(runners: dict, system: str, turns: list[Turn]) -> dict:
-    """Every way through one conversation: per mode, per turn (result, heal seconds, correct)."""
-    out = {}
-    for mode, runner in runners.items():
-        messages, rows = [{"role": "system", "content": system}], []
-        for t in turns:
-            messages.append({"role": "user", "content": t.text})
-            result, heal_s = runner.turn(messages)
-            rows.append((result, heal_s, correct(result, t.answer)))
-            messages.append({"role": "assistant", "content": result["text"]})
-        out[mode] = rows
+    """Every way through one conversation, turn by turn (the ways interleaved, in a rotating
+    order, so the machine's load falls on all alike): per mode, per turn (result, heal s, correct)."""
+    modes = list(runners)
+    history = {m: [{"role": "system", "content": system}] for m in modes}
+    out: dict = {m: [] for m in modes}
+    for i, t in enumerate(turns):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            messages = history[mode] + [{"role": "user", "content": t.text}]
+            result, heal_s = runners[mode].turn(messages)
+            out[mode].append((result, heal_s, correct(result, t.answer)))
+            history[mode] = messages + [{"role": "assistant", "content": result["text"]}]
     return out
 
 
 def print_turns(trace: dict, turns: list[Turn]) -> None:
     print("| turn | mode | prompt | TTFT ms | restored | healed | prefilled full | prefilled sparse | "
-          "heal after (ms, off path) | answer |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "heal after (ms, off path) | answer | reason |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for i, t in enumerate(turns):
         for mode in MODES:
             res, heal_s, ok = trace[mode][i]
@@ -173,7 +175,7 @@ def print_turns(trace: dict, turns: list[Turn]) -> None:
             mark = ("recall " if t.recall else "") + ("ok" if ok else "wrong")
             print(f"| {i + 1} | {mode} | {res['total']} | {1000 * res['ttft_s']:.0f} | {tt.get('restored', 0)} | "
                   f"{tt.get('healed', 0)} | {tt.get('prefilled_full', 0)} | {tt.get('prefilled_sparse', 0)} | "
-                  f"{1000 * heal_s:.0f} | {mark} |")
+                  f"{1000 * heal_s:.0f} | {mark} | {(res.get('fallback') or res.get('reason') or '')[:60]} |")
 
 
 def conversation_targets(traces: list, trace_turns: list) -> None:
@@ -282,14 +284,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tool-tokens", type=int, default=384)
     p.add_argument("--threshold", type=int, default=512, help="admission: above a tool result is sparse")
     p.add_argument("--keep", type=float, default=0.2)
+    p.add_argument("--tail-tokens", type=int, default=0, help="the selection's kept tail (0: the default)")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--delay-reps", type=int, default=5)
     p.add_argument("--delay-heals", type=int, default=4)
     p.add_argument("--delay-tokens", type=int, default=2048)
     args = p.parse_args()
     if args.quick:
-        args.traces, args.system_tokens, args.doc_tokens, args.tool_tokens = 1, 128, 384, 48
-        args.threshold, args.block_size, args.delay_reps, args.delay_heals, args.delay_tokens = 64, 32, 1, 2, 256
+        args.traces, args.system_tokens, args.doc_tokens, args.tool_tokens, args.tail_tokens = 1, 128, 512, 48, 64
+        args.threshold, args.block_size, args.delay_reps, args.delay_heals, args.delay_tokens = 96, 32, 1, 2, 256
     return args
 
 
