@@ -108,12 +108,13 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
     restored_cache, restored = prefix.restore(tokens)
     end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
     cache, stored_to, yielded = _prefill_blocks(ctx, target, tokens, restored_cache, restored, end)
-    written = 0
-    if stored_to > restored:
-        written = prefix.save(tokens, cache, stored_to)
+    written = prefix.save(tokens, cache, stored_to) if stored_to > restored else 0
+    if written:
         prefix.mark_healed(tokens, restored, stored_to)
-    result.update(restored=restored, healed=max(0, stored_to - restored), blocks_written=written,
-                  stored=stored_to)
+    elif stored_to > restored:  # the store refused the cache (logged): nothing was healed
+        result["reason"] = "the target's cache could not be stored as blocks"
+        stored_to = restored
+    result.update(restored=restored, healed=stored_to - restored, blocks_written=written, stored=stored_to)
     if yielded:
         result.update(yielded=True, continuation=_continue(ctx, spec, stored_to))
     result["timings"] = {"load_models": round(load_s, 6), **{k: round(v, 6) for k, v in prefix.timings.items()},
