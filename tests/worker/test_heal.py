@@ -206,3 +206,5 @@ def test_heal_jobs_show_in_the_list_rq_and_the_job_record(redis_url):
     job = Job.fetch(handle.id, connection=conn, serializer=JSONSerializer)
     assert job.description.startswith("heal after generate-x") and job.ttl == settings.heal_ttl_s
     assert payload_kind(job.args[0]) == "heal"  # the metrics' kind label
+    assert Client(conn, settings).handle(handle.id).cancel(force=True) == "canceled"  # like any job
+    assert json.loads(run_cli("list", "--json", "--redis-url", redis_url).stdout)["heal"]["jobs"]["canceled"] == [handle.id]
