@@ -208,3 +208,18 @@ def test_heal_jobs_show_in_the_list_rq_and_the_job_record(redis_url):
     assert payload_kind(job.args[0]) == "heal"  # the metrics' kind label
     assert Client(conn, settings).handle(handle.id).cancel(force=True) == "canceled"  # like any job
     assert json.loads(run_cli("list", "--json", "--redis-url", redis_url).stdout)["heal"]["jobs"]["canceled"] == [handle.id]
+
+
+def test_a_long_new_turn_on_a_healed_conversation_is_sparse_and_healed_after():
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r)
+    long_turn = "".join(chr(40 + (i * 5 + i * i) % 80) for i in range(160))  # past the threshold of 64
+    second = run(rt, "t2", messages=next_turn(first, messages, new=long_turn), **GREEDY)
+    t = second.target_tokens
+    assert t["restored"] == healed["stored"] and t["healed"] == healed["healed"]
+    assert second.reason is None and t["prefilled_sparse"] > 0  # scored, only past what was restored
+    assert all(s >= t["restored"] or e <= t["restored"] for s, e in second.kept_ranges)
+    assert second.kept_ranges[0][0] == 0 and second.kept_ranges[0][1] >= t["restored"]  # restored: protected
+    assert second.heal["queued"] and second.heal["job_id"] != first.heal["job_id"]
+    again = run_heal(rt, second.heal["job_id"])
+    assert again["restored"] >= healed["stored"] and again["stored"] == again["total"] // 16 * 16
