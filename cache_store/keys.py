@@ -171,12 +171,19 @@ def layout_key(namespace: str, fingerprint: str) -> str:
     return f"{namespace}:kvlayout:{fingerprint}"
 
 
+def healed_key(namespace: str, fingerprint: str, digest: bytes) -> str:
+    """``{namespace}:healed:{fingerprint[:16]}:{digest}``: the block of that digest was
+    prefilled by a heal job (what a restoring job reports as healed tokens)."""
+    return f"{namespace}:healed:{fingerprint[:16]}:{digest.hex()}"
+
+
 def key_patterns(namespace: str) -> dict[str, str]:
     """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo
-    entries, the model names and the layout records (every key of the store matches exactly one)."""
+    entries, the model names, the layout records, the state checkpoints and the heal marks (every
+    key of the store matches exactly one)."""
     return {"blocks": f"{namespace}:kv:*", "checkpoints": f"{namespace}:kvstate:*", "stats": stats_key(namespace, "*"),
             "memo": f"{namespace}:memo:*", "models": models_key(namespace),
-            "layouts": layout_key(namespace, "*")}
+            "layouts": layout_key(namespace, "*"), "healed": f"{namespace}:healed:*"}
 
 
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:

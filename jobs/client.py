@@ -607,6 +607,7 @@ class Client:
                 timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
                 failure_ttl=s.failure_ttl_s, description=described[jid],
                 retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
+                ttl=s.heal_ttl_s if spec.kind == "heal" else None,  # a stale heal is dropped
                 on_failure=Callback(FAILURE_CALLBACK)))
         q.enqueue_many(datas, pipeline=pipe)
         pipe.execute()

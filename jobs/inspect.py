@@ -22,6 +22,7 @@ from rq.utils import utcparse
 from cache_store.replies import as_text
 from jobs.client import described_name
 from jobs.settings import Settings
+from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.spec import JobSpec, spec_from_payload
 
 REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "canceled")
@@ -172,7 +173,7 @@ class JobRecord:
 
     job_id: str
     status: str
-    spec: JobSpec
+    spec: JobSpec | HealSpec
     enqueued_at: float | None
     started_at: float | None
     ended_at: float | None
@@ -189,8 +190,9 @@ def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobR
         return None
     if not job.args:
         return None
-    return JobRecord(job_id, job.get_status(refresh=False) or "missing",
-                     spec_from_payload(job.args[0], settings),
+    payload = job.args[0]
+    read = heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload
+    return JobRecord(job_id, job.get_status(refresh=False) or "missing", read(payload, settings),
                      _ts(job.enqueued_at), _ts(job.started_at), _ts(job.ended_at), job.worker_name)
 
 

@@ -159,12 +159,15 @@ class GenerateResult(JobResult):
     target_model: str = ""
     target_name: str = ""           # the target as the job named it ("target": the default)
     draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
-    # The target's prompt tokens: restored from the block store, prefilled in full (the
-    # contiguous prefix), prefilled sparse; and its prefix blocks written.
+    # The target's prompt tokens: restored from the block store (of them, healed: blocks a
+    # heal job prefilled), prefilled in full (the contiguous prefix), prefilled sparse; and
+    # its prefix blocks written.
     target_tokens: dict[str, int] = field(default_factory=dict)
     ttft_phases: dict[str, float] = field(default_factory=dict)  # seconds before the first token
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # This turn's heal (worker.heal): queued (its job_id, tokens), or the reason it was not.
+    heal: dict[str, Any] = field(default_factory=dict)
     kind: str = "generate"
 
     @property

@@ -115,6 +115,16 @@ class Settings:
     # Store the target's KV of fully prefilled prompt prefixes (system prompt, tools, short
     # earlier turns) as blocks under its fingerprint, and restore them for the next job.
     target_prefix_cache: bool = True
+    # Heal jobs (worker.heal): after a generate job answered from a sparse prefill, a full
+    # target prefill of the conversation as the next turn renders it, stored as target blocks,
+    # queued on "<queue>-heal" (workers listen there after their own queues, so a heal runs
+    # only when no user job waits). heal: this worker enqueues and runs them (a job turns its
+    # own off with the generate option heal). heal_min_sparse_share: the least share of the
+    # prompt the target did not prefill in order that is worth a heal. heal_ttl_s: how long a
+    # queued heal may wait before RQ drops it (a stale conversation is not worth it).
+    heal: bool = True
+    heal_min_sparse_share: float = 0.05
+    heal_ttl_s: int = 3600
 
     # When the draft's scoring, its block store or the sparse prefill fails, a generate job
     # answers with a plain full prefill and a prefill job keeps every token, both saying
@@ -257,10 +267,23 @@ class Settings:
         return self.cache_redis_url or self.redis_url
 
     @property
+    def heal_queues(self) -> tuple[str, ...]:
+        """The low-priority queue behind each of :attr:`queues` (``<queue>-heal``)."""
+        return tuple(heal_queue_name(q) for q in self.queues)
+
+    @property
     def queues(self) -> tuple[str, ...]:
         """The RQ queues this deployment uses (RQ's keys are not under ``namespace``, so
         deployments sharing a Redis are kept apart by queue name and by job id)."""
         return self.queue_names or (self.namespace,)
+
+
+HEAL_QUEUE_SUFFIX = "-heal"
+
+
+def heal_queue_name(queue: str) -> str:
+    """The heal queue behind user queue ``queue``."""
+    return queue if queue.endswith(HEAL_QUEUE_SUFFIX) else queue + HEAL_QUEUE_SUFFIX
 
 
 def _settable_fields() -> dict[str, dataclasses.Field]:

@@ -418,7 +418,9 @@ def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
 
 def payload_kind(payload: Mapping[str, Any]) -> str:
     """The kind of job a payload of any version asks for, without validating it:
-    ``"prefill"``, ``"generate"`` or ``"invalid"``."""
+    ``"prefill"``, ``"generate"``, ``"heal"`` (``jobs.heal``) or ``"invalid"``."""
+    if payload.get("kind") == "heal":
+        return "heal"
     if payload.get("v") == 3:
         return "prefill" if payload.get("generate") is None else "generate"
     kind = payload.get("kind", "prefill")

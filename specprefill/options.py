@@ -191,7 +191,8 @@ class GenerateOptions:
     seeded by ``seed`` (reproducible). Generation ends at EOS, after ``max_tokens`` tokens,
     or before the first occurrence of any ``stop`` string (one string or a list).
     ``full_prefill`` prefills the target with every prompt token (no draft scoring), for
-    comparison.
+    comparison. ``heal``: after a sparse prefill, queue a heal job (a full prefill of the
+    conversation the next turn renders, off the critical path; ``worker.heal``).
     """
 
     max_tokens: int = 256
@@ -201,10 +202,12 @@ class GenerateOptions:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     full_prefill: bool = False
+    heal: bool = True
 
     def __post_init__(self) -> None:
         _set(self, max_tokens=check_integer("max_tokens", self.max_tokens, 1, MAX_TOKENS),
-             stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill))
+             stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill),
+             heal=check_flag("heal", self.heal))
         _check_sampling(self)
 
     @property

@@ -12,7 +12,7 @@ from specprefill_cli.options import CliError, SharedOptions, add_timeout_option,
 from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
 from specprefill_cli.waiting import timed_out
 from jobs.deadline import Deadline
-from jobs.settings import Settings
+from jobs.settings import Settings, heal_queue_name
 
 TERMINAL = ("finished", "failed", "stopped", "canceled")
 
@@ -144,15 +144,24 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
         return run_status(args, settings)
     by_state = jobs_by_state(client.connection, queue, limit=args.limit)
     workers = listening_workers(client.connection, queue)
+    heal = heal_queue_name(queue)  # the heal jobs behind it (worker.heal), listed with it
+    heals = jobs_by_state(client.connection, heal, limit=args.limit) if heal != queue else None
     if args.json:
-        print(json.dumps({"queue": queue, "workers": workers, "jobs": by_state}))
+        shown = {"queue": queue, "workers": workers, "jobs": by_state}
+        print(json.dumps({**shown, "heal": {"queue": heal, "jobs": heals}} if heals is not None else shown))
         return DONE
+    _print_queue(queue, workers, by_state, args.limit)
+    if heals is not None and any(heals.values()):
+        _print_queue(heal, listening_workers(client.connection, heal), heals, args.limit)
+    return DONE
+
+
+def _print_queue(queue: str, workers: list[str], by_state: dict[str, list[str]], limit: int) -> None:
     print(f"queue {queue}: {len(workers)} workers" + (f" ({', '.join(workers)})" if workers else ""))
     for state, ids in by_state.items():
-        print(f"{state} ({len(ids)}{'+' if len(ids) >= args.limit else ''})")
+        print(f"{state} ({len(ids)}{'+' if len(ids) >= limit else ''})")
         for jid in ids:
             print(f"  {jid}")
-    return DONE
 
 
 def register(sub: Any, shared: SharedOptions) -> None:

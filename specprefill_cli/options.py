@@ -170,6 +170,8 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
                    help="stop before this string; repeatable (default: none)")
     p.add_argument("--full-prefill", dest="full_prefill", action="store_true", default=None,
                    help="prefill the target with every token, no draft, for comparison (default: off)")
+    p.add_argument("--no-heal", dest="heal", action="store_false", default=None,
+                   help="queue no heal job after a sparse prefill (default: heal, when the worker heals)")
 
 
 def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:

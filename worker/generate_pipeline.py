@@ -12,7 +12,8 @@ the target, decode, stream, store the target's prefix.
    positions on top of the restored prefix; a failure of the draft or of the sparse prefill
    falls back to a plain prefill (``worker.fallback``).
 5. The target decodes; then the full blocks of the prompt's contiguously prefilled prefix
-   are stored for the next job (after the answer, so they cost no TTFT).
+   are stored for the next job (after the answer, so they cost no TTFT), and a prompt the
+   target did not prefill in order queues a heal of the conversation (``worker.heal``).
 
 The reporter's stop check runs after every target prefill chunk and before every generated
 token; the sparse session restores the model on any exit. The target's prefix and sparse
@@ -36,12 +37,13 @@ from worker.answer_split import AnswerSplitter, splits_answer
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
+from worker.heal import heal_skip_reason, healed_counts, queue_heal
 from worker.models import LoadedModel
 from worker.context_window import check_context
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.reporting import JobReporter
 from worker.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
-from worker.target_prefix import TargetPrefixCache, contiguous_prefix
+from worker.target_prefix import TargetPrefixCache, contiguous_prefix, prefix_cache
 from worker.tokenizer_pair import check_pair_once
 
 log = logging.getLogger(__name__)
@@ -90,8 +92,22 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     _plan(spec, opts, ctx, prompt, timings)
     splitter = _splitter(spec, ctx, prompt)
     decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0, splitter)
+    # After the answer (no TTFT): what of the restored prefix heals made, and this turn's heal.
+    decoded.target["healed"] = healed_counts(prompt.prefix, prompt.tokens, prompt.restored)
+    heal = _heal(spec, ctx, prompt, decoded)
     timings["total"] = time.perf_counter() - t0
-    return _result(spec, prompt, ctx, decoded, timings).to_json()
+    result = _result(spec, prompt, ctx, decoded, timings)
+    result.heal = heal
+    return result.to_json()
+
+
+def _heal(spec: JobSpec, ctx: JobContext, prompt: _Prompt, decoded: _Decoded) -> dict[str, Any]:
+    """Queue the heal of this turn (``worker.heal``), or say why not."""
+    reason = heal_skip_reason(spec, ctx, len(prompt.tokens), decoded.contiguous, prompt.prefix is not None)
+    if reason is not None:
+        return {"queued": False, "reason": reason}
+    return queue_heal(spec, ctx, prompt.target, prompt.tokens, decoded.contiguous, _assistant_message(decoded),
+                      list(decoded.stream.ids))
 
 
 def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
@@ -105,7 +121,7 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
                   allowed=spec.scoring.allow_beyond_context)
     check_positions(prompt.tokens, opts.max_tokens, target)
     timings["tokenize"] = time.perf_counter() - t
-    out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target),
+    out = _Prompt(target, prompt, prefix=prefix_cache(ctx, target),
                   warnings=prompt_warnings(ctx, prompt.tokens, target.tokenizer))
     if out.prefix is not None:
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
@@ -120,18 +136,6 @@ def _splitter(spec: JobSpec, ctx: JobContext, prompt: _Prompt) -> AnswerSplitter
     if spec.messages is None or not splits_answer(tokenizer, bool(spec.tools)):
         return None
     return AnswerSplitter(tokenizer, tools=spec.tools, prompt=prompt.tokens, job_id=ctx.job_id)
-
-
-def _prefix_cache(ctx: JobContext, target: LoadedModel) -> TargetPrefixCache | None:
-    """The target's prefix store, or None (turned off, or it cannot be made here: a miss)."""
-    backend = ctx.runtime.backend
-    if not ctx.settings.target_prefix_cache or backend.target_store is None:
-        return None
-    try:
-        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
-    except Exception as exc:  # the job runs without it, exactly as it would with a miss
-        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
-        return None
 
 
 def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
@@ -266,7 +270,7 @@ def _target_counts(prompt: _Prompt, decoded: _Decoded) -> dict[str, int]:
     """Prompt tokens the target restored, prefilled in full (contiguously) and sparsely."""
     state, restored = decoded.state, prompt.restored
     full = max(0, decoded.contiguous - restored)
-    return {"restored": restored, "prefilled_full": full,
+    return {"restored": restored, "healed": decoded.target.get("healed", 0), "prefilled_full": full,
             "prefilled_sparse": max(0, state.kept_tokens - restored - full),
             "blocks_written": prompt.prefix.blocks_written if prompt.prefix is not None else 0}
 
@@ -286,6 +290,17 @@ def _answer(decoded: _Decoded) -> dict[str, Any]:
     if split is None:
         return {"text": decoded.stream.text}
     return {"text": split.content, "reasoning": split.reasoning, "tool_calls": list(split.tool_calls)}
+def _assistant_message(decoded: _Decoded) -> dict[str, Any]:
+    """This turn's answer as the next turn's request carries it (its tool calls and reasoning too)."""
+    answer = _answer(decoded)
+    message: dict[str, Any] = {"role": "assistant", "content": answer["text"]}
+    if answer.get("tool_calls"):
+        message["tool_calls"] = answer["tool_calls"]
+    if answer.get("reasoning"):
+        message["reasoning_content"] = answer["reasoning"]
+    return message
+
+
 def _keep_effect(spec: JobSpec, prompt: _Prompt, used: PrefillResult | None, kept: int) -> str | None:
     """Why more was kept than keep asked for. A restored prefix is held whole and not selected
     over (the kept share, ``ratio``, is of the other tokens): said first, then the selection's

@@ -183,6 +183,9 @@ class WorkerRuntime:
     # The job that just ended by stopping itself (JobStopped): RQ must record it as stopped.
     stopped_job_id: str | None = None
     claim: Claim | None = None  # the running job's claim, kept by the worker's heartbeat thread
+    # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
+    # one of them); empty: the settings' queues.
+    listen_queues: tuple[str, ...] = ()
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: SelectionBackend | None = None

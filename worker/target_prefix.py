@@ -146,3 +146,51 @@ class TargetPrefixCache:
             log.warning("target prefix: store failed: %s: %s", type(exc).__name__, exc)
         self.timings["target_store"] = self.timings.get("target_store", 0.0) + time.perf_counter() - t
         return self.blocks_written
+
+    # ---- heal marks: which stored blocks a heal job prefilled (worker.heal) ----
+
+    def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[str]:
+        from cache_store.keys import block_digests, healed_key
+
+        raw = self.store.raw_store
+        digests = block_digests(raw.fingerprint, list(tokens[:end]), raw.block_size)
+        return [healed_key(raw.namespace, raw.fingerprint, d) for d in digests[start // raw.block_size:]]
+
+    def mark_healed(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Record that the blocks of ``tokens[start:end]`` (whole blocks) came from a heal, for
+        as long as the blocks live (best effort: a mark is only what results report)."""
+        try:
+            keys, raw = self._heal_keys(tokens, start, end), self.store.raw_store
+            with raw.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.set(key, b"1", ex=raw.ttl_s)
+                pipe.execute()
+        except Exception as exc:
+            log.warning("target prefix: heal marks not written: %s: %s", type(exc).__name__, exc)
+
+    def healed_tokens(self, tokens: Sequence[int], n_tokens: int) -> int:
+        """How many of the first ``n_tokens`` (a restored prefix) a heal job prefilled."""
+        if n_tokens <= 0:
+            return 0
+        try:
+            keys, raw = self._heal_keys(tokens, 0, n_tokens), self.store.raw_store
+            with raw.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                return raw.block_size * sum(bool(x) for x in pipe.execute())
+        except Exception as exc:
+            log.warning("target prefix: heal marks not read: %s: %s", type(exc).__name__, exc)
+            return 0
+
+
+def prefix_cache(ctx: Any, target: LoadedModel) -> TargetPrefixCache | None:
+    """The job's (``ctx``) prefix store of ``target``, or None (turned off, or it cannot be made
+    here: a miss)."""
+    backend = ctx.runtime.backend
+    if not ctx.settings.target_prefix_cache or backend.target_store is None:
+        return None
+    try:
+        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
+    except Exception as exc:  # the job runs without it, exactly as it would with a miss
+        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
+        return None

@@ -85,7 +85,8 @@ def _summary(result: PrefillResult | GenerateResult) -> dict[str, Any]:
                                          "fallback", "timings")}
     if isinstance(result, GenerateResult):
         d.update(text=result.text, finish_reason=result.finish_reason, ttft_s=result.ttft_s,
-                 generated_tokens=result.generated_tokens, full_prefill=result.full_prefill)
+                 generated_tokens=result.generated_tokens, full_prefill=result.full_prefill,
+                 target_tokens=result.target_tokens, heal=result.heal)
     return d
 
 
@@ -112,10 +113,24 @@ def curve_note(result: PrefillResult | GenerateResult) -> str | None:
     return "this result keeps no importance (it is from before results kept it)"
 
 
+def _heal_view(svc: ServerState, rec: JobRecord) -> dict[str, Any]:
+    """A heal job (worker.heal) on the page: what it heals for which job, and what it stored."""
+    spec = rec.spec
+    result = svc.client.handle(rec.job_id).result(timeout=0) if rec.status == "finished" else None
+    return {"job_id": rec.job_id, "status": rec.status, "kind": "heal", "input_kind": "tokens",
+            "options": {"target_model": spec.target_model, "tokens": len(spec.tokens), "resume": spec.resume,
+                        "source_job": spec.source_job, "note": spec.note},
+            "worker": rec.worker, "messages": None, "explain": None, "segments": None,
+            "times": {"enqueued_at": rec.enqueued_at, "started_at": rec.started_at, "ended_at": rec.ended_at},
+            "result": result}
+
+
 def job_view(svc: ServerState, job_id: str) -> dict[str, Any]:
     """The page's view of one job: options, result, the prompt's regions and document segments."""
     rec = _record(svc, job_id)
     spec = rec.spec
+    if spec.kind == "heal":
+        return _heal_view(svc, rec)
     view: dict[str, Any] = {
         "job_id": job_id, "status": rec.status, "kind": spec.kind, "input_kind": spec.input_kind,
         "options": spec.options(), "worker": rec.worker,
