@@ -114,8 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default=str(ROOT / "models" / "draft-tiny"))
     p.add_argument("--target", default=str(ROOT / "models" / "target-tiny"))
-    p.add_argument("--samples", type=int, default=40, help="prompts per (length, needles) cell")
-    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--samples", type=int, help="prompts per (length, needles) cell (default 40, --quick 12)")
+    p.add_argument("--lengths", help="prompt lengths (default 1024,2048,4096, --quick 2048,4096)")
+    p.add_argument("--demo-questions", type=int, help="the demo's first N questions (default all, --quick 8)")
     p.add_argument("--needles", default="4,8")
     p.add_argument("--keeps", default="0.1,0.2,0.3")
     p.add_argument("--chunk-size", type=int, default=32)
@@ -123,14 +124,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mandatory tail; one chunk here, so the selection is the draft's choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="CI-sized: 12 prompts per cell at 2K and 4K tokens, the demo's first 8 questions")
+                   help="CI-sized: 12 prompts per cell at 2K and 4K tokens, the demo's first 8 questions "
+                        "(each as given instead when given)")
     p.add_argument("--draft-only", action="store_true",
                    help="only the draft's selections (needle kept): no target answers, no target goals")
     args = p.parse_args(argv)
-    if args.quick:
-        args.samples, args.lengths, args.demo_questions = 12, "2048,4096", 8
-    else:
-        args.demo_questions = None
+    sizes = dict(samples=12, lengths="2048,4096", demo_questions=8) if args.quick else \
+        dict(samples=40, lengths="1024,2048,4096", demo_questions=None)
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
 
 

@@ -72,6 +72,11 @@ class JobSpecError(ValueError):
     """A job spec field is missing, of the wrong type, or out of its allowed range."""
 
 
+class ContextLengthError(JobSpecError):
+    """A prompt (plus what a job adds to it) is longer than a model's context window; the
+    HTTP API answers it as 400 ``context_length_exceeded``."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a spec must respect, derived from :class:`Settings` (:meth:`from_settings`):
@@ -413,7 +418,9 @@ def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
 
 def payload_kind(payload: Mapping[str, Any]) -> str:
     """The kind of job a payload of any version asks for, without validating it:
-    ``"prefill"``, ``"generate"`` or ``"invalid"``."""
+    ``"prefill"``, ``"generate"``, ``"heal"`` (``jobs.heal``) or ``"invalid"``."""
+    if payload.get("kind") == "heal":
+        return "heal"
     if payload.get("v") == 3:
         return "prefill" if payload.get("generate") is None else "generate"
     kind = payload.get("kind", "prefill")

@@ -124,7 +124,8 @@ def specprefill_info(result: GenerateResult) -> dict[str, Any]:
     """What SpecPrefill did for this answer: kept share, block-store tokens, TTFT by phase."""
     return {
         "job_id": result.job_id,
-        "kept_ratio": round(result.ratio, 6),
+        "kept_ratio": round(result.ratio, 6),  # of the tokens not restored (what was selected over)
+        "restored_ratio": round(result.restored_ratio, 6),
         "kept_tokens": result.kept,
         "prompt_tokens": result.total,
         "cached_tokens": result.cached_tokens,

@@ -48,7 +48,8 @@ def give_up(handle: JobHandle) -> None:
     try:
         handle.cancel()
     except Exception as exc:  # Redis down: the job runs to its end and nobody reads it
-        log.warning("could not cancel job %s: %s", handle.id, exc)
+        log.warning("could not cancel job %s: %s", handle.id, exc,
+                    extra={"event": "job_cancel_failed", "job_id": handle.id})
 
 
 class DaemonPool(Executor):
@@ -116,7 +117,10 @@ class JobRunner:
         if admit is not None:
             admit()
         self.check_capacity()
-        return self.client.submit(spec)
+        handle = self.client.submit(spec)
+        log.info("job %s submitted (%s)", handle.id, spec.kind,
+                 extra={"event": "job_submitted", "job_id": handle.id})
+        return handle
 
     async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None) -> JobHandle:
         """Enqueue ``spec`` after ``admit()`` (a check that raises to refuse it) in the same

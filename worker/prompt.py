@@ -51,14 +51,28 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template()) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
+            generation_prompt: bool = True) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise JobSpecError("messages: the model's tokenizer has no chat template; "
                            "send text or tokens instead")
     kwargs = dict(template.args or {})
     if template.tools:
         kwargs["tools"] = [dict(t) for t in template.tools]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **kwargs)
+
+
+def render_tokens(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
+                  generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered by the chat template and tokenized as a job's prompt is."""
+    return _encode(tokenizer, _render(tokenizer, messages, template, generation_prompt=generation_prompt),
+                   special=False)
+
+
+def chat_messages(spec: JobSpec) -> list[dict[str, Any]]:
+    """A chat job's messages as the chat template takes them."""
+    return [dict(m) for m in spec.messages or ()]
 
 
 def _encode(tokenizer: Any, text: str, *, special: bool) -> list[int]:
@@ -98,7 +112,7 @@ def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
         return PromptTokens(list(spec.tokens), 0, "token input has no system block")
     if spec.text is not None:
         return PromptTokens(_encode(tokenizer, spec.text, special=True), 0, "text input has no system block")
-    messages = [dict(m) for m in spec.messages or ()]
+    messages = chat_messages(spec)
     template = Template.of(spec)
     try:
         text = _render(tokenizer, messages, template)
