@@ -70,6 +70,8 @@ def field_of(message: str) -> str | None:
 
 # Job spec fields under the name an OpenAI request gives them.
 REQUEST_NAMES = {"target_model": "model", "text": "prompt", "tokens": "prompt"}
+# An endpoint's own names for spec fields (Responses spells the budget and the conversation its way).
+ENDPOINT_NAMES = {"/v1/responses": {"max_tokens": "max_output_tokens", "messages": "input"}}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -77,12 +79,13 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param or field_of(message), code=code)
 
 
-def from_spec_error(exc: JobSpecError | ValueError) -> APIError:
-    """400 for a spec error, naming the field as the request named it."""
+def from_spec_error(exc: JobSpecError | ValueError, path: str | None = None) -> APIError:
+    """400 for a spec error, naming the field as the request (to ``path``) named it."""
     message = str(exc)
     name = field_of(message)
-    if name in REQUEST_NAMES:
-        message = REQUEST_NAMES[name] + message[len(name):]
+    names = {**REQUEST_NAMES, **ENDPOINT_NAMES.get(path or "", {})}
+    if name in names:
+        message = names[name] + message[len(name):]
     return bad_request(message)
 
 
@@ -140,7 +143,7 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def spec_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return from_spec_error(exc).response(request.url.path)  # type: ignore[arg-type]
+    return from_spec_error(exc, request.url.path).response(request.url.path)  # type: ignore[arg-type]
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
