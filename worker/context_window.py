@@ -101,9 +101,14 @@ def model_config(folder: str | Path | None, model: Any) -> Mapping[str, Any]:
         except (OSError, ValueError):
             pass
     args = getattr(model, "args", None)
+    if args is None:
+        return {}
     if dataclasses.is_dataclass(args) and not isinstance(args, type):
-        return dataclasses.asdict(args)
-    return {k: v for k, v in vars(args).items() if not k.startswith("_")} if args is not None else {}
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    try:
+        return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    except TypeError:  # an object without a __dict__: no config to read
+        return {}
 
 
 def check_context(n_prompt: int, extra: int, extra_name: str, window: ContextWindow | None,
