@@ -18,7 +18,9 @@ Then ``heal_user_job_delay``: a real worker process, a user job A running, B que
 with and without a pile of heal jobs queued: B's wait (RQ's enqueued -> started) must not grow.
 The issue's trace (4K system, 8K document, 1-2K tool results) does not fit the shipped models'
 8K positions: the full run uses 1K / 2K / 384-token tool results (about 6.5K tokens by turn 10).
-Answers are the recall task's three words (not ~100 tokens). Ends with ``target ...`` lines.
+Answers are the recall task's three words (not ~100 tokens). The admission threshold (8192 by
+default) is scaled with the trace (1536: turn 1 is sparse, a tool result is prefilled plainly
+on the restored conversation, as a 1-2K tool result is under 8192). Ends with ``target ...`` lines.
 
     .venv/bin/python bench/conversation.py [--traces 3]
     .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
@@ -186,10 +188,15 @@ def conversation_targets(traces: list, trace_turns: list) -> None:
         hits = [tr[mode][i - 1][2] for tr, turns in zip(traces, trace_turns) for i in at if i <= len(turns)]
         return sum(hits) / len(hits) if hits else float("nan")
 
+    def phases(mode):
+        rows = [res["ttft_phases"] for tr in traces for res, _, _ in tr[mode][1:]]
+        names = sorted({k for r in rows for k in r})
+        return ", ".join(f"{k} {1000 * statistics.median(r.get(k, 0.0) for r in rows):.0f}" for k in names)
+
     print()
     for mode in MODES:
         print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms; recall of the turn-1 fact at turns "
-              f"3/6/10 {recall(mode, RECALL_TURNS):.2f}, at 6/10 {recall(mode):.2f}")
+              f"3/6/10 {recall(mode, RECALL_TURNS):.2f}, at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
     verdict("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15)
     full = recall("full")
     verdict("heal_late_recall", recall("heal"), ">=", full,
@@ -282,7 +289,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--doc-tokens", type=int, default=2048)
     p.add_argument("--tool-tokens", type=int, default=384)
-    p.add_argument("--threshold", type=int, default=512, help="admission: above a tool result is sparse")
+    p.add_argument("--threshold", type=int, default=1536,
+                   help="admission (the default 8192 scaled as the trace is): turn 1 is sparse, a tool result not")
     p.add_argument("--keep", type=float, default=0.2)
     p.add_argument("--tail-tokens", type=int, default=0, help="the selection's kept tail (0: the default)")
     p.add_argument("--block-size", type=int, default=256)

@@ -55,8 +55,9 @@ class QueueStats:
 
 
 def queue_stats(connection: redis.Redis, settings: Settings) -> list[QueueStats]:
-    """Counts for every queue of the deployment, in one pipelined round trip."""
-    queues = [Queue(name, connection=connection, serializer=JSONSerializer) for name in settings.queues]
+    """Counts for every queue of the deployment and its heal queues, in one pipelined round trip."""
+    queues = [Queue(name, connection=connection, serializer=JSONSerializer)
+              for name in (*settings.queues, *settings.heal_queues)]
     with connection.pipeline(transaction=False) as pipe:
         for q in queues:
             pipe.llen(q.key)
@@ -197,9 +198,9 @@ def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobR
 
 
 def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) -> list[str]:
-    """Ids of the most recently finished and failed jobs, newest first."""
+    """Ids of the most recently finished and failed jobs (heal jobs too), newest first."""
     out: list[tuple[float, str]] = []
-    for name in settings.queues:
+    for name in (*settings.queues, *settings.heal_queues):
         q = Queue(name, connection=connection, serializer=JSONSerializer)
         for reg in (q.finished_job_registry, q.failed_job_registry):
             for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):

@@ -223,3 +223,20 @@ def test_a_long_new_turn_on_a_healed_conversation_is_sparse_and_healed_after():
     assert second.heal["queued"] and second.heal["job_id"] != first.heal["job_id"]
     again = run_heal(rt, second.heal["job_id"])
     assert again["restored"] >= healed["stored"] and again["stored"] == again["total"] // 16 * 16
+
+
+def test_the_page_and_the_queue_stats_show_heal_jobs():
+    from types import SimpleNamespace
+
+    from jobs.inspect import queue_stats, recent_jobs
+    from specprefill_server.web.data import job_view
+
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r)
+    svc = SimpleNamespace(client=Client(r, rt.settings), settings=rt.settings)
+    view = job_view(svc, first.heal["job_id"])
+    assert view["kind"] == "heal" and view["status"] == "queued"  # run_heal ran it outside RQ
+    assert view["options"]["source_job"] == "t1" and view["options"]["tokens"] == healed["total"]
+    stats = {q.name: q.queued for q in queue_stats(r, rt.settings)}
+    assert stats == {"specprefill": 0, HEAL_QUEUE: 1}
+    assert recent_jobs(r, rt.settings) == []  # none ended through RQ here
