@@ -40,3 +40,15 @@ def epoch_key(namespace: str) -> str:
     """A random marker (no expiry) that, with the server's run id, names the Redis data set
     in use: a new value means a restart or flush happened (see :mod:`jobs.epoch`)."""
     return f"{namespace}:epoch"
+
+
+def node_queue_name(queue: str, node: str) -> str:
+    """The RQ queue of one node's workers (they listen on it before the shared ``queue``):
+    jobs routed to the node whose local tier holds their prefix (:mod:`jobs.routing`)."""
+    return f"{queue}@{node}"
+
+
+def route_index_key(namespace: str, digest: str) -> str:
+    """The nodes that recently served a prompt prefix with this digest (a sorted set: node ->
+    when, unix seconds; expiring), the approximate prefix index of :mod:`jobs.routing`."""
+    return f"{namespace}:route:{digest}"

@@ -72,6 +72,14 @@ class Settings:
     models: tuple[str, ...] = ()
     allow_downloads: bool = False
     worker_name: str = ""
+    # Prefix-aware routing (jobs/routing.py). A node is one machine with its own local tier; its
+    # workers listen on its node queue (``<queue>@<node>``) before the shared queue. "prefix":
+    # the submitter sends a job to the node that last served the longest prefix of its prompt
+    # while that node's queue holds at most route_max_queue jobs; "off": the shared queue.
+    node_name: str = ""  # empty: the host name
+    routing: str = "off"
+    route_max_queue: int = 2
+    route_index_ttl_s: int = 3600  # how long a node is remembered to hold a prefix
 
     # SpecPrefill defaults of every job that does not set them, one object per group (their
     # fields and ranges: specprefill/options.py). Each field is also a setting of its own name

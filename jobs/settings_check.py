@@ -23,7 +23,7 @@ log = logging.getLogger("jobs.settings")
 # themselves when they are built (specprefill/options.py), with the ranges jobs have.
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
-    "local_cache_bytes": (1, None),
+    "local_cache_bytes": (1, None), "route_max_queue": (0, None), "route_index_ttl_s": (1, None),
     "cache_socket_timeout_s": (0.001, None), "redis_retries": (0, 100), "memo_ttl_s": (1, None),
     "max_prompt_tokens": (1, None), "max_batch_documents": (1, None),
     "max_generate_tokens": (1, None), "job_timeout_s": (1, None), "result_ttl_s": (1, None),
@@ -36,6 +36,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_request_timeout_s": (0, None), "http_sdk_timeout_share": (0.01, 1),
     "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
 }
+ROUTING_MODES = ("off", "prefix")  # jobs/routing.py
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})
 _warned: set[str] = set()
@@ -88,6 +89,8 @@ def validate(settings: Any, prefix: str) -> None:
         _check_type(f, value, prefix)
         if f.name in RANGES:
             _check_range(f.name, value, prefix)
+    if settings.routing not in ROUTING_MODES:
+        raise _bad("routing", prefix, f"must be one of {', '.join(ROUTING_MODES)}", settings.routing)
     if settings.heartbeat_ttl_s < 2 * settings.heartbeat_interval_s:  # else live jobs look dead
         raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
                             f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "

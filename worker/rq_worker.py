@@ -23,9 +23,11 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
+from jobs.node_queues import rescue_stranded
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
+from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -197,8 +199,16 @@ class InProcessWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()
+            # A dead node's queue is no live worker's to sweep: any live one moves its jobs.
+            s = self.runtime.settings
+            rescue_stranded(self.connection, self.shared_queues, s.heartbeat_ttl_s)
         except REDIS_DOWN as exc:
             self._redis_down("maintenance", exc)
+
+    @property
+    def shared_queues(self) -> list[str]:
+        """The queues of this worker that are no node's (see :func:`worker.queues.listen_order`)."""
+        return [q for q in self.queue_names() if "@" not in q]
 
     def check_for_suspension(self, burst: bool) -> None:
         try:
@@ -252,8 +262,8 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     from specprefill.blas import blas_in_use
 
     log.info("BLAS in use: %s", blas_in_use())
-    queues = list(queues or runtime.settings.queues)
     s = runtime.settings
+    queues = listen_order(s, queues)
     for model in preload:  # verified in the role the settings give it (a draft unless only the target)
         as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
         runtime.models.get(model, "target_model" if as_target else "draft_model")
