@@ -58,7 +58,8 @@ async def _answer(request: Request, url: str) -> Response:
     deadline = Deadline(limit.seconds)
     models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
     # 503/404 now rather than a job no live worker would take
-    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
+    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models),
+                                     route_key=req.prompt_cache_key)
     created = int(time.time())
     if req.stream:
         maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=handle.id,

@@ -112,16 +112,19 @@ class JobRunner:
                                f"{limit}); try again later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "5"})
 
-    def _submit(self, spec: JobSpec, admit: Callable[[], None] | None) -> JobHandle:
+    def _submit(self, spec: JobSpec, admit: Callable[[], None] | None,
+                route_key: str | None = None) -> JobHandle:
         if admit is not None:
             admit()
         self.check_capacity()
-        return self.client.submit(spec)
+        return self.client.submit(spec, route_key=route_key)
 
-    async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None) -> JobHandle:
+    async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None,
+                     route_key: str | None = None) -> JobHandle:
         """Enqueue ``spec`` after ``admit()`` (a check that raises to refuse it) in the same
-        thread hop; 429 when the queue is full."""
-        return await self.call(self._submit, spec, admit)
+        thread hop; 429 when the queue is full. ``route_key``: the request's
+        ``prompt_cache_key`` (where to run it, with ``routing=prefix``)."""
+        return await self.call(self._submit, spec, admit, route_key)
 
     async def result(self, handle: JobHandle, request: Request, timeout: float | None = None) -> Any:
         """The job's result. If the client disconnects first, release this request's hold
