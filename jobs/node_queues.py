@@ -117,3 +117,13 @@ def rescue_stranded(conn: redis.Redis, shared: Iterable[str], stale_s: float) ->
             moved[name] = count
             log.warning("node queue %s has no live worker: moved its %d job(s) to %s", name, count, base)
     return moved
+
+
+def waiting_jobs(conn: redis.Redis, shared: str) -> int:
+    """Jobs waiting in the ``shared`` queue and in every node queue of it (a full service is a
+    full service whichever queue its jobs were routed to): two round trips."""
+    names = [shared, *node_queues_of(conn, [shared])]
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.llen(Queue.redis_queue_namespace_prefix + name)
+        return sum(int(n) for n in pipe.execute())

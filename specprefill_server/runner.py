@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from jobs.answer_stream import AnswerEvent, answer_events
 from jobs.client import Client, JobHandle
-from jobs.inspect import queue_depth
+from jobs.node_queues import waiting_jobs
 from jobs.spec import JobSpec
 from specprefill_server.errors import APIError
 
@@ -106,7 +106,7 @@ class JobRunner:
         """429 while the queue holds more waiting jobs than ``max_queue_depth`` (blocking)."""
         limit = self.client.settings.max_queue_depth
         if limit > 0:
-            depth = queue_depth(self.client.connection, self.client.queue.name)
+            depth = waiting_jobs(self.client.connection, self.client.queue.name)  # node queues too
             if depth >= limit:
                 raise APIError(429, f"the queue holds {depth} waiting jobs (max_queue_depth "
                                f"{limit}); try again later", type="rate_limit_error",

@@ -157,3 +157,27 @@ def test_routing_text_of_a_conversation_grows_with_it():
     turn2 = turn1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
     t1, t2 = (routing_text(build_spec(s, messages=m)) for m in (turn1, turn2))
     assert t2.startswith(t1) and len(t2) > len(t1)
+
+
+def test_waiting_jobs_counts_the_node_queues_of_the_shared_queue(conn):
+    from jobs.node_queues import waiting_jobs
+
+    s = settings()
+    listen(conn, "a")
+    record_served(conn, s, "a", conversation(1, 2))
+    client = Client(conn, s)
+    client.submit_many([conversation(1, 3), "an unrelated prompt " * 40])  # one routed to a, one shared
+    assert waiting(conn, "specprefill@a") and waiting(conn, "specprefill")
+    assert waiting_jobs(conn, "specprefill") == 2
+
+
+def test_the_http_runner_passes_prompt_cache_key_as_the_route_key(conn):
+    from specprefill_server.runner import JobRunner
+
+    s = settings()
+    listen(conn, "a")
+    record_served(conn, s, "a", "", route_key="conversation-7")
+    client = Client(conn, s)
+    runner = JobRunner(client, 1)
+    handle = runner._submit(client.generate_spec(text="hello there", max_tokens=2), None, "conversation-7")
+    assert waiting(conn, "specprefill@a") == [handle.id]
