@@ -107,7 +107,7 @@ def test_routing_off_is_the_shared_queue(conn):
     record_served(conn, s, "a", conversation(1, 3))
     handle = Client(conn, s).submit(text=conversation(1, 5))
     assert waiting(conn, "specprefill") == [handle.id] and waiting(conn, "specprefill@a") == []
-    assert Settings().routing == "off"
+    assert Settings().routing == "prefix"  # the default: what bench/scale.py measured better
     with pytest.raises(SettingsError, match="routing"):
         Settings(routing="nearest")
 
