@@ -10,12 +10,21 @@
    (``local_tier_fetch_vs_redis``: its fetch time over Redis's). Beside it, the same tier built
    on ``diskcache`` (SQLite index, LRU eviction; when it is installed): why the tier is plain files.
 
-Later sections (another task, once conversation KV exists): prefix-aware routing of jobs to the
-node holding their prefix, and a trace of 40 conversations over two worker nodes with separate
-local tiers (share of restored tokens served locally, median TTFT, with and without routing).
-They go in ``SECTIONS`` below, each a function of the shared chain that returns rows and verdicts.
+3. A trace of 40 conversations (``--conversations``; a shared system prompt, then turns that each
+   extend the conversation) over two worker nodes: two real worker processes (``python -m worker``)
+   on this host, each a node with its own local tier folder, one shared Redis; 4 clients, each
+   waiting for one answer before it sends its next turn. Generate jobs (SpecPrefill, one token) on
+   the shipped tiny draft and target. Run once with ``routing=prefix`` and once with
+   ``routing=off``, each from an empty Redis and empty tiers: the share of restored blocks each
+   node read from its own local tier (the block store's shared ``local_tier_hit_blocks`` over
+   ``hit_blocks``, draft and target together; ``routed_local_share``) and the median TTFT as
+   the client sees it (submission to the answer's one token, queue wait included), after one
+   warm-up job on each node (a text unlike the trace's).
 
-    .venv/bin/python bench/scale.py [--blocks 64] [--repeats 7] [--quick]
+Sections are in ``SECTIONS``, each a function of the shared chain and the options that returns
+rows and verdicts.
+
+    .venv/bin/python bench/scale.py [--blocks 64] [--repeats 7] [--conversations 40] [--quick]
 """
 from __future__ import annotations
 
@@ -50,7 +59,7 @@ from worker.runtime import wire_block_store  # noqa: E402
 GB = 1e9
 BLOCK = 256
 FP = hashlib.sha256(b"bench/scale").hexdigest()
-GOALS = {"cluster": 0.9, "local": 0.5}
+GOALS = {"cluster": 0.9, "local": 0.5, "routed_local_share": 0.8}
 
 
 def _cache_store_bench():
@@ -62,20 +71,19 @@ def _cache_store_bench():
 
 
 class Chain:
-    """One chain of ``n_blocks`` blocks: its tokens, and a draft cache of the scoring bench's draft
-    (whose cache shape ``random_cache`` has), stored as the worker wires a store for that model."""
+    """One chain of ``n_blocks`` blocks: its tokens, its draft cache (random values in the shape of
+    the scoring benchmark's draft), stored through the worker's own wiring of a block store."""
 
     def __init__(self, n_blocks: int) -> None:
         cs = _cache_store_bench()
         self.n_tokens = n_blocks * BLOCK
         self.tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, self.n_tokens + 1)]
         self.cache = cs.random_cache(self.n_tokens + 1, seed=1)
-        self.model = cs._scoring_bench().draft_model()
+        self.model = cs._scoring_bench().draft_model()  # its cache is random_cache's shape
         self.n_bytes = 0
 
     def store(self, client, local=None, namespace="scale") -> BlockDraftCache:
-        model = self.model
-        return wire_block_store(client, model, lambda: make_cache(model), FP, namespace=namespace,
+        return wire_block_store(client, self.model, lambda: make_cache(self.model), FP, namespace=namespace,
                                 block_size=BLOCK, ttl_s=3600, local=local)
 
     def fetch(self, store: BlockDraftCache) -> None:
@@ -101,8 +109,9 @@ def best_of(fn, repeats: int, before=None) -> float:
     return best
 
 
-def bench_cluster(chain: Chain, repeats: int) -> tuple[list, list]:
+def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
     """Store and fetch GB/s on one Redis and on a 3-primary cluster, interleaved."""
+    repeats = opts.repeats
     with EmbeddedRedis(binary=redis7()) as single, LocalCluster(primaries=3, replicas=0) as cluster:
         settings = Settings(redis_url=single.url)
         clients = {"one Redis": cache_connection(settings.replace(cache_redis_url=single.url)),
@@ -156,8 +165,9 @@ class DiskcacheTier:
         self.cache.delete((key, False))
 
 
-def bench_local_tier(chain: Chain, repeats: int) -> tuple[list, list]:
+def bench_local_tier(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
     """A warm fetch from the local tier (plain files; diskcache) against one from Redis."""
+    repeats = opts.repeats
     folder = Path(tempfile.mkdtemp(prefix="specprefill-tier-"))
     try:
         with EmbeddedRedis(binary=redis7(), unix_socket=True) as server:
@@ -187,21 +197,53 @@ def bench_local_tier(chain: Chain, repeats: int) -> tuple[list, list]:
     return rows, [("local_tier_fetch_vs_redis", times["plain files"] / times["redis"], "<=", GOALS["local"])]
 
 
-SECTIONS = (bench_cluster, bench_local_tier)  # routing and the conversation trace come next
+def bench_trace(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
+    """The conversation trace over two nodes, with routing and without (see the module's 3.)."""
+    trace = _trace_bench()
+    with EmbeddedRedis(binary=redis7()) as server:
+        runs = {mode: trace.run(server.url, mode, opts.conversations, opts.turns) for mode in ("prefix", "off")}
+    rows = []
+    for mode, run in runs.items():
+        rows.append((f"trace routing={mode}: restored blocks read from the node's own tier",
+                     f"{run['local_share']:.2f} ({run['local_blocks']}/{run['hit_blocks']})",
+                     f"jobs per node {run['per_node']}", ""))
+        rows.append((f"trace routing={mode}: median TTFT (client side)", f"{run['ttft_median'] * 1e3:.0f} ms",
+                     f"p90 {run['ttft_p90'] * 1e3:.0f} ms; routed to a node queue {run['routed']}/{run['jobs']}", ""))
+    on, off = runs["prefix"], runs["off"]
+    rows.append(("trace: routing vs not, local share / median TTFT", f"{on['local_share']:.2f} / "
+                 f"{on['ttft_median'] * 1e3:.0f} ms", f"{off['local_share']:.2f} / {off['ttft_median'] * 1e3:.0f} ms",
+                 f"{on['ttft_median'] / off['ttft_median']:.2f}"))
+    print(f"trace: {opts.conversations} conversations x {opts.turns} turns, 2 nodes (1 worker each), "
+          f"4 clients; routed_local_share without routing: {off['local_share']:.3f}")
+    return rows, [("routed_local_share", on["local_share"], ">=", GOALS["routed_local_share"])]
+
+
+def _trace_bench():
+    """``bench/routing_trace.py`` as a module (this folder is off ``sys.path``; see benchlib)."""
+    spec = importlib.util.spec_from_file_location("bench_routing_trace", benchlib.HERE / "routing_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SECTIONS = (bench_cluster, bench_local_tier, bench_trace)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="seconds: a 16-block chain, 2 repeats (the same code)")
+    parser.add_argument("--conversations", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="a 16-block chain, 2 repeats, 6 conversations of 2 turns (the same code)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.blocks, opts.repeats = 16, 2
+        opts.blocks, opts.repeats, opts.conversations, opts.turns = 16, 2, 6, 2
     chain = Chain(opts.blocks)
     rows, verdicts = [], []
     for section in SECTIONS:
-        more_rows, more_verdicts = section(chain, opts.repeats)
+        more_rows, more_verdicts = section(chain, opts)
         rows += more_rows
         verdicts += more_verdicts
     print(f"chain: {opts.blocks} blocks of {BLOCK} tokens, {chain.n_bytes / 2**20:.0f} MiB")

@@ -148,9 +148,11 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
         layers[i][name] = RawArray(dtype, out)
     trailer = bytearray(_TRAILER if read_state else 0)
     overlap = OVERLAP if background is None else background
-    if overlap:  # read it all (one call where the source can), check on the helper thread
+    if overlap or getattr(source, "scatters", False):
+        # Read it all in one call where the source can (a local file: one preadv per block, not
+        # one per piece), then check it on the helper thread, or here while it is still cached.
         reader.readinto_many([*token_runs, *state_runs, memoryview(trailer)])  # in value order
-        sums = None
+        sums = None if overlap else (_hash(token_runs), _hash(state_runs))
     else:  # check each piece right after it landed, while it is still in the cache
         sums = (_read_hashed(reader, token_runs), _read_hashed(reader, state_runs))
         reader.readinto_many([memoryview(trailer)])

@@ -32,6 +32,8 @@ _RECENT_S = 10.0  # a file used this recently is not marked again (a metadata wr
 class FileValue:
     """One stored file as a ``cache_store.wire.ValueSource`` (read in order, then closed)."""
 
+    scatters = True  # a block's pieces are read in one preadv (cache_store.block_reader)
+
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._pos = 0

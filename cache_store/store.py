@@ -42,6 +42,7 @@ REDIS_COUNTERS = (
     "lookups",         # fetch calls
     "hit_blocks",      # blocks restored by fetch
     "hit_tokens",      # tokens restored by fetch
+    "local_tier_hit_blocks",  # of hit_blocks, those read from the fetching node's local tier
     "missed_blocks",   # full blocks fetch looked for but did not restore
     "bytes_read",      # bytes of valid and corrupt values read by fetch
     "corrupt_blocks",  # bad values found (deleted)
@@ -64,6 +65,7 @@ class _FetchTally:
     """What one fetch found, for its counters (written behind it)."""
 
     hit_keys: list[str] = field(default_factory=list)
+    local_hits: int = 0
     missed: int = 0
     bytes_read: int = 0
     vanished: int = 0
@@ -187,7 +189,8 @@ class RedisBlockStore:
         usable = self._state_expected is None or prefix.has_state
         layers = self._result(prefix) if usable else None
         n_blocks = prefix.n_blocks if layers is not None else 0
-        tally.hit_keys = keys[:n_blocks] + tally.hit_keys
+        tally.hit_keys = keys[:n_blocks] + tally.hit_keys  # the blocks, then the checkpoints read
+        tally.local_hits = self._values.served_locally(keys[:n_blocks])
         tally.missed = len(keys) - n_blocks
         if tally.corrupt:  # rare: deleted now, so no other reader meets them
             self._delete_corrupt(tally.corrupt)
@@ -343,6 +346,7 @@ class RedisBlockStore:
             pipe = self.client.pipeline(transaction=False)
             for field, amount in (("lookups", 1), ("hit_blocks", n_blocks),
                                   ("hit_tokens", n_blocks * self.block_size),
+                                  ("local_tier_hit_blocks", tally.local_hits),
                                   ("missed_blocks", tally.missed), ("bytes_read", tally.bytes_read),
                                   ("corrupt_blocks", len(tally.corrupt)), ("vanished_blocks", tally.vanished),
                                   ("chain_holes", tally.holes)):

@@ -46,6 +46,10 @@ class SharedValues:
     def kept(self, key: str, read: PendingBlock) -> None:
         """A value this fetch read passed its checks (nothing to do: it came from here)."""
 
+    def served_locally(self, keys: Sequence[str]) -> int:
+        """How many of the restored ``keys`` this fetch read from a local tier (none here)."""
+        return 0
+
     def renew(self, pipe: Any, keys: Sequence[str], ttl_s: int) -> None:
         """Queue the TTL renewal of the blocks a fetch used on ``pipe`` (the bookkeeping round trip)."""
         for key in keys:
@@ -99,6 +103,9 @@ class TieredValues(SharedValues):
         self.local = local
         self.local_counters = {"local_hit_blocks": 0, "local_fills": 0, "local_errors": 0, "shared_write_errors": 0}
         self._from_shared: set[str] = set()
+
+    def served_locally(self, keys: Sequence[str]) -> int:
+        return sum(1 for key in keys if key not in self._from_shared)
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
         self._from_shared = set()  # a fetch starts here: what it reads from Redis is noted anew

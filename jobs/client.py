@@ -36,6 +36,7 @@ from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, publisher_for)
 from jobs.rate import SmoothedRate
+from jobs.routing import Router, routing_text
 from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
 from jobs.spec import JobSpec, Limits, build_spec, check_batch_size
@@ -410,6 +411,13 @@ class Client:
         self.settings = settings or Settings.from_env()
         self.queue = Queue(queue_name or self.settings.queues[0], connection=connection,
                            serializer=JSONSerializer, default_timeout=self.settings.job_timeout_s)
+        self.router = Router(connection, self.settings, self.queue.name)
+
+    def _queue(self, name: str) -> Queue:
+        if name == self.queue.name:
+            return self.queue
+        return Queue(name, connection=self.connection, serializer=JSONSerializer,
+                     default_timeout=self.settings.job_timeout_s)
 
     @classmethod
     def from_url(cls, url: str, settings: Settings | None = None, **kwargs: Any) -> "Client":
@@ -445,15 +453,17 @@ class Client:
         return JobHandle(self, job_id, holder=holder)
 
     def submit(self, spec: JobSpec | None = None, *, holder: str | None = None,
-               name: str | None = None, **fields: Any) -> JobHandle:
+               name: str | None = None, route_key: str | None = None, **fields: Any) -> JobHandle:
         """Enqueue one job (``spec``, or spec fields such as ``text=...``).
 
         The handle holds the job with a fresh token, or with ``holder`` (a name another
         process can pass to :meth:`handle` to cancel this submission's hold). ``name``
         (a document id or file name) goes into the job's description, which RQ's tools show.
+        ``route_key`` (OpenAI's ``prompt_cache_key``) names the prompt's shared prefix for
+        routing (``routing=prefix``) instead of its text; it is no part of the job's id.
         """
         spec = spec or self.spec(**fields)
-        return self._enqueue([spec], holder, [name])[0]
+        return self._enqueue([spec], holder, [name], [route_key])[0]
 
     def submit_many(self, documents: Iterable[JobSpec | Mapping[str, Any] | str], *,
                     holder: str | None = None, names: Iterable[str | None] | None = None,
@@ -485,8 +495,10 @@ class Client:
         return BatchHandle(self, self._enqueue(specs, holder, doc_names))
 
     def _enqueue(self, specs: list[JobSpec], holder: str | list[str | None] | None = None,
-                 names: list[str | None] | None = None) -> list[JobHandle]:
-        """Enqueue ``specs`` held by ``holder`` (one name for all, one per spec, or fresh tokens)."""
+                 names: list[str | None] | None = None,
+                 route_keys: list[str | None] | None = None) -> list[JobHandle]:
+        """Enqueue ``specs`` held by ``holder`` (one name for all, one per spec, or fresh tokens),
+        each on the queue the router picks (its node's queue, or the shared one)."""
         s = self.settings
         held = holder if isinstance(holder, list) else [holder] * len(specs)
         plans = [_Plan(spec, spec.job_id(s.namespace), h or holders.new_token())
@@ -499,11 +511,15 @@ class Client:
             tokens.setdefault(p.job_id, []).append(p.holder)
             described.setdefault(p.job_id, describe(p.spec, name))
         self.queue.get_redis_server_version()  # cached; keeps the enqueue pipeline to one trip
+        keys = dict(zip((p.job_id for p in plans), route_keys or [None] * len(plans)))
+        routed = dict(zip(first, self.router.queues_for([routing_text(sp) for sp in first.values()],
+                                                         [keys.get(j) for j in first])))
         created: set[str] = set()
         pending, deadline = list(first), Deadline(s.stop_wait_s)
         known_epoch = ""
         while pending:
-            new, finished, epoch = self._enqueue_missing(pending, first, tokens, described)
+            new, finished, epoch = self._enqueue_missing(pending, first, tokens, described,
+                                                         routed, keys)
             known_epoch = known_epoch or epoch
             created |= new
             # The others exist: join them (a finished one needs no holders: nothing can stop
@@ -518,7 +534,8 @@ class Client:
                           spec=p.spec, epoch=known_epoch) for p in plans]
 
     def _enqueue_missing(self, candidates: list[str], first: dict[str, JobSpec],
-                         tokens: dict[str, list[str]], described: dict[str, str]
+                         tokens: dict[str, list[str]], described: dict[str, str],
+                         routed: dict[str, str], keys: dict[str, str | None]
                          ) -> tuple[set[str], set[str], str]:
         """Enqueue those of ``candidates`` that do not exist or ended badly; return them,
         the candidates seen finished, and the Redis epoch read before the enqueue."""
@@ -545,7 +562,8 @@ class Client:
                     if again != {jid: statuses[jid] for jid in todo}:
                         candidates = todo
                         continue
-                    self._enqueue_watched(pipe, todo, statuses, first, tokens, described)
+                    self._enqueue_watched(pipe, todo, statuses, first, tokens, described,
+                                          routed, keys)
                     return set(todo), finished, epoch
                 except redis.WatchError:
                     candidates = todo  # the others are settled: seen running or done
@@ -588,26 +606,34 @@ class Client:
 
     def _enqueue_watched(self, pipe: Any, todo: list[str], statuses: dict[str, str | None],
                          first: dict[str, JobSpec], tokens: dict[str, list[str]],
-                         described: dict[str, str]) -> None:
-        """Enqueue ``todo`` in one MULTI/EXEC on ``pipe``, which WATCHes their job hashes."""
-        s, q = self.settings, self.queue
+                         described: dict[str, str], routed: dict[str, str],
+                         keys: dict[str, str | None]) -> None:
+        """Enqueue ``todo`` in one MULTI/EXEC on ``pipe``, which WATCHes their job hashes,
+        each on its routed queue."""
+        s = self.settings
+        # A rerun's old traces sit in the registries of the queue it ran from (its origin).
+        origins = {jid: as_text(pipe.hget(job_key(jid), "origin")) or self.queue.name
+                   for jid in todo if statuses[jid] is not None}
         pipe.multi()
-        datas = []
+        datas: dict[str, list] = {}
         for jid in todo:
-            if statuses[jid] is not None:  # a rerun: clear the old run's traces
-                pipe.zrem(q.failed_job_registry.key, jid)
-                pipe.zrem(q.canceled_job_registry.key, jid)
+            if jid in origins:  # a rerun: clear the old run's traces
+                old = self._queue(origins[jid])
+                pipe.zrem(old.failed_job_registry.key, jid)
+                pipe.zrem(old.canceled_job_registry.key, jid)
                 pipe.delete(job_key(jid), Result.get_key(jid))
             pipe.delete(stream_key(s.namespace, jid), cancel_key(s.namespace, jid))
             holders.add_holders(pipe, s, jid, tokens[jid], fresh=True)
-            self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=q.name)
+            self._publisher(jid, start_seq=0).add_to_pipeline(pipe, "queued", queue=routed[jid])
             spec = first[jid]
-            datas.append(Queue.prepare_data(
+            datas.setdefault(routed[jid], []).append(Queue.prepare_data(
                 JOB_FUNCTION, args=[spec.to_payload()], job_id=jid,
                 timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
                 failure_ttl=s.failure_ttl_s, description=described[jid],
+                meta={"route_key": keys[jid]} if keys.get(jid) else None,
                 retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
                 ttl=s.heal_ttl_s if spec.kind == "heal" else None,  # a stale heal is dropped
                 on_failure=Callback(FAILURE_CALLBACK)))
-        q.enqueue_many(datas, pipeline=pipe)
+        for name, queued in datas.items():
+            self._queue(name).enqueue_many(queued, pipeline=pipe)
         pipe.execute()

@@ -46,3 +46,15 @@ def response_key(namespace: str, response_id: str) -> str:
     """A Responses API answer the HTTP server stored (its body and its conversation), read
     back for ``previous_response_id`` and ``GET /v1/responses/{id}``; expires."""
     return f"{namespace}:http:response:{response_id}"
+
+
+def node_queue_name(queue: str, node: str) -> str:
+    """The RQ queue of one node's workers (they listen on it before the shared ``queue``):
+    jobs routed to the node whose local tier holds their prefix (:mod:`jobs.routing`)."""
+    return f"{queue}@{node}"
+
+
+def route_index_key(namespace: str, digest: str) -> str:
+    """The nodes that recently served a prompt prefix with this digest (a sorted set: node ->
+    when, unix seconds; expiring), the approximate prefix index of :mod:`jobs.routing`."""
+    return f"{namespace}:route:{digest}"

@@ -74,6 +74,14 @@ class Settings:
     models: tuple[str, ...] = ()
     allow_downloads: bool = False
     worker_name: str = ""
+    # Prefix-aware routing (jobs/routing.py). A node is one machine with its own local tier; its
+    # workers listen on its node queue (``<queue>@<node>``) before the shared queue. "prefix":
+    # the submitter sends a job to the node that last served the longest prefix of its prompt
+    # while that node's queue holds at most route_max_queue jobs; "off": the shared queue.
+    node_name: str = ""  # empty: the host name
+    routing: str = "prefix"  # bench/scale.py section 3: local share 1.00 vs 0.70, median TTFT 0.83x
+    route_max_queue: int = 2
+    route_index_ttl_s: int = 3600  # how long a node is remembered to hold a prefix
 
     # SpecPrefill defaults of every job that does not set them, one object per group (their
     # fields and ranges: specprefill/options.py). Each field is also a setting of its own name
@@ -285,8 +293,12 @@ HEAL_QUEUE_SUFFIX = "-heal"
 
 
 def heal_queue_name(queue: str) -> str:
-    """The heal queue behind user queue ``queue``."""
-    return queue if queue.endswith(HEAL_QUEUE_SUFFIX) else queue + HEAL_QUEUE_SUFFIX
+    """The heal queue behind user queue ``queue``. A node queue's (``<queue>@<node>``, jobs.routing)
+    is its shared queue's: any node may heal, the blocks go to the shared store, and a heal
+    queue of a node nobody listens on would strand its heals."""
+    if queue.endswith(HEAL_QUEUE_SUFFIX):
+        return queue
+    return queue.partition("@")[0] + HEAL_QUEUE_SUFFIX
 
 
 def _settable_fields() -> dict[str, dataclasses.Field]:

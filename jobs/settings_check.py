@@ -22,8 +22,9 @@ log = logging.getLogger("jobs.settings")
 # only type-checked (finite numbers); the SpecPrefill option defaults are objects that check
 # themselves when they are built (specprefill/options.py), with the ranges jobs have.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None), "state_checkpoint_blocks": (0, None),
-    "local_cache_bytes": (1, None),
+    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
+    "state_checkpoint_blocks": (0, None), "local_cache_bytes": (1, None), "route_max_queue": (0, None),
+    "route_index_ttl_s": (1, None),
     "cache_socket_timeout_s": (0.001, None), "redis_retries": (0, 100), "memo_ttl_s": (1, None),
     "max_prompt_tokens": (1, None), "max_batch_documents": (1, None),
     "max_generate_tokens": (1, None), "page_curve_points": (1, None), "page_text_tokens": (0, None),
@@ -39,6 +40,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_response_ttl_s": (1, None),
     "heal_min_sparse_share": (0, 1), "heal_ttl_s": (1, None),
 }
+ROUTING_MODES = ("off", "prefix")  # jobs/routing.py
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})
 _warned: set[str] = set()
@@ -91,6 +93,8 @@ def validate(settings: Any, prefix: str) -> None:
         _check_type(f, value, prefix)
         if f.name in RANGES:
             _check_range(f.name, value, prefix)
+    if settings.routing not in ROUTING_MODES:
+        raise _bad("routing", prefix, f"must be one of {', '.join(ROUTING_MODES)}", settings.routing)
     if settings.heartbeat_ttl_s < 2 * settings.heartbeat_interval_s:  # else live jobs look dead
         raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
                             f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "

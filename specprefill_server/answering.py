@@ -60,16 +60,17 @@ class Exchange:
 
 
 async def submit(request: Request, spec: JobSpec, *, endpoint: str, stream: bool, started: float,
-                 models: Mapping[str, str] | None = None) -> Exchange:
+                 models: Mapping[str, str] | None = None, route_key: str | None = None) -> Exchange:
     """Check the models (``{field: name}``; default: the spec's target and draft) against
     the live workers (503/404 now rather than a job no worker would take), enqueue ``spec``
-    (429 when the queue is full) and start its deadline."""
+    (429 when the queue is full; ``route_key``: the request's ``prompt_cache_key``, where to
+    run it with ``routing=prefix``) and start its deadline."""
     svc = state(request)
     limit = request_deadline(request.headers, svc.settings, stream=stream)
     deadline = Deadline(limit.seconds)
     if models is None:
         models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
-    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models))
+    handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models), route_key=route_key)
     return Exchange(svc, request, handle, endpoint, started, limit, deadline)
 
 

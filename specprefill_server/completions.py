@@ -27,7 +27,8 @@ async def _answer(request: Request, url: str) -> Response:
     model_cls, fields_of, respond = endpoint(url)
     req = parse(model_cls, await read_json(request))
     spec = state(request).client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
-    ex = await answering.submit(request, spec, endpoint=url, stream=req.stream, started=started)
+    ex = await answering.submit(request, spec, endpoint=url, stream=req.stream, started=started,
+                                route_key=req.prompt_cache_key)
     if req.stream:
         maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=ex.handle.id,
                            model=req.model, created=ex.created)

@@ -4,9 +4,9 @@ error becomes a 400 naming the field.
 Standard fields keep OpenAI's names and types. Fields OpenAI has but this service cannot
 honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties), so a
 request is answered as asked or refused. Fields clients send unasked that change nothing
-here (``user``, ``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier``,
-``verbosity``, ``modalities: ["text"]``) are accepted and ignored (docs/http.md, the field
-table). SpecPrefill options are extra body fields (``extra_body={"keep": 0.2}`` in the
+here (``user``, ``safety_identifier``, ``metadata``, ``service_tier``, ``verbosity``,
+``modalities: ["text"]``) are accepted and ignored (docs/http.md, the field table);
+``prompt_cache_key`` routes the job with ``routing=prefix`` (jobs/routing.py). SpecPrefill options are extra body fields (``extra_body={"keep": 0.2}`` in the
 SDK); any other unknown field is refused by name.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class _Sampling(SpecPrefillOptions):
     # Sent unasked by clients; identify the end user or route the request, ignored here.
     user: str | None = None
     safety_identifier: str | None = Field(default=None, max_length=256)
-    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # a routing hint, later
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # routes the job (routing=prefix)
 
     @model_validator(mode="after")
     def _neutral_only(self) -> "_Sampling":

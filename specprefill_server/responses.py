@@ -68,7 +68,8 @@ async def create_response(request: Request) -> Response:
     req = parse(ResponsesRequest, await read_json(request))
     conv = conversation(req.input, prefix=await _previous(svc, req))
     spec = svc.client.generate_spec(**response_fields(req, conv))  # JobSpecError -> 400 naming the field
-    ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started)
+    ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started,
+                                route_key=req.prompt_cache_key)
     shape = ResponseShape(response_id(ex.handle.id), ex.created, req)
 
     async def keep(result: GenerateResult) -> None:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from jobs.answer_stream import AnswerEvent, answer_events
 from jobs.client import Client, JobHandle
-from jobs.inspect import queue_depth
+from jobs.node_queues import waiting_jobs
 from jobs.spec import JobSpec
 from specprefill_server.errors import APIError
 
@@ -107,25 +107,28 @@ class JobRunner:
         """429 while the queue holds more waiting jobs than ``max_queue_depth`` (blocking)."""
         limit = self.client.settings.max_queue_depth
         if limit > 0:
-            depth = queue_depth(self.client.connection, self.client.queue.name)
+            depth = waiting_jobs(self.client.connection, self.client.queue.name)  # node queues too
             if depth >= limit:
                 raise APIError(429, f"the queue holds {depth} waiting jobs (max_queue_depth "
                                f"{limit}); try again later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "5"})
 
-    def _submit(self, spec: JobSpec, admit: Callable[[], None] | None) -> JobHandle:
+    def _submit(self, spec: JobSpec, admit: Callable[[], None] | None,
+                route_key: str | None = None) -> JobHandle:
         if admit is not None:
             admit()
         self.check_capacity()
-        handle = self.client.submit(spec)
+        handle = self.client.submit(spec, route_key=route_key)
         log.info("job %s submitted (%s)", handle.id, spec.kind,
                  extra={"event": "job_submitted", "job_id": handle.id})
         return handle
 
-    async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None) -> JobHandle:
+    async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None,
+                     route_key: str | None = None) -> JobHandle:
         """Enqueue ``spec`` after ``admit()`` (a check that raises to refuse it) in the same
-        thread hop; 429 when the queue is full."""
-        return await self.call(self._submit, spec, admit)
+        thread hop; 429 when the queue is full. ``route_key``: the request's
+        ``prompt_cache_key`` (where to run it, with ``routing=prefix``)."""
+        return await self.call(self._submit, spec, admit, route_key)
 
     async def result(self, handle: JobHandle, request: Request, timeout: float | None = None) -> Any:
         """The job's result. If the client disconnects first, release this request's hold

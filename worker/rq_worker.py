@@ -24,10 +24,11 @@ from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
 from jobs.log_format import log_context, set_worker
-from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
+from jobs.node_queues import rescue_stranded
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
+from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -205,8 +206,16 @@ class InProcessWorker(SimpleWorker):
     def run_maintenance_tasks(self) -> None:
         try:
             super().run_maintenance_tasks()
+            # A dead node's queue is no live worker's to sweep: any live one moves its jobs.
+            s = self.runtime.settings
+            rescue_stranded(self.connection, self.shared_queues, s.heartbeat_ttl_s)
         except REDIS_DOWN as exc:
             self._redis_down("maintenance", exc)
+
+    @property
+    def shared_queues(self) -> list[str]:
+        """The queues of this worker that are no node's (see :func:`worker.queues.listen_order`)."""
+        return [q for q in self.queue_names() if "@" not in q]
 
     def check_for_suspension(self, burst: bool) -> None:
         try:
@@ -253,15 +262,6 @@ def default_worker_name() -> str:
     return f"{host}.{os.getpid()}"
 
 
-def listen_order(queues: Sequence[str], *, heal: bool) -> list[str]:
-    """The worker's queues in RQ's order: its own, then (``heal``) each one's heal queue, so a
-    heal is taken only when no user job waits (a heal queue named outright is kept)."""
-    own = [q for q in queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
-    named = [q for q in queues if q.endswith(HEAL_QUEUE_SUFFIX)]
-    behind = [heal_queue_name(q) for q in own] if heal else []
-    return own + [q for q in dict.fromkeys(behind + named)]
-
-
 def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
                preload: Sequence[str] = (), name: str | None = None, burst: bool = False,
                logging_level: str = "INFO", max_jobs: int | None = None) -> bool:
@@ -272,7 +272,7 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     name = name or s.worker_name or default_worker_name()
     set_worker(name)  # every line from here names the worker
     log.info("BLAS in use: %s", blas_in_use())
-    queues = listen_order(queues or s.queues, heal=s.heal)
+    queues = listen_order(s, queues)
     for model in preload:  # verified in the role the settings give it (a draft unless only the target)
         as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
         runtime.models.get(model, "target_model" if as_target else "draft_model")

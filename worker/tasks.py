@@ -18,7 +18,8 @@ from jobs.connection import REDIS_DOWN
 from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
 from jobs.heal import heal_spec_from_payload, is_heal_payload
-from jobs.spec import spec_from_payload
+from jobs.routing import node_of, record_served, route_key_of, routing_text
+from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
 from worker.context import ClaimLost, JobContext, JobStopped
 from worker.generate_pipeline import run_generate
@@ -90,6 +91,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     retries_left = (job.retries_left or 0) if job else 0
     try:
         result = execute(payload, ctx, retries_left=retries_left)
+        note_served(rt, payload, job)
         wait = queue_wait_s(job)
         if wait is not None and isinstance(result.get("timings"), dict):
             result["timings"]["queue_wait"] = round(wait, 6)  # what the front door's metrics read
@@ -102,6 +104,19 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         if job is not None:
             job.retries_left = 0  # bad input, timeouts and stops are never retried
         raise
+
+
+def note_served(rt: Any, payload: Any, job: Any) -> None:
+    """With ``routing=prefix``: index this node as holding the finished job's prompt prefixes
+    (:mod:`jobs.routing`). Routing is a hint: a failure here is logged, the result stands."""
+    if rt.settings.routing != "prefix" or is_heal_payload(payload):  # a heal is no prompt a client routes
+        return
+    try:
+        spec = spec_from_payload(payload, rt.settings)
+        record_served(rt.connection, rt.settings, node_of(rt.settings), routing_text(spec),
+                      route_key_of(job.meta if job is not None else None))
+    except (REDIS_DOWN, redis.RedisError) as exc:
+        log.warning("could not index the prefix of job %s for routing: %s", getattr(job, "id", "?"), exc)
 
 
 def on_job_failure(job: Any, connection: redis.Redis, exc_type: Any, exc: Any, tb: Any) -> None:

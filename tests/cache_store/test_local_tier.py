@@ -48,6 +48,20 @@ def test_a_fetch_fills_the_tier_and_the_next_one_reads_it_first(redis_url, tmp_p
     assert_restored_prefix(restored, cache, n)
 
 
+def test_the_shared_counters_say_which_restored_blocks_a_local_tier_served(redis_url, tmp_path, model):
+    from cache_store.trailing import BOOKKEEPING
+
+    client = redis.Redis.from_url(redis_url)
+    cache, _ = prefilled(model, PROMPT)
+    assert worker_store(client, model, block_size=BS).store(PROMPT, cache) == 8
+    node = worker_store(client, model, block_size=BS, local=LocalTier(tmp_path / "tier", 10**9))
+    node.fetch(PROMPT[:4 * BS + 1])  # 4 blocks from Redis (they fill the tier)
+    node.fetch(PROMPT)  # 4 from the tier, 4 from Redis
+    BOOKKEEPING.flush(timeout=5)
+    shared = worker_store(client, model, block_size=BS).stats()  # another node reads the same counters
+    assert shared["hit_blocks"] == 12 and shared["local_tier_hit_blocks"] == 4
+
+
 @pytest.fixture
 def tiered(redis_url, tmp_path, model):
     """(Redis client, the tier, a store with the tier in front, the prompt's cache)."""

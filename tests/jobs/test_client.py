@@ -88,8 +88,15 @@ def test_enqueue_is_a_fixed_number_of_round_trips_for_a_batch():
 
     c.connection.pipeline = counting_pipeline
     c.submit_many([f"doc {i}" for i in range(40)])
-    # statuses, WATCH + statuses again, MULTI/EXEC: three pipelines, whatever the batch size
-    assert len(pipelines) == 3 and calls == []
+    # the prefix index (routing=prefix; no node holds these: nothing more to read), statuses,
+    # WATCH + statuses again, MULTI/EXEC: four pipelines, whatever the batch size
+    assert c.settings.routing == "prefix" and len(pipelines) == 4 and calls == []
+    off = Client(c.connection, S.replace(routing="off"))
+    off.queue.get_redis_server_version()
+    pipelines.clear()
+    calls.clear()
+    off.submit_many([f"doc {i}" for i in range(40, 80)])
+    assert len(pipelines) == 3 and calls == []  # routing off: today's three
 
 
 def test_result_of_missing_job_and_timeout(client):

@@ -20,11 +20,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-NOT_SCRIPTS = {"benchlib.py", "bare_job.py"}  # the shared start-up, and the bare RQ job of queue.py
+# The shared start-up, the bare RQ job of queue.py, scale.py's two-node trace (a module of it), and
+# conversation.py, whose smoke test checks its recall too (tests/project/test_bench_conversation.py).
+NOT_SCRIPTS = {"benchlib.py", "bare_job.py", "routing_trace.py", "conversation.py"}
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
     "cache_store.py": ["--quick"], "chat.py": ["--quick"], "families.py": ["--quick"],
-    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": ["--quick"],
+    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": ["--quick", "--conversations", "2"],
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],
     "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
                    "--demo-questions", "1"],

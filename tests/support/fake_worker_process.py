@@ -1,10 +1,12 @@
 """A real RQ worker process on the fake backend of tests/support/fake_worker.py (slow chunks make
 stop/SIGTERM/timeout timing controllable), and the fixtures that start it.
 
-Run as a script, this file is the worker: ``python fake_worker_process.py URL DELAY NAME``.
+Run as a script, this file is the worker: ``python fake_worker_process.py URL DELAY NAME
+[SETTINGS_JSON]`` (the JSON: setting overrides, e.g. a node name).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +33,8 @@ if __name__ == "__main__":
     from worker.rq_worker import run_worker
 
     url, delay, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
-    rt = fake_runtime(redis.Redis.from_url(url), harness_settings(), chunk_delay_s=delay)
+    overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    rt = fake_runtime(redis.Redis.from_url(url), harness_settings(**overrides), chunk_delay_s=delay)
     run_worker(rt, ["specprefill"], name=name, logging_level="INFO")
     raise SystemExit(0)
 
@@ -40,9 +43,12 @@ from jobs.client import Client  # noqa: E402
 from tests.support.worker_procs import WorkerProcess  # noqa: E402
 
 
-def worker_process(url: str, delay: float, name: str, log_dir: Path) -> WorkerProcess:
-    """This file as a worker subprocess (the fake backend, chunks ``delay`` seconds apart)."""
+def worker_process(url: str, delay: float, name: str, log_dir: Path,
+                   settings: dict | None = None) -> WorkerProcess:
+    """This file as a worker subprocess (the fake backend, chunks ``delay`` seconds apart;
+    ``settings``: overrides of :func:`harness_settings`)."""
     argv = [sys.executable, str(Path(__file__).resolve()), url, str(delay), name]
+    argv += [json.dumps(settings)] if settings else []
     return WorkerProcess(argv, dict(os.environ, PYTHONPATH=str(ROOT)), name, url,
                          log_dir / f"{name}.log", stop_grace_s=3)
 
@@ -51,8 +57,8 @@ def worker_process(url: str, delay: float, name: str, log_dir: Path) -> WorkerPr
 def start_worker(redis_url, tmp_path):
     started = []
 
-    def start(delay=0.0, name=None):
-        w = worker_process(redis_url, delay, name or f"w{len(started)}-{os.getpid()}", tmp_path)
+    def start(delay=0.0, name=None, settings=None):
+        w = worker_process(redis_url, delay, name or f"w{len(started)}-{os.getpid()}", tmp_path, settings)
         started.append(w)
         return w
 

@@ -20,7 +20,9 @@ from specprefill import sparse
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
 from worker import target_prefill
 from worker.context import JobContext
-from worker.rq_worker import InProcessWorker, listen_order
+from jobs.routing import node_of
+from worker.queues import listen_order
+from worker.rq_worker import InProcessWorker
 from worker.runtime import _target_store
 from worker.target_prefix import TargetPrefixCache
 from worker.tasks import execute
@@ -147,15 +149,15 @@ def test_a_user_job_is_picked_before_a_queued_heal():
     rt, _ = runtime(r, **SPARSE)
     first = run(rt, "t1", messages=chat(0), **GREEDY)
     user = Client(r, rt.settings).submit(build_spec(rt.settings, kind="generate", messages=chat(1), **GREEDY))
-    order = listen_order(rt.settings.queues, heal=True)
-    assert order == ["specprefill", HEAL_QUEUE]
+    order = listen_order(rt.settings)
+    assert order == [f"specprefill@{node_of(rt.settings)}", "specprefill", HEAL_QUEUE]  # node, shared, heal
     worker = InProcessWorker(order, runtime=rt, name="heal-order")
     worker.work(burst=True, max_jobs=1)
     assert user.status() == "finished"
     assert Job.fetch(first.heal["job_id"], connection=r, serializer=JSONSerializer).get_status() == "queued"
     worker.work(burst=True, max_jobs=1)  # now the heal
     assert Job.fetch(first.heal["job_id"], connection=r, serializer=JSONSerializer).get_status() == "finished"
-    assert listen_order(["q"], heal=False) == ["q"]
+    assert listen_order(rt.settings.replace(heal=False), ["q"]) == [f"q@{node_of(rt.settings)}", "q"]
 
 
 def test_heal_off_per_worker_and_per_job():

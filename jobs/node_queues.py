@@ -1,0 +1,129 @@
+"""Node queues (``<queue>@<node>``): who listens on them, and moving a dead node's jobs away.
+
+A node's workers listen on its node queue first and on the shared queue second
+(:func:`worker.queues.listen_order`). Whether a node queue has a live listener is read from
+RQ's own worker registry (``rq:workers:<queue>``) and each worker's ``last_heartbeat``,
+which the worker's heartbeat thread renews every ``heartbeat_interval_s``: a listener whose
+last beat is older than ``heartbeat_ttl_s`` is dead (the same rule that makes its started
+job abandoned). A node queue with jobs and no live listener is moved, job by job and in
+order, to the front of its shared queue (:func:`rescue_stranded`): nothing is stranded.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timezone
+from typing import Iterable
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+from rq.utils import now, utcparse
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+
+from cache_store.replies import as_text
+
+log = logging.getLogger(__name__)
+
+# Oldest first onto the front of the shared queue, each job's origin set to it (RQ records
+# the job's registries under its origin): one script, so no worker sees a half-moved job.
+_MOVE_ALL = """
+local n = 0
+while true do
+  local id = redis.call('RPOP', KEYS[1])
+  if not id then break end
+  redis.call('LPUSH', KEYS[2], id)
+  local job = ARGV[2] .. id
+  if redis.call('EXISTS', job) == 1 then redis.call('HSET', job, 'origin', ARGV[1]) end
+  n = n + 1
+end
+redis.call('SADD', KEYS[3], KEYS[2])
+return n
+"""
+
+
+@dataclass(frozen=True)
+class NodeQueueState:
+    """One node queue now: how many jobs wait in it, how many live workers listen on it."""
+
+    name: str
+    waiting: int
+    live_listeners: int
+
+
+def queue_states(conn: redis.Redis, names: Iterable[str], stale_s: float) -> dict[str, NodeQueueState]:
+    """The state of each queue in ``names``, in two pipelined round trips."""
+    names = list(dict.fromkeys(names))
+    if not names:
+        return {}
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.llen(Queue.redis_queue_namespace_prefix + name)
+            pipe.smembers(WORKERS_BY_QUEUE_KEY % name)
+        replies = pipe.execute()
+    lengths, members = replies[0::2], [sorted(as_text(m) for m in r) for r in replies[1::2]]
+    with conn.pipeline(transaction=False) as pipe:
+        for keys in members:
+            for key in keys:
+                pipe.hget(key, "last_heartbeat")
+        beats = iter(pipe.execute())
+    moment = now()
+    states = {}
+    for name, length, keys in zip(names, lengths, members):
+        live = sum(1 for _ in keys if _beat_age_s(next(beats), moment) <= stale_s)
+        states[name] = NodeQueueState(name, int(length), live)
+    return states
+
+
+def _beat_age_s(raw: bytes | str | None, moment) -> float:
+    if not raw:
+        return float("inf")
+    try:
+        beat = utcparse(as_text(raw)).replace(tzinfo=timezone.utc)
+    except ValueError:
+        return float("inf")
+    return (moment - beat).total_seconds()
+
+
+def node_queues_of(conn: redis.Redis, shared: Iterable[str]) -> dict[str, str]:
+    """Every node queue RQ knows of (``rq:queues``) of the ``shared`` queues: name -> shared name."""
+    prefix, bases = Queue.redis_queue_namespace_prefix, set(shared)
+    out = {}
+    for key in conn.smembers(Queue.redis_queues_keys):
+        name = as_text(key).removeprefix(prefix)
+        base, at, node = name.rpartition("@")
+        if at and node and base in bases:
+            out[name] = base
+    return out
+
+
+def rescue_stranded(conn: redis.Redis, shared: Iterable[str], stale_s: float) -> dict[str, int]:
+    """Move the jobs of every node queue without a live listener to its shared queue (first
+    letting RQ's cleanup requeue the dead node's abandoned started jobs, which no other
+    node's maintenance sweeps). Returns how many jobs moved, by node queue."""
+    node_queues = node_queues_of(conn, shared)
+    states = queue_states(conn, node_queues, stale_s)
+    moved: dict[str, int] = {}
+    for name, base in node_queues.items():
+        if states[name].live_listeners:
+            continue
+        StartedJobRegistry(name, connection=conn, serializer=JSONSerializer).cleanup()
+        count = int(conn.eval(_MOVE_ALL, 3, Queue.redis_queue_namespace_prefix + name,
+                              Queue.redis_queue_namespace_prefix + base, Queue.redis_queues_keys,
+                              base, Job.redis_job_namespace_prefix))
+        if count:
+            moved[name] = count
+            log.warning("node queue %s has no live worker: moved its %d job(s) to %s", name, count, base)
+    return moved
+
+
+def waiting_jobs(conn: redis.Redis, shared: str) -> int:
+    """Jobs waiting in the ``shared`` queue and in every node queue of it (a full service is a
+    full service whichever queue its jobs were routed to): two round trips."""
+    names = [shared, *node_queues_of(conn, [shared])]
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.llen(Queue.redis_queue_namespace_prefix + name)
+        return sum(int(n) for n in pipe.execute())

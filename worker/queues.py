@@ -1,0 +1,22 @@
+"""The queues a worker listens on, in order: the one place that list is built."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from jobs.keys import node_queue_name
+from jobs.routing import node_of
+from jobs.settings import HEAL_QUEUE_SUFFIX, Settings, heal_queue_name
+
+
+def listen_order(settings: Settings, queues: Sequence[str] | None = None) -> list[str]:
+    """RQ's order of this worker's queues (``queues``, default the deployment's): this node's
+    queue of each (jobs routed here for their prefix, :mod:`jobs.routing`), then the shared
+    ones (anyone's), then, with ``heal`` on, each shared queue's heal queue, so a heal is taken
+    only when no user job waits (a heal queue named outright is kept, last). The node queues
+    are listened on whatever ``routing`` says, so a submitter may turn it on."""
+    given = list(queues or settings.queues)
+    shared = [q for q in given if not q.endswith(HEAL_QUEUE_SUFFIX)]
+    named_heal = [q for q in given if q.endswith(HEAL_QUEUE_SUFFIX)]
+    node = node_of(settings)
+    behind = [heal_queue_name(q) for q in shared] if settings.heal else []
+    return [node_queue_name(q, node) for q in shared] + shared + list(dict.fromkeys(behind + named_heal))
