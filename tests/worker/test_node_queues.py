@@ -27,7 +27,7 @@ def test_worker_listens_on_its_node_queue_first_and_records_what_it_served(redis
     conn = redis.Redis.from_url(redis_url)
     a = start_worker(name="wa", settings=node("a"))
     queues = conn.hget("rq:worker:wa", "queues").decode().split(",")
-    assert queues == ["specprefill@a", "specprefill"]
+    assert queues == ["specprefill@a", "specprefill", "specprefill-heal"]  # node, shared, heal
     client = client_for(redis_url, **FAST)
     first = client.submit(tokens=PROMPT)  # no node holds it yet: the shared queue
     first.result(timeout=30)
