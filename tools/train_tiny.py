@@ -44,6 +44,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from tools import english_tokenizer, recall_task  # noqa: E402
 from tools.induction_init import init_induction_circuit  # noqa: E402
 from tools.recall_task import VALUE_LEN, RecallTask  # noqa: E402
+from tools.tool_task import ToolTask  # noqa: E402
 
 PRESETS = {
     "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -53,6 +54,7 @@ PRESETS = {
 }
 DEFAULT_PHASES = "128:50,256-2048:350"
 CHAT_FRACTION = 0.3
+TOOL_TURNS = ("call", "call", "answer")  # the call is the turn to learn; the answer mostly works already
 
 
 def model_config(task: RecallTask, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
@@ -98,12 +100,27 @@ def parse_phases(spec: str) -> list[tuple[list[int], int]]:
     return phases
 
 
+def tool_row(tools: ToolTask, rng: random.Random, length: int) -> tuple[list[int], list[int]] | None:
+    """A tool-call or tool-answer example right-padded to ``length`` (None if it is longer)."""
+    ex = tools.example(rng, rng.choice(TOOL_TURNS))
+    if len(ex.tokens) > length:
+        return None
+    return ex.tokens + [tools.task.id["<pad>"]] * (length - len(ex.tokens)), ex.answer_positions
+
+
 def sample_batch(task: RecallTask, rng: random.Random, length: int, batch: int, *,
                  chat_fraction: float = CHAT_FRACTION, max_needles: int = 8,
-                 max_queries: int = 1) -> tuple[mx.array, mx.array]:
-    """Token rows (batch, length) and the mask of answer targets (batch, length - 1)."""
+                 max_queries: int = 1, tools: ToolTask | None = None,
+                 tool_fraction: float = 0.0) -> tuple[mx.array, mx.array]:
+    """Token rows (batch, length) and the mask of answer targets (batch, length - 1);
+    with ``tools``, a ``tool_fraction`` share of rows are tool turns (``tools/tool_task.py``)."""
     rows, mask = [], np.zeros((batch, length - 1), dtype=np.float32)
     for b in range(batch):
+        row = tool_row(tools, rng, length) if tools is not None and rng.random() < tool_fraction else None
+        if row is not None:
+            rows.append(row[0])
+            mask[b, np.array(row[1]) - 1] = 1.0
+            continue
         # At least two needles: with one, "copy the value after any key" answers without
         # matching the key, and the model settles on that shortcut.
         n_needles = rng.randint(min(2, max_needles), max(2, min(max_needles, length // 64)))
@@ -210,9 +227,24 @@ Reproduce: `python tools/train_tiny.py --eval <this folder>`.
 """
 
 
+def answer_correct_chunked(model, tokens: list[int], step: int = 1024) -> bool:
+    """Teacher-forced final answer of one long row, prefilled through a KV cache in ``step``-token
+    pieces (a full forward at 16-32K would hold every head's score matrix at once)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    inputs, tail = tokens[:-1], []
+    for start in range(0, len(inputs), step):
+        logits = model(mx.array([inputs[start:start + step]]), cache=cache)
+        mx.eval(logits)
+        tail = (tail + logits[0].argmax(-1).tolist())[-VALUE_LEN - 1:]
+    return tail[:VALUE_LEN] == tokens[-VALUE_LEN - 1:-1]
+
+
 def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: int,
              batch_tokens: int = 8192) -> dict:
-    """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy)."""
+    """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy);
+    rows longer than ``batch_tokens`` go one at a time through a KV cache."""
     out: dict[str, dict[str, float]] = {}
     for length in lengths:
         row = {}
@@ -225,12 +257,31 @@ def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: in
                 b = min(batch, samples - done)
                 rows = [task.make_example(rng, length, rng.randint(1, min(8, length // 64)), chat=chat,
                                           system_tokens=8 if chat else 0).tokens for _ in range(b)]
-                _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
-                correct += acc.item() * b
+                if length > batch_tokens:
+                    correct += sum(answer_correct_chunked(model, row) for row in rows)
+                else:
+                    _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
+                    correct += acc.item() * b
                 done += b
             row["chat" if chat else "plain"] = correct / samples
         out[str(length)] = row
         print(f"eval len {length:5d}: plain {row['plain']:.3f}  chat {row['chat']:.3f}", flush=True)
+    return out
+
+
+def evaluate_tools(model, tools: ToolTask, samples: int, seed: int) -> dict:
+    """Share of tool-call and tool-answer turns whose whole reply is the greedy one (argmax at
+    every reply position, teacher-forced: equal to greedy decoding of that reply)."""
+    out = {}
+    for turn in ("call", "answer"):
+        rng = random.Random(seed * 31 + len(turn))
+        correct = 0
+        for _ in range(samples):
+            ex = tools.example(rng, turn)
+            logits = model(mx.array([ex.tokens[:-1]]))[0, ex.prompt_len - 1:]
+            correct += logits.argmax(-1).tolist() == ex.tokens[ex.prompt_len:]
+        out[turn] = correct / samples
+    print(f"eval tools: call {out['call']:.3f}  answer {out['answer']:.3f}", flush=True)
     return out
 
 
@@ -287,6 +338,7 @@ def train(args: argparse.Namespace) -> None:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
 
+    tools = ToolTask(task) if args.tool_fraction > 0 else None
     phases = parse_phases(args.phases)
     total = sum(s for _, s in phases)
     warmup = min(args.warmup, max(1, total // 10))
@@ -320,7 +372,8 @@ def train(args: argparse.Namespace) -> None:
             length = rng.choice(lengths)
             tokens, mask = sample_batch(task, rng, length, max(1, args.tokens_per_step // length),
                                         chat_fraction=args.chat_fraction if length > 64 else 0.0,
-                                        max_needles=args.max_needles, max_queries=args.max_queries)
+                                        max_needles=args.max_needles, max_queries=args.max_queries,
+                                        tools=tools, tool_fraction=args.tool_fraction)
             loss, (lm, ans, acc) = step(tokens, mask)
             mx.eval(state, loss, lm, ans, acc)
             window.append((lm.item(), ans.item(), acc.item()))
@@ -339,6 +392,7 @@ def train(args: argparse.Namespace) -> None:
         "seed": args.seed, "lr": args.lr, "warmup": warmup, "weight_decay": args.weight_decay,
         "lm_weight": args.lm_weight, "freeze_circuit": args.freeze_circuit,
         "tokens_per_step": args.tokens_per_step, "phases": args.phases, "init": args.init,
+        "tool_fraction": args.tool_fraction,
         "induction_init": bool(args.induction_init and not args.init),
         "parameters": n_params, "train_seconds": round(train_seconds, 1), "blas": blas_in_use(),
     }
@@ -352,6 +406,8 @@ def train(args: argparse.Namespace) -> None:
         lengths = [int(x) for x in args.eval_lengths.split(",")]
         training["eval"] = evaluate(model, task, lengths, args.eval_samples, seed=10_000 + args.seed)
         training["eval_samples"] = args.eval_samples
+        if tools is not None:
+            training["eval_tools"] = evaluate_tools(model, tools, args.eval_samples, seed=10_000 + args.seed)
     save_folder(model, config, Path(args.out), training, tokenizer)
     print(f"wrote {args.out} in {train_seconds:.0f}s of training", flush=True)
 
@@ -386,6 +442,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the built-in copy circuit to distrust itself")
     p.add_argument("--max-queries", type=int, default=1,
                    help="question/answer pairs per plain training document (more recalls per step)")
+    p.add_argument("--tool-fraction", type=float, default=0.0,
+                   help="share of rows that are lookup-tool turns (call or answer), right-padded")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--out", help="model folder to write")
     p.add_argument("--log-every", type=int, default=50)
@@ -404,7 +462,10 @@ def main(argv: list[str] | None = None) -> None:
 
         model, _ = load(args.eval)
         task = recall_task.load(str(Path(args.eval) / "tokenizer.json"))
-        evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        if args.eval_lengths:
+            evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        if args.tool_fraction > 0:
+            evaluate_tools(model, ToolTask(task), args.eval_samples, seed=10_000)
         return
     if not args.out:
         p.error("--out is required when training")
