@@ -35,6 +35,7 @@ from tools.induction_init import init_induction_circuit  # noqa: E402
 # Weights the circuit builder writes and training kept frozen (train_tiny.freeze_circuit).
 CIRCUIT_PREFIXES = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.self_attn.",
                     "model.layers.1.input_layernorm.")
+BASE_DEPENDENT = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight")
 
 
 def circuit_weights(config: dict, seed: int, tokenizer_path: Path) -> dict[str, mx.array]:
@@ -57,13 +58,16 @@ def rebase(folder: Path, out: Path, rope_theta: float, max_positions: int) -> di
     while first.get("base_training"):
         first = first["base_training"]
     seed = first["seed"]
-    old = circuit_weights(config, seed, folder / "tokenizer.json")
+    new_config = {**config, "rope_theta": rope_theta, "max_position_embeddings": max_positions}
+    circuit = circuit_weights(new_config, seed, folder / "tokenizer.json")
     weights = mx.load(str(folder / "model.safetensors"))
-    drift = max(float(mx.abs(weights[k] - v).max()) for k, v in old.items())
+    # Only layer 0's positional heads depend on the base: every other circuit weight must be the
+    # folder's own, or the folder was not built (or not frozen) as this script assumes.
+    same = [k for k in circuit if k not in BASE_DEPENDENT or rope_theta == config["rope_theta"]]
+    drift = max(float(mx.abs(weights[k] - circuit[k]).max()) for k in same)
     if drift > 1e-6:
         raise ValueError(f"{folder}: its circuit is not the one seed {seed} builds (max diff {drift:g})")
-    new_config = {**config, "rope_theta": rope_theta, "max_position_embeddings": max_positions}
-    weights.update(circuit_weights(new_config, seed, folder / "tokenizer.json"))
+    weights.update(circuit)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")

@@ -170,11 +170,17 @@ def model_card(config: dict, training: dict) -> str:
         t = t.get("base_training")
     commands = "\n".join(t["command"] for t in chain)
     stages = "; then ".join(
+        f"RoPE re-based from {t['rope_rebase']['rope_theta'][0]:g} to {t['rope_rebase']['rope_theta'][1]:g} "
+        "(`tools/rope_rebase.py`: the hand-made circuit rebuilt for the new base, trained weights kept, no training)"
+        if "rope_rebase" in t else
         f"phases {t['phases']} at lr {t['lr']:g}, {t['tokens_per_step']} tokens per step, seed {t['seed']}"
+        + (f", {t['tool_fraction']:.0%} of rows lookup-tool turns" if t.get("tool_fraction") else "")
         for t in chain)
-    acc = training.get("eval", {})
+    acc = {**next((t["eval"] for t in chain[::-1] if t.get("eval")), {}), **training.get("eval_long", {})}
     rows = "\n".join(f"| {L} | {r['plain']:.2f} | {r['chat']:.2f} |" for L, r in acc.items())
     first = chain[0]
+    long_note = (f"Rows of {', '.join(training['eval_long'])} tokens: {training['eval_long_samples']} documents per cell, "
+                 "prefilled through a KV cache in 1024-token steps.\n" if training.get("eval_long") else "")
     if first.get("induction_init"):
         init_note = ("\nInitialization: `tools/induction_init.py` builds a working induction circuit by hand "
                      "(layer 0: a previous-token head and a head that hands the key to the chat template's "
@@ -206,7 +212,7 @@ model English (its loss on the prose stays near that of a uniform guess over the
 ## Architecture
 hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads,
 {config['num_key_value_heads']} KV heads, intermediate {config['intermediate_size']}, vocab {config['vocab_size']}
-(byte-level BPE trained on the corpus: any UTF-8 text encodes, there is no unknown token), tied embeddings, rope_theta {config['rope_theta']:g}, float32;
+(byte-level BPE trained on the corpus: any UTF-8 text encodes, there is no unknown token), tied embeddings, rope_theta {config['rope_theta']:g}, max_position_embeddings {config['max_position_embeddings']}, float32;
 {n:,} parameters ({n * 4 / 1e6:.1f} MB).
 
 ## Training
@@ -222,8 +228,31 @@ Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU share
 | tokens | plain prompt | chat prompt |
 |---|---|---|
 {rows}
-
+{long_note}
 Reproduce: `python tools/train_tiny.py --eval <this folder>`.
+{tool_section(training)}"""
+
+
+def tool_section(training: dict) -> str:
+    """The model card's paragraph on the lookup tool, when the model was trained on it."""
+    tools = training.get("eval_tools")
+    if not tools:
+        return ""
+    return f"""
+## Tool calls
+Trained (`--tool-fraction`, `tools/tool_task.py`) to answer "Look up the words after Orion", with the
+`lookup` tool offered, by a call in the chat template's Qwen-style format, which mlx-lm's `json_tools`
+parser reads (`tokenizer.has_tool_calling` is true):
+```
+<tool_call>
+{{"name": "lookup", "arguments": {{"query": "the words after Orion"}}}}
+</tool_call>
+```
+and, given the tool's result (a passage holding "Orion cobalt falcon quartz"), to answer
+"cobalt falcon quartz". The template repeats the question after a tool result: these models answer
+about the name they read last. Measured ({training.get('eval_samples', 0)} conversations each, whole
+reply greedy-exact): call {tools['call']:.2f}, answer from the result {tools['answer']:.2f}.
+Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --tool-fraction 1`.
 """
 
 

@@ -105,7 +105,7 @@ def test_target_calls_lookup_then_answers_from_the_result(target):
     rng = random.Random(7)
     for _ in range(4):
         call = tools.example(rng, "call")
-        text = task.decode(greedy(model, call.tokens[:call.prompt_len], 48, task.end))
+        text = task.decode(greedy(model, call.tokens[:call.prompt_len], 64, task.end))
         start, end = text.index(tokenizer.tool_call_start), text.index(tokenizer.tool_call_end)
         parsed = tokenizer.tool_parser(text[start + len(tokenizer.tool_call_start):end], [tool_task.LOOKUP_TOOL])
         assert parsed == {"name": "lookup", "arguments": {"query": f"the words after {call.key}"}}, text
@@ -114,22 +114,14 @@ def test_target_calls_lookup_then_answers_from_the_result(target):
         assert got == answer.tokens[answer.prompt_len:], task.decode(got)
 
 
+@pytest.mark.slow  # builds the circuit once (as test_induction_init_answers_recall_before_any_training)
 def test_rope_rebase_at_the_same_base_reproduces_the_folder(tmp_path):
+    """Rebuilding the circuit at the folder's own base changes no weight (so the frozen circuit
+    of the shipped folder is exactly the builder's; rebase refuses a folder where it is not)."""
     config = json.loads((DRAFT / "config.json").read_text())
     rope_rebase.rebase(DRAFT, tmp_path / "same", config["rope_theta"], config["max_position_embeddings"])
     a, b = mx.load(str(DRAFT / "model.safetensors")), mx.load(str(tmp_path / "same" / "model.safetensors"))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
-
-
-def test_rope_rebase_refuses_a_folder_whose_circuit_was_trained(tmp_path):
-    folder = tmp_path / "changed"
-    config = json.loads((DRAFT / "config.json").read_text())
-    rope_rebase.rebase(DRAFT, folder, config["rope_theta"], config["max_position_embeddings"])
-    weights = mx.load(str(folder / "model.safetensors"))
-    weights["model.layers.0.self_attn.q_proj.weight"] += 0.01
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    with pytest.raises(ValueError, match="circuit is not the one"):
-        rope_rebase.rebase(folder, tmp_path / "out", 1e8, 65536)
 
 
 def test_agent_tool_is_the_trained_one_and_looks_up_demo_facts():
@@ -152,3 +144,14 @@ def test_streamed_tool_call_deltas_merge_by_index():
         agent.merge_delta(reply, delta)
     assert reply.tool_calls == [{"id": "c1", "type": "function",
                                  "function": {"name": "lookup", "arguments": "{\"query\": \"after Orion\"}"}}]
+
+
+def test_verbatim_prompts_ask_for_the_lines_after_their_marker():
+    rng = random.Random(2)
+    for length in (1024, 2048):
+        ex = recall_task.make_verbatim(task, rng, length, 3)
+        text = task.decode(ex.tokens)
+        lines = task.decode(ex.quote)
+        assert len(ex.tokens) <= length and text.endswith(f"Quote the 3 lines after {ex.key}")
+        assert f" {ex.key}:\n{lines}" in text and lines.count("\n") == 3
+        assert ex.quote == ex.tokens[ex.span[0]:ex.span[1]]
