@@ -179,7 +179,7 @@ def model_card(config: dict, training: dict) -> str:
     acc = {**next((t["eval"] for t in chain[::-1] if t.get("eval")), {}), **training.get("eval_long", {})}
     rows = "\n".join(f"| {L} | {r['plain']:.2f} | {r['chat']:.2f} |" for L, r in acc.items())
     first = chain[0]
-    long_note = (f"Rows of {', '.join(training['eval_long'])} tokens: {training['eval_long_samples']} documents per cell, "
+    long_note = (f"\nRows of {', '.join(training['eval_long'])} tokens: {training['eval_long_samples']} documents per cell, "
                  "prefilled through a KV cache in 1024-token steps.\n" if training.get("eval_long") else "")
     if first.get("induction_init"):
         init_note = ("\nInitialization: `tools/induction_init.py` builds a working induction circuit by hand "
@@ -197,6 +197,13 @@ def model_card(config: dict, training: dict) -> str:
                           "learn when to stop (`<|end|>`) and keep the circuit's answers at every length.")
     else:
         init_note = "\nInitialization: mlx's default random init."
+    rebased = next((t["rope_rebase"] for t in chain if "rope_rebase" in t), None)
+    if rebased:
+        init_note += (f"\n\nContext length: at rope_theta {rebased['rope_theta'][0]:g} the fastest of the six RoPE "
+                      "pairs the matching head uses turns by 5.8 rad over 32K positions (computed; those models were measured to 4K only); at "
+                      f"{rebased['rope_theta'][1]:g} it turns by 0.33 rad over 32K (0.66 over 64K). The circuit "
+                      "is a function of the seed and the base, so `tools/rope_rebase.py` rebuilds it for the new base "
+                      "and keeps every trained weight; measured before shipping (table below).")
     return f"""# {training['name']}
 
 A tiny mlx-lm `llama` trained by this project on an English recall task
