@@ -20,12 +20,16 @@
 3. End to end: scoring 4K and 8K-token prompts whose first 90% is stored (warm)
    against cold scoring with no store, same model as ``bench/scoring.py``; and the
    identical request answered from the selection memo.
-4. Sizes: bytes per token and per 256-token block actually stored (``STRLEN`` of the values,
-   headers included) for a Qwen3.5-0.8B-shaped hybrid draft (its real 24 layers, widths and
-   3:1 Gated-DeltaNet/attention pattern; random bfloat16 weights, a 1024-word vocabulary since
-   the vocabulary changes no cached byte) next to a dense Qwen2.5-0.5B-shaped one, each with
-   bfloat16 and 4-bit KV; split into K/V bytes and recurrent-state bytes; for the hybrid, the
-   bytes a fetch of a 127-block prefix (a 32K-token prompt) reads, K/V sections and one state.
+4. Recurrent-state checkpoints: a tiny draft of the Qwen3.5 layer pattern scored warm (restored
+   from its last checkpoint; and a prompt sharing 3/4 of it, from an earlier one) against cold,
+   at 8K tokens (importance and selections must agree); then the bytes the store holds for an 8K
+   prompt (``STRLEN`` of the values written by ``store_blocks``, headers included; arrays of
+   random bits, since sizes depend on shapes alone) for a Qwen3.5-0.8B-shaped hybrid draft (its
+   real 24 layers, widths and 3:1 Gated-DeltaNet/attention pattern; a 1024-word vocabulary since
+   the vocabulary changes no cached byte), with checkpoints every 1 (format 3's state in every
+   block), 4, 8, 16 (the default), 32 blocks or at the prompt's end only, against its K/V alone;
+   a dense Qwen2.5-0.5B-shaped draft (bfloat16 and 4-bit KV); a Qwen3.6-35B-A3B-shaped target;
+   and from the measured block and checkpoint sizes, a 64K-token conversation's bytes.
 
     .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 3] [--no-sizes] [--quick]
 """
@@ -67,7 +71,8 @@ BLOCK = 256
 FP = hashlib.sha256(b"bench/cache_store").hexdigest()
 DIGEST = hashlib.sha256(b"a block's chain digest").digest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
-GOALS = {"codec": 0.5, "transport": 0.9, "warm": 0.25, "memo": 0.02, "hiredis": 1.2, "kv4_dense": 0.3}
+GOALS = {"codec": 0.5, "transport": 0.9, "warm": 0.25, "memo": 0.02, "hiredis": 1.2,
+         "kv4_dense": 0.3, "checkpoint_bytes": 1.5, "checkpoint_exact": 1e-5}
 PARSERS = {"hiredis": _HiredisParser, "python": _RESP2Parser}
 
 
@@ -355,42 +360,133 @@ def shaped_model(config: dict):
     return model
 
 
-def stored_sizes(client: redis.Redis, model, kv_bits: int | None, namespace: str) -> dict[str, float]:
-    """Bytes of one stored block (value, K/V arrays, state arrays) after scoring BLOCK + 1 tokens."""
+# A Qwen3.6-35B-A3B-shaped target's cache: its 2048 width, 16 attention heads (2 KV) of 256 and
+# 16 key / 32 value DeltaNet heads of 128, 3:1 DeltaNet/attention. Its MoE MLPs hold no cache, so
+# a small dense MLP stands in; 4 of its 40 layers are built (3 DeltaNet + 1 attention) and the
+# sizes scaled by 10 (every layer of a kind stores the same arrays).
+QWEN36_35B_A3B_4_LAYERS = dict(QWEN35_08B, hidden_size=2048, intermediate_size=256, num_hidden_layers=4,
+                               num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                               linear_num_key_heads=16, linear_num_value_heads=32)
+# A tiny model of the Qwen3.5 layer pattern, for warm = cold at 8K tokens on two CPU cores.
+TINY_QWEN35 = dict(QWEN35_08B, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                   head_dim=32, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=32,
+                   linear_value_head_dim=32)
+
+
+def random_block(layout: list[dict[str, list]], seed: int = 5) -> list[dict[str, RawArray]]:
+    """One block of ``layout`` (``block_layout_of``: per layer ``{name: [dtype, shape]}``; a token
+    array's axis 2 set to BLOCK) filled with random bits: stored sizes depend on shapes alone."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for layer in layout:
+        arrays = {}
+        for name, (dtype, shape) in layer.items():
+            shape = [BLOCK if is_token_array(name) and axis == 2 else d for axis, d in enumerate(shape)]
+            bits = np.dtype("<u2" if dtype in ("bfloat16", "float16") else "<u4")
+            arrays[name] = RawArray(dtype, rng.integers(0, 1 << 15, size=shape).astype(bits))
+        out.append(arrays)
+    return out
+
+
+def stored_prompt(client: redis.Redis, model, namespace: str, n_tokens: int, every: int,
+                  kv_bits: int | None = None) -> dict[str, int]:
+    """Bytes (``STRLEN``, headers included) the worker's store holds for one ``n_tokens`` prompt
+    of ``model``: its K/V blocks, and its checkpoints every ``every`` blocks (1: one per block, as
+    format 3 kept the state) plus the prompt's last block; written by ``store_blocks``."""
+    from specprefill.draft_cache import block_layout_of, checkpoint_ends
+
     profile = profile_model(model, kv_bits=kv_bits, kv_group_size=64)
-    store = block_store(client, profile, namespace)
-    raw = store.raw_store
-    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 1024, BLOCK + 1)]
-    score_with_cache(profile, tokens, store, ScoringOptions(n_lookahead=2))
-    (key,) = raw.block_keys(tokens)
-    layers, _ = raw.fetch(tokens + [0])
-    arrays = [(name, a) for layer in layers for name, a in layer.items()]
-    kv = sum(a.bits.nbytes for name, a in arrays if is_token_array(name))
-    value = client.strlen(key)
-    return {"value": value, "kv": kv, "state": sum(a.bits.nbytes for _, a in arrays) - kv,
-            "read_before_last": raw._token_end or value}  # what a fetch reads of a block before its last
+    raw = block_store(client, profile, namespace).raw_store
+    block = random_block(block_layout_of(model, lambda: make_cache(model, kv_bits, 64)))
+    kv_only = [{n: a for n, a in layer.items() if is_token_array(n)} for layer in block]
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, 1024, n_tokens)]
+    ends = checkpoint_ends(n_tokens, BLOCK, every)
+    for end in range(BLOCK, n_tokens + 1, BLOCK):
+        raw.store_blocks(tokens, [(end, block if end in ends else kv_only)])
+    sizes = {kind: sum(client.strlen(k) for k in client.scan_iter(f"{namespace}:{kind}:*", count=1000))
+             for kind in ("kv", "kvstate")}
+    client.flushall()
+    n_checkpoints = len(ends) if sizes["kvstate"] else 0
+    return {"kv": sizes["kv"], "state": sizes["kvstate"], "checkpoints": n_checkpoints,
+            "per_checkpoint": sizes["kvstate"] // max(1, n_checkpoints)}
 
 
-def bench_sizes(client: redis.Redis) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
-    """Rows of the size table, and the 4-bit / bfloat16 block-size ratio per model."""
-    rows, ratios = [], {}
-    for label, config in (("Qwen3.5-0.8B-shaped hybrid (6 attention + 18 DeltaNet layers)", QWEN35_08B),
-                          ("Qwen2.5-0.5B-shaped dense (24 attention layers)", QWEN25_05B)):
+def bench_sizes(client: redis.Redis, quick: bool) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
+    """Rows of the size table: per model, bytes per token of an 8K prompt with checkpoints every K
+    blocks (1: every block, as format 3 stored the state), and of a 64K conversation; and the
+    ratios the targets check. ``quick``: the hybrid draft's 4 first layers (its 1:3 pattern), x6."""
+    from specprefill.options import STATE_CHECKPOINT_BLOCKS
+
+    hybrid = (("Qwen3.5-0.8B-shaped hybrid draft (4 of its 24 layers built, x6)", dict(QWEN35_08B, num_hidden_layers=4),
+               6, (None,)) if quick else
+              ("Qwen3.5-0.8B-shaped hybrid draft (6 attention + 18 DeltaNet layers)", QWEN35_08B, 1, (None, 4)))
+    shapes = [hybrid] if quick else [
+        hybrid, ("Qwen2.5-0.5B-shaped dense draft (24 attention layers)", QWEN25_05B, 1, (None, 4)),
+        ("Qwen3.6-35B-A3B-shaped target (10 attention + 30 DeltaNet layers; 4 built, x10)",
+         QWEN36_35B_A3B_4_LAYERS, 10, (None,))]
+    everies = (STATE_CHECKPOINT_BLOCKS,) if quick else (1, 4, 8, STATE_CHECKPOINT_BLOCKS, 32, 0)
+    rows, ratios, kv = [], {}, {}
+    for label, config, scale, kv_bits in shapes:
         model = shaped_model(config)
-        sizes = {bits: stored_sizes(client, model, bits, f"size-{config['model_type']}-{bits}") for bits in (None, 4)}
-        for bits, size in sizes.items():
-            rows.append((f"{label}, {'bf16' if bits is None else '4-bit'} KV",
-                         f"{size['value'] / BLOCK:,.0f} B/token", f"{size['value'] / 2**20:.2f} MiB/block",
-                         f"K/V {size['kv'] / 2**20:.2f} + state {size['state'] / 2**20:.2f} MiB"))
-            if size["read_before_last"] < size["value"]:
-                # A 32K-token prompt restores 127 blocks: all but the last read up to their K/V's end.
-                whole, sections = 127 * size["value"], 126 * size["read_before_last"] + size["value"]
-                rows.append(("  fetch of a 127-block prefix: bytes read (K/V sections, then the last block whole)",
-                             f"{sections / 2**20:,.0f} MiB", f"whole blocks {whole / 2**20:,.0f} MiB",
-                             f"{sections / whole:.3f}"))
-        ratios[config["model_type"]] = sizes[4]["value"] / sizes[None]["value"]
+        for bits in kv_bits:
+            name = f"{label}, {'bf16' if bits is None else '4-bit'} KV"
+            for every in everies if config is not QWEN25_05B else (0,):
+                s = stored_prompt(client, model, f"size-{config['model_type']}-{bits}-{every}", 8192, every, bits)
+                kv[label, bits] = scale * s["kv"]
+                total = scale * (s["kv"] + s["state"])
+                if every == STATE_CHECKPOINT_BLOCKS and bits is None and config is hybrid[1]:
+                    ratios["hybrid_draft"] = total / kv[label, bits]
+                per_64k = kv[label, bits] * 8 + scale * s["per_checkpoint"] * len(_ends_64k(every))
+                rows.append((f"{name}: 8K prompt, " + (f"checkpoints every {every} blocks" if every else
+                                                         "checkpoints at the prompt's end only"),
+                             f"{total / 8192:,.0f} B/token", f"K/V alone {kv[label, bits] / 8192:,.0f} B/token",
+                             f"{total / kv[label, bits]:.2f}"))
+                rows.append(("  per checkpoint / a 64K conversation",
+                             f"{scale * s['per_checkpoint'] / 2**20:.1f} MiB", f"{per_64k / 2**30:.2f} GiB", ""))
+        if config is QWEN25_05B:
+            ratios["kv4_dense"] = kv[label, 4] / kv[label, None]
         del model
     return rows, ratios
+
+
+def _ends_64k(every: int) -> set[int]:
+    from specprefill.draft_cache import checkpoint_ends
+
+    return checkpoint_ends(65536, BLOCK, every)
+
+
+def bench_checkpoint_exactness(client: redis.Redis, n_tokens: int, every: int
+                               ) -> tuple[list[tuple[str, str, str, str]], float]:
+    """A tiny Qwen3.5-pattern draft scored cold (storing, checkpoints every ``every`` blocks) and
+    warm (restored from the last checkpoint), and a prompt sharing only the first 3/4 (restored
+    from an earlier checkpoint): the largest relative importance difference to a cold score
+    (inf when the selections differ)."""
+    model = shaped_model(TINY_QWEN35)
+    profile = profile_model(model)
+    store = block_store(client, profile, "exact")
+    store.checkpoint_blocks = every
+    rng = np.random.default_rng(3)
+    tokens = [int(t) for t in rng.integers(0, 1024, n_tokens + 100)]
+    other = tokens[:3 * n_tokens // 4] + [int(t) for t in rng.integers(0, 1024, n_tokens // 4 + 100)]
+    rows, worst = [], 0.0
+    score_with_cache(profile, tokens, store)  # stores blocks and checkpoints
+    for label, prompt in (("the same prompt", tokens), ("a prompt sharing its first 3/4", other)):
+        start = time.perf_counter()
+        warm = score_with_cache(profile, prompt, store)
+        warm_s = time.perf_counter() - start
+        start = time.perf_counter()
+        cold = score_with_cache(profile, prompt, None)
+        cold_s = time.perf_counter() - start
+        a, b = np.array(warm.importance), np.array(cold.importance)
+        diff = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
+        same = plan_selection(warm.importance, SELECT).indices.tolist() == plan_selection(cold.importance,
+                                                                                          SELECT).indices.tolist()
+        worst = max(worst, diff if same else float("inf"))
+        rows.append((f"checkpoints every {every} blocks: {label} ({len(prompt)} tokens), {warm.cached_tokens} restored",
+                     f"warm {warm_s:.2f} s", f"cold {cold_s:.2f} s",
+                     f"importance max rel diff {diff:.1e}, selection {'equal' if same else 'DIFFERS'}"))
+    client.flushall()
+    return rows, worst
 
 
 def main() -> int:
@@ -441,14 +537,20 @@ def main() -> int:
                          f"cold {e['cold']:.3f} s", f"{e['memo'] / e['cold']:.5f}"))
             verdicts.append((f"warm_vs_cold_{length}", e["warm"] / e["cold"], "<=", GOALS["warm"]))
             verdicts.append((f"memo_vs_cold_{length}", e["memo"] / e["cold"], "<=", GOALS["memo"]))
-        if not opts.no_sizes:
-            size_rows, ratios = bench_sizes(client)
-            rows.append(("**stored sizes** (one 256-token block, header included)", "per token", "per block",
-                         "split"))
-            rows.extend(size_rows)
-            # 4-bit K/V with a bfloat16 scale and bias per 64 values: 36 / 128 of bfloat16.
-            verdicts.append(("quantized_kv_block_over_bf16_dense", ratios["qwen2"], "<=", GOALS["kv4_dense"]))
-            print(f"hybrid 4-bit / bf16 block size: {ratios['qwen3_5']:.3f} (recurrent state is not quantized)")
+        from specprefill.options import STATE_CHECKPOINT_BLOCKS
+
+        exact_rows, worst = bench_checkpoint_exactness(client, *((1024, 2) if opts.quick
+                                                                 else (8192, STATE_CHECKPOINT_BLOCKS)))
+        rows.extend(exact_rows)
+        verdicts.append(("hybrid_checkpoint_warm_vs_cold_importance", worst, "<=", GOALS["checkpoint_exact"]))
+        size_rows, ratios = bench_sizes(client, quick=opts.quick or opts.no_sizes)
+        rows.append(("**stored bytes** (values as stored, headers included; 64K: 256 blocks + checkpoints)",
+                     "with checkpoints", "K/V alone", "ratio"))
+        rows.extend(size_rows)
+        verdicts.append(("hybrid_bytes_per_token_with_checkpoints", ratios["hybrid_draft"], "<=",
+                         GOALS["checkpoint_bytes"]))
+        if "kv4_dense" in ratios:  # 4-bit K/V with a bfloat16 scale and bias per 64 values: 36 / 128 of bf16
+            verdicts.append(("quantized_kv_block_over_bf16_dense", ratios["kv4_dense"], "<=", GOALS["kv4_dense"]))
         client.close()
 
     return report(rows, verdicts)

@@ -11,12 +11,13 @@ new ~4K-token system prompt plus tools, so nothing of it is stored when the roun
   system block's KV from the block store, the draft its own, and the sparse prefill continues
   at the restored offset;
 - admission: a 1K-token prompt, below the threshold, vs the same length as a plain full
-  prefill (each with its own text, so neither restores anything).
+  prefill (each with its own text of exactly that many tokens, so neither restores anything and
+  both prefill the same length), ``--short-pairs`` pairs per round in alternating order.
 
 TTFT is the worker's (``GenerateResult.ttft_s``: from the job's start to its first token);
 each mode reports its fastest round. Ends with ``target ...`` lines.
 
-    .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2]
+    .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2] [--quick]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import verdict  # noqa: E402
@@ -25,6 +26,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -62,17 +64,32 @@ def start_worker(url: str, draft: str, target: str, log: Path) -> subprocess.Pop
 
 
 class Texts:
-    """Random word texts of about a given token count (measured with the shipped tokenizer)."""
+    """Random word texts of about a given token count (measured with the shipped tokenizer): whole
+    words the byte-level BPE reads as one space-led token each."""
 
     def __init__(self, tokenizer, seed: int = 0) -> None:
         vocab = tokenizer.get_vocab()
-        self.words = sorted(w for w in vocab if w.isalpha() and w.islower())
+        self.words = sorted(w[1:] for w in vocab if w.startswith("\u0120") and w[1:].isalpha() and w[1:].islower())
         self.tokenizer, self.rng = tokenizer, random.Random(seed)
         sample = " ".join(self.rng.choice(self.words) for _ in range(2000))
         self.tokens_per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / 2000
 
     def make(self, n_tokens: int) -> str:
         return " ".join(self.rng.choice(self.words) for _ in range(int(n_tokens / self.tokens_per_word)))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def make_exact(self, n_tokens: int) -> str:
+        """A new text of exactly ``n_tokens`` tokens (the two jobs of a pair then prefill the same
+        length: a few tokens more would show as a TTFT difference of their own)."""
+        words = self.make(n_tokens).split()
+        while self.count(" ".join(words)) > n_tokens:
+            words.pop()
+        while self.count(" ".join(words)) < n_tokens:
+            words.append(self.rng.choice(self.words))
+        text = " ".join(words)
+        return text if self.count(text) == n_tokens else self.make_exact(n_tokens)
 
 
 def run_job(client, target: str, messages: list, threshold: int, **fields) -> dict:
@@ -89,11 +106,28 @@ def one_round(client, target: str, texts: Texts, args, flip: bool) -> dict:
                             th, tools=TOOLS, full_prefill=True)}
     out["first"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), th, tools=TOOLS, keep=0.2)
     out["second"] = run_job(client, target, conv(system, texts.make(args.doc_tokens)), th, tools=TOOLS, keep=0.2)
-    short = lambda: [{"role": "user", "content": texts.make(args.short_tokens)}]  # noqa: E731
+    short = lambda: [{"role": "user", "content": texts.make_exact(args.short_tokens)}]  # noqa: E731
     pair = [("short_plain", dict(full_prefill=True)), ("short_admission", dict(keep=0.2))]
-    for mode, fields in (pair[::-1] if flip else pair):
-        out[mode] = run_job(client, target, short(), th, **fields)
+    for i in range(args.short_pairs):  # cheap jobs: several pairs, in both orders
+        for mode, fields in (pair[::-1] if flip ^ (i % 2 == 1) else pair):
+            res = run_job(client, target, short(), th, **fields)
+            SHORT_RUNS[mode].append(res)
+            if mode not in out or res.ttft_s < out[mode].ttft_s:
+                out[mode] = res
     return out
+
+
+SHORT_RUNS: dict[str, list] = {"short_plain": [], "short_admission": []}  # every short job, for the cost line
+
+
+def admission_cost() -> str:
+    """What admission adds on a short prompt, apart from the prefill both jobs run: the median
+    over the short jobs of TTFT minus the target's prefill, per mode."""
+    outside = {mode: statistics.median(r.ttft_s - r.ttft_phases.get("target_prefill", 0.0) for r in runs)
+               for mode, runs in SHORT_RUNS.items()}
+    return (f"short prompts, TTFT outside the target's prefill (median of {len(SHORT_RUNS['short_plain'])} "
+            f"each): plain {1000 * outside['short_plain']:.1f} ms, admission "
+            f"{1000 * outside['short_admission']:.1f} ms")
 
 
 def main() -> None:
@@ -110,7 +144,13 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=2048,
                         help="admission threshold: below the document, above the short prompt")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--short-pairs", type=int, default=4,
+                        help="admission / plain pairs of short prompts per round (each its own text, same length)")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: a 512-token system prompt, 768-token documents, one round")
     args = parser.parse_args()
+    if args.quick:
+        args.system_tokens, args.doc_tokens, args.short_tokens, args.threshold, args.rounds = 512, 768, 256, 384, 1
     if not args.short_tokens < args.threshold < args.doc_tokens:
         parser.error("need --short-tokens < --threshold < --doc-tokens")
     draft, target = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
@@ -143,6 +183,7 @@ def report(rounds: list, args) -> None:
         phases = ", ".join(f"{k} {1000 * v:.0f}" for k, v in res.ttft_phases.items() if v >= 0.0005)
         print(f"| {mode} | {res.total} | {res.kept} | {t.get('restored', 0)} / {t.get('prefilled_full', 0)} / "
               f"{t.get('prefilled_sparse', 0)} | {1000 * res.ttft_s:.0f} | {phases} | {(res.reason or '')[:90]} |")
+    print(admission_cost())
     for mode in ("first", "second"):
         if best[mode].fallback:
             print(f"warning: {mode} fell back: {best[mode].fallback}")

@@ -115,8 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", default=str(ROOT / "models" / "draft-tiny"))
     p.add_argument("--target", default=str(ROOT / "models" / "target-tiny"))
-    p.add_argument("--samples", type=int, default=40, help="prompts per (length, needles) cell")
-    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--samples", type=int, help="prompts per (length, needles) cell (default 40, --quick 12)")
+    p.add_argument("--lengths", help="prompt lengths (default 1024,2048,4096, --quick 2048,4096)")
+    p.add_argument("--demo-questions", type=int, help="the demo's first N questions (default all, --quick 8)")
     p.add_argument("--needles", default="4,8")
     p.add_argument("--keeps", default="0.1,0.2,0.3")
     p.add_argument("--chunk-size", type=int, default=32)
@@ -124,21 +125,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mandatory tail; one chunk here, so the selection is the draft's choice")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="CI-sized: 12 prompts per cell at 2K and 4K tokens, the demo's first 8 questions")
-    p.add_argument("--verbatim-lengths", default="8192,16384",
-                   help="prompt lengths of the verbatim task (empty: skip it)")
+                   help="CI-sized: 12 prompts per cell at 2K and 4K tokens, the demo's first 8 questions "
+                        "(each as given instead when given)")
+    p.add_argument("--verbatim-lengths", default=None,
+                   help="prompt lengths of the verbatim task (default 8192,16384; --quick 2048; empty: skip it)")
     p.add_argument("--verbatim-lines", type=int, default=4)
-    p.add_argument("--verbatim-samples", type=int, default=12)
+    p.add_argument("--verbatim-samples", type=int, default=None, help="prompts per verbatim cell (12; --quick 3)")
     p.add_argument("--verbatim-keeps", default="0.1,0.2,0.4")
     p.add_argument("--verbatim-only", action="store_true", help="only the verbatim table (draft selections)")
     p.add_argument("--draft-only", action="store_true",
                    help="only the draft's selections (needle kept): no target answers, no target goals")
     args = p.parse_args(argv)
-    if args.quick:
-        args.samples, args.lengths, args.demo_questions = 12, "2048,4096", 8
-        args.verbatim_lengths, args.verbatim_samples = "2048", 3
-    else:
-        args.demo_questions = None
+    sizes = dict(samples=12, lengths="2048,4096", demo_questions=8, verbatim_lengths="2048", verbatim_samples=3) \
+        if args.quick else dict(samples=40, lengths="1024,2048,4096", demo_questions=None,
+                                verbatim_lengths="8192,16384", verbatim_samples=12)
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
 
 

@@ -3,10 +3,13 @@ service's job (validation, progress, block store, memo), measured side by side i
 
 Also: the share of job time spent publishing progress, and the enqueue time of a
 1000-document batch. Ends with one ``target ...: PASS/FAIL`` line per target.
+
+    .venv/bin/python bench/queue.py [--quick]   # --quick: 3 repeats, a 100-document batch
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
 from benchlib import verdict  # noqa: E402
 
+import argparse  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -55,6 +58,14 @@ def start_worker(args: list, env: dict, log: Path, conn: redis.Redis, name: str)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds: 3 repeats, a 100-document batch")
+    quick = parser.parse_args().quick
+    reps, n_docs = (3, 100) if quick else (REPS, 1000)
+    measure(reps, n_docs)
+
+
+def measure(reps: int, n_docs: int) -> None:
     import mlx_lm
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -142,7 +153,7 @@ def main() -> None:
                 fn()
             times = {"direct": [], "bare RQ": [], "service": []}
             paths = [("direct", direct), ("bare RQ", bare), ("service", service)]
-            for i in range(REPS):  # interleaved, rotating order, so drift hits all alike
+            for i in range(reps):  # interleaved, rotating order, so drift hits all alike
                 for name, fn in paths[i % 3:] + paths[:i % 3]:
                     times[name].append(fn())
             med = {k: statistics.median(v) for k, v in times.items()}
@@ -151,7 +162,7 @@ def main() -> None:
             rt = WorkerRuntime(settings, conn, conn, ModelPool(1, block_size=settings.block_size))
             rt.models.get(model_dir)  # loaded before timing, as in a worker
             pub_s, job_s = 0.0, 0.0
-            for i in range(REPS):
+            for i in range(reps):
                 pub = ProgressPublisher(conn, f"bench-progress-{i}")
                 t0 = time.perf_counter()
                 execute(build_spec(settings, tokens=fresh_tokens(n)).to_payload(),
@@ -160,12 +171,12 @@ def main() -> None:
                 pub_s += pub.publish_seconds
             progress_share = pub_s / job_s
 
-            docs = [f"document number {i} " + "lorem ipsum " * 50 for i in range(1000)]
+            docs = [f"document number {i} " + "lorem ipsum " * 50 for i in range(n_docs)]
             batch_client = Client(conn, settings, queue_name="enqueue-bench")
             t0 = time.perf_counter()
             batch = batch_client.submit_many(docs)
             enqueue_s = time.perf_counter() - t0
-            assert batch.created == 1000 and len(batch_client.queue) == 1000
+            assert batch.created == n_docs and len(batch_client.queue) == n_docs
             t0 = time.perf_counter()
             again = batch_client.submit_many(docs)
             resubmit_s = time.perf_counter() - t0
@@ -180,9 +191,9 @@ def main() -> None:
     for k, v in times.items():
         print(f"{k:<10} {1000 * med[k]:>10.1f} {1000 * min(v):>8.1f} {1000 * max(v):>8.1f} "
               f"{med[k] / med['direct']:>10.3f}")
-    print(f"progress publishing: {1000 * pub_s / REPS:.2f} ms of {1000 * job_s / REPS:.1f} ms per job "
+    print(f"progress publishing: {1000 * pub_s / reps:.2f} ms of {1000 * job_s / reps:.1f} ms per job "
           f"({100 * progress_share:.2f}%)")
-    print(f"enqueue 1000-document batch: {1000 * enqueue_s:.0f} ms "
+    print(f"enqueue {n_docs}-document batch: {1000 * enqueue_s:.0f} ms "
           f"(re-submit, nothing enqueued: {1000 * resubmit_s:.0f} ms)")
     print()
     ratio = med["service"] / med["direct"]

@@ -37,14 +37,15 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from cache_store import RedisBlockStore  # noqa: E402
 from cache_store.local_tier import FileValue, LocalTier  # noqa: E402
 from cache_store.trailing import BOOKKEEPING, SHARED_WRITES  # noqa: E402
 from jobs.connection import cache_connection  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
+from specprefill.attention.probe import make_cache  # noqa: E402
 from specprefill.draft_cache import BlockDraftCache  # noqa: E402
 from specprefill_cli.embedded_redis import EmbeddedRedis  # noqa: E402
 from tests.support.redis_servers import LocalCluster, redis7  # noqa: E402
+from worker.runtime import wire_block_store  # noqa: E402
 
 GB = 1e9
 BLOCK = 256
@@ -61,19 +62,21 @@ def _cache_store_bench():
 
 
 class Chain:
-    """One chain of ``n_blocks`` blocks: its tokens, its draft cache, the layout the worker gives."""
+    """One chain of ``n_blocks`` blocks: its tokens, and a draft cache of the scoring bench's draft
+    (whose cache shape ``random_cache`` has), stored as the worker wires a store for that model."""
 
     def __init__(self, n_blocks: int) -> None:
         cs = _cache_store_bench()
         self.n_tokens = n_blocks * BLOCK
         self.tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, self.n_tokens + 1)]
         self.cache = cs.random_cache(self.n_tokens + 1, seed=1)
-        self.layout = cs._chain_layout()
+        self.model = cs._scoring_bench().draft_model()
         self.n_bytes = 0
 
     def store(self, client, local=None, namespace="scale") -> BlockDraftCache:
-        return BlockDraftCache(RedisBlockStore(client, FP, namespace=namespace, block_size=BLOCK,
-                                               layout=self.layout, local=local))
+        model = self.model
+        return wire_block_store(client, model, lambda: make_cache(model), FP, namespace=namespace,
+                                block_size=BLOCK, ttl_s=3600, local=local)
 
     def fetch(self, store: BlockDraftCache) -> None:
         cache, n = store.fetch(self.tokens)

@@ -16,8 +16,19 @@ cold (no store) and warm (its first 90 % stored as blocks in a private Redis: K/
 attention layers, the DeltaNet state after each block's last token), through the store as
 the worker wires it; the selections must agree.
 
+Long prompts (``--long-lengths``, default 16K, 32K and 64K) are read by the shipped draft
+(``models/draft-tiny``) and a Qwen2.5-0.5B-shaped random-weight draft (``--long-models``), once
+each way: scoring / plain prefill in time and in MLX peak memory, and milliseconds per token
+at each length. The dtype section prefills the Qwen2.5-0.5B shape in bfloat16, in float32 and
+from 4-bit weights dequantized to float32 (``specprefill.compute_dtype``, what a Linux worker's
+``SPECPREFILL_COMPUTE_DTYPE=auto`` does), tokens/s side by side.
+
     .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
-        [--hybrid-warm-lengths 4096]
+        [--hybrid-warm-lengths 4096] [--long-lengths 16384 32768 65536] [--long-models shipped qwen0.5b]
+        [--dtype-length 512] [--quick]
+
+``--quick`` (seconds): the same code at small sizes (512 / 2048 tokens, the shipped draft only,
+a hidden-128 stand-in for the dtype comparison); its figures are not the targets'.
 """
 from __future__ import annotations
 
@@ -44,7 +55,39 @@ from specprefill.scoring import score_tokens  # noqa: E402
 
 RATIO_GOAL = 1.15
 RATIO_TARGET_LENGTHS = (4096, 8192)
+LONG_RATIO_LENGTH, LONG_RATIO_GOAL = 32768, 1.15
+PEAK_LENGTH, PEAK_GOAL = 65536, 1.1
+DTYPE_GOAL = 4.0
 MB = 1024 * 1024
+SHIPPED_DRAFT = str(benchlib.ROOT / "models" / "draft-tiny")
+# Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random weights.
+QWEN_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
+                num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=151936,
+                rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=True)
+QUICK_SHAPE = dict(QWEN_05B, hidden_size=128, num_hidden_layers=2, intermediate_size=512,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+
+
+def random_qwen2(shape: dict, dtype=None, seed: int = 0) -> qwen2.Model:
+    """A random-weight qwen2 of ``shape`` (its ModelArgs fields) in ``dtype`` (default float32)."""
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(shape))
+    mx.random.seed(seed)
+    dtype = dtype or mx.float32
+    model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(dtype), model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def long_draft(name: str, quick: bool):
+    """(label, model, vocabulary size) of a ``--long-models`` entry."""
+    if name == "shipped":
+        import mlx_lm
+
+        model, _ = mlx_lm.load(SHIPPED_DRAFT)
+        return "shipped draft-tiny (llama 2 layers, hidden 128)", model, model.args.vocab_size
+    shape = QUICK_SHAPE if quick else QWEN_05B
+    return (f"Qwen2.5-0.5B-shaped qwen2 ({shape['num_hidden_layers']} layers, hidden {shape['hidden_size']})",
+            random_qwen2(shape), shape["vocab_size"])
 
 
 def draft_model(seed: int = 0) -> qwen2.Model:
@@ -61,8 +104,8 @@ def draft_model(seed: int = 0) -> qwen2.Model:
     return model
 
 
-def prompt_of(length: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(length).integers(0, 32000, length)]
+def prompt_of(length: int, vocab: int = 32000) -> list[int]:
+    return [int(t) for t in np.random.default_rng(length).integers(0, vocab, length)]
 
 
 def plain_prefill(model, tokens: list[int]) -> None:
@@ -195,35 +238,98 @@ def print_hybrid(rows: list[dict]) -> bool:
     return ok
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--blas-length", type=int, default=2048,
-                        help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
-    parser.add_argument("--hybrid-lengths", type=int, nargs="*", default=[4096],
-                        help="prompt lengths of the hybrid (qwen3_5) draft comparison (none skips it)")
-    parser.add_argument("--hybrid-warm-lengths", type=int, nargs="*", default=[4096],
-                        help="prompt lengths of the hybrid warm/cold comparison (none skips it)")
-    parser.add_argument("--prefill-only", type=int, default=0, help=argparse.SUPPRESS)
-    opts = parser.parse_args()
+def side_by_side(model, profile, tokens: list[int]) -> dict:
+    """One plain prefill and one scoring of ``tokens``, measured by :func:`measured`."""
+    plain = measured(lambda: plain_prefill(model, tokens))
+    holder = {}
+    scored = measured(lambda: holder.setdefault("r", score_tokens(profile, tokens)))
+    phases = holder.pop("r").timings
+    n = len(tokens)
+    return dict(length=n, prefill=plain[0], score=scored[0], ratio=scored[0] / plain[0],
+                cpu_ratio=scored[1] / plain[1], prefill_mb=plain[2], score_mb=scored[2],
+                peak_ratio=scored[2] / plain[2], prefill_ms=1000 * plain[0] / n, score_ms=1000 * scored[0] / n,
+                phases=phases)
 
-    if opts.prefill_only:  # child process of the BLAS comparison
-        print(json.dumps({"seconds": prefill_seconds(opts.prefill_only), "blas": blas_in_use()}))
-        return 0
 
-    print(f"BLAS: {blas_in_use()}; model: qwen2 4 layers, hidden 256, 4 heads / 2 KV heads")
+def long_section(names: list[str], lengths: list[int], quick: bool) -> bool:
+    """Scoring against a plain prefill at long lengths, per draft; True when its targets pass."""
+    passed = True
+    for name in names:
+        label, model, vocab = long_draft(name, quick)
+        profile = profile_model(model)
+        side_by_side(model, profile, prompt_of(256, vocab))  # warm-up
+        print(f"\nlong prompts, {label}: one plain prefill and one scoring per length")
+        print("| tokens | prefill s | scoring s | ratio | CPU-time ratio | prefill peak MB | scoring peak MB "
+              "| peak ratio | prefill ms/token | scoring ms/token |")
+        print("|-------:|----------:|----------:|------:|---------------:|----------------:|----------------:"
+              "|-----------:|-----------------:|-----------------:|")
+        rows = []
+        for length in lengths:
+            r = side_by_side(model, profile, prompt_of(length, vocab))
+            rows.append(r)
+            print(f"| {length:6d} | {r['prefill']:9.2f} | {r['score']:9.2f} | {r['ratio']:5.3f} | "
+                  f"{r['cpu_ratio']:14.3f} | {r['prefill_mb']:15.1f} | {r['score_mb']:15.1f} | "
+                  f"{r['peak_ratio']:10.3f} | {r['prefill_ms']:16.3f} | {r['score_ms']:16.3f} |", flush=True)
+        suffix = "" if name == "shipped" else f"_{name}"
+        for r in rows:
+            if r["length"] == LONG_RATIO_LENGTH:
+                passed &= verdict(f"scoring_over_prefill_{LONG_RATIO_LENGTH}{suffix}", r["ratio"], "<=",
+                                  LONG_RATIO_GOAL, f"{r['ratio']:.3f}")
+            if r["length"] == PEAK_LENGTH:
+                passed &= verdict(f"scoring_peak_memory_over_prefill_{PEAK_LENGTH}{suffix}", r["peak_ratio"],
+                                  "<=", PEAK_GOAL, f"{r['peak_ratio']:.3f}")
+        del model, profile
+    return passed
+
+
+def dtype_rows(shape: dict, length: int) -> list[tuple[str, float]]:
+    """(name, prefill tokens/s) of ``shape`` in bf16, float32, and 4-bit dequantized to float32."""
+    import mlx.nn as nn
+
+    from specprefill.compute_dtype import cast
+
+    tokens = prompt_of(length, shape["vocab_size"])
+    rows = []
+    for name in ("bfloat16", "float32", "4-bit dequantized to float32"):
+        model = random_qwen2(shape, mx.bfloat16 if name != "float32" else mx.float32)
+        if name.startswith("4-bit"):
+            nn.quantize(model, group_size=64, bits=4)
+            cast(model, mx.float32)  # what SPECPREFILL_COMPUTE_DTYPE=auto does on this CPU
+        plain_prefill(model, tokens[:32])  # warm-up
+        seconds = min(measured(lambda: plain_prefill(model, tokens))[0] for _ in range(2))
+        rows.append((name, length / seconds))
+        del model
+        gc.collect()
+    return rows
+
+
+def dtype_section(length: int, quick: bool) -> bool:
+    """The dtype table and its target line; whether it passed."""
+    shape = QUICK_SHAPE if quick else QWEN_05B
+    rows = dtype_rows(shape, length)
+    print(f"\nprefill of {length} tokens on this CPU ({blas_in_use()}), qwen2 {shape['num_hidden_layers']} layers, "
+          f"hidden {shape['hidden_size']}{' (quick stand-in)' if quick else ' (Qwen2.5-0.5B shape)'}, random weights")
+    print("| weights | tokens/s | vs bf16 |")
+    print("|---|---:|---:|")
+    bf16 = rows[0][1]
+    for name, rate in rows:
+        print(f"| {name} | {rate:.1f} | {rate / bf16:.2f}x |")
+    speedup = rows[1][1] / bf16
+    return verdict("cpu_float32_over_bf16_prefill", speedup, ">=", DTYPE_GOAL, f"{speedup:.2f}x")
+
+
+def short_rows(lengths: list[int], repeats: int) -> list[dict]:
+    """The bench draft's rows: best of ``repeats`` plain prefills and scorings per length."""
     model = draft_model()
     profile = profile_model(model)  # once per model, as the worker does when it loads one
     warm = prompt_of(256)
     plain_prefill(model, warm)
     score_tokens(profile, warm)
-
     rows = []
-    for length in opts.lengths:
+    for length in lengths:
         tokens = prompt_of(length)
         plain, scored, phases = [], [], None
-        for _ in range(opts.repeats):
+        for _ in range(repeats):
             plain.append(measured(lambda: plain_prefill(model, tokens)))
             holder = {}
             scored.append(measured(lambda: holder.setdefault("r", score_tokens(profile, tokens))))
@@ -237,7 +343,10 @@ def main() -> int:
                          cpu_ratio=cpu_score / cpu_plain,
                          prefill_mb=max(m[2] for m in plain), score_mb=max(m[2] for m in scored),
                          phases=phases))
+    return rows
 
+
+def print_short(rows: list[dict]) -> None:
     print()
     print("| tokens | prefill s | scoring s | ratio | CPU-time ratio | prefill peak MB | scoring peak MB | scoring phases s (prefill / lookahead / importance) |")
     print("|-------:|----------:|----------:|------:|---------------:|----------------:|----------------:|------------------------------------------------------|")
@@ -247,22 +356,65 @@ def main() -> int:
               f"{r['prefill_mb']:15.1f} | {r['score_mb']:15.1f} | "
               f"{p['prefill']:.3f} / {p['lookahead']:.3f} / {p['importance']:.3f} |")
 
+
+def blas_comparison(length: int, repeats: int) -> None:
+    """A ``length``-token prefill with OpenBLAS here and without it in a child process."""
+    with_blas = min(prefill_seconds(length) for _ in range(repeats))
+    env = dict(os.environ, SPECPREFILL_OPENBLAS="0")
+    child = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--prefill-only", str(length)],
+        env=env, capture_output=True, text=True, check=True,
+    )
+    stock = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"\nprefill of {length} tokens: {with_blas:.3f} s with OpenBLAS, "
+          f"{stock['seconds']:.3f} s with {stock['blas']} -> OpenBLAS speed-up {stock['seconds'] / with_blas:.1f}x")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--blas-length", type=int, default=2048,
+                        help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
+    parser.add_argument("--hybrid-lengths", type=int, nargs="*", default=[4096],
+                        help="prompt lengths of the hybrid (qwen3_5) draft comparison (none skips it)")
+    parser.add_argument("--hybrid-warm-lengths", type=int, nargs="*", default=[4096],
+                        help="prompt lengths of the hybrid warm/cold comparison (none skips it)")
+    parser.add_argument("--long-lengths", type=int, nargs="*", default=[16384, 32768, 65536],
+                        help="prompt lengths of the long-prompt rows (none skips them)")
+    parser.add_argument("--long-models", nargs="*", default=["shipped", "qwen0.5b"],
+                        choices=["shipped", "qwen0.5b"], help="drafts of the long-prompt rows")
+    parser.add_argument("--dtype-length", type=int, default=512,
+                        help="prompt length of the bf16 / float32 / 4-bit comparison (0 skips it)")
+    parser.add_argument("--quick", action="store_true", help="seconds: the same code at small sizes")
+    parser.add_argument("--prefill-only", type=int, default=0, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.quick:
+        opts.lengths, opts.repeats, opts.blas_length = [512], 1, 0
+        opts.hybrid_lengths, opts.hybrid_warm_lengths = [], []
+        opts.long_lengths, opts.long_models, opts.dtype_length = [2048], ["shipped"], 64
+    return opts
+
+
+def main() -> int:
+    opts = parse_args()
+    if opts.prefill_only:  # child process of the BLAS comparison
+        print(json.dumps({"seconds": prefill_seconds(opts.prefill_only), "blas": blas_in_use()}))
+        return 0
+
+    print(f"BLAS: {blas_in_use()}; model: qwen2 4 layers, hidden 256, 4 heads / 2 KV heads")
+    rows = short_rows(opts.lengths, opts.repeats) if opts.lengths else []
+    print_short(rows)
     if opts.blas_length and "OpenBLAS" in blas_in_use():
-        with_blas = min(prefill_seconds(opts.blas_length) for _ in range(opts.repeats))
-        env = dict(os.environ, SPECPREFILL_OPENBLAS="0")
-        child = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--prefill-only", str(opts.blas_length)],
-            env=env, capture_output=True, text=True, check=True,
-        )
-        stock = json.loads(child.stdout.strip().splitlines()[-1])
-        print(f"\nprefill of {opts.blas_length} tokens: {with_blas:.3f} s with OpenBLAS, "
-              f"{stock['seconds']:.3f} s with {stock['blas']} -> OpenBLAS speed-up {stock['seconds'] / with_blas:.1f}x")
+        blas_comparison(opts.blas_length, opts.repeats)
 
     hybrid = hybrid_warm_over_cold(opts.hybrid_warm_lengths, opts.repeats) if opts.hybrid_warm_lengths else []
     hybrid_ok = print_hybrid(hybrid) if hybrid else True
+    long_ok = long_section(opts.long_models, opts.long_lengths, opts.quick) if opts.long_lengths else True
+    dtype_ok = dtype_section(opts.dtype_length, opts.quick) if opts.dtype_length else True
 
     print()
-    failed = not hybrid_ok
+    failed = not (hybrid_ok and long_ok and dtype_ok)
     for r in rows:
         if r["length"] in RATIO_TARGET_LENGTHS:
             failed |= not verdict(f"scoring_over_prefill_{r['length']}", r["ratio"], "<=", RATIO_GOAL,

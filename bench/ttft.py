@@ -7,7 +7,7 @@ qwen2 builds (timing does not depend on the weights): the target has 4x the draf
 layers x hidden. All modes run side by side in one process, interleaved over rounds;
 each mode reports its fastest round (other processes only ever add time).
 
-    .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2]
+    .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2] [--tail-tokens 512] [--quick]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
 from benchlib import blas_in_use, verdict  # noqa: E402
@@ -54,12 +54,12 @@ def time_full(target, tokens, step):
     return dict(ttft=ttft, scoring=0.0, target=state.seconds, kept=state.kept_tokens)
 
 
-def time_sparse(draft, target, tokens, keep, step):
+def time_sparse(draft, target, tokens, keep, step, tail_tokens=512):
     """``draft`` is the draft's profile (``profile_model``, once, as a worker does at load)."""
     start = time.perf_counter()
     scored = score_tokens(draft, tokens, ScoringOptions(), prefill_step=step)
     scoring = time.perf_counter() - start
-    indices = select_chunks(scored.importance, SelectionOptions(keep=keep, chunk_size=32, tail_tokens=512))
+    indices = select_chunks(scored.importance, SelectionOptions(keep=keep, chunk_size=32, tail_tokens=tail_tokens))
     del scored  # the draft cache is not needed past scoring
     with target_session(target) as session:
         logits, kv_cache, state = session.prefill(tokens, indices, prefill_step=step)
@@ -75,9 +75,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is reported")
     parser.add_argument("--prefill-step", type=int, default=2048)
+    parser.add_argument("--tail-tokens", type=int, default=512, help="the mandatory tail (default 512)")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: a 512-token prompt with a 64-token tail, one round, keep 0.2 only")
     args = parser.parse_args()
-    if args.tokens < 1024:
-        raise ValueError(f"--tokens: must be >= 1024 (the mandatory tail is 512), got {args.tokens}")
+    keeps, warm_len = KEEPS, 1024
+    if args.quick:
+        args.tokens, args.tail_tokens, args.rounds, args.prefill_step, keeps, warm_len = 512, 64, 1, 512, (0.2,), 128
+    if args.tokens < 2 * args.tail_tokens:
+        raise ValueError(f"--tokens: must be >= {2 * args.tail_tokens} (twice the mandatory tail of "
+                         f"{args.tail_tokens}), got {args.tokens}")
     if args.rounds < 1:
         raise ValueError(f"--rounds: must be >= 1, got {args.rounds}")
 
@@ -89,17 +96,17 @@ def main() -> None:
           f"({TARGET['num_hidden_layers'] * TARGET['hidden_size'] // (DRAFT['num_hidden_layers'] * DRAFT['hidden_size'])}x)")
     print(f"prompt {args.tokens} tokens, {args.rounds} round(s), prefill step {args.prefill_step}")
 
-    warm = tokens[:1024]  # first-call allocation and kernel set-up out of the timings
+    warm = tokens[:warm_len]  # first-call allocation and kernel set-up out of the timings
     time_full(target, warm, args.prefill_step)
-    time_sparse(draft, target, warm, 0.5, args.prefill_step)
+    time_sparse(draft, target, warm, 0.5, args.prefill_step, args.tail_tokens)
 
-    modes = [("full", None)] + [("sparse", k) for k in KEEPS]
+    modes = [("full", None)] + [("sparse", k) for k in keeps]
     runs = {m: [] for m in modes}
     for _ in range(args.rounds):
         for mode in modes:
             name, keep = mode
             run = (time_full(target, tokens, args.prefill_step) if keep is None
-                   else time_sparse(draft, target, tokens, keep, args.prefill_step))
+                   else time_sparse(draft, target, tokens, keep, args.prefill_step, args.tail_tokens))
             runs[mode].append(run)
             print(f"  {name:6} keep {keep or 1.0:.1f}: TTFT {run['ttft']:7.2f} s", flush=True)
 

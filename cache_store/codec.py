@@ -25,9 +25,9 @@ A value is the msgpack array ``[header, payload, checksum]``:
   for a block without state).
 
 The value's first :func:`token_section_end` bytes (header and token section) are a unit a
-reader can fetch and check alone (``GETRANGE``; :func:`decode_block` ``state=False``): a
-prefix needs the K/V of every block but the recurrent state of its last one only, which
-is most of a hybrid model's block (18.6 of 21.6 MiB for Qwen3.5-0.8B).
+reader can fetch and check alone (``GETRANGE``; :func:`decode_block` ``state=False``). The
+store (format 4) writes values of one section each: a block holds its token arrays, a
+recurrent-state checkpoint its state arrays (see :func:`split_layout`).
 
 Any msgpack reader can read a value; :func:`decode_block` reads it without copying the
 payload. Arrays are carried as bits (``bfloat16`` as ``uint16``), so float32, float16 and
@@ -50,7 +50,9 @@ import msgpack
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 3
+# 4: a block holds its tokens' arrays only; recurrent state lives in checkpoint values (a
+# value of state arrays only, under ``keys.checkpoint_key``) at chosen block ends.
+FORMAT_VERSION = 4
 
 # The named arrays of a plain attention layer (the KV cache), in payload order.
 # A name with one of these dot-separated parts is a token array (tokens on axis 2); the
@@ -122,6 +124,14 @@ class RawArray(NamedTuple):
 Layer = Mapping[str, RawArray]  # one layer's named arrays
 # Per layer, per named array (in name order): (name, dtype, shape). Comparable.
 BlockLayout = tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...]
+
+
+def split_layout(layout: BlockLayout) -> tuple[BlockLayout, BlockLayout | None]:
+    """A model's full layout as (a block's: every layer's token arrays, a checkpoint's: every
+    layer's state arrays, or None when no layer has any)."""
+    tokens = tuple(tuple(a for a in layer if is_token_array(a[0])) for layer in layout)
+    states = tuple(tuple(a for a in layer if not is_token_array(a[0])) for layer in layout)
+    return tokens, (states if any(states) else None)
 
 
 def ordered_arrays(layer: Mapping[str, Sequence]) -> list[tuple[str, RawArray]]:

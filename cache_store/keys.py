@@ -143,6 +143,19 @@ def block_key(namespace: str, fingerprint: str, digest: bytes) -> str:
     return f"{namespace}:kv:{fingerprint[:16]}:{digest.hex()}"
 
 
+def checkpoint_digest(block_digest: bytes) -> bytes:
+    """The digest binding a state checkpoint to the block it follows: ``SHA-256("checkpoint\\0" ||
+    the block's chain digest)``, so a checkpoint under a block's key (or a block under a
+    checkpoint's) fails the key check."""
+    return hashlib.sha256(b"checkpoint\0" + block_digest).digest()
+
+
+def checkpoint_key(namespace: str, fingerprint: str, digest: bytes) -> str:
+    """``{namespace}:kvstate:{fingerprint[:16]}:{checkpoint digest}``: the recurrent state after
+    the last token of the block whose chain digest is ``digest``."""
+    return f"{namespace}:kvstate:{fingerprint[:16]}:{checkpoint_digest(digest).hex()}"
+
+
 def stats_key(namespace: str, fingerprint: str) -> str:
     """The hash holding one model's store and memo counters."""
     return f"{namespace}:kvstats:{fingerprint}"
@@ -158,12 +171,19 @@ def layout_key(namespace: str, fingerprint: str) -> str:
     return f"{namespace}:kvlayout:{fingerprint}"
 
 
+def healed_key(namespace: str, fingerprint: str, digest: bytes) -> str:
+    """``{namespace}:healed:{fingerprint[:16]}:{digest}``: the block of that digest was
+    prefilled by a heal job (what a restoring job reports as healed tokens)."""
+    return f"{namespace}:healed:{fingerprint[:16]}:{digest.hex()}"
+
+
 def key_patterns(namespace: str) -> dict[str, str]:
     """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo
-    entries, the model names and the layout records (every key of the store matches exactly one)."""
-    return {"blocks": f"{namespace}:kv:*", "stats": stats_key(namespace, "*"),
+    entries, the model names, the layout records, the state checkpoints and the heal marks (every
+    key of the store matches exactly one)."""
+    return {"blocks": f"{namespace}:kv:*", "checkpoints": f"{namespace}:kvstate:*", "stats": stats_key(namespace, "*"),
             "memo": f"{namespace}:memo:*", "models": models_key(namespace),
-            "layouts": layout_key(namespace, "*")}
+            "layouts": layout_key(namespace, "*"), "healed": f"{namespace}:healed:*"}
 
 
 def memo_key(namespace: str, fingerprint: str, tokens, settings: Mapping[str, Any]) -> str:

@@ -2,8 +2,8 @@
 
 Each block's token arrays are read once, straight into their place in destinations sized
 for the whole chain (:meth:`PrefixAssembler.place`, then :meth:`commit` once the block passed
-its checks); state arrays are taken from the last block only, so the blocks before it may come
-without theirs. The destinations come from ``allocate``, so a caller that wants the prefix in
+its checks); a hybrid model's recurrent state comes from one checkpoint value, the latest the
+chain reaches (:meth:`PrefixAssembler.take_checkpoint`: the prefix then ends there). The destinations come from ``allocate``, so a caller that wants the prefix in
 another library's memory (``specprefill.kv_arrays.MlxDestinations``: mlx arrays) gets it
 there with no copy at all beyond the read.
 """
@@ -27,28 +27,27 @@ def numpy_empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 class PrefixAssembler:
-    """Joins consecutive valid blocks of one chain (placed and committed in prompt order) into one prefix."""
+    """Joins consecutive valid blocks of one chain (placed and committed in prompt order) into one
+    prefix, with the recurrent state of a checkpoint it reaches (:meth:`take_checkpoint`)."""
 
     def __init__(self, block_size: int, n_blocks: int, allocate: Allocate | None = None) -> None:
         self.block_size = block_size
         self.capacity = n_blocks  # blocks the destinations are sized for
-        self.n_blocks = 0  # committed
+        self.n_blocks = 0  # committed (or, after a checkpoint, the blocks it ends)
         self._placed = 0
         self._allocate = allocate or numpy_empty
         self._token_arrays: list[dict[str, np.ndarray]] | None = None
         self._first_layout: BlockLayout | None = None
-        self._last: DecodedBlock | None = None
-        self._state: DecodedBlock | None = None  # the last block with its state arrays, if read
+        self._state: DecodedBlock | None = None  # the checkpoint's state arrays, if read
 
     @property
     def first_layout(self) -> BlockLayout | None:
         """The layout of the chain's first block (every later one must match it), once placed."""
         return self._first_layout
 
-    def place(self, layout: BlockLayout, state: bool) -> Places:
-        """Where the next block's arrays go: its token arrays' slot in the joined arrays, and new
-        arrays for its state arrays (with ``state``). Blocks are placed in prompt order; one may
-        be placed before the one before it is committed."""
+    def place(self, layout: BlockLayout, state: bool = False) -> Places:
+        """Where the next block's arrays go: its token arrays' slot in the joined arrays. Blocks
+        are placed in prompt order; one may be placed before the one before it is committed."""
         if self._placed >= self.capacity:
             raise ValueError(f"prefix: more than the {self.capacity} blocks it was sized for")
         if self._token_arrays is None:
@@ -59,18 +58,12 @@ class PrefixAssembler:
         self._placed += 1
         places = {(i, name): destinations[name][:, :, span]
                   for i, destinations in enumerate(self._token_arrays) for name in destinations}
-        if state:
-            places.update(self._state_places(layout))
+        if state:  # a value holding state arrays too (another writer's): they go to new arrays
+            places.update(self.place_checkpoint(layout))
         return places
 
-    def place_state(self, layout: BlockLayout, state: bool = True) -> Places:
-        """Where the last committed block's arrays go when it is read again for its state: its
-        token arrays into scratch (the committed ones stay as they are), state arrays new."""
-        scratch = {(i, name): np.empty(shape, DTYPES[dtype]) for i, layer in enumerate(layout)
-                   for name, dtype, shape in layer if is_token_array(name)}
-        return {**scratch, **(self._state_places(layout) if state else {})}
-
-    def _state_places(self, layout: BlockLayout) -> Places:
+    def place_checkpoint(self, layout: BlockLayout, state: bool = True) -> Places:
+        """Where a checkpoint value's arrays go: each state array to a new array of its own."""
         return {(i, name): self._new(dtype, shape) for i, layer in enumerate(layout)
                 for name, dtype, shape in layer if not is_token_array(name)}
 
@@ -78,44 +71,41 @@ class PrefixAssembler:
         """The next placed block passed its checks: it follows the blocks committed before."""
         if self.n_blocks >= self._placed:
             raise ValueError("prefix: commit of a block that was never placed")
-        self._last = block
-        self._state = block if _has_state(block) else None  # never an earlier block's state
         self.n_blocks += 1
 
     @property
-    def needs_state(self) -> bool:
-        """True when the last block committed came without the state arrays its layout has."""
-        return self._last is not None and self._state is None
+    def has_state(self) -> bool:
+        """Whether a checkpoint's state was taken (the prefix then ends at it)."""
+        return self._state is not None
 
-    def take_state(self, block: DecodedBlock) -> None:
-        """The state arrays of the last block committed, from ``block`` (placed by
-        :meth:`place_state`): that block read whole."""
-        if block.layout != self._last.layout or not _has_state(block):
-            raise ValueError("prefix: the state must come from the last block, read whole")
-        self._state = block
+    def take_checkpoint(self, block: DecodedBlock, n_blocks: int) -> None:
+        """The state after the last token of block ``n_blocks - 1`` (a checkpoint value read
+        into :meth:`place_checkpoint`'s places): the prefix ends there."""
+        if not 0 < n_blocks <= self.n_blocks:
+            raise ValueError(f"prefix: a checkpoint after block {n_blocks}, {self.n_blocks} blocks committed")
+        if any(is_token_array(name) for layer in block.layers for name in layer):
+            raise ValueError("prefix: a checkpoint holds state arrays only")
+        self._state, self.n_blocks = block, n_blocks
 
     def result(self) -> list[dict[str, RawArray]] | None:
         """Per layer its named arrays: token arrays of the blocks committed, state arrays of the
-        last; None if no block was committed."""
-        if self._last is None:
+        checkpoint taken (if any); None if no block was committed."""
+        if not self.n_blocks:
             return None
-        if self._state is None:
-            raise ValueError("prefix: the last block's state arrays were never read")
         n_tokens = self.n_blocks * self.block_size
+        dtypes = {(i, name): dtype for i, layer in enumerate(self._first_layout) for name, dtype, _ in layer}
         out = []
-        for destinations, layer in zip(self._token_arrays, self._state.layers):
-            arrays = {}
-            for name, a in layer.items():
-                if name in destinations:
-                    arrays[name] = RawArray(a.dtype, self._trimmed(a.dtype, destinations[name], n_tokens))
-                else:
-                    arrays[name] = a  # read into a new array of its own
-            out.append(arrays)
+        for i, destinations in enumerate(self._token_arrays):
+            arrays = {name: RawArray(dtypes[(i, name)], self._trimmed(dtypes[(i, name)], a, n_tokens))
+                      for name, a in destinations.items()}
+            if self._state is not None:
+                arrays.update(self._state.layers[i])  # read into new arrays of their own
+            out.append({name: arrays[name] for name in sorted(arrays)})
         return out
 
     def _trimmed(self, dtype: str, destination: np.ndarray, n_tokens: int) -> np.ndarray:
         """``destination`` if it holds exactly ``n_tokens``, else its first ``n_tokens`` in a new array
-        (a block that vanished or failed after the sizing: rare)."""
+        (a block that vanished or failed after the sizing, or an earlier checkpoint: rare)."""
         if destination.shape[2] == n_tokens:
             return destination
         out = self._new(dtype, _joined_shape(destination.shape, n_tokens))
@@ -129,12 +119,6 @@ class PrefixAssembler:
             raise ValueError(f"allocate: expected a writable {DTYPES[dtype]} array of shape {shape}, got "
                              f"{out.dtype} {out.shape}")
         return out
-
-
-def _has_state(block: DecodedBlock) -> bool:
-    """Whether ``block`` holds every array its layout lists (a token-section read holds none of
-    the state arrays)."""
-    return all(name in arrays for layer, arrays in zip(block.layout, block.layers) for name, _, _ in layer)
 
 
 def _joined_shape(shape: Sequence[int], n_tokens: int) -> tuple[int, ...]:

@@ -1,8 +1,10 @@
 """The draft-KV block store on Redis: per-layer named raw arrays in content-addressed blocks.
 
 One Redis string per full block of ``block_size`` tokens, named by a chained
-digest of the prompt (see :mod:`cache_store.keys`) and holding the block's arrays of
-every layer (see :mod:`cache_store.codec`). It knows no mlx: arrays come and go as raw
+digest of the prompt (see :mod:`cache_store.keys`) and holding the block's token arrays of
+every layer (see :mod:`cache_store.codec`); a hybrid model's recurrent state is one more
+string per checkpoint (:func:`cache_store.keys.checkpoint_key`), at the block ends its writer
+chose. It knows no mlx: arrays come and go as raw
 bits (``(dtype name, bits)`` pairs, tokens on axis 2), so it is a
 ``specprefill.draft_cache.RawBlockStore``; ``specprefill.draft_cache.BlockDraftCache``
 turns a model's KV cache into such arrays and back. Storage faults never reach the caller:
@@ -22,9 +24,10 @@ import redis
 
 from .block_reader import PendingBlock, read_block
 from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArray, encode_block, header_end,
-                    is_token_array, token_section_end)
+                    is_token_array, split_layout)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
-                   check_namespace, check_ttl, layout_key, models_key, stats_key)
+                   check_namespace, check_ttl, checkpoint_digest, checkpoint_key, layout_key, models_key,
+                   stats_key)
 from .local_tier import LocalTier
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
@@ -46,6 +49,7 @@ REDIS_COUNTERS = (
     "chain_holes",     # fetches that found a later block stored behind a missing one (evicted)
     "stores",          # store calls that had blocks to write
     "blocks_written",  # blocks written by store (SET NX won)
+    "checkpoints_written",  # recurrent-state checkpoints written by store (SET NX won)
     "bytes_written",
     *MEMO_COUNTERS,    # SelectionMemo lookups, hits, writes and bad entries deleted
 )
@@ -97,8 +101,9 @@ def _expected_layer(i: int, entry: Any, block_size: int) -> tuple:
         raise ValueError(f"layout[{i}]: expected a mapping of array names to [dtype, shape]") from None
 
 
-def _has_state(layout: BlockLayout) -> bool:
-    return any(not is_token_array(name) for layer in layout for name, _, _ in layer)
+def _yes(present: Any) -> bool:
+    """An ``EXISTS`` answer that says stored."""
+    return present is True or (isinstance(present, int) and not isinstance(present, bool) and present > 0)
 
 
 class RedisBlockStore:
@@ -130,11 +135,10 @@ class RedisBlockStore:
         self.ttl_s = check_ttl(ttl_s)
         self._stats_key = stats_key(namespace, fingerprint)
         self.local_counters = dict.fromkeys(LOCAL_COUNTERS, 0)
-        self._expected = None if layout is None else _block_layout(layout, self.block_size)
-        # Bytes of a block up to its token section's end, when a block also holds state (read
-        # whole only for a prefix's last block); None: blocks are read whole.
-        self._token_end = (token_section_end(self.fingerprint, self.block_size, self._expected)
-                           if self._expected is not None and _has_state(self._expected) else None)
+        # What this model's values hold: a block its tokens' arrays (every layer), a checkpoint the
+        # recurrent state arrays (None: the model has none, or no layout was given).
+        self._layout = None if layout is None else _block_layout(layout, self.block_size)
+        self._expected, self._state_expected = split_layout(self._layout) if layout is not None else (None, None)
         # A block's header size, known from the layout: the first read takes exactly the header.
         self._head_bytes = (None if self._expected is None
                             else header_end(self.fingerprint, self.block_size, self._expected))
@@ -152,8 +156,10 @@ class RedisBlockStore:
 
         Returns ``(layers, n_tokens)``: per layer its named arrays (new arrays from ``allocate``,
         default numpy; the stored bytes are not pinned): token arrays holding the first
-        ``n_tokens`` tokens (the blocks' joined), state arrays as the prefix's last block holds
-        them; or ``(None, 0)``. One round trip finds how many leading blocks are stored, then
+        ``n_tokens`` tokens (the blocks' joined) and, for a model with recurrent state, the state
+        arrays of the checkpoint after the last of them (the prefix ends at the last checkpoint
+        it reaches: a missing or bad one falls back to the one before, none is a miss); or
+        ``(None, 0)``. One round trip finds how many leading blocks and checkpoints are stored, then
         their values stream in a few at a time, each read straight into its place and checked
         (the check of one overlapping the read of the next). Stops at the first missing,
         corrupt or mismatched block; corrupt ones (a valid block under another key included)
@@ -165,55 +171,58 @@ class RedisBlockStore:
         keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
         tally = _FetchTally()
         try:
-            n_stored = self._stored_run(keys, tally)
+            n_stored, checkpoints = self._stored_run(keys, digests, tally)
         except redis.RedisError as exc:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: fetch failed, treating as a miss: %s", exc)
             return None, 0
-        prefix = PrefixAssembler(self.block_size, n_stored, allocate)
-        self._stream_into(prefix, keys[:n_stored], digests, tally)
-        if prefix.needs_state:  # the last stored block failed after the one before it was read in part
-            self._state_of_last(prefix, keys, digests, tally)
-        # Without the last block's state there is no prefix (never an earlier block's state).
-        layers = None if prefix.needs_state else self._result(prefix)
+        # With recurrent state, the prefix can end only at a checkpoint: K/V past the last one
+        # reached would be recomputed anyway, so they are not read.
+        reach = n_stored if self._state_expected is None else max(checkpoints, default=0)
+        prefix = PrefixAssembler(self.block_size, reach, allocate)
+        self._stream_into(prefix, keys[:reach], digests, tally)
+        if self._state_expected is not None and prefix.n_blocks:
+            self._checkpoint_state(prefix, [c for c in checkpoints if c <= prefix.n_blocks], digests, tally)
+        # Without a checkpoint's state there is no prefix (never a state of another block).
+        usable = self._state_expected is None or prefix.has_state
+        layers = self._result(prefix) if usable else None
         n_blocks = prefix.n_blocks if layers is not None else 0
-        tally.hit_keys = keys[:n_blocks]
+        tally.hit_keys = keys[:n_blocks] + tally.hit_keys
         tally.missed = len(keys) - n_blocks
         if tally.corrupt:  # rare: deleted now, so no other reader meets them
             self._delete_corrupt(tally.corrupt)
-        BOOKKEEPING.submit(lambda: self._record_fetch(tally))
+        BOOKKEEPING.submit(lambda: self._record_fetch(tally, n_blocks))
         return layers, n_blocks * self.block_size
 
-    def _stored_run(self, keys: list[str], tally: "_FetchTally") -> int:
-        """How many leading ``keys`` are stored (one pipelined round trip); counts a hole (a
-        later block stored while an earlier one is not: evicted from the middle of a chain)."""
-        results = self._values.stored(keys) if keys else []
+    def _stored_run(self, keys: list[str], digests: list[bytes], tally: "_FetchTally") -> tuple[int, list[int]]:
+        """How many leading ``keys`` are stored and, for a model with recurrent state, after which
+        of those blocks (counted from 1) a checkpoint is stored; one pipelined round trip. Counts
+        a hole (a later block stored while an earlier one is not: evicted from a chain's middle)."""
+        checkpoints = ([] if self._state_expected is None
+                       else [checkpoint_key(self.namespace, self.fingerprint, d) for d in digests])
+        answers = self._values.stored(keys + checkpoints) if keys else []
+        results, states = answers[:len(keys)], answers[len(keys):]
         n = 0
         for present in results:
             if isinstance(present, Exception):
                 self.local_counters["fetch_errors"] += 1
                 log.warning("block store: EXISTS failed, treating as a miss: %s", present)
-                return n
+                return n, []
             if not present:
                 break
             n += 1
-        if any(p is True or (isinstance(p, int) and p > 0) for p in results[n:]):
+        if any(_yes(p) for p in results[n:]):
             tally.holes = 1
-        return n
+        return n, [i + 1 for i, p in enumerate(states[:n]) if _yes(p)]
 
     def _stream_into(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
                      tally: "_FetchTally") -> None:
-        """Read ``keys`` a few at a time, each straight into ``prefix``, until one is not valid.
-        Only the last block's state is used, so with a layout that has state arrays the blocks
-        before it are read up to their token section's end (``GETRANGE``)."""
-        last = len(keys) - 1
-        commands = [("GET", key) if i == last or self._token_end is None
-                    else ("GETRANGE", key, 0, self._token_end - 1) for i, key in enumerate(keys)]
+        """Read ``keys`` a few at a time, each straight into ``prefix``, until one is not valid."""
         pending = None  # the block read before this one, its checksums being checked
         try:
-            with closing(self._values.stream(commands)) as values:
-                for i, (key, digest, source) in enumerate(zip(keys, digests, values)):
-                    read = self._read(key, digest, source, prefix, tally, state=commands[i][0] == "GET")
+            with closing(self._values.stream([("GET", key) for key in keys])) as values:
+                for key, digest, source in zip(keys, digests, values):
+                    read = self._read(key, digest, source, prefix, tally, state=True)  # whole: K/V only
                     before, pending = pending, None
                     if before is not None and not self._commit(*before, prefix.commit, tally):
                         return
@@ -228,23 +237,29 @@ class RedisBlockStore:
             if pending is not None:
                 self._commit(*pending, prefix.commit, tally)
 
-    def _state_of_last(self, prefix: PrefixAssembler, keys: list[str], digests: list[bytes],
-                       tally: "_FetchTally") -> None:
-        """Read the prefix's last block whole for its state arrays. If that fails, the prefix has
-        no state and is a miss (never an earlier block's state)."""
-        i = prefix.n_blocks - 1
-        try:
-            with closing(self._values.stream([("GET", keys[i])])) as values:
-                read = self._read(keys[i], digests[i], next(values), prefix, tally, state=True,
-                                  place=prefix.place_state)
-                if read is not None:
-                    self._commit(keys[i], read, prefix.take_state, tally)
-        except redis.RedisError as exc:
-            self.local_counters["fetch_errors"] += 1
-            log.warning("block store: could not read the state of %s: %s", keys[i], exc)
+    def _checkpoint_state(self, prefix: PrefixAssembler, reachable: list[int], digests: list[bytes],
+                          tally: "_FetchTally") -> None:
+        """The state of the latest checkpoint in ``reachable`` (block counts) that reads valid; a
+        missing or bad one falls back to the one before it (a shorter prefix), none to a miss."""
+        for n_blocks in sorted(reachable, reverse=True):
+            key = checkpoint_key(self.namespace, self.fingerprint, digests[n_blocks - 1])
+            digest = checkpoint_digest(digests[n_blocks - 1])
+            try:
+                with closing(self._values.stream([("GET", key)])) as values:
+                    read = self._read(key, digest, next(values), prefix, tally, state=True,
+                                      place=prefix.place_checkpoint, expected=self._state_expected)
+                    if read is not None and self._commit(
+                            key, read, lambda block: prefix.take_checkpoint(block, n_blocks), tally):
+                        tally.hit_keys.append(key)
+                        return
+            except redis.RedisError as exc:
+                self.local_counters["fetch_errors"] += 1
+                log.warning("block store: could not read the checkpoint %s: %s", key, exc)
+                return
 
     def _read(self, key: str, digest: bytes, source: Any, prefix: PrefixAssembler, tally: "_FetchTally",
-              state: bool, place: Callable | None = None) -> PendingBlock | None:
+              state: bool, place: Callable | None = None, expected: BlockLayout | None = None
+              ) -> PendingBlock | None:
         """The block in ``source`` read into ``prefix``'s places (``place``, default the next
         slot), its checksums pending; None ends the prefix there (gone, failed or corrupt)."""
         if source is None or (not state and source.length == 0):  # gone since the probe (TTL, eviction)
@@ -257,8 +272,9 @@ class RedisBlockStore:
         tally.bytes_read += source.length
         try:
             return read_block(source, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest,
-                              state=state, head_bytes=self._head_bytes,
-                              place=lambda layout, st: self._place(prefix, layout, st, place or prefix.place))
+                              state=state, head_bytes=None if expected is not None else self._head_bytes,
+                              place=lambda layout, st: self._place(prefix, layout, st, place or prefix.place,
+                                                                   expected))
         except (MemoryError, _PlaceFailed) as exc:  # this process's trouble, not the block's
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not read %s here, the prefix ends before it: %s", key, exc)
@@ -268,10 +284,12 @@ class RedisBlockStore:
             self._corrupt(key, exc, tally)
         return None
 
-    def _place(self, prefix: PrefixAssembler, layout: BlockLayout, state: bool, place: Callable) -> Any:
-        """Where a block laid out as ``layout`` goes, once its layout is this model's (or, without
-        a layout, the chain's first)."""
-        expected = self._expected if self._expected is not None else prefix.first_layout
+    def _place(self, prefix: PrefixAssembler, layout: BlockLayout, state: bool, place: Callable,
+               expected: BlockLayout | None = None) -> Any:
+        """Where a block laid out as ``layout`` goes, once its layout is ``expected`` (default this
+        model's blocks', or, without a layout, the chain's first)."""
+        if expected is None:
+            expected = self._expected if self._expected is not None else prefix.first_layout
         if expected is not None and layout != expected:
             raise CorruptBlockError(f"layers: block does not hold this model's layers ({len(layout)} "
                                     f"layers, expected {len(expected)}, or other names, dtypes or shapes)",
@@ -318,13 +336,13 @@ class RedisBlockStore:
             self.local_counters["fetch_errors"] += 1
             log.warning("block store: could not delete corrupt blocks: %s", exc)
 
-    def _record_fetch(self, tally: "_FetchTally") -> None:
+    def _record_fetch(self, tally: "_FetchTally", n_blocks: int) -> None:
         """The fetch's counters, TTL renewals and deletions, in one round trip (on the
         bookkeeping thread)."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            for field, amount in (("lookups", 1), ("hit_blocks", len(tally.hit_keys)),
-                                  ("hit_tokens", len(tally.hit_keys) * self.block_size),
+            for field, amount in (("lookups", 1), ("hit_blocks", n_blocks),
+                                  ("hit_tokens", n_blocks * self.block_size),
                                   ("missed_blocks", tally.missed), ("bytes_read", tally.bytes_read),
                                   ("corrupt_blocks", len(tally.corrupt)), ("vanished_blocks", tally.vanished),
                                   ("chain_holes", tally.holes)):
@@ -346,10 +364,11 @@ class RedisBlockStore:
 
         ``blocks``: ``(end, layers)`` per block of tokens ``[end - block_size, end)``, ``end`` a
         multiple of ``block_size`` within ``tokens``; ``layers`` per layer its named arrays:
-        token arrays holding exactly that block's tokens, state arrays as after token
-        ``end - 1``. One pipelined EXPIRE over the given blocks (which refreshes the TTL of
-        those already stored and tells which are missing), then pipelines of ``SET NX EX ttl``
-        for the missing ones (so concurrent writers leave one intact copy).
+        token arrays holding exactly that block's tokens and, for a block that ends a
+        checkpoint, state arrays as after token ``end - 1`` (written as the checkpoint value,
+        apart from the block's). One pipelined EXPIRE over the given values (which refreshes the
+        TTL of those already stored and tells which are missing), then pipelines of ``SET NX EX
+        ttl`` for the missing ones (so concurrent writers leave one intact copy).
         """
         bs = self.block_size
         given = {}
@@ -360,54 +379,68 @@ class RedisBlockStore:
         if not given:
             return 0
         digests = block_digests(self.fingerprint, np.asarray(tokens)[:(max(given) + 1) * bs], bs)
-        keys = [block_key(self.namespace, self.fingerprint, d) for d in digests]
-        order = sorted(given)
-        written = n_bytes = 0
+        values = [v for i in sorted(given) for v in self._values_of(i, digests[i], given[i])]
+        written = checkpoints = n_bytes = 0
         try:
             # EXPIRE answers "stored?" like EXISTS and also keeps a chain in use alive.
-            present = self._values.present([keys[i] for i in order], self.ttl_s)
-            missing = [i for i, here in zip(order, present) if not here]
+            present = self._values.present([v[0] for v in values], self.ttl_s)
+            missing = [v for v, here in zip(values, present) if not here]
             if not missing:
                 return 0
             for start in range(0, len(missing), _BATCH_BLOCKS):
-                w, b = self._write_blocks(keys, digests, missing[start:start + _BATCH_BLOCKS], given)
-                written += w
-                n_bytes += b
+                w, c, b = self._write_values(missing[start:start + _BATCH_BLOCKS])
+                written, checkpoints, n_bytes = written + w, checkpoints + c, n_bytes + b
         except redis.RedisError as exc:
             self.local_counters["store_errors"] += 1
             log.warning("block store: store failed, nothing more written: %s", exc)
-            if not written:
+            if not written and not checkpoints:
                 return 0
-        self._record_store(written, n_bytes)
+        self._record_store(written, checkpoints, n_bytes)
         return written
 
-    def _record_store(self, written: int, n_bytes: int) -> None:
+    def _values_of(self, index: int, digest: bytes, layers: Sequence[Layer]) -> list[tuple[str, bytes, list, bool]]:
+        """``(key, digest, layers, is a checkpoint)`` of the values one block is stored as: the block (its token
+        arrays) and, when its layers hold state arrays, its checkpoint (those)."""
+        tokens = [{n: a for n, a in layer.items() if is_token_array(n)} for layer in layers]
+        states = [{n: a for n, a in layer.items() if not is_token_array(n)} for layer in layers]
+        out = [(block_key(self.namespace, self.fingerprint, digest), digest, tokens, False)]
+        if any(states):
+            out.append((checkpoint_key(self.namespace, self.fingerprint, digest), checkpoint_digest(digest), states,
+                        True))
+        return out
+
+    def _record_store(self, written: int, checkpoints: int, n_bytes: int) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
             pipe.hincrby(self._stats_key, "stores", 1)
-            if written:
-                pipe.hincrby(self._stats_key, "blocks_written", written)
-                pipe.hincrby(self._stats_key, "bytes_written", n_bytes)
-                if self._expected is not None:  # what `cache verify` checks this model's blocks against
-                    pipe.set(layout_key(self.namespace, self.fingerprint), json.dumps(self._expected), ex=self.ttl_s)
+            for field, amount in (("blocks_written", written), ("checkpoints_written", checkpoints),
+                                  ("bytes_written", n_bytes)):
+                if amount:
+                    pipe.hincrby(self._stats_key, field, amount)
+            if (written or checkpoints) and self._layout is not None:
+                # what `cache verify` checks this model's blocks and checkpoints against
+                pipe.set(layout_key(self.namespace, self.fingerprint), json.dumps(self._layout), ex=self.ttl_s)
             self._count_stats_failures(pipe.execute(raise_on_error=False))
         except redis.RedisError as exc:
             self.local_counters["store_errors"] += 1
             log.warning("block store: could not record store statistics: %s", exc)
 
-    def _write_blocks(self, keys: list[str], digests: list[bytes], indices: list[int],
-                      given: dict[int, Sequence[Layer]]) -> tuple[int, int]:
-        items = [(keys[i], encode_block(self.fingerprint, self.block_size, given[i], digest=digests[i]))
-                 for i in indices]
-        written = n_bytes = 0
-        for size, result in zip([len(value) for _, value in items], self._values.write(items, self.ttl_s)):
+    def _write_values(self, values: list[tuple[str, bytes, list, bool]]) -> tuple[int, int, int]:
+        """Encode and write ``values``: blocks written, checkpoints written, bytes."""
+        items = [(key, encode_block(self.fingerprint, self.block_size, layers, digest=digest))
+                 for key, digest, layers, _ in values]
+        written = checkpoints = n_bytes = 0
+        for (key, value), (*_, is_checkpoint), result in zip(items, values, self._values.write(items, self.ttl_s)):
             if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
                 self.local_counters["store_errors"] += 1
                 log.warning("block store: SET failed: %s", result)
             elif result:
-                written += 1
-                n_bytes += size
-        return written, n_bytes
+                if is_checkpoint:
+                    checkpoints += 1
+                else:
+                    written += 1
+                n_bytes += len(value)
+        return written, checkpoints, n_bytes
 
     # -- stats ---------------------------------------------------------------
 

@@ -6,7 +6,8 @@ with pipelined ``GET`` in batches of ``batch`` keys (bounded memory and server t
 round trip), and a bad value is deleted only if it is still the value that was read (a
 compare-and-delete script), so a block rewritten meanwhile by a worker survives.
 
-Checks per block, under ``{ns}:kv:{fingerprint[:16]}:{digest}``: a well-formed value of this
+Checks per block, under ``{ns}:kv:{fingerprint[:16]}:{digest}``, and per recurrent-state
+checkpoint, under ``{ns}:kvstate:...`` (counted with the blocks): a well-formed value of this
 format version (``header``, ``version``), a fingerprint the key names (``fingerprint``), a
 header digest equal to the key's (``key``: a valid block under another key), the payload
 checksum (``checksum``), and one layout per model (``layout``: a block whose layers differ
@@ -23,13 +24,13 @@ from typing import Any, Iterator
 import redis
 
 from .cluster import primaries
-from .codec import CorruptBlockError, decode_block, read_header
+from .codec import CorruptBlockError, decode_block, read_header, split_layout
 from .inventory import recorded_layout
 from .keys import key_patterns, layout_key, stats_key
 from .memo import decode_entry
 from .replies import as_text
 
-BLOCK_KEY = re.compile(r".*:kv:(?P<fp>[0-9a-f]{16}):(?P<digest>[0-9a-f]{64})")
+BLOCK_KEY = re.compile(r".*:(?P<kind>kv|kvstate):(?P<fp>[0-9a-f]{16}):(?P<digest>[0-9a-f]{64})")
 DEFAULT_BATCH = 100
 
 # Delete KEYS[1] only if it still holds ARGV[1] (or is not a string at all).
@@ -90,9 +91,11 @@ def block_problem(key: str, value: Any, layouts: dict[str, Any]) -> tuple[str | 
         return exc.reason, None
     except Exception:  # a verifier never dies on a value: anything unreadable is bad
         return "header", None
-    expected = layouts.get(fingerprint)
-    if expected is not None and block.layout != expected:
-        return "layout", fingerprint
+    recorded = layouts.get(fingerprint)
+    if recorded is not None:  # a block holds the token arrays of the model's layout, a checkpoint the rest
+        blocks, states = split_layout(recorded)
+        if block.layout != (states if match["kind"] == "kvstate" else blocks):
+            return "layout", fingerprint
     return None, fingerprint
 
 
@@ -122,7 +125,7 @@ def verify_namespace(client: redis.Redis, namespace: str, *, batch: int = DEFAUL
     layouts = _model_layouts(client, namespace)
     for node in primaries(client):
         settle = _Settler(node, client, namespace, fingerprints, report, remove)
-        for keys in _scan(node, patterns["blocks"], batch):
+        for keys in (k for kind in ("blocks", "checkpoints") for k in _scan(node, patterns[kind], batch)):
             bad = []
             for key, value in zip(keys, _get_many(node, keys)):
                 reason, _ = block_problem(as_text(key), value, layouts)

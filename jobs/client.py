@@ -46,6 +46,14 @@ RERUN_STATUSES = frozenset({"failed", "stopped", "canceled"})
 _ENQUEUE_ATTEMPTS = 8  # WATCH rounds before giving up on a batch that keeps changing
 _MAX_NAME = 120  # characters of a document name kept in the job's description
 TERMINAL_STATUSES = frozenset({"finished", "failed", "stopped", "canceled"})
+# What a job that ended without a result and without an error of its own went through.
+ENDED_WITHOUT_ERROR = {"stopped": "a cancel stopped it while it ran",
+                       "canceled": "it was canceled before it started"}
+
+
+def ended_reason(status: str) -> str:
+    """The error of a job that ended ``status`` without one of its own (stopped, canceled)."""
+    return ENDED_WITHOUT_ERROR.get(status, status)
 
 
 class EnqueueConflict(RuntimeError):
@@ -89,6 +97,7 @@ class JobHandle:
         # What recovering from a data-losing restart needs: the spec to submit again, the
         # epoch the job was known to exist in, and whether it was submitted again already.
         self.spec, self.epoch, self.resubmitted = spec, epoch, False
+        self.batch: BatchHandle | None = None  # the batch it belongs to: recovered together
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
@@ -106,8 +115,15 @@ class JobHandle:
                 and read_epoch(self.client.connection, self.client.settings.namespace) != self.epoch)
 
     def recover(self) -> bool:
-        """If Redis lost this job, submit it again (once per handle): True if it did."""
-        return bool(BatchHandle(self.client, [self]).resubmit_lost())
+        """If Redis lost this job, submit it again (once per handle): True if it did.
+
+        A handle of a batch submits every lost job of its batch again at once, in one
+        enqueue, so the recovery runs on every worker rather than one job after another."""
+        if self.batch is not None:
+            before = self.resubmitted
+            self.batch.resubmit_lost()
+            return self.resubmitted and not before
+        return bool(resubmit_lost(self.client, [self]))
 
     def _job(self) -> Job:
         return Job.fetch(self.id, connection=self.client.connection, serializer=JSONSerializer)
@@ -136,7 +152,7 @@ class JobHandle:
                     return result_from_json(value)
                 return value
             if status in TERMINAL_STATUSES:
-                raise JobFailed(self.id, status, self.error() if status == "failed" else status)
+                raise JobFailed(self.id, status, self.error() if status == "failed" else ended_reason(status))
             if status == "missing":
                 if self.recover():
                     continue
@@ -233,17 +249,22 @@ class JobHandle:
                         yield attempt[len(shown):]
                         shown = attempt
         if last is None or last.kind != "done":
-            status = self.status()
-            event_error = (last.data.get("error") if last is not None else None) or None
-            if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
-                # The terminal event came before RQ marked the job: the event says how it ended.
-                raise JobFailed(self.id, last.kind, event_error or last.kind)
-            raise JobFailed(self.id, status, self.error() if status == "failed" else event_error or status)
+            raise self.failure(last)
         res = self.result(timeout=timeout)
         text = res.text if isinstance(res, GenerateResult) else ""
         self._check_same(shown, text)
         if len(text) > len(shown):
             yield text[len(shown):]
+
+    def failure(self, last: ProgressEvent | None) -> JobFailed:
+        """How a job whose events ended with ``last`` (not ``done``) failed."""
+        status = self.status()
+        event_error = (last.data.get("error") if last is not None else None) or None
+        if status not in TERMINAL_STATUSES and last is not None and last.kind in ("failed", "stopped"):
+            # The terminal event came before RQ marked the job: the event says how it ended.
+            return JobFailed(self.id, last.kind, event_error or ended_reason(last.kind))
+        return JobFailed(self.id, status, self.error() if status == "failed"
+                         else event_error or ended_reason(status))
 
     def _check_same(self, shown: str, text: str) -> None:
         at = len(os.path.commonprefix([shown, text]))
@@ -259,6 +280,8 @@ class BatchHandle:
     def __init__(self, client: "Client", handles: list[JobHandle]) -> None:
         self.client, self.handles = client, handles
         self._rate = SmoothedRate(client.settings.rate_window_s)
+        for h in handles:
+            h.batch = self
 
     @property
     def job_ids(self) -> list[str]:
@@ -299,29 +322,15 @@ class BatchHandle:
         """Submit again, in one enqueue, the jobs (of ``job_ids``, default all) that Redis
         lost: missing now, known to exist in an epoch that has ended, and not submitted
         again yet by these handles. Returns their ids. A worker still running a lost job
-        stops it without a result (its claim is gone), so each job ends with one result."""
+        stops it without a result (its claim is gone), so each job ends with one result.
+        ``result()`` and ``events()`` call it as soon as they see a job missing."""
         wanted = set(self.job_ids if job_ids is None else job_ids)
-        by_id: dict[str, list[JobHandle]] = {}
-        for h in self.handles:
-            if h.id in wanted and h.spec is not None and h.epoch is not None and not h.resubmitted:
-                by_id.setdefault(h.id, []).append(h)
-        if not by_id:
-            return []
-        statuses = self.client._statuses(list(by_id))
-        missing = [jid for jid in by_id if statuses[jid] is None]
-        epoch = read_epoch(self.client.connection, self.client.settings.namespace) if missing else None
-        lost = [jid for jid in missing if by_id[jid][0].epoch != epoch]
-        if lost:
-            # Each handle holds the new copy as it held the lost one (a cancel still works).
-            again_of = [h for jid in lost for h in by_id[jid]]
-            again = self.client._enqueue([h.spec for h in again_of], [h.holder for h in again_of])
-            for h, new in zip(again_of, again):
-                h.epoch, h.resubmitted = new.epoch, True
-        return lost
+        return resubmit_lost(self.client, [h for h in self.handles if h.id in wanted])
 
     def events(self, poll_s: float = 0.5, timeout: float | None = None) -> Iterator[BatchProgress]:
         """Aggregate snapshots (:meth:`progress`) every ``poll_s`` seconds, the last one when
-        every job has ended; ``TimeoutError`` after ``timeout``. For a live bar::
+        every job has ended; ``TimeoutError`` after ``timeout``. Jobs Redis lost are
+        submitted again, all at once, as soon as a snapshot sees them missing. For a live bar::
 
             for view in batch.events(poll_s=1):
                 print(view)   # "30 jobs: 12 done, 3 running, 15 queued; 5400 tok/s, eta 40 s"
@@ -329,12 +338,36 @@ class BatchHandle:
         deadline = Deadline(timeout)
         while True:
             view = self.progress()
+            if view.missing and self.resubmit_lost():  # every lost job at once, then go on
+                view = self.progress()
             yield view
             if view.complete:
                 return
             if deadline.expired:
                 raise TimeoutError(f"batch not complete after {timeout}s")
             time.sleep(poll_s)
+
+
+def resubmit_lost(client: "Client", handles: list[JobHandle]) -> list[str]:
+    """Submit again, in one enqueue, the jobs of ``handles`` that Redis lost (see
+    :meth:`BatchHandle.resubmit_lost`); returns their ids."""
+    by_id: dict[str, list[JobHandle]] = {}
+    for h in handles:
+        if h.spec is not None and h.epoch is not None and not h.resubmitted:
+            by_id.setdefault(h.id, []).append(h)
+    if not by_id:
+        return []
+    statuses = client._statuses(list(by_id))
+    missing = [jid for jid in by_id if statuses[jid] is None]
+    epoch = read_epoch(client.connection, client.settings.namespace) if missing else None
+    lost = [jid for jid in missing if by_id[jid][0].epoch != epoch]
+    if lost:
+        # Each handle holds the new copy as it held the lost one (a cancel still works).
+        again_of = [h for jid in lost for h in by_id[jid]]
+        again = client._enqueue([h.spec for h in again_of], [h.holder for h in again_of])
+        for h, new in zip(again_of, again):
+            h.epoch, h.resubmitted = new.epoch, True
+    return lost
 
 
 def describe(spec: JobSpec, name: str | None = None) -> str:
@@ -350,6 +383,15 @@ def describe(spec: JobSpec, name: str | None = None) -> str:
         start = (spec.text or "")[:40].split()
         name = repr(" ".join(start) + "...") if start else "document"
     return f"{spec.kind} {str(name)[:_MAX_NAME]} ({size})"
+
+
+def described_name(description: str | None, kind: str) -> str | None:
+    """The document name :func:`describe` put into a job's description (None: it was given none)."""
+    head = f"{kind} "
+    if not description or not description.startswith(head) or " (" not in description:
+        return None
+    name = description[len(head):description.rindex(" (")]
+    return None if name == "document" or name[:1] in "'\"" else name
 
 
 @dataclass
@@ -565,6 +607,7 @@ class Client:
                 timeout=s.job_timeout_s, result_ttl=s.result_ttl_s,
                 failure_ttl=s.failure_ttl_s, description=described[jid],
                 retry=Retry(max=s.retry_max) if s.retry_max > 0 else None,
+                ttl=s.heal_ttl_s if spec.kind == "heal" else None,  # a stale heal is dropped
                 on_failure=Callback(FAILURE_CALLBACK)))
         q.enqueue_many(datas, pipeline=pipe)
         pipe.execute()

@@ -20,7 +20,9 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
 from cache_store.replies import as_text
+from jobs.client import described_name
 from jobs.settings import Settings
+from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.spec import JobSpec, spec_from_payload
 
 REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "canceled")
@@ -171,7 +173,7 @@ class JobRecord:
 
     job_id: str
     status: str
-    spec: JobSpec
+    spec: JobSpec | HealSpec
     enqueued_at: float | None
     started_at: float | None
     ended_at: float | None
@@ -188,8 +190,9 @@ def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobR
         return None
     if not job.args:
         return None
-    return JobRecord(job_id, job.get_status(refresh=False) or "missing",
-                     spec_from_payload(job.args[0], settings),
+    payload = job.args[0]
+    read = heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload
+    return JobRecord(job_id, job.get_status(refresh=False) or "missing", read(payload, settings),
                      _ts(job.enqueued_at), _ts(job.started_at), _ts(job.ended_at), job.worker_name)
 
 
@@ -202,6 +205,53 @@ def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) ->
             for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):
                 out.append((score, as_text(jid)))
     return [jid for _, jid in sorted(out, reverse=True)[:limit]]
+
+
+LABEL_WORDS = 8  # the recent-jobs list names a job by its input's first words
+
+
+def input_label(spec: JobSpec) -> str:
+    """A job's input as a list names it when it has no document name: the first words of its text or last user message
+    (of its last message when none is the user's), or its token count."""
+    if spec.tokens is not None:
+        return f"{len(spec.tokens)} tokens"
+    if spec.text is not None:
+        text = spec.text
+    else:
+        messages = spec.messages or ()
+        users = [c for r, c in messages if r == "user"] or [c for _, c in messages]
+        text = users[-1] if users else ""
+    words = text.split()
+    return " ".join(words[:LABEL_WORDS]) + (" …" if len(words) > LABEL_WORDS else "")
+
+
+def _job_row(job: Job, settings: Settings) -> dict[str, Any]:
+    """What the recent-jobs list shows of one job: its input's first words, status, kept share,
+    TTFT and end time. The figures come from its ``done`` event (mirrored in meta), else its result."""
+    row: dict[str, Any] = {"job_id": job.id, "status": job.get_status(refresh=False) or "missing",
+                           "label": None, "kind": None, "ratio": None, "ttft_s": None,
+                           "ended_at": _ts(job.ended_at)}
+    try:
+        spec = spec_from_payload(job.args[0], settings)
+        row.update(label=described_name(job.description, spec.kind) or input_label(spec), kind=spec.kind)
+    except Exception:  # a foreign or unreadable payload: listed without a label
+        pass
+    done = (job.meta or {}).get("progress") or {}
+    if done.get("kind") != "done" and row["status"] == "finished":
+        done = job.return_value(refresh=False) or {}
+    if isinstance(done, dict):
+        row.update(ratio=done.get("ratio"), ttft_s=done.get("ttft_s"))
+    return row
+
+
+def job_rows(connection: redis.Redis, job_ids: list[str], settings: Settings) -> list[dict[str, Any]]:
+    """:func:`_job_row` of each job (in ``job_ids``' order; a job the queue no longer holds is
+    listed as ``missing``)."""
+    jobs = Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
+    return [_job_row(job, settings) if job is not None else
+            {"job_id": jid, "status": "missing", "label": None, "kind": None, "ratio": None,
+             "ttft_s": None, "ended_at": None}
+            for jid, job in zip(job_ids, jobs)]
 
 
 def job_statuses(connection: redis.Redis, job_ids: list[str]) -> dict[str, str]:
@@ -221,15 +271,18 @@ def listening_workers(connection: redis.Redis, queue_name: str) -> list[str]:
 
 def jobs_by_state(connection: redis.Redis, queue_name: str, limit: int = 20) -> dict[str, list[str]]:
     """Job ids of one queue by state (queued in queue order, the registries newest first),
-    at most ``limit`` of each; read-only (no registry clean-up)."""
+    at most ``limit`` of each; read-only (no registry clean-up). Ids, never RQ's execution
+    entries: each is a job ``status`` and ``cancel`` accept."""
     q = Queue(queue_name, connection=connection, serializer=JSONSerializer)
-    keys = {name: getattr(q, f"{name}_job_registry").key for name in ("started", "finished", "failed", "canceled")}
+    registries = {name: getattr(q, f"{name}_job_registry") for name in ("started", "finished", "failed", "canceled")}
     with connection.pipeline(transaction=False) as pipe:
         pipe.lrange(q.key, 0, limit - 1)
-        for key in keys.values():
-            pipe.zrevrange(key, 0, limit - 1)
+        for registry in registries.values():
+            pipe.zrevrange(registry.key, 0, limit - 1)
         replies = pipe.execute()
     out = {"queued": [as_text(j) for j in replies[0]]}
-    for name, ids in zip(keys, replies[1:]):
-        out[name] = [as_text(j) for j in ids]
+    for (name, registry), entries in zip(registries.items(), replies[1:]):
+        # The started registry holds executions ("JOB_ID:EXECUTION_ID"); RQ's own parser
+        # gives the job id that status and cancel take (one job may have two executions).
+        out[name] = list(dict.fromkeys(registry.parse_job_id(as_text(e)) for e in entries))
     return out

@@ -15,10 +15,16 @@ from typing import Callable
 from jobs.progress import BatchProgress, ProgressEvent
 
 
+def worked_tokens(done: dict) -> int:
+    """Prompt tokens a finished job (its ``done`` event or result) got through by running:
+    none when the selection memo answered it (nothing was scored, so it is no throughput)."""
+    return 0 if done.get("memo_hit") else int(done.get("total") or 0)
+
+
 def tokens_done(ev: ProgressEvent) -> int:
-    """Prompt tokens a job has got through, as its latest event tells."""
+    """Prompt tokens a job has got through, as its latest event tells (memo hits: 0)."""
     if ev.kind == "done":
-        return int(ev.data.get("total") or 0)
+        return worked_tokens(ev.data)
     if ev.kind == "scoring":
         return int(ev.data.get("processed") or 0)
     return 0

@@ -1,7 +1,8 @@
 """The result of a prefill or generate job, as returned by the worker and stored by RQ (JSON).
 
 Both kinds share :class:`JobResult`: the draft's selection (kept ranges, counts, the
-protected prefix, block-store use) and the timings. Kept token indices travel as
+protected prefix, block-store use), the timings, and what the job page shows (the
+importance downsampled, the kept text). Kept token indices travel as
 half-open ``[start, end)`` ranges: a 128K-token prompt with 20% kept in 32-token chunks is
 a few hundred pairs instead of 26K integers.
 """
@@ -20,6 +21,27 @@ class KeptSpan:
     start: int
     end: int
     text: str
+
+
+@dataclass
+class ImportanceCurve:
+    """The draft's importance downsampled to a bounded size: ``max[i]`` is the largest
+    importance of token positions ``[i * tokens_per_bin, (i + 1) * tokens_per_bin)`` (the
+    last bin may be shorter), so a token that mattered is never averaged away."""
+
+    tokens_per_bin: int
+    max: list[float]
+
+    @classmethod
+    def of(cls, importance: Any, max_points: int) -> "ImportanceCurve":
+        """The curve of per-token ``importance`` (a sequence or array) in at most ``max_points`` bins."""
+        import numpy as np
+
+        values = np.asarray(importance, dtype=np.float64).reshape(-1)
+        per_bin = max(1, -(-values.size // max(1, max_points)))
+        padded = np.full(-(-values.size // per_bin) * per_bin, -np.inf)
+        padded[:values.size] = values
+        return cls(per_bin, [float(v) for v in padded.reshape(-1, per_bin).max(axis=1)])
 
 
 @dataclass(kw_only=True)
@@ -51,11 +73,33 @@ class JobResult:
     draft_name: str = ""            # the draft model as the job named it ("draft": the default)
     # Said about the prompt without failing the job (e.g. many unknown tokens).
     warnings: list[str] = field(default_factory=list)
+    # What the job page shows, kept when the job runs (the page never runs a model). The
+    # layout of the prompt is these fields with kept_ranges, protected_prefix, tail_start and
+    # the target's restored tokens, read by one function (jobs.layout.regions).
+    # The draft's importance, downsampled (None: the draft did not score this prompt).
+    importance_curve: ImportanceCurve | None = None
+    # Text of each kept range: when the spec asked (return_spans), else when the kept tokens
+    # are at most Settings.page_text_tokens (None: neither).
+    spans: list[KeptSpan] | None = None
+    # Dropped ranges whose KV a heal job filled in later (empty: none healed).
+    healed_ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def restored(self) -> int:
+        """Leading prompt tokens the target restored from the block store (whole, not selected over)."""
+        return 0
 
     @property
     def ratio(self) -> float:
-        """Kept fraction of the prompt (1.0 when nothing was dropped)."""
-        return self.kept / self.total if self.total else 1.0
+        """Kept share of the prompt tokens not restored: what the selection was made over
+        (1.0 when nothing was dropped). A restored prefix is counted by ``restored_ratio``."""
+        over = self.total - self.restored
+        return (self.kept - self.restored) / over if over > 0 else 1.0
+
+    @property
+    def restored_ratio(self) -> float:
+        """Share of the prompt the target restored from the block store."""
+        return self.restored / self.total if self.total else 0.0
 
     def kept_indices(self) -> list[int]:
         return [i for s, e in self.kept_ranges for i in range(s, e)]
@@ -63,7 +107,9 @@ class JobResult:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["kept_ranges"] = [[int(s), int(e)] for s, e in self.kept_ranges]
+        d["healed_ranges"] = [[int(s), int(e)] for s, e in self.healed_ranges]
         d["ratio"] = self.ratio
+        d["restored_ratio"] = self.restored_ratio
         d["v"] = RESULT_VERSION
         return d
 
@@ -72,12 +118,12 @@ class JobResult:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in d.items() if k in known}
         values["kept_ranges"] = [(int(s), int(e)) for s, e in d.get("kept_ranges", [])]
-        return cls(**cls._typed(values))
-
-    @classmethod
-    def _typed(cls, values: dict[str, Any]) -> dict[str, Any]:
-        """Hook: turn a subclass's nested JSON values back into their types."""
-        return values
+        values["healed_ranges"] = [(int(s), int(e)) for s, e in d.get("healed_ranges", [])]
+        if values.get("spans") is not None:
+            values["spans"] = [KeptSpan(**s) for s in values["spans"]]
+        if values.get("importance_curve") is not None:
+            values["importance_curve"] = ImportanceCurve(**values["importance_curve"])
+        return cls(**values)
 
 
 @dataclass(kw_only=True)
@@ -85,15 +131,8 @@ class PrefillResult(JobResult):
     """What a prefill job returns: the selection, optionally its scores and kept text."""
 
     model: str = ""                 # the draft model's identity
-    importance: list[float] | None = None
-    spans: list[KeptSpan] | None = None
+    importance: list[float] | None = None  # every token's (only when the spec asked)
     kind: str = "prefill"
-
-    @classmethod
-    def _typed(cls, values: dict[str, Any]) -> dict[str, Any]:
-        if values.get("spans") is not None:
-            values["spans"] = [KeptSpan(**s) for s in values["spans"]]
-        return values
 
 
 @dataclass(kw_only=True)
@@ -104,7 +143,11 @@ class GenerateResult(JobResult):
     job's start on the worker (model loading included) to the first generated token.
     ``fallback`` says why the draft's part was skipped after a failure (the target then
     prefilled every token). ``finish_reason`` is ``"eos"``, ``"stop"`` (a stop string, which is not part of
-    ``text``) or ``"length"`` (``max_tokens`` reached).
+    ``text``), ``"length"`` (``max_tokens`` reached) or ``"tool_calls"`` (the turn ended with
+    tool calls). For a chat job ``text`` is the answer's content; ``reasoning`` the reasoning
+    text and ``tool_calls`` the calls (``{"id", "name", "arguments"}``, arguments an object),
+    separated and parsed with the model's own mlx-lm markers and tool parser
+    (``jobs.answer_stream`` is how they stream).
     """
 
     text: str
@@ -116,15 +159,24 @@ class GenerateResult(JobResult):
     target_model: str = ""
     target_name: str = ""           # the target as the job named it ("target": the default)
     draft_timings: dict[str, float] = field(default_factory=dict)  # scoring's own phases
-    # The target's prompt tokens: restored from the block store, prefilled in full (the
-    # contiguous prefix), prefilled sparse; and its prefix blocks written.
+    # The target's prompt tokens: restored from the block store (of them, healed: blocks a
+    # heal job prefilled), prefilled in full (the contiguous prefix), prefilled sparse; and
+    # its prefix blocks written.
     target_tokens: dict[str, int] = field(default_factory=dict)
     ttft_phases: dict[str, float] = field(default_factory=dict)  # seconds before the first token
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # This turn's heal (worker.heal): queued (its job_id, tokens), or the reason it was not.
+    heal: dict[str, Any] = field(default_factory=dict)
     kind: str = "generate"
 
     @property
     def generated_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def restored(self) -> int:
+        return int(self.target_tokens.get("restored", 0))
 
     def to_json(self) -> dict[str, Any]:
         return {**super().to_json(), "generated_tokens": self.generated_tokens}

@@ -13,7 +13,9 @@ from typing import Any, Mapping
 from cache_store.keys import check_namespace
 from jobs import settings_check
 from jobs.settings_check import SettingsError
-from specprefill.options import PREFILL_STEP, OptionError, ScoringOptions, SelectionOptions
+from jobs.log_format import LOG_FORMATS
+from specprefill.options import (COMPUTE_DTYPES, PREFILL_STEP, STATE_CHECKPOINT_BLOCKS, OptionError, ScoringOptions,
+                                 SelectionOptions)
 
 ENV_PREFIX = "SPECPREFILL_"
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
@@ -87,10 +89,18 @@ class Settings:
     draft_kv_group_size: int = 64
     target_kv_bits: int = 0
     target_kv_group_size: int = 64
+    # What the draft and the target compute in (specprefill/compute_dtype.py): their floating
+    # weights cast after loading, quantized ones dequantized. "auto": float32 on MLX's CPU
+    # backend (bf16 and quantized matmuls there are 8x and more slower), the model's own dtype
+    # on Metal; "model": always the model's own; or float32, bfloat16, float16.
+    compute_dtype: str = "auto"
 
     # Block store.
     block_size: int = 256
     block_ttl_s: int = 24 * 3600
+    # A hybrid model's recurrent state is stored at checkpoints only: the end of the system
+    # prefix, each stored prompt's last full block, and every this many blocks (0: only those).
+    state_checkpoint_blocks: int = STATE_CHECKPOINT_BLOCKS
     # This node's local tier of blocks in front of the shared store (a folder on its SSD, shared
     # by the node's workers, least recently used out past local_cache_bytes). Empty: none.
     local_cache_dir: str = ""
@@ -105,6 +115,16 @@ class Settings:
     # Store the target's KV of fully prefilled prompt prefixes (system prompt, tools, short
     # earlier turns) as blocks under its fingerprint, and restore them for the next job.
     target_prefix_cache: bool = True
+    # Heal jobs (worker.heal): after a generate job answered from a sparse prefill, a full
+    # target prefill of the conversation as the next turn renders it, stored as target blocks,
+    # queued on "<queue>-heal" (workers listen there after their own queues, so a heal runs
+    # only when no user job waits). heal: this worker enqueues and runs them (a job turns its
+    # own off with the generate option heal). heal_min_sparse_share: the least share of the
+    # prompt the target did not prefill in order that is worth a heal. heal_ttl_s: how long a
+    # queued heal may wait before RQ drops it (a stale conversation is not worth it).
+    heal: bool = True
+    heal_min_sparse_share: float = 0.05
+    heal_ttl_s: int = 3600
 
     # When the draft's scoring, its block store or the sparse prefill fails, a generate job
     # answers with a plain full prefill and a prefill job keeps every token, both saying
@@ -118,6 +138,10 @@ class Settings:
     max_prompt_tokens: int = 131072
     max_batch_documents: int = 10000
     max_generate_tokens: int = 4096
+    # What a result keeps for the job page: the importance in at most this many points (the
+    # maximum of each run of positions), and the kept text when at most this many tokens are kept.
+    page_curve_points: int = 1024
+    page_text_tokens: int = 32768
 
     # Queue behaviour.
     job_timeout_s: int = 1800
@@ -140,6 +164,10 @@ class Settings:
     # How often a worker sweeps RQ's registries for abandoned jobs: an idle one on this
     # interval, a busy one between its jobs (a requeued job waits for a free worker anyway).
     maintenance_interval_s: float = 60.0
+
+    # Logs of workers and the server: "text" lines, or "json" (one object per line with
+    # job_id, worker and event, for log collectors; jobs/log_format.py).
+    log_format: str = "text"
 
     # Linux CPU speed-up: preload a system OpenBLAS before mlx.
     openblas: bool = True
@@ -207,6 +235,13 @@ class Settings:
                                     f"{type(getattr(self, group)).__name__}", group)
         check_namespace(self.namespace)
         settings_check.validate(self, ENV_PREFIX)
+        if self.log_format not in LOG_FORMATS:
+            raise SettingsError(f"setting log_format ({ENV_PREFIX}LOG_FORMAT): must be one of "
+                                f"{', '.join(LOG_FORMATS)}, got {self.log_format!r:.40}", "log_format")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise settings_check.SettingsError(
+                f"setting compute_dtype ({ENV_PREFIX}COMPUTE_DTYPE): must be one of {', '.join(COMPUTE_DTYPES)}, "
+                f"got {self.compute_dtype!r}", "compute_dtype")
         for role in ("draft", "target"):
             bits, group = f"{role}_kv_bits", f"{role}_kv_group_size"
             if getattr(self, bits) not in KV_BITS:
@@ -232,10 +267,23 @@ class Settings:
         return self.cache_redis_url or self.redis_url
 
     @property
+    def heal_queues(self) -> tuple[str, ...]:
+        """The low-priority queue behind each of :attr:`queues` (``<queue>-heal``)."""
+        return tuple(heal_queue_name(q) for q in self.queues)
+
+    @property
     def queues(self) -> tuple[str, ...]:
         """The RQ queues this deployment uses (RQ's keys are not under ``namespace``, so
         deployments sharing a Redis are kept apart by queue name and by job id)."""
         return self.queue_names or (self.namespace,)
+
+
+HEAL_QUEUE_SUFFIX = "-heal"
+
+
+def heal_queue_name(queue: str) -> str:
+    """The heal queue behind user queue ``queue``."""
+    return queue if queue.endswith(HEAL_QUEUE_SUFFIX) else queue + HEAL_QUEUE_SUFFIX
 
 
 def _settable_fields() -> dict[str, dataclasses.Field]:

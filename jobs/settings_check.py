@@ -22,11 +22,12 @@ log = logging.getLogger("jobs.settings")
 # only type-checked (finite numbers); the SpecPrefill option defaults are objects that check
 # themselves when they are built (specprefill/options.py), with the ranges jobs have.
 RANGES: dict[str, tuple[float | None, float | None]] = {
-    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
+    "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None), "state_checkpoint_blocks": (0, None),
     "local_cache_bytes": (1, None),
     "cache_socket_timeout_s": (0.001, None), "redis_retries": (0, 100), "memo_ttl_s": (1, None),
     "max_prompt_tokens": (1, None), "max_batch_documents": (1, None),
-    "max_generate_tokens": (1, None), "job_timeout_s": (1, None), "result_ttl_s": (1, None),
+    "max_generate_tokens": (1, None), "page_curve_points": (1, None), "page_text_tokens": (0, None),
+    "job_timeout_s": (1, None), "result_ttl_s": (1, None),
     "failure_ttl_s": (1, None), "retry_max": (0, 100), "stop_wait_s": (0, None),
     "progress_stream_maxlen": (1, None), "progress_ttl_s": (1, None),
     "progress_interval_s": (0, None), "rate_window_s": (0.001, None), "heartbeat_interval_s": (0.001, None),
@@ -35,6 +36,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_threads": (1, None), "batch_poll_s": (0.001, None), "worker_metrics_port": (0, 65535),
     "http_request_timeout_s": (0, None), "http_sdk_timeout_share": (0.01, 1),
     "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
+    "heal_min_sparse_share": (0, 1), "heal_ttl_s": (1, None),
 }
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})

@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cache_store.keys import MAX_TOKEN_ID
+from jobs.conversation import CHAT_ROLES, MAX_CHAT_MESSAGES, ConversationError, check_messages  # noqa: F401
 from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
 from specprefill.options import (GenerateOptions, OptionError, Sampling, ScoringOptions,
@@ -37,7 +38,6 @@ from specprefill.options import (GenerateOptions, OptionError, Sampling, Scoring
 PAYLOAD_VERSION = 3
 SUPPORTED_PAYLOAD_VERSIONS = (1, 2, 3)
 JOB_KINDS = ("prefill", "generate")
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 INPUT_FIELDS = ("tokens", "text", "messages")
 # Spec fields that are not options (the payload's top level besides "v" and the groups).
 SPEC_FIELDS = ("draft_model", "target_model", *INPUT_FIELDS, "tools", "template_args",
@@ -55,7 +55,6 @@ RENAMED_FIELDS = {"temperature": "lookahead_temperature", "top_p": "lookahead_to
 CLI_SPELLINGS = {"model": "draft_model", "spans": "return_spans", "importance": "return_importance"}
 
 MAX_MODEL_NAME_CHARS = 1024
-MAX_CHAT_MESSAGES = 10_000
 # Text is checked in characters at enqueue (tokens are only known to the worker, which
 # checks max_prompt_tokens again after tokenizing); no tokenizer emits fewer than one
 # token per this many characters on real text.
@@ -71,6 +70,11 @@ RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "docume
 
 class JobSpecError(ValueError):
     """A job spec field is missing, of the wrong type, or out of its allowed range."""
+
+
+class ContextLengthError(JobSpecError):
+    """A prompt (plus what a job adds to it) is longer than a model's context window; the
+    HTTP API answers it as 400 ``context_length_exceeded``."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,8 @@ class JobSpec:
     draft_model: str
     tokens: tuple[int, ...] | None = None
     text: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None  # (role, content) pairs
+    # The conversation (jobs.conversation): Hugging Face chat-template message dicts.
+    messages: tuple[Mapping[str, Any], ...] | None = None
     # Rendered by the chat template with the messages (and so part of the system block):
     # OpenAI-style tool definitions and template keyword arguments (e.g. enable_thinking).
     tools: tuple[Mapping[str, Any], ...] = ()
@@ -193,7 +198,7 @@ class JobSpec:
         elif self.text is not None:
             d["text"] = self.text
         else:
-            d["messages"] = [{"role": r, "content": c} for r, c in self.messages or ()]
+            d["messages"] = [dict(m) for m in self.messages or ()]
         if self.tools:
             d["tools"] = [dict(t) for t in self.tools]
         if self.template_args:
@@ -270,29 +275,13 @@ def _text(value: Any, limits: Limits) -> str:
     return value
 
 
-def _messages(value: Any, limits: Limits) -> tuple[tuple[str, str], ...]:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise JobSpecError("messages: expected a list of {role, content} objects")
-    if not 1 <= len(value) <= MAX_CHAT_MESSAGES:
-        raise JobSpecError(f"messages: {len(value)} messages, allowed 1..{MAX_CHAT_MESSAGES}")
-    out, total = [], 0
-    for i, m in enumerate(value):
-        if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
-            raise JobSpecError(f"messages[{i}]: expected an object with exactly 'role' and 'content'")
-        role, content = m["role"], m["content"]
-        if role not in CHAT_ROLES:
-            raise JobSpecError(f"messages[{i}].role: {role!r:.40} is not one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(content, str):
-            raise JobSpecError(f"messages[{i}].content: expected a string, got {type(content).__name__}")
-        total += len(content)
-        out.append((role, content))
+def _messages(value: Any, limits: Limits) -> tuple[dict[str, Any], ...]:
     max_chars = limits.max_prompt_tokens * CHARS_PER_TOKEN_BOUND
-    if total > max_chars:
-        raise JobSpecError(f"messages: {total} characters in total, the limit is {max_chars} "
-                           f"(max_prompt_tokens={limits.max_prompt_tokens})")
-    if not any(r != "system" and r != "developer" for r, _ in out):
-        raise JobSpecError("messages: needs at least one user/assistant/tool message")
-    return tuple(out)
+    try:
+        return check_messages(value, max_chars)
+    except ConversationError as exc:
+        limit = f" (max_prompt_tokens={limits.max_prompt_tokens})" if "characters in total" in str(exc) else ""
+        raise JobSpecError(f"{exc}{limit}") from None
 
 
 def _tools(value: Any) -> tuple[Mapping[str, Any], ...]:
@@ -429,7 +418,9 @@ def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
 
 def payload_kind(payload: Mapping[str, Any]) -> str:
     """The kind of job a payload of any version asks for, without validating it:
-    ``"prefill"``, ``"generate"`` or ``"invalid"``."""
+    ``"prefill"``, ``"generate"``, ``"heal"`` (``jobs.heal``) or ``"invalid"``."""
+    if payload.get("kind") == "heal":
+        return "heal"
     if payload.get("v") == 3:
         return "prefill" if payload.get("generate") is None else "generate"
     kind = payload.get("kind", "prefill")

@@ -10,12 +10,14 @@ same wiring.
 The interface between scoring and the store (:func:`specprefill.reuse.score_with_cache` runs it):
 
 * ``draft_cache.fetch(tokens)`` returns the longest stored prefix as the model's own cache
-  objects (K/V of all its blocks, recurrent state of its last), ready for ``kv_cache=``.
+  objects (K/V of all its blocks; for a hybrid model, up to the last recurrent-state
+  checkpoint it reaches, with that checkpoint's state), ready for ``kv_cache=``.
 * ``draft_cache.recorder(tokens)`` gives the ``on_step`` hook for
   ``score_tokens(..., block_size=draft_cache.block_size, on_step=recorder)``; the scorer then
   ends prefill steps at block boundaries and the hook keeps what exists only then (recurrent
   state after each block's last token, sliding-window K/V) — no second pass over the prompt —
-  and writes each block as soon as it ends (memory: one block). ``None`` when nothing needs
+  and writes each block as soon as it ends (memory: one block), the state only at the prompt's
+  checkpoints (:func:`checkpoint_ends`). ``None`` when nothing needs
   recording (plain or quantized K/V only) or the cache cannot be stored. ``recorder()``
   without tokens keeps the blocks until ``store``.
 * ``draft_cache.store(tokens, result.kv_cache, recorder)`` writes the new full blocks.
@@ -34,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from specprefill.kv_arrays import LayerArrays, MlxDestinations, raw_bits_many
+from specprefill.options import STATE_CHECKPOINT_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +99,27 @@ class RawBlockStore(Protocol):
         ...
 
 
+def checkpoint_ends(n_tokens: int, block_size: int, every: int = STATE_CHECKPOINT_BLOCKS,
+                    also: Sequence[int] = ()) -> set[int]:
+    """The block ends of an ``n_tokens`` prompt at which its recurrent state is stored: its last
+    full block's end, every ``every`` blocks (0: none between), and the last block end at or
+    before each position in ``also`` (the end of the protected system prefix)."""
+    last = n_tokens // block_size * block_size
+    ends = {last, *(p // block_size * block_size for p in also if 0 < p <= n_tokens)}
+    if every > 0:
+        ends.update(range(every * block_size, last + 1, every * block_size))
+    ends.discard(0)
+    return ends
+
+
+def _checkpointed(blocks: Blocks, ends: set[int]) -> list[tuple[int, list]]:
+    """``blocks`` with the state arrays kept only in those ending at one of ``ends``."""
+    from specprefill.attention.caches import is_token_array
+
+    return [(end, layers if end in ends else [{n: a for n, a in layer.items() if is_token_array(n)}
+                                              for layer in layers]) for end, layers in blocks]
+
+
 def _raw_blocks(blocks: list[tuple[int, list[dict[str, mx.array]]]]) -> list[tuple[int, list[dict[str, Any]]]]:
     """mlx blocks as raw bits, evaluated together."""
     names = [(i, j, name) for i, (_, layers) in enumerate(blocks) for j, layer in enumerate(layers)
@@ -123,11 +147,15 @@ class BlockDraftCache:
     """
 
     def __init__(self, raw_store: RawBlockStore, make_cache: Callable[[], list], *,
-                 on_fetch: OnFetch | None = None, on_store: OnStore | None = None) -> None:
+                 on_fetch: OnFetch | None = None, on_store: OnStore | None = None,
+                 checkpoint_blocks: int = STATE_CHECKPOINT_BLOCKS) -> None:
         from specprefill.attention.caches import layer_metas, needs_recorder, storable_reason
 
         self.raw_store = raw_store
         self.block_size = raw_store.block_size
+        if not isinstance(checkpoint_blocks, int) or isinstance(checkpoint_blocks, bool) or checkpoint_blocks < 0:
+            raise ValueError(f"checkpoint_blocks: {checkpoint_blocks!r}; allowed integers >= 0 (0: none between)")
+        self.checkpoint_blocks = checkpoint_blocks
         self.on_fetch, self.on_store = on_fetch, on_store
         self.local_counters = {"unsupported_stores": 0, "rebuild_errors": 0, "stream_errors": 0}
         fresh = make_cache()
@@ -136,22 +164,28 @@ class BlockDraftCache:
         self._metas = layer_metas(fresh) if self._unstorable is None else []
         self._needs_recorder = needs_recorder(self._metas)
 
-    def recorder(self, tokens: Sequence[int] | None = None) -> Any:
+    def recorder(self, tokens: Sequence[int] | None = None, checkpoints: Sequence[int] | None = None) -> Any:
         """The ``on_step`` hook scoring must run with for :meth:`store` to store this model's
         blocks, or None when none is needed (K/V only) or the cache cannot be stored.
 
         Given the prompt's ``tokens``, the hook writes each block to the store as soon as the
         prefill passes its end (one block held at a time, whatever the prompt's length);
-        :meth:`store` then has nothing left to write and returns the blocks written.
+        :meth:`store` then has nothing left to write and returns the blocks written. Recurrent
+        state is kept at the :func:`checkpoint_ends` of the prompt only (``checkpoints``: the
+        protected prefix's end, say). Without ``tokens``, given ``checkpoints`` are the only
+        block ends whose state is kept; with neither, the prompt's are chosen at :meth:`store`.
         """
         from specprefill.attention.caches import BlockRecorder
 
         if not self._needs_recorder:
             return None
         if tokens is None:
-            return BlockRecorder(self.block_size)
+            keep = None if checkpoints is None else set(checkpoints).__contains__
+            return BlockRecorder(self.block_size, keep_state=keep)
         tokens = list(tokens)
-        return BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(tokens, end, layers))
+        ends = checkpoint_ends(len(tokens), self.block_size, self.checkpoint_blocks, checkpoints or ())
+        return BlockRecorder(self.block_size, sink=lambda end, layers: self._write_now(tokens, end, layers),
+                             keep_state=ends.__contains__)
 
     def _write_now(self, tokens: list[int], end: int, layers: list[dict[str, mx.array]]) -> int:
         """Store one block the moment the prefill passes its end; a failure is a store that wrote nothing."""
@@ -218,6 +252,8 @@ class BlockDraftCache:
             if recorder.sink is not None:  # written while the prefill ran
                 return recorder.written
             blocks = recorder.blocks(kv_cache, n_tokens)
+            if recorder.keep_state is None:  # kept at every block end: the prompt's checkpoints only
+                blocks = _checkpointed(blocks, checkpoint_ends(n_tokens, self.block_size, self.checkpoint_blocks))
         else:  # K/V only: the blocks are slices of the cache, as far as it holds the tokens
             held = min((int(c.offset) for c in kv_cache if hasattr(c, "offset")), default=n_tokens)
             blocks = sliced_blocks(kv_cache, min(n_tokens, held), self.block_size)

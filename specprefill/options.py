@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFILL_STEP = 2048  # tokens per forward pass while prefilling (draft and target)
+# A stored hybrid prompt keeps its recurrent state at the end of its system prefix, at its
+# last full block, and after every this many blocks (0: only those two). 16 blocks (4K tokens
+# at 256) keeps a Qwen3.5-0.8B-shaped draft's bytes at 8K tokens within 1.4x its K/V alone
+# (one checkpoint is 6.2 blocks of its K/V) and bounds what a restore may have to recompute
+# (bench/cache_store.py measures both).
+STATE_CHECKPOINT_BLOCKS = 16
 MAX_SEED = 2**32 - 1
 MAX_TOKENS = 2**31 - 1  # token counts, like token ids, are int32 in the block store
 MAX_LOOKAHEAD = 256
@@ -23,6 +29,9 @@ MAX_POOL_KERNEL = 1023
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# What a worker's models compute in (specprefill.compute_dtype): "auto" is float32 on MLX's CPU
+# backend and the model's own dtype on Metal, "model" always the model's own.
+COMPUTE_DTYPES = ("auto", "model", "float32", "bfloat16", "float16")
 
 
 class OptionError(ValueError):
@@ -110,6 +119,8 @@ class ScoringOptions:
     ``n_lookahead`` tokens are sampled with ``temperature`` / ``top_p`` / ``seed`` (or
     ``greedy``); their queries, and the last prompt token's if ``include_last_query``,
     score the prompt; attention is pooled over ``pool_kernel`` positions (0 or 1: none).
+    ``allow_beyond_context`` lets the job run past the context window the draft's and the
+    target's configs declare (refused otherwise, when the worker tokenizes the prompt).
     How many tokens one forward pass prefills is the caller's (``prefill_step``), not an
     option: it does not change what is selected.
     """
@@ -121,10 +132,12 @@ class ScoringOptions:
     seed: int = 0
     pool_kernel: int = 13
     include_last_query: bool = True
+    allow_beyond_context: bool = False
 
     def __post_init__(self) -> None:
         _set(self, n_lookahead=check_integer("n_lookahead", self.n_lookahead, 0, MAX_LOOKAHEAD),
              include_last_query=check_flag("include_last_query", self.include_last_query),
+             allow_beyond_context=check_flag("allow_beyond_context", self.allow_beyond_context),
              pool_kernel=check_integer("pool_kernel", self.pool_kernel, 0, MAX_POOL_KERNEL))
         if not self.include_last_query and self.n_lookahead == 0:
             raise OptionError("n_lookahead", "0 needs include_last_query=true (no query would "
@@ -178,7 +191,8 @@ class GenerateOptions:
     seeded by ``seed`` (reproducible). Generation ends at EOS, after ``max_tokens`` tokens,
     or before the first occurrence of any ``stop`` string (one string or a list).
     ``full_prefill`` prefills the target with every prompt token (no draft scoring), for
-    comparison.
+    comparison. ``heal``: after a sparse prefill, queue a heal job (a full prefill of the
+    conversation the next turn renders, off the critical path; ``worker.heal``).
     """
 
     max_tokens: int = 256
@@ -188,10 +202,12 @@ class GenerateOptions:
     greedy: bool = False
     stop: tuple[str, ...] = ()
     full_prefill: bool = False
+    heal: bool = True
 
     def __post_init__(self) -> None:
         _set(self, max_tokens=check_integer("max_tokens", self.max_tokens, 1, MAX_TOKENS),
-             stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill))
+             stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill),
+             heal=check_flag("heal", self.heal))
         _check_sampling(self)
 
     @property

@@ -39,13 +39,16 @@ def score_with_cache(
     *,
     progress: Progress | None = None,
     prefill_step: int = PREFILL_STEP,
+    checkpoints: Sequence[int] = (),
 ) -> ScoreResult:
     """:func:`~specprefill.scoring.score_tokens` that prefills only what ``draft_cache`` lacks.
 
     Fetches the longest stored prefix of ``tokens``, scores the suffix on top of it (with
     prefill steps ending at block boundaries and the draft cache's recorder as ``on_step`` when
     it needs one: recurrent state and sliding windows are kept per block end during the one
-    prefill), then stores the prompt's new full blocks. ``result.cached_tokens`` says how many tokens came
+    prefill), then stores the prompt's new full blocks, with a hybrid model's recurrent state
+    at the prompt's checkpoints (its last full block, every few blocks, and the block ends at
+    or before each position in ``checkpoints``: the protected system prefix's end). ``result.cached_tokens`` says how many tokens came
     from the store. ``None`` scores cold and stores nothing. A restore that does not
     describe a proper prefix (wrong length) or does not fit the model (layer count, KV
     shapes, dtypes) is ignored and logged, and the prompt is scored cold.
@@ -54,7 +57,7 @@ def score_with_cache(
     if draft_cache is None:
         return score_tokens(profile, tokens, options, progress=progress, prefill_step=prefill_step)
     restored = _restore(profile, tokens, draft_cache)
-    recorder = draft_cache.recorder(tokens)
+    recorder = draft_cache.recorder(tokens, checkpoints)
     blocks = {} if recorder is None else {"block_size": draft_cache.block_size, "on_step": recorder}
     result = score_tokens(profile, tokens, options, kv_cache=restored, progress=progress,
                           prefill_step=prefill_step, **blocks)

@@ -117,7 +117,9 @@ def generate_tokens(
 
 
 def _check_cached_prefix(kv_cache: list, T: int) -> int:
-    offsets = {int(c.offset) for c in kv_cache if hasattr(c, "update_and_fetch")}
+    # KV layers, also inside a CacheList (falcon-h1: every layer is one; its recurrent member has no offset)
+    offsets = {int(m.offset) for c in kv_cache for m in (getattr(c, "caches", None) or (c,))
+               if hasattr(m, "update_and_fetch")}
     if len(offsets) > 1:
         raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
     cached = offsets.pop() if offsets else 0

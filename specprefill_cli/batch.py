@@ -33,6 +33,7 @@ from specprefill_cli.waiting import no_worker_note
 from jobs.connection import REDIS_DOWN, wait_for_redis
 from jobs.deadline import Deadline
 from jobs.progress import BatchProgress
+from jobs.rate import worked_tokens
 from jobs.settings import Settings
 
 ENDED = ("finished", "failed", "stopped", "canceled", "missing")
@@ -86,7 +87,7 @@ def plan_batch(client: Any, docs: list[Document], out_lines: list[dict[str, Any]
                common: dict[str, Any]) -> Plan:
     """Sort the documents into to run, already done, given twice, and refused."""
     finished = {r["job_id"]: r for r in out_lines if r.get("status") == "finished" and r.get("job_id")}
-    finished_by_id = {str(r.get("id")): r for r in finished.values()}
+    finished_by_identity = {line_identity(r): r for r in finished.values()}
     plan, seen = Plan(), {}
     for doc in docs:
         if doc.error is not None:
@@ -106,7 +107,7 @@ def plan_batch(client: Any, docs: list[Document], out_lines: list[dict[str, Any]
                 plan.skipped += 1
             seen.setdefault(key, doc.id)
             continue
-        earlier = finished_by_id.get(doc.id)
+        earlier = finished_by_identity.get(doc.identity)
         if earlier is not None:
             plan.conflicts.append(_changed(doc.id, earlier, spec))
             continue
@@ -114,6 +115,16 @@ def plan_batch(client: Any, docs: list[Document], out_lines: list[dict[str, Any]
         plan.todo.append((doc, spec))
         plan.listed.append((doc.id, key))
     return plan
+
+
+def line_identity(rec: dict[str, Any]) -> str:
+    """Which document an ``--out`` line is about: its ``source`` (the resolved path), else
+    (a line written before lines had one) its id, resolved when it names a file here."""
+    if rec.get("source"):
+        return str(rec["source"])
+    doc_id = str(rec.get("id"))
+    path = Path(doc_id)
+    return str(path.resolve()) if path.is_file() else doc_id
 
 
 def _changed(doc_id: str, earlier: dict[str, Any], spec: Any) -> str:
@@ -186,6 +197,8 @@ class BatchRun:
 
         doc, spec = self.docs[job_id]
         rec: dict[str, Any] = {"id": doc.id, "job_id": job_id, "status": status}
+        if doc.source:
+            rec["source"] = doc.source
         try:
             rec["result"] = result_json(self.handles[job_id].result(timeout=5))
         except JobFailed as exc:
@@ -207,17 +220,18 @@ class BatchRun:
             s["finished"] += 1
             for k in ("cached_tokens", "kept", "total"):
                 s[k] += rec["result"].get(k, 0)
+            s["worked_tokens"] += worked_tokens(rec["result"])
             return
         s["bad_input" if rec.get("bad_input") else "failed"] += 1
         self.unfinished.append(doc.id)
         self.display.line(f"{doc.id}: {rec['status']}: {rec.get('error', '')}")
 
     def total_row(self, view: BatchProgress) -> Row:
-        return total_row("overall", view, self.summary["total"], time.perf_counter() - self.t0)
+        return total_row("overall", view, self.summary["worked_tokens"], time.perf_counter() - self.t0)
 
 
 def compact(out_path: Path, redo: set[str]) -> None:
-    """Drop the not-finished lines of documents this run redoes (atomically), so the same
+    """Drop the not-finished lines of the documents (by identity) this run redoes (atomically), so the same
     document never has two lines; every finished line and every other document's line stays."""
     lines = out_path.read_text().splitlines() if out_path.exists() else []
     kept = []
@@ -226,7 +240,7 @@ def compact(out_path: Path, redo: set[str]) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by an interrupted run
-        if rec.get("status") == "finished" or str(rec.get("id")) not in redo:
+        if rec.get("status") == "finished" or line_identity(rec) not in redo:
             kept.append(line)
     if len(kept) != len(lines):
         tmp = out_path.with_name(out_path.name + ".tmp")
@@ -237,6 +251,8 @@ def compact(out_path: Path, redo: set[str]) -> None:
 def write_rejected(out: TextIO, rejected: list[tuple[Document, str]]) -> None:
     for doc, error in rejected:
         rec: dict[str, Any] = {"id": doc.id, "status": "rejected", "error": error, "bad_input": True}
+        if doc.source:
+            rec["source"] = doc.source
         if doc.meta:
             rec["meta"] = doc.meta
         out.write(json.dumps(rec) + "\n")
@@ -250,9 +266,9 @@ def run_batch(client: Any, docs: list[Document], out_path: Path, *, common: dict
     plan = plan_batch(client, docs, read_lines(out_path), common)
     summary: dict[str, Any] = {"documents": len(docs), "skipped": plan.skipped, "finished": 0,
                                "failed": 0, "bad_input": len(plan.rejected) + len(plan.conflicts), "cached_tokens": 0,
-                               "kept": 0, "total": 0, "elapsed_s": 0.0,
+                               "kept": 0, "total": 0, "worked_tokens": 0, "elapsed_s": 0.0,
                                "duplicates": plan.duplicates, "unfinished": [d.id for d, _ in plan.rejected]}
-    compact(out_path, {d.id for d, _ in plan.todo} | {d.id for d, _ in plan.rejected})
+    compact(out_path, {d.identity for d, _ in plan.todo} | {d.identity for d, _ in plan.rejected})
     with ProgressDisplay(progress) as display:
         for error in [e for _, e in plan.rejected] + plan.conflicts:
             display.line(f"skipped: {error}")

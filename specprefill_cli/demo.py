@@ -31,6 +31,7 @@ from specprefill_cli.options import SharedOptions
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
 from jobs.progress import BatchProgress
+from jobs.rate import worked_tokens
 from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
 
 DEMO_DIR = SHIPPED_MODELS / "demo"
@@ -183,7 +184,7 @@ def _follow_round(batch: Any, names: list[str], display: ProgressDisplay, t0: fl
         for jid, ev in view.last_events.items():
             if jid not in shown and ev.terminal:
                 shown.add(jid)
-                finished_tokens += int(ev.data.get("total", 0))
+                finished_tokens += worked_tokens(ev.data) if ev.kind == "done" else 0
                 display.line(_finished_line(name_of[jid], ev))
         display.show(running_rows(view, name_of), _total_row(view, finished_tokens, time.perf_counter() - t0))
 

@@ -73,6 +73,9 @@ def human(key: str, v: object) -> str:
     """A value as a person reads it: 20.0% not 0.20039980009995004, 1.2s, yes/no."""
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if key.endswith("_per_s") and isinstance(v, (int, float)):  # a rate, not a duration
+        unit = " tok/s" if key == "tokens_per_s" else "/s"
+        return f"{v:.1f}{unit}" if v < 10 else f"{v:.0f}{unit}"
     if isinstance(v, float):
         if key == "ratio" or key.endswith("_share"):
             return f"{100 * v:.1f}%"
@@ -86,6 +89,10 @@ def human(key: str, v: object) -> str:
 
 
 def _label(key: str) -> str:
+    if key == "tokens_per_s":  # "rate 1880 tok/s"
+        return "rate"
+    if key.endswith("_per_s"):  # "blocks_per_s": "blocks 12/s"
+        return key[:-len("_per_s")].replace("_", " ")
     return (key[:-2] if key.endswith("_s") else key).replace("_", " ")
 
 
@@ -111,17 +118,21 @@ def describe(ev: ProgressEvent) -> str:
     if ev.kind == "loading_model":
         return f"loading model {d.get('model', '?')}" + (f" as {d['role']}" if d.get("role") else "")
     if ev.kind == "done" and "kept" in d and "total" in d:
-        parts = [f"kept {d['kept']}/{d['total']} tokens ({human('ratio', d['kept'] / max(1, d['total']))})"]
+        share = d.get("ratio", d["kept"] / max(1, d["total"]))  # of the tokens not restored
+        parts = [f"kept {d['kept']}/{d['total']} tokens ({human('ratio', share)})"]
+        if d.get("restored_ratio"):
+            parts.append(f"restored {human('ratio', d['restored_ratio'])} of the prompt")
         if d.get("keep_effect") or d.get("reason"):
             parts.append(str(d.get("keep_effect") or d["reason"]))
-        parts.append(_pairs(d, skip=("kept", "total", "ratio", "reason", "keep_effect")))
+        parts.append(_pairs(d, skip=("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect")))
         return "done: " + ", ".join(p for p in parts if p)
     extra = _pairs(d)
     return ev.kind.replace("_", " ") + (f": {extra}" if extra else "")
 
 
 def total_row(name: str, view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
-    """The total row of a batch: the finished prompt tokens per wall second (cumulative, so
+    """The total row of a batch: the prompt tokens finished jobs got through by running
+    (memo hits excluded: :func:`jobs.rate.worked_tokens`) per wall second (cumulative, so
     it does not flicker between completions), the counts and the ETA."""
     eta = f", eta {human_seconds(view.eta_s)}" if view.eta_s else ""
     overall = finished_tokens / max(elapsed_s, 1e-9)

@@ -28,6 +28,13 @@ class Document:
     fields: dict[str, Any]
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # Which document this is whatever path named it: a file's resolved path (a JSONL line
+    # without an id: ``<resolved path>:<line>``); a JSONL line's own id is its identity.
+    source: str | None = None
+
+    @property
+    def identity(self) -> str:
+        return self.source or self.id
 
 
 def iter_documents(paths: Sequence[str]) -> Iterator[Document]:
@@ -41,26 +48,27 @@ def iter_documents(paths: Sequence[str]) -> Iterator[Document]:
         if not p.is_file():
             yield Document(path, {}, error=f"{path}: no such file")
             continue
+        source = str(p.resolve())
         try:
             content = p.read_text()
         except UnicodeDecodeError as exc:
-            yield Document(path, {}, error=f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                           "is it a binary file?")
+            yield Document(path, {}, source=source,
+                           error=f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); is it a binary file?")
             continue
         except OSError as exc:
-            yield Document(path, {}, error=f"{path}: cannot read it: {exc.strerror or exc}")
+            yield Document(path, {}, source=source, error=f"{path}: cannot read it: {exc.strerror or exc}")
             continue
         if p.suffix == ".jsonl":
-            yield from _jsonl_documents(path, content)
+            yield from _jsonl_documents(path, content, source)
         elif "\x00" in content:
-            yield Document(path, {}, error=f"{path}: holds NUL bytes; is it a binary file?")
+            yield Document(path, {}, source=source, error=f"{path}: holds NUL bytes; is it a binary file?")
         elif not content.strip():
-            yield Document(path, {}, error=f"{path}: empty document (nothing but whitespace)")
+            yield Document(path, {}, source=source, error=f"{path}: empty document (nothing but whitespace)")
         else:
-            yield Document(str(p), {"text": content})
+            yield Document(str(p), {"text": content}, source=source)
 
 
-def _jsonl_documents(path: str, content: str) -> Iterator[Document]:
+def _jsonl_documents(path: str, content: str, resolved: str) -> Iterator[Document]:
     for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
@@ -68,12 +76,13 @@ def _jsonl_documents(path: str, content: str) -> Iterator[Document]:
         try:
             doc = json.loads(line)
         except json.JSONDecodeError as exc:
-            yield Document(where, {}, error=f"{where}: not valid JSON: {exc}")
+            yield Document(where, {}, source=f"{resolved}:{n}", error=f"{where}: not valid JSON: {exc}")
             continue
         if not isinstance(doc, dict):
-            yield Document(where, {}, error=f"{where}: expected a JSON object")
+            yield Document(where, {}, source=f"{resolved}:{n}", error=f"{where}: expected a JSON object")
             continue
-        doc_id = str(doc.pop("id", where))
+        given = doc.pop("id", None)
+        doc_id = where if given is None else str(given)
         fields = {k: v for k, v in doc.items() if k in SPEC_FIELDS}
         meta = {k: v for k, v in doc.items() if k not in SPEC_FIELDS}
         error = None
@@ -82,7 +91,7 @@ def _jsonl_documents(path: str, content: str) -> Iterator[Document]:
             error = f"document {doc_id}: no text, tokens or messages{extra}"
         elif isinstance(fields.get("text"), str) and not fields["text"].strip():
             error = f"document {doc_id}: empty text (nothing but whitespace)"
-        yield Document(doc_id, fields, meta, error)
+        yield Document(doc_id, fields, meta, error, source=None if given is not None else f"{resolved}:{n}")
 
 
 def with_question(fields: dict[str, Any], question: str | None) -> dict[str, Any]:

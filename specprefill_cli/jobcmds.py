@@ -12,7 +12,7 @@ from specprefill_cli.options import CliError, SharedOptions, add_timeout_option,
 from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
 from specprefill_cli.waiting import timed_out
 from jobs.deadline import Deadline
-from jobs.settings import Settings
+from jobs.settings import Settings, heal_queue_name
 
 TERMINAL = ("finished", "failed", "stopped", "canceled")
 
@@ -49,7 +49,7 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
     rows = [{"id": doc, "job_id": jid, "status": statuses[jid], "last": lasts.get(jid)} for doc, jid in jobs]
     if args.json:
         print(json.dumps(rows if len(rows) > 1 or rows[0]["id"] else rows[0]))
-        return DONE
+        return status_exit(client, rows)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -57,6 +57,21 @@ def run_status(args: argparse.Namespace, settings: Settings) -> int:
               + (f"  ({r['last']})" if r["last"] and r["status"] not in TERMINAL else ""))
     if len(rows) > 1:
         print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    return status_exit(client, rows)
+
+
+def status_exit(client: Any, rows: list[dict[str, Any]]) -> int:
+    """The exit table for the jobs' statuses, as ``result`` gives it: 1 if one failed (not
+    for its input), was stopped or canceled; else 2 if one was refused for its input; else 0
+    (queued and running jobs have not failed)."""
+    from specprefill_cli.outcome import is_bad_input
+
+    ended_badly = {r["status"] for r in rows} & {"failed", "stopped", "canceled"}
+    if ended_badly - {"failed"}:
+        return JOB_FAILED
+    if "failed" in ended_badly:
+        refused = [is_bad_input(client.handle(r["job_id"]).error()) for r in rows if r["status"] == "failed"]
+        return BAD_INPUT if all(refused) else JOB_FAILED
     return DONE
 
 
@@ -106,12 +121,15 @@ def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
         before = h.status()
         if before in TERMINAL:
             continue
-        h.cancel(force=args.force)
+        outcome = h.cancel(force=args.force)  # released, canceled, stopping, or the status it reached
         asked += 1
-        after, others = h.status(), h.holders()
+        others = h.holders() if outcome == "released" else 0
+        if outcome == "released":  # it runs on for the others: say the state it is in
+            outcome = h.status()
         note = (f" (held by {others} other submitter(s): it runs for them; --force stops it "
-                "for everyone)" if after == before and others else "")
-        print(f"{doc + '  ' if doc else ''}{jid}: was {before}, now {after}{note}")
+                "for everyone)" if others else
+                " (the worker stops it at its next chunk; it ends stopped)" if outcome == "stopping" else "")
+        print(f"{doc + '  ' if doc else ''}{jid}: was {before}, now {outcome}{note}")
     if not asked:
         print("nothing to cancel: every job has already ended")
     return DONE
@@ -126,15 +144,24 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
         return run_status(args, settings)
     by_state = jobs_by_state(client.connection, queue, limit=args.limit)
     workers = listening_workers(client.connection, queue)
+    heal = heal_queue_name(queue)  # the heal jobs behind it (worker.heal), listed with it
+    heals = jobs_by_state(client.connection, heal, limit=args.limit) if heal != queue else None
     if args.json:
-        print(json.dumps({"queue": queue, "workers": workers, "jobs": by_state}))
+        shown = {"queue": queue, "workers": workers, "jobs": by_state}
+        print(json.dumps({**shown, "heal": {"queue": heal, "jobs": heals}} if heals is not None else shown))
         return DONE
+    _print_queue(queue, workers, by_state, args.limit)
+    if heals is not None and any(heals.values()):
+        _print_queue(heal, listening_workers(client.connection, heal), heals, args.limit)
+    return DONE
+
+
+def _print_queue(queue: str, workers: list[str], by_state: dict[str, list[str]], limit: int) -> None:
     print(f"queue {queue}: {len(workers)} workers" + (f" ({', '.join(workers)})" if workers else ""))
     for state, ids in by_state.items():
-        print(f"{state} ({len(ids)}{'+' if len(ids) >= args.limit else ''})")
+        print(f"{state} ({len(ids)}{'+' if len(ids) >= limit else ''})")
         for jid in ids:
             print(f"  {jid}")
-    return DONE
 
 
 def register(sub: Any, shared: SharedOptions) -> None:
@@ -150,6 +177,8 @@ def register(sub: Any, shared: SharedOptions) -> None:
                                    "2 if it was refused for its input.")
     p.add_argument("target", help=target_help)
     p.add_argument("--wait", action="store_true", help="wait for jobs that have not ended yet")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON lines (what result always prints; taken like every sibling's --json)")
     add_timeout_option(p)
     p.set_defaults(func=run_result)
 

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from jobs.connection import checked_connection
+from jobs.model_names import job_default
 from jobs.settings import Settings
 from jobs.spec import option_names
 from specprefill.options import GenerateOptions
@@ -126,8 +127,10 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
     s = settings or Settings()
     sel, sc = s.selection, s.scoring
     p.add_argument("--model", "--draft-model", dest="model",
-                   help=f"draft model: a local mlx-lm folder or a hub id (default: "
-                        f"{s.draft_model}, SPECPREFILL_DRAFT_MODEL; Python: draft_model= or model=)")
+                   help="draft model by name: 'draft', an alias or hub id the workers know, or a folder "
+                        f"on the worker (default: {job_default(s, 'draft')}, the name jobs send, which "
+                        "each worker resolves with its own SPECPREFILL_DRAFT_MODEL; Python: "
+                        "draft_model= or model=)")
     p.add_argument("--keep", type=float,
                    help="share of the prompt's chunks the target prefills, in (0, 1]; it applies "
                         f"only to prompts longer than --threshold, and the --tail-tokens come out "
@@ -144,6 +147,10 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
                    help=f"lookahead tokens the draft decodes to score the prompt (default: {sc.n_lookahead})")
     p.add_argument("--seed", type=int, help=(seed_help or "seeds the draft's lookahead sampling")
                    + " (default: 0)")
+    p.add_argument("--allow-beyond-context", dest="allow_beyond_context", action="store_true", default=None,
+                   help="run prompts longer than the draft's or the target's context window (the "
+                        "one its config declares; refused otherwise) (default: off, "
+                        "SPECPREFILL_ALLOW_BEYOND_CONTEXT)")
 
 
 def add_generate_options(p: argparse.ArgumentParser) -> None:
@@ -163,6 +170,8 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
                    help="stop before this string; repeatable (default: none)")
     p.add_argument("--full-prefill", dest="full_prefill", action="store_true", default=None,
                    help="prefill the target with every token, no draft, for comparison (default: off)")
+    p.add_argument("--no-heal", dest="heal", action="store_false", default=None,
+                   help="queue no heal job after a sparse prefill (default: heal, when the worker heals)")
 
 
 def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -16,10 +16,15 @@ from jobs.settings import Settings
 
 
 def print_submitted(handle: Any, as_json: bool) -> None:
-    """The id and status of a job just submitted (``--wait`` not given)."""
+    """A job just submitted (``--wait`` not given): its id alone on stdout, so
+    ``J=$(specprefill submit ...)`` holds it, and its status on stderr (or all as JSON)."""
     info = {"job_id": handle.id, "status": handle.status(), "created": handle.created}
-    print(json.dumps(info) if as_json else f"{handle.id} {info['status']}"
-          + ("" if handle.created else " (already submitted)"))
+    if as_json:
+        print(json.dumps(info))
+        return
+    print(handle.id, flush=True)
+    print(f"specprefill: job {info['status']}" + ("" if handle.created else " (already submitted)")
+          + f"; follow it with `specprefill watch {handle.id}`", file=sys.stderr)
 
 
 def print_failed(handle: Any, exc: Any, as_json: bool) -> int:

@@ -45,12 +45,24 @@ def require_job(handle: Any) -> str:
     return status
 
 
-def ended_status(handle: Any) -> tuple[int, str | None]:
-    """Exit status and message of a job whose events ended."""
+def ended_status(handle: Any, last: ProgressEvent | None) -> tuple[int, str | None]:
+    """Exit status and message of a job whose events ended with ``last``.
+
+    A ``done`` event is the job's end: the worker publishes it only once the result is
+    certain, and RQ marks the job finished a moment later, so RQ's status is not read then.
+    Otherwise RQ's status says how it ended (the terminal event's words when RQ has not
+    marked it yet)."""
+    from jobs.client import ended_reason
+
+    if last is not None and last.kind == "done" and not last.data.get("synthetic"):
+        return DONE, None
     status = handle.status()
     if status == "finished":
         return DONE, None
-    return failure(handle.id, status, handle.error() if status == "failed" else status)
+    if status not in ("failed", "stopped", "canceled") and last is not None and last.kind in ("failed", "stopped"):
+        status = last.kind  # the terminal event came before RQ marked the job
+        return failure(handle.id, status, str(last.data.get("error") or ended_reason(status)))
+    return failure(handle.id, status, handle.error() if status == "failed" else ended_reason(status))
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -60,12 +72,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     handle = client.handle(args.job)
     require_job(handle)
     try:
-        watch_job(handle, sys.stdout, as_json=args.json, timeout=args.timeout)
+        last = watch_job(handle, sys.stdout, as_json=args.json, timeout=args.timeout)
     except TimeoutError:
         raise timed_out(client, handle.id, args.timeout) from None
     except KeyboardInterrupt:
         raise interrupted(handle.id) from None
-    status, message = ended_status(handle)
+    status, message = ended_status(handle, last)
     if message:
         print(message, file=sys.stderr)
     return status

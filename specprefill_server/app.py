@@ -139,10 +139,12 @@ def create_app(settings: Settings | None = None, connection: redis.Redis | None 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        svc.shutdown.bind()
         loop_task = asyncio.create_task(_batch_loop(svc))
         try:
             yield
         finally:
+            svc.shutdown.begin()  # a stop without uvicorn's signal (tests, embedding) too
             loop_task.cancel()
             svc.runner.shutdown()
             svc.probes.close()

@@ -11,9 +11,9 @@ import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jobs.answer_stream import Finish
 from jobs.client import JobFailed, JobHandle, StreamDiverged
 from jobs.deadline import Deadline
-from jobs.results import GenerateResult
 from specprefill_server.convert import ChunkMaker, endpoint
 from specprefill_server.deadline import RequestDeadline, request_deadline
 from specprefill_server.errors import APIError, from_job_failure, redis_down, request_timeout
@@ -81,22 +81,27 @@ async def _answer(request: Request, url: str) -> Response:
 
 async def _stream(svc: ServerState, handle: JobHandle, maker: ChunkMaker, include_usage: bool,
                   url: str, started: float, deadline: Deadline, limit: RequestDeadline) -> AsyncIterator[str]:
-    """The SSE body: role chunk, a chunk per text delta as it is published, the finish chunk
-    (with ``specprefill``), the usage chunk if asked, ``[DONE]``. A job failure after the
-    headers went out is an ``error`` event, and so is the deadline (its hold released). A
-    client that goes away releases this request's hold on the job."""
+    """The SSE body: role chunk, a chunk per answer event as it is published (text, reasoning,
+    tool-call deltas: jobs.answer_stream), the finish chunk (with ``specprefill``), the usage
+    chunk if asked, ``[DONE]``. A job failure after the headers went out is an ``error`` event,
+    and so is the deadline (its hold released). A client that goes away releases this
+    request's hold on the job."""
     ended = False
     try:
         first = maker.first()
         if first is not None:
             yield sse(first)
-        sent_text = False
-        async for delta in svc.runner.stream_text(handle, deadline.left()):
-            if not sent_text:
+        sent, result = False, None
+        async for ev in svc.runner.stream_answer(handle, deadline.left()):
+            if isinstance(ev, Finish):
+                result = ev.result
+                break
+            if not sent:
                 svc.metrics.first_chunk.observe(time.perf_counter() - started)
-                sent_text = True
-            yield sse(maker.text(delta))
-        result: GenerateResult = await svc.runner.call(handle.result, 30)
+                sent = True
+            yield sse(maker.event(ev))
+        if result is None:  # the contract ends with Finish; a stream without it is a bug
+            raise RuntimeError(f"job {handle.id}: the answer stream ended without its finish")
         ended = True
         svc.metrics.answered(url, result, started, mode="stream")
         yield sse(maker.last(result))

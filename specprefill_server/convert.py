@@ -7,46 +7,63 @@ Batch API and the offline ``specprefill batch --openai``.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
+from jobs.answer_stream import (AnswerEvent, Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart,
+                                arguments_json)
 from jobs.results import GenerateResult
 from specprefill_server.errors import APIError, bad_request
 from specprefill_server.openai_types import SPECPREFILL_FIELDS, ChatCompletionRequest, CompletionRequest
 
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+# Fields of an assistant message the SDK sends back empty when a client replays the message
+# (and an empty tool_calls list: no calls).
+ECHOED_EMPTY = frozenset({"refusal", "audio", "function_call", "annotations", "tool_calls"})
 # Phases before the first token, in the order they run (GenerateResult.timings keys), for
 # results of workers that do not report ``ttft_phases`` themselves.
 TTFT_PHASES = ("load_models", "tokenize", "draft_scoring", "selection", "target_prefill")
 
 
-def _text_content(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}: expected a string or a list of text parts", where)
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}]: only {{\"type\": \"text\", \"text\": ...}} parts are "
-                              "supported", f"{where}[{j}]", code="unsupported_value")
-        texts.append(part["text"])
-    return "".join(texts)
+def _arguments(value: Any, where: str) -> Any:
+    """A call's arguments as the object the conversation format carries (OpenAI sends JSON text)."""
+    if not isinstance(value, str):
+        return value  # an object already; the spec checks it
+    try:
+        return json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"{where}: not valid JSON ({exc.msg} at character {exc.pos})", where) from None
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages as the spec's ``{role, content}`` pairs; anything the chat template
-    could not be given (names, tool calls, images) is refused by its field."""
+def _tool_calls(calls: Any, where: str) -> Any:
+    if not isinstance(calls, list):
+        return calls  # the spec names what is wrong with it
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and "arguments" in fn:
+            call = {**call, "function": {**fn, "arguments": _arguments(fn["arguments"],
+                                                                       f"{where}[{k}].function.arguments")}}
+        out.append(call)
+    return out
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages in the conversation format (jobs.conversation), one for one, so the
+    spec's errors name the request's own fields: tool-call arguments parsed from their JSON
+    text, ``reasoning`` (mlx-lm's and vLLM's name) as ``reasoning_content``, and the empty
+    fields an SDK echoes back in an assistant message (``refusal``, ``audio``, ...) dropped."""
     out = []
     for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:
-            raise bad_request(f"{where}.{extra[0]}: not supported (messages carry role and content)",
-                              f"{where}.{extra[0]}", code="unsupported_parameter")
-        if "content" not in m or m["content"] is None:
-            raise bad_request(f"{where}.content: missing", f"{where}.content")
-        out.append({"role": m.get("role"), "content": _text_content(m["content"], f"{where}.content")})
+        if not isinstance(m, Mapping):
+            out.append(m)
+            continue
+        m = {k: v for k, v in m.items() if not (k in ECHOED_EMPTY and not v)}
+        if "reasoning" in m and "reasoning_content" not in m:
+            m["reasoning_content"] = m.pop("reasoning")
+        if m.get("tool_calls") is not None:
+            m["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        out.append(m)
     return out
 
 
@@ -101,7 +118,8 @@ def specprefill_info(result: GenerateResult) -> dict[str, Any]:
     """What SpecPrefill did for this answer: kept share, block-store tokens, TTFT by phase."""
     return {
         "job_id": result.job_id,
-        "kept_ratio": round(result.ratio, 6),
+        "kept_ratio": round(result.ratio, 6),  # of the tokens not restored (what was selected over)
+        "restored_ratio": round(result.restored_ratio, 6),
         "kept_tokens": result.kept,
         "prompt_tokens": result.total,
         "cached_tokens": result.cached_tokens,
@@ -124,11 +142,30 @@ def completion_id(job_id: str, prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{job_id.rsplit('-', 1)[-1][:24]}"
 
 
+def tool_calls(result: GenerateResult) -> list[dict[str, Any]]:
+    """The answer's tool calls as OpenAI spells them (arguments as JSON text)."""
+    return [{"id": c["id"], "type": "function",
+             "function": {"name": c["name"], "arguments": arguments_json(c["arguments"])}}
+            for c in result.tool_calls]
+
+
+def assistant_message(result: GenerateResult) -> dict[str, Any]:
+    """The answer as a chat message: content as generated (null when the turn is only tool
+    calls), the reasoning as ``reasoning_content``, the tool calls."""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": None if result.tool_calls and not result.text else result.text}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = tool_calls(result)
+    return message
+
+
 def chat_completion(result: GenerateResult, *, model: str, created: int) -> dict[str, Any]:
     return {
         "id": completion_id(result.job_id), "object": "chat.completion", "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+        "choices": [{"index": 0, "message": assistant_message(result),
                      "logprobs": None, "finish_reason": FINISH_REASONS[result.finish_reason]}],
         "usage": usage(result), "specprefill": specprefill_info(result),
     }
@@ -156,13 +193,33 @@ class ChunkMaker:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _choice(self, text: str | None, finish: str | None, role: bool = False,
+                **delta_fields: Any) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            delta.update(delta_fields)
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def event(self, ev: AnswerEvent) -> dict[str, Any] | None:
+        """The chunk of one answer event (jobs.answer_stream); None for :class:`Finish`
+        (:meth:`last` and :meth:`usage` make its chunks). A tool call streams as OpenAI's
+        ``delta.tool_calls``: index, id and name first, then its argument fragments."""
+        if isinstance(ev, TextDelta):
+            return self.text(ev.text)
+        if isinstance(ev, ReasoningDelta):
+            return self._chunk([self._choice(None, None, reasoning_content=ev.text)])
+        if isinstance(ev, ToolCallStart):
+            call = {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            return self._chunk([self._choice(None, None, tool_calls=[call])])
+        if isinstance(ev, ToolCallArguments):
+            call = {"index": ev.index, "function": {"arguments": ev.delta}}
+            return self._chunk([self._choice(None, None, tool_calls=[call])])
+        if isinstance(ev, Finish):
+            return None
+        raise TypeError(f"not an answer event: {ev!r:.80}")
 
     def first(self) -> dict[str, Any] | None:
         """The role chunk chat streams open with (text completions have none)."""

@@ -18,13 +18,14 @@ from jobs.spec import JobSpecError
 # The field a JobSpecError names: "messages[2].content: ...", "keep: ...".
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):\s")
 # How a worker-side failure names a bad-input error in the job's last traceback line.
-_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ValueError|UnknownModelError): (.*)$", re.S)
+_WORKER_ERROR = re.compile(r"^(?:[\w.]+\.)?(JobSpecError|ContextLengthError|ValueError|UnknownModelError): (.*)$",
+                           re.S)
 # The code of an error raised without one: what its status means.
 STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
                 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
                 429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable",
                 504: "request_timeout"}
-# Reserved for the context guard (a prompt longer than the target's context window).
+# The context guard: a prompt (plus max_tokens) longer than the draft's or the target's window.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -101,8 +102,12 @@ def redis_down(exc: Exception) -> APIError:
 
 def from_job_failure(status: str, error: str) -> APIError:
     """A job that ended failed or stopped: bad input the worker found is 400 (a model it
-    cannot find: :func:`model_not_found`), the rest 500."""
+    cannot find: :func:`model_not_found`; a prompt beyond a model's context window:
+    ``context_length_exceeded``), the rest 500."""
     m = _WORKER_ERROR.match(error or "")
+    if status == "failed" and m and m.group(1) == "ContextLengthError":
+        spec_error = from_spec_error(JobSpecError(m.group(2)))
+        return bad_request(spec_error.message, spec_error.param, code=CONTEXT_LENGTH_EXCEEDED)
     if status == "failed" and m and m.group(1) == "UnknownModelError":
         field = field_of(m.group(2)) or "model"
         return model_not_found(field, from_spec_error(JobSpecError(m.group(2))).message)

@@ -136,7 +136,7 @@ class ServerMetrics:
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Answers: how long their job waited in "
                                     "the queue (enqueued to started)", buckets=WAIT_BUCKETS, registry=r)
         self.kept_ratio = Histogram(p + "kept_ratio", "Answers: the share of prompt tokens kept "
-                                    "(1: prefilled whole)", buckets=KEPT_BUCKETS, registry=r)
+                                    "of those not restored (1: prefilled whole)", buckets=KEPT_BUCKETS, registry=r)
 
     def answered(self, endpoint: str, result: GenerateResult, started: float | None,
                  mode: str = "sync") -> None:
@@ -148,7 +148,7 @@ class ServerMetrics:
             self.job_duration.labels(endpoint).observe(time.perf_counter() - started)
         self.ttft.observe(result.ttft_s)
         if result.total > 0:
-            self.kept_ratio.observe(result.kept / result.total)
+            self.kept_ratio.observe(result.ratio)
         if "queue_wait" in result.timings:
             self.queue_wait.observe(result.timings["queue_wait"])
         self.prompt_tokens.inc(result.total)

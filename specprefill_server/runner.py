@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from starlette.requests import Request
 
+from jobs.answer_stream import AnswerEvent, answer_events
 from jobs.client import Client, JobHandle
 from jobs.inspect import queue_depth
 from jobs.spec import JobSpec
@@ -47,7 +48,8 @@ def give_up(handle: JobHandle) -> None:
     try:
         handle.cancel()
     except Exception as exc:  # Redis down: the job runs to its end and nobody reads it
-        log.warning("could not cancel job %s: %s", handle.id, exc)
+        log.warning("could not cancel job %s: %s", handle.id, exc,
+                    extra={"event": "job_cancel_failed", "job_id": handle.id})
 
 
 class DaemonPool(Executor):
@@ -115,7 +117,10 @@ class JobRunner:
         if admit is not None:
             admit()
         self.check_capacity()
-        return self.client.submit(spec)
+        handle = self.client.submit(spec)
+        log.info("job %s submitted (%s)", handle.id, spec.kind,
+                 extra={"event": "job_submitted", "job_id": handle.id})
+        return handle
 
     async def submit(self, spec: JobSpec, admit: Callable[[], None] | None = None) -> JobHandle:
         """Enqueue ``spec`` after ``admit()`` (a check that raises to refuse it) in the same
@@ -183,6 +188,11 @@ class JobRunner:
         """A generate job's text deltas as the worker publishes them (JobFailed, ... raised;
         ``TimeoutError`` once ``timeout`` passed)."""
         return self.iterate(partial(handle.stream_text, timeout))
+
+    def stream_answer(self, handle: JobHandle, timeout: float | None = None) -> AsyncIterator[AnswerEvent]:
+        """A generate job's answer events (jobs.answer_stream) as the worker publishes them,
+        ending with ``Finish`` (JobFailed, ... raised; ``TimeoutError`` once ``timeout`` passed)."""
+        return self.iterate(partial(answer_events, handle, timeout))
 
     def cancel(self, handle: JobHandle) -> None:
         """:func:`give_up` in the pool, not waited for (the caller may be being canceled)."""

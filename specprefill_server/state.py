@@ -3,7 +3,7 @@ the live-model check and the health probes."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -14,6 +14,7 @@ from jobs.settings import Settings
 from specprefill_server.errors import APIError
 from specprefill_server.metrics import ServerMetrics
 from specprefill_server.runner import JobRunner
+from specprefill_server.shutdown import Shutdown
 
 if TYPE_CHECKING:
     from specprefill_server.availability import ModelGate
@@ -31,6 +32,7 @@ class ServerState:
     batches: "BatchService"
     models: "ModelGate"
     probes: "Probes"
+    shutdown: Shutdown = field(default_factory=Shutdown)  # set when the server stops
 
 
 def state(request: Request) -> ServerState:

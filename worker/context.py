@@ -31,6 +31,7 @@ class JobContext:
     runtime: WorkerRuntime
     publisher: ProgressPublisher
     draft_deadline: float | None = None  # time.perf_counter() the draft must finish by
+    queue: str = ""  # the RQ queue the job came from ("": run directly)
 
     def start_draft(self) -> None:
         """Start the draft's time budget (``draft_timeout_s``; 0: none)."""

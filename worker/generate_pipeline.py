@@ -12,7 +12,8 @@ the target, decode, stream, store the target's prefix.
    positions on top of the restored prefix; a failure of the draft or of the sparse prefill
    falls back to a plain prefill (``worker.fallback``).
 5. The target decodes; then the full blocks of the prompt's contiguously prefilled prefix
-   are stored for the next job (after the answer, so they cost no TTFT).
+   are stored for the next job (after the answer, so they cost no TTFT), and a prompt the
+   target did not prefill in order queues a heal of the conversation (``worker.heal``).
 
 The reporter's stop check runs after every target prefill chunk and before every generated
 token; the sparse session restores the model on any exit. The target's prefix and sparse
@@ -32,14 +33,17 @@ from specprefill.options import GenerateOptions
 from specprefill.selection import to_ranges
 from worker import target_prefill
 from worker.admission import two_stage_admission
+from worker.answer_split import AnswerSplitter, splits_answer
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
+from worker.heal import heal_skip_reason, healed_counts, queue_heal
 from worker.models import LoadedModel
+from worker.context_window import check_context
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.reporting import JobReporter
-from worker.selection_pipeline import load_model, prompt_warnings, select_prompt
-from worker.target_prefix import TargetPrefixCache, contiguous_prefix
+from worker.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
+from worker.target_prefix import TargetPrefixCache, contiguous_prefix, prefix_cache
 from worker.tokenizer_pair import check_pair_once
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class _Prompt:
     restored_cache: list | None = None
     restored: int = 0
     prefix: TargetPrefixCache | None = None
+    recorder: Any = None  # the prefix prefill's block recorder (a hybrid or windowed target's)
     selection: PrefillResult | None = None
     reason: str | None = None
     fallback: str | None = None
@@ -75,6 +80,7 @@ class _Decoded:
     contiguous: int  # leading prompt tokens the target's cache holds in order
     target: dict[str, int] = field(default_factory=dict)
     kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
+    splitter: AnswerSplitter | None = None  # a chat answer's content, reasoning and tool calls
 
 
 def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
@@ -84,9 +90,24 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     timings: dict[str, float] = {}
     prompt = _target_prompt(spec, opts, ctx, timings)
     _plan(spec, opts, ctx, prompt, timings)
-    decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0)
+    splitter = _splitter(spec, ctx, prompt)
+    decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0, splitter)
+    # After the answer (no TTFT): what of the restored prefix heals made, and this turn's heal.
+    decoded.target["healed"] = healed_counts(prompt.prefix, prompt.tokens, prompt.restored)
+    heal = _heal(spec, ctx, prompt, decoded)
     timings["total"] = time.perf_counter() - t0
-    return _result(spec, prompt, ctx, decoded, timings).to_json()
+    result = _result(spec, prompt, ctx, decoded, timings)
+    result.heal = heal
+    return result.to_json()
+
+
+def _heal(spec: JobSpec, ctx: JobContext, prompt: _Prompt, decoded: _Decoded) -> dict[str, Any]:
+    """Queue the heal of this turn (``worker.heal``), or say why not."""
+    reason = heal_skip_reason(spec, ctx, len(prompt.tokens), decoded.contiguous, prompt.prefix is not None)
+    if reason is not None:
+        return {"queued": False, "reason": reason}
+    return queue_heal(spec, ctx, prompt.target, prompt.tokens, decoded.contiguous, _assistant_message(decoded),
+                      list(decoded.stream.ids))
 
 
 def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
@@ -96,9 +117,11 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     t = time.perf_counter()
     prompt = tokenize_prompt(spec, target.tokenizer)
     check_prompt(prompt.tokens, target, ctx.settings)
+    check_context(len(prompt.tokens), opts.max_tokens, "max_tokens", target.context, "target",
+                  allowed=spec.scoring.allow_beyond_context)
     check_positions(prompt.tokens, opts.max_tokens, target)
     timings["tokenize"] = time.perf_counter() - t
-    out = _Prompt(target, prompt, prefix=_prefix_cache(ctx, target),
+    out = _Prompt(target, prompt, prefix=prefix_cache(ctx, target),
                   warnings=prompt_warnings(ctx, prompt.tokens, target.tokenizer))
     if out.prefix is not None:
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
@@ -107,16 +130,12 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     return out
 
 
-def _prefix_cache(ctx: JobContext, target: LoadedModel) -> TargetPrefixCache | None:
-    """The target's prefix store, or None (turned off, or it cannot be made here: a miss)."""
-    backend = ctx.runtime.backend
-    if not ctx.settings.target_prefix_cache or backend.target_store is None:
+def _splitter(spec: JobSpec, ctx: JobContext, prompt: _Prompt) -> AnswerSplitter | None:
+    """A chat answer's splitter into content, reasoning and tool calls (None: the text as it is)."""
+    tokenizer = prompt.target.tokenizer
+    if spec.messages is None or not splits_answer(tokenizer, bool(spec.tools)):
         return None
-    try:
-        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
-    except Exception as exc:  # the job runs without it, exactly as it would with a miss
-        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
-        return None
+    return AnswerSplitter(tokenizer, tools=spec.tools, prompt=prompt.tokens, job_id=ctx.job_id)
 
 
 def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
@@ -146,7 +165,7 @@ def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
     t = time.perf_counter()
     p = prompt.prompt
     protected = PromptTokens(p.tokens, max(p.protected_prefix, prompt.restored), p.boundary_reason)
-    selection, _ = select_prompt(spec, ctx, draft, prompt=protected)
+    selection, _ = select_prompt(spec, ctx, draft, prompt=protected, spans=False)
     st = selection.timings
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
@@ -176,7 +195,12 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
             stack.close()  # the genuine ropes back before the plain prefill
             prompt.restored_cache, prompt.restored = None, 0  # the failed pass extended it
-    cache = _prefix(prompt, ctx, reporter, min(prompt.prompt.protected_prefix, len(tokens) - 1), timings)
+    end = min(prompt.prompt.protected_prefix, len(tokens) - 1)
+    if prompt.prefix is not None and prompt.prefix.recorder(end) is not None:
+        # A hybrid target's prompt is restorable up to a checkpoint only: its last full block's
+        # end is one, so the prefix steps (block steps) go on to there.
+        end = max(end, (len(tokens) - 1) // ctx.settings.block_size * ctx.settings.block_size)
+    cache = _prefix(prompt, ctx, reporter, end, timings)
     from specprefill.sparse import full_prefill
 
     bits, group = ctx.settings.kv_quantization("target")
@@ -189,15 +213,17 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
             timings: dict[str, float]) -> list | None:
     t = time.perf_counter()
     bits, group = ctx.settings.kv_quantization("target")
+    system = (prompt.prompt.protected_prefix,)
+    prompt.recorder = None if prompt.prefix is None else prompt.prefix.recorder(end, system)
     cache = target_prefill.prefill_prefix(prompt.target.model, prompt.tokens, prompt.restored_cache, end,
                                           block_size=ctx.settings.block_size, progress=reporter.begin(),
-                                          kv_bits=bits, kv_group_size=group)
+                                          kv_bits=bits, kv_group_size=group, on_step=prompt.recorder)
     timings["target_prefix"] = time.perf_counter() - t
     return cache
 
 
-def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
-                        timings: dict[str, float], t0: float) -> _Decoded:
+def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, timings: dict[str, float],
+                        t0: float, splitter: AnswerSplitter | None = None) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
     from specprefill.sparse import generate_tokens
 
@@ -207,7 +233,7 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         timings["target_prefill"] = state.seconds
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
-        reporter.begin_decode(stream, opts.max_tokens)
+        reporter.begin_decode(stream, opts.max_tokens, splitter)
         ttft, finish = None, "length"
         for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
                                      sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
@@ -225,14 +251,17 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         timings["decode"] = time.perf_counter() - reporter.decode_started
     _store_prefix(prompt, ctx, cache, contiguous, timings)
     del logits, cache
-    return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges)
+    if splitter is not None and splitter.tool_calls and finish in ("eos", "stop"):
+        finish = "tool_calls"
+    return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges,
+                    splitter=splitter)
 
 
 def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int,
                   timings: dict[str, float]) -> None:
     if prompt.prefix is None:
         return
-    written = prompt.prefix.save(prompt.tokens, cache, contiguous)
+    written = prompt.prefix.save(prompt.tokens, cache, contiguous, prompt.recorder)
     timings["target_store"] = prompt.prefix.timings.get("target_store", 0.0)
     ctx.publisher.publish("target_cache_store", blocks=written)
 
@@ -241,7 +270,7 @@ def _target_counts(prompt: _Prompt, decoded: _Decoded) -> dict[str, int]:
     """Prompt tokens the target restored, prefilled in full (contiguously) and sparsely."""
     state, restored = decoded.state, prompt.restored
     full = max(0, decoded.contiguous - restored)
-    return {"restored": restored, "prefilled_full": full,
+    return {"restored": restored, "healed": decoded.target.get("healed", 0), "prefilled_full": full,
             "prefilled_sparse": max(0, state.kept_tokens - restored - full),
             "blocks_written": prompt.prefix.blocks_written if prompt.prefix is not None else 0}
 
@@ -255,20 +284,56 @@ def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
     return {k: round(v, 6) for k, v in phases.items()}
 
 
+def _answer(decoded: _Decoded) -> dict[str, Any]:
+    """The answer's text, and for a split chat answer its reasoning and tool calls."""
+    split = decoded.splitter
+    if split is None:
+        return {"text": decoded.stream.text}
+    return {"text": split.content, "reasoning": split.reasoning, "tool_calls": list(split.tool_calls)}
+def _assistant_message(decoded: _Decoded) -> dict[str, Any]:
+    """This turn's answer as the next turn's request carries it (its tool calls and reasoning too)."""
+    answer = _answer(decoded)
+    message: dict[str, Any] = {"role": "assistant", "content": answer["text"]}
+    if answer.get("tool_calls"):
+        message["tool_calls"] = answer["tool_calls"]
+    if answer.get("reasoning"):
+        message["reasoning_content"] = answer["reasoning"]
+    return message
+
+
+def _keep_effect(spec: JobSpec, prompt: _Prompt, used: PrefillResult | None, kept: int) -> str | None:
+    """Why more was kept than keep asked for. A restored prefix is held whole and not selected
+    over (the kept share, ``ratio``, is of the other tokens): said first, then the selection's
+    own effect over those tokens."""
+    if used is None:
+        return f"keep had no effect: {prompt.reason}"
+    restored, total = prompt.restored, len(prompt.tokens)
+    if not restored:
+        return used.keep_effect
+    from specprefill.selection import keep_effect
+
+    inner = keep_effect(total - restored, kept - restored, spec.selection,
+                        max(0, prompt.prompt.protected_prefix - restored))
+    note = (f"the target restored its first {restored} tokens ({100 * restored / total:.1f}% of the prompt) "
+            f"from the block store, held whole and not selected over: keep {spec.selection.keep:g} applies "
+            f"to the other {total - restored} tokens")
+    return note + (f"; {inner}" if inner else "")
+
+
 def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
             timings: dict[str, float]) -> GenerateResult:
     sel, state, total = prompt.selection, decoded.state, len(prompt.tokens)
     used = sel if prompt.fallback is None else None  # the selection the target prefilled
+    kept_ranges = [(0, total)] if used is None else decoded.kept_ranges
     scored = {"draft_scoring": total - sel.cached_tokens} if sel is not None and not sel.memo_hit else {}
     counts = _target_counts(prompt, decoded)
     ttft = decoded.ttft_s if decoded.ttft_s is not None else timings["total"]
     return GenerateResult(
-        job_id=ctx.job_id, text=decoded.stream.text, finish_reason=decoded.finish_reason,
+        job_id=ctx.job_id, finish_reason=decoded.finish_reason, **_answer(decoded),
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=spec.generate.full_prefill,
         reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
-        keep_effect=f"keep had no effect: {prompt.reason}" if used is None else used.keep_effect,
-        kept_ranges=[(0, total)] if used is None else decoded.kept_ranges,
+        keep_effect=_keep_effect(spec, prompt, used, state.kept_tokens), kept_ranges=kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
         tail_start=None if used is None else used.tail_start,
         cached_tokens=sel.cached_tokens if sel is not None else 0,
@@ -276,10 +341,12 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         memo_hit=sel.memo_hit if sel is not None else False,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
         draft_name=sel.draft_name if sel is not None else "", target_name=spec.target_model,
-        warnings=prompt.warnings,
+        warnings=prompt.warnings + (decoded.splitter.warnings if decoded.splitter is not None else []),
         target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft),
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
                                      "decode": decoded.tokens, **scored}),
         draft_timings=dict(sel.timings) if sel is not None else {},
+        importance_curve=used.importance_curve if used is not None else None,
+        spans=kept_spans(spec, ctx, prompt.target.tokenizer, prompt.tokens, kept_ranges),
     )

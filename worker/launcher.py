@@ -3,11 +3,11 @@ and ``specprefill worker`` run (the worker never goes through the client's CLI).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Sequence
 
 from jobs.connection import RedisUnreachable, checked_connection
+from jobs.log_format import LOG_FORMATS, configure_logging
 from jobs.settings import Settings
 from worker.boot import preload_blas
 
@@ -35,6 +35,9 @@ def add_worker_options(p: argparse.ArgumentParser, *, log_level_option: bool = T
     if log_level_option:
         p.add_argument("--log-level", type=log_level, default="INFO",
                        help="debug, info, warning or error, any case (default: INFO)")
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="text lines, or one JSON object per line with job_id, worker and event "
+                        "(default: settings log_format, SPECPREFILL_LOG_FORMAT, text)")
 
 
 def launch(args: argparse.Namespace, settings: Settings) -> int:
@@ -45,7 +48,7 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
     from worker.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.log_level, args.log_format or settings.log_format)
     if args.preload:  # one source of truth: the allow-list admits what the worker preloads
         settings = settings.replace(preload_models=tuple(args.preload))
     conn = checked_connection(args.redis_url, settings)

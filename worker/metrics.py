@@ -55,7 +55,7 @@ class WorkerMetrics:
                                     "started (RQ's records)", ("kind",), buckets=WAIT_BUCKETS,
                                     registry=registry)
         self.kept_ratio = Histogram(p + "kept_ratio", "Finished jobs: the share of prompt tokens kept "
-                                    "(1: prefilled whole)", ("kind",), buckets=KEPT_BUCKETS,
+                                    "of those not restored (1: prefilled whole)", ("kind",), buckets=KEPT_BUCKETS,
                                     registry=registry)
         self.models_loaded = Gauge(p + "models_loaded", "Models in this worker's pool", registry=registry)
 
@@ -73,7 +73,7 @@ class WorkerMetrics:
         total, cached = int(result.get("total", 0)), int(result.get("cached_tokens", 0))
         self.prompt_tokens.labels(kind).inc(total)
         if total > 0:
-            self.kept_ratio.labels(kind).observe(int(result.get("kept", total)) / total)
+            self.kept_ratio.labels(kind).observe(float(result.get("ratio", int(result.get("kept", total)) / total)))
         self.cached_tokens.inc(cached)
         self.blocks_written.inc(int(result.get("blocks_written", 0)))
         if result.get("fallback"):

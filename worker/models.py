@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from jobs.model_names import ModelCatalog, UnknownModelError, looks_like_path
+from worker.context_window import ContextWindow, context_window, model_config
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
     from specprefill.attention.target import TargetProfile
@@ -143,6 +144,8 @@ class LoadedModel:
     profile: ModelProfile | None = None  # as a draft: layer roles, cache layout (None: not yet, or a fake)
     target_profile: TargetProfile | None = None  # as a target: ropes, factors, window (None: not yet)
     roles: frozenset[str] = frozenset()  # roles verified ("draft", "target")
+    context: ContextWindow | None = None  # the window its config declares (None: it declares none)
+    dtypes: tuple[str, ...] = ()  # its parameters' dtypes after the compute-dtype cast ("": not an mlx model)
 
 
 def _vocab_size(model: Any) -> int | None:
@@ -156,6 +159,21 @@ def warm_up(model: Any) -> None:
     import mlx.core as mx
 
     mx.eval(model(mx.array([[1, 2, 3, 4]])))
+
+
+def computing_in(model: Any, compute_dtype: str) -> tuple[Any, tuple[str, ...]]:
+    """``model`` cast to the worker's ``compute_dtype`` (``Settings.compute_dtype``; quantized
+    weights dequantized) and its parameter dtypes; a model that is no mlx module is left as it is."""
+    import mlx.nn as nn
+
+    if not isinstance(model, nn.Module):
+        return model, ()
+    from specprefill.compute_dtype import cast, parameter_dtypes, resolve
+
+    dtype = resolve(compute_dtype)
+    if dtype is not None:
+        cast(model, dtype)
+    return model, parameter_dtypes(model)
 
 
 def _default_loader(name: str) -> tuple[Any, Any]:
@@ -234,11 +252,13 @@ class ModelPool:
                  identify: Callable[[str], str] | None = None,
                  warm: Callable[[Any], None] = warm_up,
                  catalog: ModelCatalog | None = None, allow_downloads: bool = False,
-                 prompt_tools: Callable[[str], tuple[Any, int | None]] | None = None) -> None:
+                 prompt_tools: Callable[[str], tuple[Any, int | None]] | None = None,
+                 compute_dtype: str = "model") -> None:
         if capacity < 1:
             raise ValueError(f"model_lru_size: {capacity}, must be >= 1")
         self.capacity = capacity
         self.block_size = block_size
+        self.compute_dtype = compute_dtype
         self._loader, self._fingerprint = loader, fingerprint
         self._profile = profile or draft_profiler()
         self._target_profile = target_profile or target_profiler()
@@ -308,12 +328,14 @@ class ModelPool:
             model, tokenizer = self._loader(where.path)
         except (ValueError, OSError, KeyError) as exc:  # mlx-lm's "model type not supported" too
             raise ValueError(f"{field}: {name[:200]!r}: {scrub(str(exc), source, where.path)}") from None
+        model, dtypes = computing_in(model, self.compute_dtype)
         self._warm(model)
         loaded = LoadedModel(name, model, tokenizer, where.identity, "", _vocab_size(model),
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, context=context_window(model_config(where.path, model)),
+                             dtypes=dtypes)
         self.loads += 1
-        log.info("model %s loaded from %s in %.2fs (%s)", name, where.path, loaded.load_seconds,
-                 where.identity)
+        log.info("model %s loaded from %s in %.2fs (%s, computing in %s)", name, where.path,
+                 loaded.load_seconds, where.identity, "/".join(dtypes) or "its own dtype")
         self._models[where.path] = loaded
         return loaded
 

@@ -51,21 +51,35 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
     return n
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], template: Template = Template()) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
+            generation_prompt: bool = True) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise JobSpecError("messages: the model's tokenizer has no chat template; "
                            "send text or tokens instead")
     kwargs = dict(template.args or {})
     if template.tools:
         kwargs["tools"] = [dict(t) for t in template.tools]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         **kwargs)
+
+
+def render_tokens(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
+                  generation_prompt: bool = True) -> list[int]:
+    """``messages`` rendered by the chat template and tokenized as a job's prompt is."""
+    return _encode(tokenizer, _render(tokenizer, messages, template, generation_prompt=generation_prompt),
+                   special=False)
+
+
+def chat_messages(spec: JobSpec) -> list[dict[str, Any]]:
+    """A chat job's messages as the chat template takes them."""
+    return [dict(m) for m in spec.messages or ()]
 
 
 def _encode(tokenizer: Any, text: str, *, special: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=special))
 
 
-def _leading_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def _leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     head = []
     for m in messages:
         if m["role"] not in SYSTEM_ROLES:
@@ -74,7 +88,7 @@ def _leading_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return head
 
 
-def system_boundary(tokenizer: Any, messages: list[dict[str, str]], tokens: list[int],
+def system_boundary(tokenizer: Any, messages: list[dict[str, Any]], tokens: list[int],
                     template: Template = Template()) -> tuple[int, str | None]:
     """Tokens of the rendered leading system block at the start of ``tokens``, and the reason
     when that is 0. With tools the block exists without a system message (the template renders
@@ -98,7 +112,7 @@ def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
         return PromptTokens(list(spec.tokens), 0, "token input has no system block")
     if spec.text is not None:
         return PromptTokens(_encode(tokenizer, spec.text, special=True), 0, "text input has no system block")
-    messages = [{"role": r, "content": c} for r, c in spec.messages or ()]
+    messages = chat_messages(spec)
     template = Template.of(spec)
     try:
         text = _render(tokenizer, messages, template)

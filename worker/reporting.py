@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from worker.context import JobContext
+from worker.answer_split import AnswerSplitter
 from worker.detokenize import TextStream
 
 PHASE_EVENTS = ("lookahead", "importance")  # one event when the phase starts
@@ -36,6 +37,7 @@ class JobReporter:
         self._t0 = time.perf_counter()
         self._phase: str | None = None
         self.stream: TextStream | None = None
+        self.splitter: AnswerSplitter | None = None
         self.tokens = 0
         self.max_tokens = 0
         self.decode_started: float | None = None
@@ -81,8 +83,11 @@ class JobReporter:
 
     # ---- decoding ----
 
-    def begin_decode(self, stream: TextStream, max_tokens: int) -> None:
-        self.stream, self.max_tokens = stream, max_tokens
+    def begin_decode(self, stream: TextStream, max_tokens: int, splitter: AnswerSplitter | None = None) -> None:
+        """Decoding starts; with ``splitter`` (a chat answer) the text goes out split into
+        ``text``, ``reasoning`` and ``tool_call`` events (jobs.answer_stream)."""
+        self.stream, self.max_tokens, self.splitter = stream, max_tokens, splitter
+        self._said = {"text": 0, "reasoning": 0}
         self.decode_started = time.perf_counter()
 
     def token(self, token: int) -> None:
@@ -94,12 +99,25 @@ class JobReporter:
 
     def finish_decode(self) -> None:
         self.stream.finish()
-        self._send()
+        self._send(last=True)
 
-    def _send(self) -> None:
+    def _send(self, last: bool = False) -> None:
         offset, delta = self.stream.take()
-        if delta:
-            self.pub.publish("text", offset=offset, delta=delta)
+        if self.splitter is None:
+            if delta:
+                self.pub.publish("text", offset=offset, delta=delta)
+        else:
+            pieces = self.splitter.feed(delta) if delta else []
+            self._publish_pieces(pieces + (self.splitter.finish() if last else []))
         self.pub.publish("decode", tokens=self.tokens, max_tokens=self.max_tokens,
                          tokens_per_s=round(_per_s(self.tokens, self.decode_started), 1))
 
+    def _publish_pieces(self, pieces: list[tuple[str, Any]]) -> None:
+        calls = len(self.splitter.tool_calls) - sum(kind == "tool_call" for kind, _ in pieces)
+        for kind, value in pieces:
+            if kind == "tool_call":
+                self.pub.publish("tool_call", index=calls, **value)
+                calls += 1
+            else:
+                self.pub.publish(kind, offset=self._said[kind], delta=value)
+                self._said[kind] += len(value)

@@ -23,6 +23,8 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 
 from jobs.connection import REDIS_DOWN
+from jobs.log_format import log_context, set_worker
+from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
@@ -49,6 +51,7 @@ class InProcessWorker(SimpleWorker):
         kwargs.setdefault("worker_ttl", max(16, math.ceil(s.maintenance_interval_s) + 15))
         super().__init__(queues, connection=runtime.connection, **kwargs)
         self.runtime = runtime
+        runtime.listen_queues = tuple(self.queue_names())
         self.liveness: Liveness | None = None
         runtime_mod.install(runtime)
 
@@ -92,7 +95,12 @@ class InProcessWorker(SimpleWorker):
             job.timeout = self.runtime.settings.job_timeout_s
         self._execution = execution
         try:
-            return super().perform_job(job, queue, execution)
+            with log_context(job_id=job.id):  # every line logged while it runs names it
+                log.info("job %s started", job.id, extra={"event": "job_started"})
+                ok = super().perform_job(job, queue, execution)
+                status = getattr(job.get_status(refresh=False), "value", "unknown")  # a JobStatus
+                log.info("job %s ended %s", job.id, status, extra={"event": f"job_{status}"})
+                return ok
         finally:
             if self.liveness is not None:
                 self.liveness.unwatch()
@@ -245,19 +253,30 @@ def default_worker_name() -> str:
     return f"{host}.{os.getpid()}"
 
 
+def listen_order(queues: Sequence[str], *, heal: bool) -> list[str]:
+    """The worker's queues in RQ's order: its own, then (``heal``) each one's heal queue, so a
+    heal is taken only when no user job waits (a heal queue named outright is kept)."""
+    own = [q for q in queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
+    named = [q for q in queues if q.endswith(HEAL_QUEUE_SUFFIX)]
+    behind = [heal_queue_name(q) for q in own] if heal else []
+    return own + [q for q in dict.fromkeys(behind + named)]
+
+
 def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
                preload: Sequence[str] = (), name: str | None = None, burst: bool = False,
                logging_level: str = "INFO", max_jobs: int | None = None) -> bool:
     """Preload models, then work the queues until stopped (or empty, with ``burst``)."""
     from specprefill.blas import blas_in_use
 
-    log.info("BLAS in use: %s", blas_in_use())
-    queues = list(queues or runtime.settings.queues)
     s = runtime.settings
+    name = name or s.worker_name or default_worker_name()
+    set_worker(name)  # every line from here names the worker
+    log.info("BLAS in use: %s", blas_in_use())
+    queues = listen_order(queues or s.queues, heal=s.heal)
     for model in preload:  # verified in the role the settings give it (a draft unless only the target)
         as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
         runtime.models.get(model, "target_model" if as_target else "draft_model")
-    name = name or s.worker_name or default_worker_name()
+    log.info("worker %s works queues %s", name, ", ".join(queues), extra={"event": "worker_started"})
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
     hooks.on_start(w)

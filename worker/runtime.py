@@ -68,24 +68,26 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
     return wire_block_store(client, model, fresh, fingerprint, namespace=s.namespace, block_size=s.block_size,
                             ttl_s=s.block_ttl_s, label={"model": loaded.identity, "name": loaded.name, "role": role},
-                            local=local_tier(s), **callbacks)
+                            local=local_tier(s), checkpoint_blocks=s.state_checkpoint_blocks, **callbacks)
 
 
 def wire_block_store(client: redis.Redis, model: Any, fresh: Callable[[], list], fingerprint: str, *,
                      namespace: str, block_size: int, ttl_s: int, label: dict[str, str] | None = None,
                      local: Any = None, on_fetch: Callable[..., None] | None = None,
-                     on_store: Callable[..., None] | None = None) -> Any:
+                     on_store: Callable[..., None] | None = None, checkpoint_blocks: int | None = None) -> Any:
     """The one wiring of a block store (the worker's, and every test's and benchmark's): the Redis
     block store under ``fingerprint``, which rejects blocks of another layout than ``model``'s
     as corrupt, with this node's local tier (``local``, None: none) in front, behind the cache <->
     raw-arrays adapter for the caches ``fresh()`` makes. ``label``: how results name the model
-    (``cache stats`` shows it, metrics label by name and role)."""
+    (``cache stats`` shows it, metrics label by name and role). ``checkpoint_blocks``: blocks
+    between recurrent-state checkpoints (None: ``BlockDraftCache``'s default)."""
     from cache_store import RedisBlockStore
     from specprefill.draft_cache import BlockDraftCache
 
     raw_store = RedisBlockStore(client, fingerprint, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
                                 layout=_block_layout(fingerprint, model, fresh), model=label, local=local)
-    return BlockDraftCache(raw_store, fresh, on_fetch=on_fetch, on_store=on_store)
+    every = {} if checkpoint_blocks is None else {"checkpoint_blocks": checkpoint_blocks}
+    return BlockDraftCache(raw_store, fresh, on_fetch=on_fetch, on_store=on_store, **every)
 
 
 _LOCAL_TIERS: dict[tuple[str, int], Any] = {}
@@ -128,7 +130,7 @@ def _block_layout(fingerprint: str, model: Any, fresh: Callable[[], list]) -> li
 def _target_fingerprint(loaded: LoadedModel, fresh: Callable[[], list], kv: tuple, block_size: int) -> str:
     """Names the target's prefix blocks: its weights, its cache description and the role (the
     target prefills its prefix in block steps of its own, so its blocks are not the draft's)."""
-    key = (loaded.identity, kv, block_size)
+    key = (loaded.identity, loaded.dtypes, kv, block_size)  # the description hashes the dtypes too
     if key not in _TARGET_FINGERPRINTS:
         from cache_store import model_fingerprint
         from specprefill.draft_cache import block_description
@@ -181,6 +183,9 @@ class WorkerRuntime:
     # The job that just ended by stopping itself (JobStopped): RQ must record it as stopped.
     stopped_job_id: str | None = None
     claim: Claim | None = None  # the running job's claim, kept by the worker's heartbeat thread
+    # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
+    # one of them); empty: the settings' queues.
+    listen_queues: tuple[str, ...] = ()
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: SelectionBackend | None = None
@@ -205,7 +210,7 @@ class WorkerRuntime:
         connection = connection or queue_connection(settings.redis_url, settings)
         cache_client = (cache_connection(settings) if settings.cache_redis_url else connection)
         models = kwargs.pop("models", None) or ModelPool(
-            settings.model_lru_size, block_size=settings.block_size,
+            settings.model_lru_size, block_size=settings.block_size, compute_dtype=settings.compute_dtype,
             profile=draft_profiler(*settings.kv_quantization("draft")),
             target_profile=target_profiler(*settings.kv_quantization("target")))
         return cls(settings, connection, cache_client, models, **kwargs)

@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.results import KeptSpan, PrefillResult, rates
+from jobs.results import ImportanceCurve, KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
 from worker.admission import two_stage_admission
 from worker.context import JobContext
+from worker.context_window import check_context
 from worker.fallback import fallback_reason
 from worker.models import LoadedModel
 from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
@@ -35,6 +36,7 @@ class _Selected:
     score: Any = None
     blocks_written: int = 0
     importance: list[float] | None = None
+    curve: ImportanceCurve | None = None  # for the job page (None: not scored)
 
 
 def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
@@ -64,7 +66,7 @@ def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: An
              timings: dict[str, float], t0: float, fallback: str | None = None) -> PrefillResult:
     """Every token kept, with the reason (admission or a fallback); the draft did not answer."""
     total = len(prompt.tokens)
-    spans = [KeptSpan(0, total, tokenizer.decode(prompt.tokens))] if spec.return_spans else None
+    spans = kept_spans(spec, ctx, tokenizer, prompt.tokens, [(0, total)])
     ctx.publisher.publish("selection", kept=total, total=total)
     timings = {**timings, "total": time.perf_counter() - t0}
     return PrefillResult(
@@ -84,6 +86,15 @@ def _keep_all_effect(spec: JobSpec, total: int, prompt: PromptTokens, fallback: 
             or "keep had no effect: every token kept")
 
 
+def kept_spans(spec: JobSpec, ctx: JobContext, tokenizer: Any, tokens: list[int],
+               ranges: list[tuple[int, int]]) -> list[KeptSpan] | None:
+    """The text of each kept range: when the spec asks, or for the job page when at most
+    ``page_text_tokens`` are kept (None otherwise)."""
+    if not spec.return_spans and sum(e - s for s, e in ranges) > ctx.settings.page_text_tokens:
+        return None
+    return [KeptSpan(s, e, tokenizer.decode(tokens[s:e])) for s, e in ranges]
+
+
 def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[LoadedModel, float]:
     """A model from the worker's pool, announced as ``loading_model``; with the seconds taken."""
     roles = {"role": role} if role else {}
@@ -97,12 +108,13 @@ def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[Loa
 
 
 def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = None,
-                  prompt: PromptTokens | None = None) -> tuple[PrefillResult, list[int]]:
+                  prompt: PromptTokens | None = None, spans: bool = True) -> tuple[PrefillResult, list[int]]:
     """Tokenize, then select through the memo or by draft scoring: the result and the tokens.
 
     ``draft`` is the draft model when the caller has loaded it already (generate jobs do);
     ``prompt`` the tokens when the caller has them (a generate job's, by the target's
-    template; its protected prefix covers what the target restored)."""
+    template; its protected prefix covers what the target restored); ``spans``: decode the
+    kept text (a generate job does that after its answer, off the TTFT)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     if draft is None:
@@ -111,6 +123,8 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     prompt = prompt or tokenize_prompt(spec, draft.tokenizer)
     tokens, protected_prefix = prompt.tokens, prompt.protected_prefix
     check_prompt(tokens, draft, ctx.settings)
+    check_context(len(tokens), spec.scoring.n_lookahead, "n_lookahead", draft.context, "draft",
+                  allowed=spec.scoring.allow_beyond_context)
     warnings = prompt_warnings(ctx, tokens, draft.tokenizer)
     timings["tokenize"] = time.perf_counter() - t
     backend = ctx.runtime.backend
@@ -127,7 +141,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
         memo.put(tokens, options, selected.ranges)
     ctx.publisher.publish("selection", kept=selected.kept, total=len(tokens))
     timings["total"] = time.perf_counter() - t0
-    result = _result(spec, ctx, draft, tokens, protected_prefix, selected, timings)
+    result = _result(spec, ctx, draft, tokens, protected_prefix, selected, timings, spans)
     result.warnings = warnings
     result.boundary_reason = prompt.boundary_reason
     return result, tokens
@@ -164,7 +178,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     try:
         score = backend.score_with_cache(
             draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
-            prefill_step=settings.prefill_step)
+            prefill_step=settings.prefill_step, checkpoints=(protected_prefix,))
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
@@ -177,18 +191,19 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
                                        protected_prefix=protected_prefix)
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
-    importance = [float(x) for x in score.importance.tolist()] if spec.return_importance else None
+    scores = [float(x) for x in score.importance.tolist()]
     return _Selected(ranges, int(selection.kept), selection.reason, score, reporter.blocks_written,
-                     importance)
+                     scores if spec.return_importance else None,
+                     ImportanceCurve.of(scores, settings.page_curve_points))
 
 
 def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
-            protected_prefix: int, selected: _Selected, timings: dict[str, float]) -> PrefillResult:
+            protected_prefix: int, selected: _Selected, timings: dict[str, float],
+            decode_spans: bool = True) -> PrefillResult:
     total = len(tokens)
     cached = selected.score.cached_tokens if selected.score is not None else 0  # a memo hit scores nothing
     phase_tokens = {"prefill": total - cached, "lookahead": spec.scoring.n_lookahead, "importance": total}
-    spans = ([KeptSpan(s, e, draft.tokenizer.decode(tokens[s:e])) for s, e in selected.ranges]
-             if spec.return_spans else None)
+    spans = kept_spans(spec, ctx, draft.tokenizer, tokens, selected.ranges) if decode_spans else None
     from specprefill.selection import keep_effect, tail_start
 
     effect = keep_effect(total, selected.kept, spec.selection, protected_prefix)
@@ -199,4 +214,5 @@ def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int
         cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
         model=draft.identity, draft_name=spec.draft_model, timings={k: round(v, 6) for k, v in timings.items()},
-        tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans)
+        tokens_per_s=rates(timings, phase_tokens), importance=selected.importance, spans=spans,
+        importance_curve=selected.curve)

@@ -16,19 +16,35 @@ if TYPE_CHECKING:  # the worker imports no mlx until a job needs it
 
 def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end: int, *,
                    block_size: int, progress: Progress, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> list | None:
+                   kv_group_size: int = 64, on_step: Any = None) -> list | None:
     """``kv_cache`` (a restored prefix of whole blocks, or None) extended to the first ``end``
     tokens in steps that end at block boundaries; None when there is nothing to prefill.
 
     Every job computes its prompt's prefix in the same steps, so the KV of a restored block is
-    bit for bit what the restoring job would have computed itself, and so is everything after."""
+    bit for bit what the restoring job would have computed itself, and so is everything after.
+    ``on_step(start, stop, cache)`` runs after each step (a block recorder: a hybrid target's
+    recurrent state exists only there)."""
     from specprefill.sparse import full_prefill
 
-    start = int(getattr(kv_cache[0], "offset", 0)) if kv_cache else 0
+    from specprefill.attention.lookahead import cached_length
+
+    # A restored prefix's length is its KV layers' (recurrent layers have no offset).
+    start = cached_length(kv_cache, len(tokens) + 1) if kv_cache else 0
     if end <= start:
         return kv_cache
-    _, cache, _ = full_prefill(model, tokens[:end], kv_cache=kv_cache, prefill_step=block_size,
-                               progress=progress, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    quant = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
+    if on_step is None:
+        _, cache, _ = full_prefill(model, tokens[:end], kv_cache=kv_cache, prefill_step=block_size,
+                                   progress=progress, **quant)
+        return cache
+    cache, done = kv_cache, start
+    while done < end:  # one block step at a time, each handed to on_step
+        stop = min(end, (done // block_size + 1) * block_size)
+        _, cache, _ = full_prefill(model, tokens[:stop], kv_cache=cache, prefill_step=block_size,
+                                   progress=lambda d, t, phase, at=done: progress(at - start + d, end - start, phase),
+                                   **quant)
+        on_step(done, stop, cache)
+        done = stop
     return cache
 
 

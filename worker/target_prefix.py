@@ -36,29 +36,51 @@ def contiguous_prefix(kept: Sequence[int]) -> int:
     return n
 
 
-def prefix_view(kv_cache: list[Any], n_tokens: int) -> list[Any] | None:
+def prefix_view(kv_cache: list[Any], n_tokens: int, recorded: bool = False) -> list[Any] | None:
     """Caches holding the first ``n_tokens`` tokens of ``kv_cache`` (views, no copy), or None
     when a layer cannot be cut there (recurrent state exists only where the pass stopped, a
-    sliding window has dropped early tokens).
+    sliding window has dropped early tokens). With ``recorded`` (a block recorder kept those
+    layers' arrays while the prefix was prefilled) recurrent and windowed layers pass as they are.
 
     A quantized K/V layer is passed as it is: the block store cuts its blocks by the tokens it
     is given, which are the prefix's."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    out = []
+    for c in kv_cache:
+        view = _layer_view(c, n_tokens, recorded)
+        if view is None and c is not None:
+            return None
+        out.append(view)
+    return out
+
+
+def _layer_view(c: Any, n_tokens: int, recorded: bool) -> Any:
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
     from specprefill.attention.target import PositionedKVCache
 
     plain = (KVCache, PositionedKVCache)  # a sparse session's caches mask by position, same arrays
-    out = []
-    for c in kv_cache:
-        if type(c) in plain and c.offset >= n_tokens:
-            view = KVCache()
-            view.state = (c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :], n_tokens)
-            out.append(view)
-        elif (type(c) is QuantizedKVCache and c.offset >= n_tokens) or getattr(c, "offset", None) == n_tokens:
-            out.append(c)
-        else:
-            return None
-    return out
+    if type(c) in plain and c.offset >= n_tokens:
+        view = KVCache()
+        view.state = (c.keys[..., :n_tokens, :], c.values[..., :n_tokens, :], n_tokens)
+        return view
+    if (type(c) is QuantizedKVCache and c.offset >= n_tokens) or getattr(c, "offset", None) == n_tokens:
+        return c
+    if recorded and isinstance(c, (ArraysCache, RotatingKVCache)):
+        return c
+    if recorded and isinstance(c, CacheList):
+        members = [_layer_view(m, n_tokens, recorded) for m in c.caches]
+        return None if any(m is None for m in members) else CacheList(*members)
+    return None
+
+
+def _held(cache: list[Any], n_prompt: int) -> int | None:
+    """Tokens a restored cache holds (its KV layers'), None if they disagree."""
+    from specprefill.attention.lookahead import cached_length
+
+    try:
+        return cached_length(cache, n_prompt)
+    except ValueError:
+        return None
 
 
 class TargetPrefixCache:
@@ -84,7 +106,7 @@ class TargetPrefixCache:
         if cache is None:
             return None, 0
         reason = None
-        if not 0 < n < len(tokens) or any(getattr(c, "offset", None) != n for c in cache):
+        if not 0 < n < len(tokens) or _held(cache, len(tokens)) != n:
             reason = f"{n} tokens for a {len(tokens)}-token prompt"
         elif self.target.profile is not None:
             reason = layout_mismatch(cache, self.target.profile.kv_layout)
@@ -94,18 +116,81 @@ class TargetPrefixCache:
         self.restored = n
         return cache, n
 
-    def save(self, tokens: Sequence[int], kv_cache: list[Any], n_tokens: int) -> int:
-        """Store the full blocks of the first ``n_tokens`` tokens ``kv_cache`` holds; blocks written."""
+    def recorder(self, end: int, also: Sequence[int] = ()) -> Any:
+        """The ``on_step`` hook the prefix prefill up to ``end`` must run with for a target whose
+        blocks need one, or None (K/V only: sliced from the final cache). Recurrent state is kept
+        at the checkpoints (``specprefill.draft_cache.checkpoint_ends``): the last block end at or
+        before ``end`` and each of ``also`` (the system prefix's end), and every few blocks."""
+        from specprefill.draft_cache import checkpoint_ends
+
+        every = getattr(self.store, "checkpoint_blocks", 0)
+        ends = checkpoint_ends(end, self.store.block_size, every, also)
+        return self.store.recorder(checkpoints=tuple(sorted(ends)))
+
+    def save(self, tokens: Sequence[int], kv_cache: list[Any], n_tokens: int, recorder: Any = None) -> int:
+        """Store the full blocks of the first ``n_tokens`` tokens ``kv_cache`` holds; blocks written.
+        With the prefix prefill's ``recorder``, only the blocks up to its checkpoint (a hybrid
+        prefix is restored up to a checkpoint only), with the state recorded there."""
+        if recorder is not None:
+            n_tokens = min(n_tokens, max(recorder.states, default=0))
         if n_tokens < 1:
             return 0
-        view = prefix_view(kv_cache, n_tokens)
+        view = prefix_view(kv_cache, n_tokens, recorded=recorder is not None)
         if view is None:
             log.info("target prefix: the target's cache cannot be cut at %d tokens; not stored", n_tokens)
             return 0
         t = time.perf_counter()
         try:
-            self.blocks_written += self.store.store(list(tokens[:n_tokens]), view)
+            self.blocks_written += self.store.store(list(tokens[:n_tokens]), view, recorder)
         except Exception as exc:  # storing is best effort: the job's answer is already made
             log.warning("target prefix: store failed: %s: %s", type(exc).__name__, exc)
         self.timings["target_store"] = self.timings.get("target_store", 0.0) + time.perf_counter() - t
         return self.blocks_written
+
+    # ---- heal marks: which stored blocks a heal job prefilled (worker.heal) ----
+
+    def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[str]:
+        from cache_store.keys import block_digests, healed_key
+
+        raw = self.store.raw_store
+        digests = block_digests(raw.fingerprint, list(tokens[:end]), raw.block_size)
+        return [healed_key(raw.namespace, raw.fingerprint, d) for d in digests[start // raw.block_size:]]
+
+    def mark_healed(self, tokens: Sequence[int], start: int, end: int) -> None:
+        """Record that the blocks of ``tokens[start:end]`` (whole blocks) came from a heal, for
+        as long as the blocks live (best effort: a mark is only what results report)."""
+        try:
+            keys, raw = self._heal_keys(tokens, start, end), self.store.raw_store
+            with raw.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.set(key, b"1", ex=raw.ttl_s)
+                pipe.execute()
+        except Exception as exc:
+            log.warning("target prefix: heal marks not written: %s: %s", type(exc).__name__, exc)
+
+    def healed_tokens(self, tokens: Sequence[int], n_tokens: int) -> int:
+        """How many of the first ``n_tokens`` (a restored prefix) a heal job prefilled."""
+        if n_tokens <= 0:
+            return 0
+        try:
+            keys, raw = self._heal_keys(tokens, 0, n_tokens), self.store.raw_store
+            with raw.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                return raw.block_size * sum(bool(x) for x in pipe.execute())
+        except Exception as exc:
+            log.warning("target prefix: heal marks not read: %s: %s", type(exc).__name__, exc)
+            return 0
+
+
+def prefix_cache(ctx: Any, target: LoadedModel) -> TargetPrefixCache | None:
+    """The job's (``ctx``) prefix store of ``target``, or None (turned off, or it cannot be made
+    here: a miss)."""
+    backend = ctx.runtime.backend
+    if not ctx.settings.target_prefix_cache or backend.target_store is None:
+        return None
+    try:
+        return TargetPrefixCache(backend.target_store(ctx.runtime.cache_client, target, ctx.settings), target)
+    except Exception as exc:  # the job runs without it, exactly as it would with a miss
+        log.warning("target prefix: no block store for %s: %s: %s", target.name, type(exc).__name__, exc)
+        return None

@@ -17,10 +17,12 @@ from cache_store.trailing import BOOKKEEPING
 from jobs.connection import REDIS_DOWN
 from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
-from jobs.spec import JobSpec, spec_from_payload
+from jobs.heal import heal_spec_from_payload, is_heal_payload
+from jobs.spec import spec_from_payload
 from worker import runtime as runtime_mod
 from worker.context import ClaimLost, JobContext, JobStopped
 from worker.generate_pipeline import run_generate
+from worker.heal import run_heal
 from worker.job_meta import mirror_progress
 from worker.metrics import queue_wait_s
 from worker.selection_pipeline import run_prefill
@@ -28,12 +30,12 @@ from worker.selection_pipeline import run_prefill
 log = logging.getLogger(__name__)
 
 # A job kind names the function that runs it; both take (spec, ctx) and return JSON.
-RUNNERS: dict[str, Callable[[JobSpec, JobContext], dict[str, Any]]] = {
-    "prefill": run_prefill, "generate": run_generate}
+RUNNERS: dict[str, Callable[[Any, JobContext], dict[str, Any]]] = {
+    "prefill": run_prefill, "generate": run_generate, "heal": run_heal}
 
 
 def _done_summary(result: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    keys = ("kept", "total", "ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
+    keys = ("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
             "generated_tokens", "ttft_s", "finish_reason")
     return {**{k: result.get(k) for k in keys if k in result}, "elapsed_s": round(elapsed, 4)}
 
@@ -45,7 +47,7 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
     try:
         if cancel_requested(ctx.runtime.connection, ctx.settings.namespace, ctx.job_id):
             raise JobStopped(f"job {ctx.job_id} canceled before it started")
-        spec = spec_from_payload(payload, ctx.settings)
+        spec = (heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload)(payload, ctx.settings)
         result = RUNNERS[spec.kind](spec, ctx)
     except ClaimLost:  # another worker (or a resubmission) owns the job now: not a word
         ctx.publisher.close()
@@ -79,7 +81,8 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     claim = rt.claim if rt.claim is not None and rt.claim.job_id == job_id else None
     ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings,
                                                attempt=claim.attempt if claim else "",
-                                               fence=claim.fence if claim else None))
+                                               fence=claim.fence if claim else None),
+                     queue=(job.origin or "") if job else "")
     if claim is not None:
         claim.publisher = ctx.publisher
     if job is not None:

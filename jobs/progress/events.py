@@ -13,9 +13,13 @@ EVENT_KINDS = (
     # generate jobs: target prefill (processed/total), decode (tokens so far, tokens/s) and
     # the generated text as ``text`` deltas (``offset`` = characters before ``delta``)
     "target_prefill", "decode", "text",
+    # a chat job's reasoning text (offset, delta) and each tool call once it is complete
+    # (index, id, name, arguments): jobs.answer_stream
+    "reasoning", "tool_call",
     # admission kept the prompt whole (reason); the draft's part failed and was skipped
     # (stage, reason); the target's prefix KV looked up and stored in the block store
     "admission", "fallback", "target_cache_lookup", "target_cache_store",
+    "heal_queued", "heal",  # a generate job queued its heal; a heal job's blocks (worker.heal)
 )
 TERMINAL_KINDS = frozenset({"done", "failed", "stopped"})
 STREAM_FIELD = "e"  # the one field of a stream entry: the event's JSON

@@ -228,7 +228,7 @@ class BlockRecorder:
     """A scorer ``on_step`` hook that keeps, per block, what exists only during the prefill.
 
     At each block end it keeps every layer's state arrays (recurrent state after the block's
-    last token), and while the prefill runs it keeps each sliding window's newest tokens
+    last token; only at the checkpoints ``keep_state`` names), and while the prefill runs it keeps each sliding window's newest tokens
     (the window lets them go later). The K/V of unbounded layers are sliced from the final
     cache instead (:meth:`blocks`), so holding nothing here pins a KV buffer being written.
 
@@ -237,11 +237,16 @@ class BlockRecorder:
     kept: memory stays one block's worth however long the prompt (a Qwen3.5-0.8B block holds
     18 MiB of recurrent state). The sink must copy what it keeps before returning; it returns
     how many blocks it stored, summed in ``written``.
+
+    ``keep_state(end)`` says at which block ends the recurrent state is kept (the checkpoints;
+    default every end): the other blocks are their K/V alone.
     """
 
-    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], int] | None = None):
+    def __init__(self, block_size: int, sink: Callable[[int, list[dict[str, mx.array]]], int] | None = None,
+                 keep_state: Callable[[int], bool] | None = None):
         self.block_size = block_size
         self.sink = sink
+        self.keep_state = keep_state
         self.written = 0
         self.states: dict[int, list[dict[str, mx.array]]] = {}  # block end -> per layer
         self._pieces: dict[tuple[int, str], list[mx.array]] = {}
@@ -256,8 +261,9 @@ class BlockRecorder:
         if end % self.block_size:
             return
         kept = []
+        keep = self.keep_state is None or self.keep_state(end)
         for i, (meta, arrays) in enumerate(layers):
-            layer = {n: a for n, a in arrays.items() if not is_token_array(n)}
+            layer = {n: a for n, a in arrays.items() if keep and not is_token_array(n)}
             for name in _window_arrays(meta, arrays):
                 layer[name] = mx.concatenate(self._pieces.pop((i, name)), axis=2)
             kept.append(layer)

@@ -16,7 +16,7 @@ see :mod:`specprefill.pooling`).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -33,36 +33,70 @@ def prompt_keys(call: KernelCall, n_prompt: int) -> mx.array:
     return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
 
 
+# At most this many (heads × scored queries × prompt keys) float32 logits exist at once per layer:
+# a layer's heads are taken a few at a time (8 MiB; every head at once up to ~30K-token prompts
+# at 14 heads and 9 queries), so importance at 64K tokens does not hold a layer's full tensor.
+CHUNK_ELEMENTS = 1 << 21
+
+
 def _as_rows(mask: mx.array, n_heads: int, n_prompt: int) -> mx.array:
     """A decode step's mask over the prompt keys, as (n_heads, 1, n_prompt)."""
     m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))[..., :n_prompt]
     return mx.broadcast_to(m, (m.shape[0], n_heads, 1, n_prompt))[0]
 
 
-def _sdpa_logits(steps: Sequence[KernelCall], n_prompt: int) -> tuple[mx.array, mx.array | None]:
-    """(Hq, R, T) float32 logits and a (Hq, R, T) keep-mask (None: every key kept)."""
-    queries = mx.concatenate([c.queries for c in steps], axis=2).astype(mx.float32)
-    keys = prompt_keys(steps[-1], n_prompt).astype(mx.float32)
-    _, n_heads, n_rows, dim = queries.shape
-    n_kv = keys.shape[1]
-    q = queries.reshape(n_kv, n_heads // n_kv, n_rows, dim)
-    k = keys.reshape(n_kv, 1, n_prompt, -1)
-    logits = (q @ k.swapaxes(-1, -2)).reshape(n_heads, n_rows, n_prompt) * steps[-1].scale
-    rows, keep = [], []
+def _keeps_every_key(steps: Sequence[KernelCall], n_heads: int, n_prompt: int) -> bool:
+    """Whether no scored query's mask hides a prompt key (from the masks alone, no logits)."""
     for call in steps:
         mask = call.mask
         if not isinstance(mask, mx.array):  # None, or "causal" (a decode query sees every earlier key)
-            rows.append(mx.zeros((n_heads, 1, n_prompt), mx.float32))
-            keep.append(mx.ones((n_heads, 1, n_prompt), mx.bool_))
-        elif mask.dtype == mx.bool_:
-            m = _as_rows(mask, n_heads, n_prompt)
-            rows.append(mx.zeros(m.shape, mx.float32))
-            keep.append(m)
-        else:
-            m = _as_rows(mask, n_heads, n_prompt).astype(mx.float32)
-            rows.append(m)
-            keep.append(m > mx.finfo(mask.dtype).min / 2)
-    return logits + mx.concatenate(rows, axis=1), mx.concatenate(keep, axis=1)
+            continue
+        rows = _as_rows(mask, n_heads, n_prompt)
+        kept = rows if mask.dtype == mx.bool_ else rows > mx.finfo(mask.dtype).min / 2
+        if not mx.all(kept).item():
+            return False
+    return True
+
+
+def _additive_rows(steps: Sequence[KernelCall], heads: slice, n_heads: int, n_prompt: int) -> mx.array | None:
+    """(h, R, T) float32 additive masks of ``heads`` (None: no step has one)."""
+    if not any(isinstance(c.mask, mx.array) and c.mask.dtype != mx.bool_ for c in steps):
+        return None
+    rows = []
+    for call in steps:
+        mask = call.mask
+        if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+            rows.append(_as_rows(mask, n_heads, n_prompt)[heads].astype(mx.float32))
+        else:  # kept keys add nothing (_keeps_every_key checked that every key is kept)
+            rows.append(mx.zeros((heads.stop - heads.start, 1, n_prompt), mx.float32))
+    return mx.concatenate(rows, axis=1)
+
+
+def _softmax(logits: mx.array, sinks: mx.array | None, n_prompt: int) -> mx.array:
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(-1, 1, 1), (logits.shape[0], logits.shape[1], 1))
+        return mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :n_prompt]
+    return mx.softmax(logits, axis=-1, precise=True)
+
+
+def _sdpa_chunks(steps: Sequence[KernelCall], n_prompt: int) -> Iterator[mx.array]:
+    """(h, R, T) probabilities, a few heads at a time (:data:`CHUNK_ELEMENTS`), in head order."""
+    queries = mx.concatenate([c.queries for c in steps], axis=2).astype(mx.float32)[0]  # (Hq, R, D)
+    keys = prompt_keys(steps[-1], n_prompt).astype(mx.float32)[0]  # (Hkv, T, D)
+    mx.eval(queries, keys)  # once per layer, not once per chunk
+    n_heads, n_rows, _ = queries.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    per_chunk = max(1, min(group, CHUNK_ELEMENTS // (n_rows * n_prompt)))
+    sinks, scale = steps[-1].sinks, steps[-1].scale
+    for kv in range(n_kv):  # a chunk never spans two KV heads
+        for start in range(kv * group, (kv + 1) * group, per_chunk):
+            heads = slice(start, min(start + per_chunk, (kv + 1) * group))
+            logits = (queries[heads] @ keys[kv].T) * scale
+            additive = _additive_rows(steps, heads, n_heads, n_prompt)
+            if additive is not None:
+                logits = logits + additive
+            yield _softmax(logits, None if sinks is None else sinks[heads], n_prompt)
 
 
 def _softmax_logits(steps: Sequence[KernelCall], n_prompt: int) -> tuple[mx.array, mx.array]:
@@ -80,32 +114,33 @@ def votes(steps: Sequence[KernelCall], key_counts: Sequence[int]) -> bool:
     return len(steps) == len(key_counts) and all(c.n_keys == n for c, n in zip(steps, key_counts))
 
 
-def layer_probabilities(steps: Sequence[KernelCall], n_prompt: int) -> mx.array | None:
-    """(Hq, R, T) attention of the R scored queries over the T prompt keys, or None if a key is masked."""
-    if steps[0].kind == "softmax":
+def layer_probabilities(steps: Sequence[KernelCall], n_prompt: int) -> Iterable[mx.array] | None:
+    """The attention of the R scored queries over the T prompt keys, as (h, R, T) chunks of the
+    layer's Hq heads in order (made one at a time as they are iterated), or None if a key is masked."""
+    if steps[0].kind == "softmax":  # the family made these logits whole already (gemma2)
         logits, keep = _softmax_logits(steps, n_prompt)
-    else:
-        logits, keep = _sdpa_logits(steps, n_prompt)
-    if not mx.all(keep).item():
+        if not mx.all(keep).item():
+            return None
+        return [_softmax(logits, steps[-1].sinks, n_prompt)]
+    if not _keeps_every_key(steps, steps[0].queries.shape[1], n_prompt):
         return None  # a window or mask hides part of the prompt from a scored query
-    sinks = steps[-1].sinks
-    if sinks is not None:
-        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(-1, 1, 1), (logits.shape[0], logits.shape[1], 1))
-        return mx.softmax(mx.concatenate([logits, sink], axis=-1), axis=-1, precise=True)[..., :n_prompt]
-    return mx.softmax(logits, axis=-1, precise=True)
+    return _sdpa_chunks(steps, n_prompt)
 
 
-def fold(layers: Iterable[mx.array], pool_kernel: int,
+def fold(layers: Iterable[mx.array | Iterable[mx.array]], pool_kernel: int,
          on_layer: Callable[[int], None] | None = None) -> mx.array:
-    """Importance (T,) from per-layer (Hq, R, T) probabilities: pool, max over layers × heads, mean over R.
+    """Importance (T,) from per-layer probabilities: pool, max over layers × heads, mean over R.
 
-    Evaluates layer by layer, so at most one layer's probabilities are held.
+    A layer is one (Hq, R, T) array or its heads in (h, R, T) chunks (:func:`layer_probabilities`):
+    the max over heads is the max over the chunks' maxes. Evaluates chunk by chunk, so at most
+    one chunk's probabilities are held.
     """
     running = None
-    for done, probs in enumerate(layers, start=1):
-        scores = average_pool(probs, pool_kernel).max(axis=0)
-        running = scores if running is None else mx.maximum(running, scores)
-        mx.eval(running)
+    for done, layer in enumerate(layers, start=1):
+        for probs in ([layer] if isinstance(layer, mx.array) else layer):
+            scores = average_pool(probs, pool_kernel).max(axis=0)
+            running = scores if running is None else mx.maximum(running, scores)
+            mx.eval(running)
         if on_layer is not None:
             on_layer(done)
     if running is None:

@@ -127,6 +127,15 @@ def _distinct(arrays: Any) -> Any:
     return mx.array(arrays)
 
 
+# Caches that only append: the keys they hand the kernel are a view of their buffer that no
+# later step overwrites, so the capture keeps that view instead of a copy of every layer's keys.
+APPEND_ONLY_CACHES = ("KVCache", "QuantizedKVCache")
+
+
+def _kept_keys(keys: Any, cache: Any) -> Any:
+    return keys if type(cache).__name__ in APPEND_ONLY_CACHES else _distinct(keys)
+
+
 def _sdpa_tap(genuine: Callable, capture: KernelCapture) -> Callable:
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
         layer = capture.current_layer
@@ -143,7 +152,7 @@ def _sdpa_tap(genuine: Callable, capture: KernelCapture) -> Callable:
             capture.in_kernel = False
         capture.record(KernelCall(
             layer, "sdpa", recorded, _key_count(keys), float(scale), mask, sinks, quantized,
-            keys=_distinct(keys) if capture.keep_keys else None,
+            keys=_kept_keys(keys, cache) if capture.keep_keys else None,
             values=_distinct(values) if capture.probe else None, output=out if capture.probe else None,
             kernel=genuine if capture.probe else None))
         return out

@@ -44,8 +44,9 @@ def _refusal(exc: APIError) -> dict[str, Any]:
     return {"status": exc.status, **exc.body()["error"]}
 
 
-def _read_line(entry: BatchLine, raw: str, seen: set[str], batch_url: str | None) -> dict:
-    """Fill ``entry``'s custom_id and url from one input line; return its request body."""
+def _read_line(entry: BatchLine, raw: str, seen: dict[str, int], batch_url: str | None) -> dict:
+    """Fill ``entry``'s custom_id and url from one input line; return its request body.
+    ``seen`` maps each custom_id read so far to the line that first used it."""
     n = entry.line
     try:
         obj = json.loads(raw)
@@ -58,9 +59,9 @@ def _read_line(entry: BatchLine, raw: str, seen: set[str], batch_url: str | None
         raise bad_request(f"line {n}: custom_id: expected a non-empty string", "custom_id")
     entry.custom_id, entry.url = custom_id, obj.get("url")
     if custom_id in seen:  # the first line with this id runs; this one is an error line
-        raise bad_request(f"custom_id: {custom_id!r:.80} is used by an earlier line (line {n})",
-                          "custom_id")
-    seen.add(custom_id)
+        raise bad_request(f"custom_id: {custom_id!r:.80} on line {n} is already used by line "
+                          f"{seen[custom_id]}", "custom_id")
+    seen[custom_id] = n
     if obj.get("method", "POST") != "POST":
         raise bad_request("method: only POST", "method")
     if batch_url is not None and entry.url != batch_url:
@@ -78,7 +79,7 @@ def plan_lines(content: str, build_spec: Callable[..., JobSpec], namespace: str,
     """Every non-blank line as a :class:`BatchLine`, and the specs of the lines that run
     (in line order). ``build_spec`` is ``Client.generate_spec``; ``batch_url`` the batch's
     endpoint (None: each line's own url, either endpoint)."""
-    entries, specs, seen = [], [], set()
+    entries, specs, seen = [], [], {}
     for n, raw in enumerate(content.splitlines(), 1):
         if not raw.strip():
             continue

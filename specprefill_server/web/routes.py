@@ -11,6 +11,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from jobs.layout import regions
 from specprefill_server.batch.store import TERMINAL
 from specprefill_server.completions import SSE_HEADERS, sse
 from specprefill_server.errors import not_found
@@ -43,13 +44,14 @@ async def _snapshots(svc: ServerState, build: Callable[[], Any], every_s: float,
         await asyncio.sleep(every_s)
 
 
-def _events(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+def _events(svc: ServerState, body: AsyncIterator[str]) -> StreamingResponse:
+    """A page stream; it ends when the server stops (specprefill_server/shutdown.py)."""
+    return StreamingResponse(svc.shutdown.until(body), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def overview_events(request: Request) -> Response:
     svc = state(request)
-    return _events(_snapshots(svc, lambda: overview(svc), OVERVIEW_EVERY_S, lambda _: False))
+    return _events(svc, _snapshots(svc, lambda: overview(svc), OVERVIEW_EVERY_S, lambda _: False))
 
 
 async def api_batch(request: Request) -> Response:
@@ -61,7 +63,7 @@ async def batch_events(request: Request) -> Response:
     svc = state(request)
     batch_id = request.path_params["batch_id"]
     await svc.runner.call(svc.batches.get, batch_id)  # 404 before the stream starts
-    return _events(_snapshots(svc, lambda: svc.batches.snapshot(batch_id), BATCH_EVERY_S,
+    return _events(svc, _snapshots(svc, lambda: svc.batches.snapshot(batch_id), BATCH_EVERY_S,
                               lambda snap: snap["batch"]["status"] in TERMINAL))
 
 
@@ -81,14 +83,13 @@ async def job_events(request: Request) -> Response:
         async for ev in svc.runner.iterate(handle.events):
             yield f"data: {ev.to_json()}\n\n"
 
-    return _events(body())
+    return _events(svc, body())
 
 
 async def importance(request: Request) -> Response:
     svc = state(request)
-    source, tail = await svc.runner.call(importance_source, svc, request.path_params["job_id"])
-    svg = importance_svg(source.importance or [], source.kept_ranges,
-                         protected_prefix=source.protected_prefix, tail_start=tail)
+    result = await svc.runner.call(importance_source, svc, request.path_params["job_id"])
+    svg = importance_svg(result.importance_curve, result.total, regions(result))
     return Response(svg, media_type="image/svg+xml")
 
 

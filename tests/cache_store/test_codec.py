@@ -337,11 +337,13 @@ def test_each_section_has_its_own_checksum():
             decode_block(data, fingerprint=FP, n_tokens=8, digest=D, state=state)
 
 
-def test_version_2_is_refused_as_an_old_format():
+@pytest.mark.parametrize("version", [2, 3])
+def test_earlier_versions_are_refused_as_an_old_format(version):
+    """Format 3 kept a hybrid model's recurrent state in every block; 4 keeps it in checkpoints."""
     from cache_store import OldFormatError
 
     with pytest.raises(OldFormatError, match="earlier format"):
-        decode_block(repack(good_value(), lambda h, p, c: ({**h, "version": 2}, p, c)),
+        decode_block(repack(good_value(), lambda h, p, c: ({**h, "version": version}, p, c)),
                      fingerprint=FP, n_tokens=8, digest=D)
 
 

@@ -1,4 +1,4 @@
-"""The Redis block store for every cache type: hybrid families (recurrent state per block end),
+"""The Redis block store for every cache type: hybrid families (recurrent state at checkpoints),
 quantized KV (packed/scales/biases as they are), sliding windows; warm = cold through a real
 Redis, with the layout check and the key binding covering the new parts."""
 import mlx.core as mx
@@ -29,9 +29,26 @@ OPTIONS = ScoringOptions(seed=SCORE["seed"])  # prefill_step is score_with_cache
 HYBRIDS = F.names("hybrid")
 
 
-def draft_cache(client, model, *, kv_bits=None, namespace="specprefill"):
-    """The worker's block store for ``model`` (KV quantized in groups of 32 when ``kv_bits``)."""
-    return draft_store(client, model, block_size=BLOCK, kv_bits=kv_bits, kv_group_size=32, namespace=namespace)
+def draft_cache(client, model, *, kv_bits=None, namespace="specprefill", checkpoint_blocks=None):
+    """The worker's block store for ``model`` (KV quantized in groups of 32 when ``kv_bits``;
+    recurrent state checkpointed every ``checkpoint_blocks``, default the worker's)."""
+    return draft_store(client, model, block_size=BLOCK, kv_bits=kv_bits, kv_group_size=32, namespace=namespace,
+                       checkpoint_blocks=checkpoint_blocks)
+
+
+def plain_prefill(model, n):
+    """The model's cache after prefilling the first ``n`` tokens of PROMPT in block steps."""
+    cache = make_cache(model)
+    for start in range(0, n, BLOCK):
+        model(mx.array([PROMPT[start:start + BLOCK]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def assert_restored(restored, model, n):
+    """``restored`` holds what a plain prefill of PROMPT[:n] leaves, K/V and state, bit for bit."""
+    for ours, theirs in zip(restored, plain_prefill(model, n)):
+        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
 
 
 def warm_equals_cold(profile, store, prompt=PROMPT):
@@ -53,6 +70,7 @@ def test_hybrid_warm_equals_cold_through_redis(redis_url, name):
     warm_equals_cold(profile_model(model), store)
     stats = store.stats()
     assert stats["blocks_written"] == len(PROMPT) // BLOCK and stats["hit_blocks"] == 4
+    assert stats["checkpoints_written"] == 1  # the prompt's last full block only (16 blocks apart)
     assert stats["corrupt_blocks"] == 0 and stats["unsupported_stores"] == 0
 
 
@@ -83,52 +101,62 @@ def test_sliding_window_layers_hit_the_store(redis_url):
         warm_equals_cold(profile_model(model), store, PROMPT + PROMPT[:30])
 
 
-def test_a_block_holds_kv_and_the_state_after_its_last_token(redis_url):
-    """A stored block of qwen3_5: per layer the block's K/V, and the recurrent state exactly as
-    a plain prefill of the block's prefix leaves it."""
+def test_a_block_holds_kv_and_a_checkpoint_the_state_after_its_last_token(redis_url):
+    """qwen3_5 stored with a checkpoint every 2 blocks: each block holds its K/V alone, each
+    checkpoint the recurrent state exactly as a plain prefill of its prefix leaves it; a prefix
+    restores up to the last checkpoint it reaches."""
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
-    store = draft_cache(client, model)
+    store = draft_cache(client, model, checkpoint_blocks=2)
     score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
+    assert store.stats()["checkpoints_written"] == 2  # after blocks 2 and 4
     layers, n = store.raw_store.fetch(PROMPT[:33])
     assert n == 32
-    cache = make_cache(model)
-    model(mx.array([PROMPT[:16]]), cache=cache)
-    model(mx.array([PROMPT[16:32]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    restored, _ = store.fetch(PROMPT[:33])
-    for ours, theirs in zip(restored, cache):
-        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
     assert sorted(layers[0]) == ["state.0", "state.1"] and layers[0]["state.0"].bits.shape[0] == 1
     assert sorted(layers[3]) == ["keys", "values"] and layers[3]["keys"].bits.shape[2] == 32
+    header = msgpack.unpackb(client.get(store.raw_store.block_keys(PROMPT)[0]))[0]
+    assert all("keys" in a[0] or "values" in a[0] for layer in header["layers"] for a in layer)
+    for prompt, expected in ((PROMPT[:33], 32), (PROMPT[:63], 32), (PROMPT[:65], 64), (PROMPT[:20], 0)):
+        restored, n = store.fetch(prompt)
+        assert n == expected
+        if n:
+            assert_restored(restored, model, n)
 
 
 def test_swapped_hybrid_block_is_rejected_and_verify_finds_state_damage(redis_url):
+    from cache_store.keys import checkpoint_key
+
     model = F.build("falcon_h1", seed=2)
     client = redis.Redis.from_url(redis_url)
-    store = draft_cache(client, model)
+    store = draft_cache(client, model, checkpoint_blocks=2)
     profile = profile_model(model)
     cold = score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
-    keys = store.raw_store.block_keys(PROMPT)
+    raw = store.raw_store
+    keys = raw.block_keys(PROMPT)
     client.set(keys[2], client.get(keys[1]))  # a valid block, of another key
     warm = score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     assert warm.cached_tokens == 2 * BLOCK and store.stats()["corrupt_blocks"] == 1
     np.testing.assert_allclose(np.array(warm.importance), np.array(cold.importance), rtol=1e-5, atol=0)
-    # Damage the recurrent state of one block and the layout of another: verify finds both.
-    value = bytearray(client.get(keys[0]))
+    # Damage a checkpoint's recurrent state, and the layout of a block: verify finds both.
+    from cache_store.keys import block_digests
+
+    digests = block_digests(raw.fingerprint, PROMPT, BLOCK)
+    state_key = checkpoint_key("specprefill", raw.fingerprint, digests[1])
+    value = bytearray(client.get(state_key))
     value[-20] ^= 1  # the payload's last array is the last layer's state
-    client.set(keys[0], bytes(value))
+    client.set(state_key, bytes(value))
+    client.set(keys[0], client.get(checkpoint_key("specprefill", raw.fingerprint, digests[3])))  # state as a block
     # A writer bug: another layout's blocks under this model's name (no layout of its own given).
     other_model = F.build("falcon_h1", seed=2, mamba_d_conv=3)
-    raw = RedisBlockStore(client, store.raw_store.fingerprint, block_size=BLOCK)
-    other = BlockDraftCache(raw, lambda: make_cache(other_model, None, 32))
+    other = BlockDraftCache(RedisBlockStore(client, raw.fingerprint, block_size=BLOCK),
+                            lambda: make_cache(other_model, None, 32))
     recorder = other.recorder()
     result = score_prompt(other_model, PROMPT, profile_model(other_model).attention, block_size=BLOCK,
                           on_step=recorder, **SCORE)
-    client.delete(keys[3])
-    assert other.store(PROMPT, result.kv_cache, recorder) == 1
-    report = verify_namespace(client, "specprefill")
-    assert report.bad_blocks == {"checksum": 1, "layout": 1} and report.removed == 2
+    client.delete(keys[3], checkpoint_key("specprefill", raw.fingerprint, digests[3]))
+    assert other.store(PROMPT, result.kv_cache, recorder) == 1  # its K/V have this model's shapes
+    report = verify_namespace(client, "specprefill")  # its checkpoint has another conv state's
+    assert report.bad_blocks == {"checksum": 1, "key": 1, "layout": 1} and report.removed == 3
 
 
 def test_unrecorded_store_of_a_recurrent_cache_writes_nothing(redis_url):
@@ -259,52 +287,96 @@ def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url)
     assert reporter.blocks_written == 0 and set(reporter.cache_timings) == {"cache_fetch", "cache_store"}
 
 
-def test_a_hybrid_fetch_reads_the_state_of_its_last_block_only(redis_url):
-    """Blocks before a prefix's last are read up to their token section's end (GETRANGE): the
-    recurrent state, most of a hybrid block, crosses the network once per fetch."""
+def test_a_hybrid_fetch_reads_its_blocks_and_one_checkpoint(redis_url):
+    """A prefix reads the K/V blocks up to the last checkpoint it reaches and that checkpoint's
+    state alone: the recurrent state, most of what a hybrid model stores, crosses the network
+    once per fetch, and blocks past the checkpoint are not read (they would be recomputed)."""
+    from cache_store.keys import block_digests, checkpoint_key
+
     model = F.build("qwen3_5", seed=1)
     client = redis.Redis.from_url(redis_url)
-    store = draft_cache(client, model)
+    store = draft_cache(client, model, checkpoint_blocks=2)
+    longer = PROMPT + PROMPT[:20]  # 90 tokens: 5 blocks, checkpoints after 2 and 4 (and 5, the end)
+    score_with_cache(profile_model(model), longer, store, OPTIONS, prefill_step=SCORE['prefill_step'])
+    raw = store.raw_store
+    keys = raw.block_keys(longer)
+    digests = block_digests(raw.fingerprint, longer, BLOCK)
+    states = [checkpoint_key("specprefill", raw.fingerprint, d) for d in digests]
+    assert [bool(client.exists(k)) for k in states] == [False, True, False, True, True]
+    before = raw.stats()["bytes_read"]
+    restored, n = store.fetch(longer[:80])  # 4 whole blocks reachable, checkpoint 4
+    assert n == 64
+    assert raw.stats()["bytes_read"] - before == sum(client.strlen(k) for k in keys[:4]) + client.strlen(states[3])
+    assert client.strlen(states[3]) > client.strlen(keys[0])  # a tiny model: its state outweighs a block
+    assert_restored(restored, model, 64)
+    before = raw.stats()["bytes_read"]
+    assert store.fetch(longer[:60])[1] == 32  # 3 blocks stored, checkpoint 2: block 2 is not read
+    assert raw.stats()["bytes_read"] - before == sum(client.strlen(k) for k in keys[:2]) + client.strlen(states[1])
+
+
+def test_a_missing_or_bad_checkpoint_is_a_shorter_restore_or_a_miss(redis_url):
+    from cache_store.keys import block_digests, checkpoint_key
+
+    model = F.build("qwen3_5", seed=1)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model, checkpoint_blocks=2)
     score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
     raw = store.raw_store
     keys = raw.block_keys(PROMPT)
-    assert len(keys) == 4 and raw._token_end is not None
-    before = raw.stats()["bytes_read"]
+    states = [checkpoint_key("specprefill", raw.fingerprint, d) for d in block_digests(raw.fingerprint, PROMPT, BLOCK)]
+    value = bytearray(client.get(states[3]))
+    value[-20] ^= 0x01
+    client.set(states[3], bytes(value))
     restored, n = store.fetch(PROMPT)
-    assert n == 64
-    assert raw.stats()["bytes_read"] - before == 3 * raw._token_end + client.strlen(keys[3])
-    assert raw._token_end < client.strlen(keys[0]) / 2  # most of a block is its state
-    cache = make_cache(model)
-    for start in range(0, 64, 16):
-        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    for ours, theirs in zip(restored, cache):
-        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
-
-
-def test_a_bad_last_block_ends_the_prefix_with_the_state_of_the_one_before(redis_url, monkeypatch):
-    model = F.build("qwen3_5", seed=1)
-    client = redis.Redis.from_url(redis_url)
-    store = draft_cache(client, model)
+    assert n == 32 and not client.exists(states[3]) and store.stats()["corrupt_blocks"] == 1
+    assert_restored(restored, model, 32)  # checkpoint 2's state, never block 4's damaged one
     score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE['prefill_step'])
-    keys = store.raw_store.block_keys(PROMPT)
-    value = bytearray(client.get(keys[3]))
-    value[-20] ^= 0x01  # in the state section: only a whole read sees it
-    client.set(keys[3], bytes(value))
-    restored, n = store.fetch(PROMPT)
-    assert n == 48 and not client.exists(keys[3]) and store.stats()["corrupt_blocks"] == 1
-    cache = make_cache(model)
-    for start in range(0, 48, 16):
-        model(mx.array([PROMPT[start:start + 16]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    for ours, theirs in zip(restored, cache):  # block 3's state, read whole after the fact
-        assert same_arrays(layer_arrays(ours)[1], layer_arrays(theirs)[1])
-    # If the one before cannot be read whole either (its token section passes, its state does
-    # not), the fetch is a miss: never an earlier block's state.
-    for key in keys[1:3]:
-        value = bytearray(client.get(key))
-        value[-20] ^= 0x01
-        client.set(key, bytes(value))
+    assert client.exists(states[3])  # the job rewrote it
+    client.delete(keys[2])  # a K/V block evicted: checkpoint 4 is out of reach
+    assert store.fetch(PROMPT)[1] == 32
+    client.set(states[1], client.get(states[3]))  # a valid checkpoint of another prefix
     assert store.fetch(PROMPT) == (None, 0)
-    assert not client.exists(keys[1]) and not client.exists(keys[2])
-    assert store.fetch(PROMPT)[1] == 16  # block 0, read whole with its own state
+    assert not client.exists(states[1]) and store.stats()["corrupt_blocks"] == 2
+
+
+def test_checkpoint_ends_are_the_prompts_end_its_system_prefix_and_every_k_blocks():
+    from specprefill.draft_cache import checkpoint_ends
+
+    assert checkpoint_ends(70, 16, 0) == {64}
+    assert checkpoint_ends(70, 16, 2) == {32, 64}
+    assert checkpoint_ends(70, 16, 0, also=(40,)) == {32, 64}
+    assert checkpoint_ends(64, 16, 3, also=(10,)) == {48, 64}
+    assert checkpoint_ends(10, 16, 2, also=(5,)) == set()
+
+
+def test_a_prompt_sharing_the_system_prefix_restores_to_its_checkpoint(redis_url):
+    """score_with_cache(checkpoints=(system end,)) keeps the state at the system prefix's last
+    block end too: another prompt with the same system part restores up to there, warm = cold."""
+    model = F.build("nemotron_h", seed=2)
+    client = redis.Redis.from_url(redis_url)
+    store = draft_cache(client, model, checkpoint_blocks=0)
+    profile = profile_model(model)
+    score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"], checkpoints=(40,))
+    assert store.stats()["checkpoints_written"] == 2  # after blocks 2 (the system part) and 4 (the end)
+    other = PROMPT[:40] + [int(t) for t in np.random.default_rng(12).integers(0, F.VOCAB, 30)]
+    warm = score_with_cache(profile, other, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    cold_store = draft_cache(client, model, namespace="cold")  # the same block steps, nothing stored
+    cold = score_with_cache(profile, other, cold_store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    assert warm.cached_tokens == 32 and cold.cached_tokens == 0
+    assert_warm_is_cold(warm, cold)
+
+
+def test_the_worker_setting_chooses_the_checkpoint_spacing(redis_url):
+    from types import SimpleNamespace
+
+    from jobs.settings import Settings
+    from worker.runtime import _block_store
+
+    model = F.build("lfm2", seed=4)
+    fresh = lambda: make_cache(model)  # noqa: E731
+    fp = model_fingerprint(block_description(model, fresh), "spacing", block_size=BLOCK)
+    loaded = SimpleNamespace(fingerprint=fp, identity="tiny:lfm2", name="draft", profile=SimpleNamespace(model=model))
+    store = _block_store(redis.Redis.from_url(redis_url), loaded, Settings(block_size=BLOCK, state_checkpoint_blocks=1))
+    score_with_cache(profile_model(model), PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    assert store.stats()["checkpoints_written"] == 4  # one per block, as format 3 kept them
+    assert store.fetch(PROMPT[:40])[1] == 32

@@ -73,10 +73,10 @@ def test_fingerprint_is_stable_and_covers_what_changes_kv():
 def test_fingerprint_hashes_the_description_it_is_given():
     description = {"model_type": "m", "args": {"hidden_size": 64, "rope_theta": 1e4}, "layers": [{"cache": "KVCache"}]}
     fp = model_fingerprint(description, "repo@rev", block_size=16)
-    expected = {**description, "format_version": 3, "identity": "repo@rev", "block_size": 16}
+    expected = {**description, "format_version": 4, "identity": "repo@rev", "block_size": 16}
     assert fp == hashlib.sha256(canonical_json(expected).encode()).hexdigest()
     # Pinned: a change here renames every stored block (bump FORMAT_VERSION instead).
-    assert fp == "67fc8e04fc0a44668ab56e25e1d9bc72527d0319deff4d66eba7a8c913ae7b4a"
+    assert fp == "1c8a58a637aa23b1f5a3cca7ba7e89486b181cc25bcf894b298b17ee09ca08b1"
     assert fp == model_fingerprint(dict(reversed(list(description.items()))), "repo@rev", block_size=16)
     assert fp != model_fingerprint({**description, "args": {"hidden_size": 65, "rope_theta": 1e4}},
                                    "repo@rev", block_size=16)

@@ -149,21 +149,26 @@ def test_a_hybrid_chain_through_the_tier_is_warm_equals_cold(redis_url, tmp_path
         warm = score_with_cache(profile, prompt, other, ScoringOptions(seed=2), prefill_step=48)
         assert warm.cached_tokens == 64
         assert_warm_is_cold(warm, cold)
-    assert other.stats()["local_hit_blocks"] == 4
+    assert other.stats()["local_hit_blocks"] == 5  # 4 blocks and the prompt's checkpoint
 
 
-def test_a_bad_shared_block_is_deleted_in_redis_when_the_last_one_is_read_again(redis_url, tmp_path):
-    """A hybrid chain: the last block is bad in Redis, so the one before is read again for its
-    state; the bad block is still deleted where it was read (Redis), not looked for locally."""
+def test_a_bad_shared_checkpoint_is_deleted_in_redis_and_an_earlier_one_used(redis_url, tmp_path):
+    """A hybrid chain checkpointed every 2 blocks: the last checkpoint is bad in Redis, so the
+    prefix ends at the one before; the bad one is deleted where it was read (Redis), not
+    looked for locally."""
+    from cache_store.keys import block_digests, checkpoint_key
+    from tests.support.kv_blocks import draft_store
+
     model = F.build("qwen3_5", seed=3)
     client = redis.Redis.from_url(redis_url)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, F.VOCAB, 70)]
-    writer = worker_store(client, model, block_size=BS)
+    writer = draft_store(client, model, block_size=BS, checkpoint_blocks=2)
     score_with_cache(profile_model(model), prompt, writer, ScoringOptions(seed=2), prefill_step=48)
-    keys = writer.raw_store.block_keys(prompt)
-    value = bytearray(client.get(keys[3]))
-    value[-20] ^= 1  # its state section: only its whole read sees it
-    client.set(keys[3], bytes(value))
-    store = worker_store(client, model, block_size=BS, local=LocalTier(tmp_path, 10**9))
-    assert store.fetch(prompt)[1] == 48
-    assert not client.exists(keys[3]) and store.stats()["corrupt_blocks"] == 1
+    raw = writer.raw_store
+    last = checkpoint_key("specprefill", raw.fingerprint, block_digests(raw.fingerprint, prompt, BS)[3])
+    value = bytearray(client.get(last))
+    value[-20] ^= 1  # its state
+    client.set(last, bytes(value))
+    store = draft_store(client, model, block_size=BS, checkpoint_blocks=2, local=LocalTier(tmp_path, 10**9))
+    assert store.fetch(prompt)[1] == 32
+    assert not client.exists(last) and store.stats()["corrupt_blocks"] == 1

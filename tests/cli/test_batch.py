@@ -47,6 +47,9 @@ def test_finding6_resume_is_keyed_on_content_and_options(service, tmp_path):
     assert other.returncode == 2, other
     assert "other options (keep 0.2 -> 0.1)" in other.stderr and "another --out" in other.stderr
     assert out.read_text() == before  # the keep-0.2 results are neither kept as 0.1 nor duplicated
+    by_relative = batch(service, out, *relative, extra=("--keep", "0.1"))  # issue 28 item 7c
+    assert by_relative.returncode == 2 and "keep 0.2 -> 0.1" in by_relative.stderr, by_relative
+    assert out.read_text() == before
 
     elsewhere = tmp_path / "keep01.jsonl"
     assert batch(service, elsewhere, *docs, extra=("--keep", "0.1")).returncode == 0

@@ -167,7 +167,7 @@ def test_version_1_and_2_payloads_still_read():
     assert (prefill.kind, prefill.tokens, prefill.scoring, prefill.selection) == ("prefill", (5, 6, 7), scoring, selection)
     assert prefill.return_importance and prefill.to_payload()["v"] == 3
     generate = spec_from_payload(V2_GENERATE, S)
-    assert generate.kind == "generate" and generate.target_model == "t" and generate.messages == (("user", "hi"),)
+    assert generate.kind == "generate" and generate.target_model == "t" and generate.messages == ({"role": "user", "content": "hi"},)
     assert generate.generate == GenerateOptions(max_tokens=9, temperature=0.9, top_p=0.8, seed=2, stop=("x",))
     assert (generate.scoring, generate.selection) == (scoring, selection) and generate.tools[0]["function"]["name"] == "f"
     assert spec_from_payload(generate.to_payload(), S) == generate

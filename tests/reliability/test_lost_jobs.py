@@ -82,3 +82,56 @@ def test_batch_through_a_data_losing_restart_finishes_every_document_once(privat
         if job.status() == "finished":
             assert len(Result.all(job._job(), serializer=JSONSerializer)) == 1
     assert all(w.alive() for w in pool)
+
+
+def _most_running(client, job_ids, stop) -> int:
+    """The most of ``job_ids`` seen running at once until ``stop`` is set (polled)."""
+    from jobs.inspect import job_statuses
+
+    most = 0
+    while not stop.is_set():
+        statuses = job_statuses(client.connection, job_ids)
+        most = max(most, sum(st == "started" for st in statuses.values()))
+        time.sleep(0.05)
+    return most
+
+
+def test_issue28_item17_a_batch_resubmits_every_lost_job_at_once(private_redis, workers):
+    """After a data-losing restart a batch's ``result()`` (then, after another restart, a
+    second batch's ``events()``) submits every lost job again in one go, so the recovery
+    runs on all three workers (before: each handle resubmitted its own job and waited for
+    it, one job queued or running at a time)."""
+    server = private_redis(persist=False)
+    s = fake_settings()
+    for i in range(3):
+        workers.fake(server.url, s, delay=0.05, name=f"rec{i}")
+    for round_no, follow in enumerate(("result", "events")):
+        _recover_a_batch(server, s, follow, round_no)
+
+
+def _recover_a_batch(server, s, follow: str, round_no: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Event
+
+    c = client_for(server.url, s)
+    docs = [[2 + (i * 37 + j * 13 + round_no) % 250 for j in range(320)] for i in range(6)]  # ~1 s each
+    batch = c.submit_many([{"tokens": d} for d in docs])
+    wait_for(lambda: batch.progress().running >= 2, timeout=30, what="the batch running")
+    server.stop()
+    server.start()  # empty: every job of the batch is lost
+    stop = Event()
+    with ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(_most_running, client_for(server.url, s), batch.job_ids, stop)
+        try:
+            if follow == "result":
+                results = batch.result(timeout=120)
+            else:
+                views = list(batch.events(poll_s=0.2, timeout=120))
+                assert views[-1].done == len(docs), views[-1]
+                results = batch.result(timeout=10)
+        finally:
+            stop.set()
+        most = watcher.result()
+    assert all(not isinstance(r, JobFailed) and r.total == 320 for r in results), (follow, results)
+    assert all(h.resubmitted for h in batch.handles), follow
+    assert most >= 2, f"{follow}: at most {most} job(s) of the batch ran at once during the recovery"

@@ -29,7 +29,9 @@ def test_chat_completion_usage_and_specprefill(openai_client, stack):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     sp = r.model_extra["specprefill"]
     assert 0 < sp["kept_ratio"] < 0.5  # keep 0.2 plus the 32-token tail, not the whole prompt
-    assert sp["kept_tokens"] == round(sp["kept_ratio"] * sp["prompt_tokens"])
+    restored = sp["target_tokens"]["restored"]  # not selected over: outside the kept share
+    assert sp["kept_tokens"] - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    assert sp["restored_ratio"] == round(restored / sp["prompt_tokens"], 6)
     assert set(sp["ttft_phases_s"]) >= {"draft_scoring", "target_prefill"} and sp["ttft_s"] > 0
     # the job carries the request's options
     job = Job.fetch(sp["job_id"], connection=redis.Redis.from_url(stack.redis_url), serializer=JSONSerializer)
@@ -89,6 +91,15 @@ def test_bad_requests_name_the_field(openai_client):
         openai_client.chat.completions.create(model=TARGET, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert err.value.body["param"] == "messages[0].content[0]"
+
+
+def test_a_prompt_beyond_the_targets_context_is_400_context_length_exceeded(openai_client):
+    # the shipped target declares max_position_embeddings 8192: 8100 prompt tokens + 200 do not fit
+    with pytest.raises(BadRequestError) as err:
+        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(8100)], max_tokens=200)
+    body = err.value.body
+    assert err.value.status_code == 400 and body["code"] == "context_length_exceeded", body
+    assert body["param"] == "max_tokens" and "8100 tokens" in body["message"] and "8192 tokens" in body["message"]
 
 
 def test_unauthorized_and_not_found(stack, openai_client):

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+import urllib.request
 
 import pytest
 from openai import OpenAI
@@ -45,26 +46,65 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
-def test_job_view_highlights_kept_chunks(stack, page):
+def _jobs_known(stack) -> int:
+    """Every job the queue holds, in any state (a companion job would add one)."""
+    req = urllib.request.Request(f"{stack.server.url}/api/overview", headers={"Authorization": f"Bearer {API_KEY}"})
+    data = json.loads(urllib.request.urlopen(req, timeout=30).read())
+    return sum(q["queued"] + q["started"] + q["finished"] + q["failed"] for q in data["queues"])
+
+
+def test_job_view_shows_what_the_job_kept_without_running_the_model(stack, page):
+    """A second job on the same system prompt restores it: the page shows the restored band, the
+    kept text and the curve from the job's own result, queues nothing, and its "from the block
+    store" figure is the restored band's length."""
     client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
-    text = words(700, seed=90)
-    r = client.chat.completions.create(model=TARGET, messages=[
-        {"role": "system", "content": words(40, seed=91)}, {"role": "user", "content": text}],
-        max_tokens=4, extra_body={"keep": 0.2})
-    job_id = r.model_extra["specprefill"]["job_id"]
+    system, text = words(300, seed=91), words(700, seed=90)
+    ask = lambda doc: client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2}, messages=[  # noqa: E731
+        {"role": "system", "content": system}, {"role": "user", "content": doc}])
+    ask(words(700, seed=92))  # stores the system prefix
+    r = ask(text)
+    info = r.model_extra["specprefill"]
+    job_id, restored = info["job_id"], info["target_tokens"]["restored"]
+    assert restored >= 256
+    before = _jobs_known(stack)
     page.goto(f"{stack.server.url}/#/job/{job_id}")
-    page.wait_for_selector("#job-curve svg.importance", timeout=60_000)  # the companion scoring ran
+    page.wait_for_selector("#job-curve svg.importance", timeout=20_000)
+    assert _jobs_known(stack) == before  # the page ran nothing
+    band = page.locator("#job-strip .restored")
+    assert band.count() == 1 and band.get_attribute("data-start") == "0"
+    assert int(band.get_attribute("data-end")) == restored
+    assert page.locator("#restored-tokens").get_attribute("data-tokens") == str(restored)
     kept = page.locator("#job-doc .seg.kept")
     assert kept.count() >= 2
-    texts = kept.all_inner_texts()
-    assert all(t.strip() and " ".join(t.split()) in " ".join((words(40, seed=91) + " " + text).split())
-               for t in texts)
+    whole = " ".join((system + " " + text).split())
+    assert all(t.strip() and " ".join(t.split()) in whole for t in kept.all_inner_texts())
     assert page.locator("#job-doc .seg.dropped").count() >= 1
-    assert page.locator("#job-doc .seg.kept.prefix").count() >= 1  # the system message
+    assert page.locator("#job-doc .seg.kept.restored").count() == 1  # the system message
     assert page.locator("#job-doc .seg.kept.tail").count() == 1
-    assert page.locator("#job-curve svg rect.kept").count() >= 2
+    assert page.locator("#job-curve svg rect.kept").count() >= 1
+    assert page.locator("#job-curve svg rect.restored").count() == 1
     assert page.locator("#job-curve svg rect.tail").count() == 1
+    assert page.locator(".note").count() == 0  # nothing contradicts the result
     shot(page, "job-view")
+
+
+def test_recent_jobs_list_names_each_job_newest_first(stack, page):
+    client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
+    firsts = []
+    for seed in (80, 81):
+        text = words(400, seed=seed)
+        firsts.append(" ".join(text.split()[:8]))
+        client.chat.completions.create(model=TARGET, max_tokens=2, messages=[{"role": "user", "content": text}])
+    page.goto(stack.server.url + "/")
+    page.wait_for_selector(f"td.label:text-is('{firsts[-1]} …')")
+    rows = page.locator("tr[data-job]")
+    labels = rows.locator("td.label").all_inner_texts()
+    assert labels[:2] == [f"{firsts[1]} …", f"{firsts[0]} …"]  # newest first
+    first = rows.first
+    assert first.locator("td.share").inner_text().endswith("%")
+    assert first.locator("td.ttft").inner_text().endswith(" ms")
+    assert first.locator("td.ended").inner_text()
+    shot(page, "recent-jobs")
 
 
 def test_batch_view_updates_while_running(stack, page):

@@ -12,9 +12,11 @@ from jobs.spec import JobSpecError, build_spec
 from specprefill_server.batch.lines import plan_lines, result_lines
 from specprefill_server.convert import ChunkMaker, chat_fields, chat_messages, completion_fields
 from specprefill_server.errors import APIError, from_job_failure, from_spec_error
-from specprefill_server.web.jobview import bands, segments
+from jobs.layout import Region, layout, regions
+from jobs.results import ImportanceCurve, PrefillResult
+from specprefill_server.web.jobview import segments
 from specprefill_server.openai_types import ChatCompletionRequest, CompletionRequest, parse
-from specprefill_server.web.svg import _bins, importance_svg
+from specprefill_server.web.svg import importance_svg
 
 
 def generate_spec(**fields):
@@ -35,11 +37,11 @@ def test_chat_request_maps_to_generate_fields():
         "max_completion_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
         "tools": [{"type": "function", "function": {"name": "f"}}], "user": "u"})
     fields = chat_fields(req)
-    assert fields == {"target_model": "target", "messages": [{"role": "system", "content": "s"},
-                                                             {"role": "user", "content": "ab"}],
+    assert fields == {"target_model": "target", "messages": req.messages,
                       "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
                       "tools": [{"type": "function", "function": {"name": "f"}}]}
     spec = generate_spec(**fields)
+    assert spec.messages[1] == {"role": "user", "content": "ab"}  # text parts joined by the spec
     kwargs = chat_fields(parse(ChatCompletionRequest, {
         "model": "t", "messages": [{"role": "user", "content": "a"}],
         "chat_template_kwargs": {"enable_thinking": False}}))
@@ -71,12 +73,52 @@ def test_unsupported_request_fields_are_refused_by_name():
         with pytest.raises(APIError) as err:
             parse(ChatCompletionRequest, {"model": "m", "messages": [], **body})
         assert err.value.status == 400 and err.value.param == param, (body, err.value.body())
+    for messages, param in [([{"role": "user", "content": "x", "tool_call_id": "c"}], "messages[0].tool_call_id"),
+                            ([{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": []}],
+                             "messages[1].content"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+                             "messages[0].content[0]")]:
+        with pytest.raises(JobSpecError) as err:
+            generate_spec(**chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": messages})))
+        assert from_spec_error(err.value).param == param, str(err.value)
+
+
+def test_openai_tool_conversations_convert_to_the_conversation_format():
+    replayed = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
+                "annotations": [], "reasoning": "look it up",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"k": [1, 2]}'}},
+                               {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    out = chat_messages([{"role": "user", "content": "q", "name": "bob"}, replayed,
+                         {"role": "tool", "tool_call_id": "c1", "content": "r"}])
+    assert out[1] == {"role": "assistant", "content": None, "reasoning_content": "look it up",
+                      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"k": [1, 2]}}},
+                                     {"id": "c2", "type": "function", "function": {"name": "f", "arguments": {}}}]}
+    spec = generate_spec(**chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": [
+        {"role": "user", "content": "q", "name": "bob"}, replayed, {"role": "tool", "tool_call_id": "c1", "content": "r"}]})))
+    assert spec.messages[1]["tool_calls"][0]["function"]["arguments"] == {"k": [1, 2]}
     with pytest.raises(APIError) as err:
-        chat_messages([{"role": "user", "content": "x", "name": "bob"}])
-    assert err.value.param == "messages[0].name"
-    with pytest.raises(APIError) as err:
-        chat_messages([{"role": "assistant", "content": None, "tool_calls": []}])
-    assert err.value.param == "messages[0].tool_calls"
+        chat_messages([{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}]}])
+    assert err.value.param == "messages[0].tool_calls[0].function.arguments" and "not valid JSON" in err.value.message
+
+
+def test_tool_call_results_and_chunks_in_openai_form():
+    from jobs.answer_stream import Finish, ReasoningDelta, ToolCallArguments, ToolCallStart, Usage
+    from specprefill_server.convert import chat_completion
+
+    res = result(text="", reasoning="hmm", finish_reason="tool_calls",
+                 tool_calls=[{"id": "abc123def", "name": "lookup", "arguments": {"key": "alpha"}}])
+    choice = chat_completion(res, model="m", created=1)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": "hmm", "tool_calls": [
+        {"id": "abc123def", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "alpha"}'}}]}
+    maker = ChunkMaker(chat=True, job_id="generate-abc", model="m", created=1)
+    assert maker.event(ReasoningDelta("hm"))["choices"][0]["delta"] == {"reasoning_content": "hm"}
+    assert maker.event(ToolCallStart(0, "abc123def", "lookup"))["choices"][0]["delta"] == {"tool_calls": [
+        {"index": 0, "id": "abc123def", "type": "function", "function": {"name": "lookup", "arguments": ""}}]}
+    assert maker.event(ToolCallArguments(0, '{"key"'))["choices"][0]["delta"] == {
+        "tool_calls": [{"index": 0, "function": {"arguments": '{"key"'}}]}
+    assert maker.event(Finish("tool_calls", Usage(1, 1), res)) is None
+    assert maker.last(res)["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
 
 
 def test_completion_prompts():
@@ -136,11 +178,12 @@ def test_batch_lines_plan_and_results():
 def test_segments_align_unique_spans_and_refuse_repeats():
     doc = "alpha beta gamma delta epsilon zeta eta theta"
     spans = [{"start": 0, "end": 2, "text": "<s> alpha beta"}, {"start": 5, "end": 6, "text": "zeta"}]
-    segs, aligned = segments(8, [(0, 2), (5, 6)], spans=spans, document=doc, tail_start=5)
+    segs, aligned = segments(8, [(0, 2), (5, 6)], spans=spans, document=doc,
+                             regions=layout(8, [(0, 2), (5, 6)], tail_start=5))
     assert aligned
     assert [(s.kind, s.text, s.marks) for s in segs] == [
         ("kept", "alpha beta", []), ("dropped", " gamma delta epsilon ", []), ("kept", "zeta", ["tail"]),
-        ("dropped", " eta theta", ["tail"])]
+        ("dropped", " eta theta", [])]  # the tail region holds kept tokens only
     # a kept passage that occurs twice: which copy was kept is unknown, so no text is placed
     doc2 = "x y kept words z kept words w"
     segs, aligned = segments(8, [(2, 4)], spans=[{"start": 2, "end": 4, "text": "kept words"}], document=doc2)
@@ -148,18 +191,42 @@ def test_segments_align_unique_spans_and_refuse_repeats():
         ("dropped", None), ("kept", "kept words"), ("dropped", None)]
 
 
-def test_bands_split_prefix_and_tail_exactly():
-    assert bands(100, [(0, 40), (60, 100)], protected_prefix=10, tail_start=80) == [
+def test_layout_splits_every_region_kind_exactly():
+    assert [(r.kind, r.start, r.end) for r in layout(100, [(0, 40), (60, 100)], protected_prefix=10,
+                                                     tail_start=80)] == [
         ("prefix", 0, 10), ("kept", 10, 40), ("dropped", 40, 60), ("kept", 60, 80), ("tail", 80, 100)]
+    # a restored prefix longer than the system block, a healed part of a dropped range
+    assert [(r.kind, r.start, r.end) for r in layout(100, [(0, 40), (60, 100)], protected_prefix=10,
+                                                     tail_start=80, restored=32, healed_ranges=[(40, 50)])] == [
+        ("restored", 0, 32), ("kept", 32, 40), ("healed", 40, 50), ("dropped", 50, 60), ("kept", 60, 80),
+        ("tail", 80, 100)]
+    result = PrefillResult(job_id="j", kept=60, total=100, kept_ranges=[(0, 40), (80, 100)],
+                           protected_prefix=5, tail_start=90)
+    assert regions(result) == [Region("prefix", 0, 5), Region("kept", 5, 40), Region("dropped", 40, 80),
+                               Region("kept", 80, 90), Region("tail", 90, 100)]
 
 
-def test_importance_svg_keeps_peaks():
+def test_segments_are_marked_with_the_regions_they_hold():
+    doc = "aa bb cc dd"
+    spans = [{"start": 0, "end": 2, "text": "aa bb"}]
+    segs, aligned = segments(4, [(0, 2)], spans=spans, document=doc,
+                             regions=layout(4, [(0, 2)], restored=1, healed_ranges=[(2, 4)]))
+    assert aligned and [(s.kind, s.text, s.marks) for s in segs] == [
+        ("kept", "aa bb", ["restored"]), ("dropped", " cc dd", ["healed"])]
+
+
+def test_importance_curve_keeps_peaks_and_the_svg_draws_its_bins():
     values = [0.0] * 5000
     values[1234] = 1.0
-    assert max(_bins(values, 800)) == 1.0 and len(_bins(values, 800)) == 800
-    svg = importance_svg(values, [(0, 100), (4900, 5000)], protected_prefix=50, tail_start=4968)
+    curve = ImportanceCurve.of(values, 800)
+    assert curve.tokens_per_bin == 7 and len(curve.max) == 715 and max(curve.max) == 1.0
+    assert curve.max.index(1.0) == 1234 // 7
+    assert ImportanceCurve.of([0.5, 0.25], 800) == ImportanceCurve(1, [0.5, 0.25])
+    bands = layout(5000, [(0, 100), (4900, 5000)], protected_prefix=50, tail_start=4968, restored=16)
+    svg = importance_svg(curve, 5000, bands)
     assert svg.count('class="kept"') == 2 and 'class="prefix"' in svg and 'class="tail"' in svg
-    assert "max importance per" in svg and 'data-tokens="5000"' in svg
+    assert 'class="restored"' in svg and 'class="dropped"' not in svg
+    assert "max importance per 7 tokens" in svg and 'data-tokens="5000"' in svg
 
 
 def test_worker_metrics_count_what_results_report():
@@ -318,3 +385,15 @@ def test_server_metrics_count_answers_of_every_mode():
     assert v("specprefill_http_job_duration_seconds_count", {"endpoint": "/v1/chat/completions"}) == 2
     assert v("specprefill_http_queue_wait_seconds_count") == 1 and v("specprefill_http_queue_wait_seconds_sum") == 0.3
     assert v("specprefill_http_kept_ratio_bucket", {"le": "0.4"}) == 2 and v("specprefill_http_kept_ratio_count") == 3
+
+
+def test_a_job_without_a_curve_says_why():
+    from specprefill_server.web.data import curve_note
+
+    base = dict(job_id="j", kept=10, total=10, kept_ranges=[(0, 10)])
+    assert curve_note(PrefillResult(**base, importance_curve=ImportanceCurve(1, [0.0] * 10))) is None
+    assert "selection memo" in curve_note(PrefillResult(**base, memo_hit=True))
+    assert "threshold" in curve_note(PrefillResult(**base, reason="keep all: 10 tokens, not more than the threshold"))
+    assert "skipped (draft: boom)" in curve_note(PrefillResult(**base, fallback="draft: boom", reason="draft: boom"))
+    gen = GenerateResult(**base, text="", finish_reason="length", token_ids=[], ttft_s=0.1, full_prefill=True)
+    assert "full prefill requested" in curve_note(gen)

@@ -43,7 +43,7 @@ class DictDraftCache:
             n -= self.block_size
         return None, 0
 
-    def recorder(self, tokens=None):
+    def recorder(self, tokens=None, checkpoints=()):
         return None
 
     def store(self, tokens, cache, recorder=None):

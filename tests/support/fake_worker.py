@@ -75,7 +75,7 @@ class FakeStore:
         self.shared = shared
         self.on_fetch, self.on_store = on_fetch or (lambda *a: None), on_store or (lambda *a: None)
 
-    def recorder(self, tokens=None):
+    def recorder(self, tokens=None, checkpoints=()):
         return None
 
     def fetch(self, tokens):
@@ -105,7 +105,8 @@ class FakeMemo:
 
 
 def make_fake_score(chunk_delay_s=0.0, step=16):
-    def score_with_cache(profile, tokens, draft_cache, options, *, progress=None, prefill_step=2048):
+    def score_with_cache(profile, tokens, draft_cache, options, *, progress=None, prefill_step=2048,
+                         checkpoints=()):
         cache, n = draft_cache.fetch(tokens) if draft_cache is not None else (None, 0)
         t0 = time.perf_counter()
         for p in range(n, len(tokens), step):

@@ -21,6 +21,7 @@ from jobs.spec import JobSpecError, build_spec
 from specprefill import sparse
 from specprefill.profile import profile_model
 from specprefill.sparse import full_prefill
+import tests.support.families as F
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
 from worker import target_prefill
@@ -57,7 +58,8 @@ def make_pool(loads, family="llama"):
         loads.append(name)
         if name == "fake-draft":
             return FakeModel(), ChatTokenizer()
-        targets.setdefault(name, make_model(family, seed=3))
+        if name not in targets:
+            targets[name] = F.build(family, seed=3) if family in F.names("hybrid") else make_model(family, seed=3)
         return targets[name], ChatTokenizer()
 
     def profile(model):
@@ -67,7 +69,8 @@ def make_pool(loads, family="llama"):
         return "fp-" + ident if prof is None else model_fingerprint(prof.description, ident, block_size=bs)
 
     return ModelPool(2, block_size=16, loader=load, profile=profile, fingerprint=fingerprint,
-                     identify=lambda name: "fake:" + name, warm=lambda m: None)
+                     identify=lambda name: "fake:" + name + ("" if family == "llama" else "@" + family),
+                     warm=lambda m: None)
 
 
 def runtime(redis_client=None, backend=None, family="llama", **over):
@@ -394,10 +397,10 @@ def test_a_draft_over_its_time_budget_stops_and_the_job_falls_back():
     assert run(rt, messages=chat(), **GREEDY).fallback is None
 
 
-@pytest.mark.parametrize("family,stored", [("qwen3", True), ("phi3", True), ("gemma3_text", False)])
+@pytest.mark.parametrize("family,stored", [("qwen3", True), ("phi3", True), ("gemma3_text", True)])
 def test_target_prefix_across_families(family, stored):
-    """Dense caches are stored and restored; sliding-window layers (gemma3) are not stored
-    (their early tokens are gone), and the job simply prefills everything itself."""
+    """Dense caches are stored and restored; so are sliding-window layers (gemma3): the prefix
+    prefill's block recorder keeps each window's tokens as it passes them."""
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, family=family, keep=0.2)
     first = run(rt, "a", messages=chat(0), **GREEDY)
@@ -437,3 +440,78 @@ def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(mo
     assert second.target_tokens["restored"] > 0 and alone.target_tokens["restored"] == 0
     assert second.kept_ranges == alone.kept_ranges and (second.kept < second.total) == (keep < 1)
     assert np.array_equal(seen[1], seen[2]) and second.token_ids == alone.token_ids
+
+
+# ---- the kept share of a job on a restored prefix (issue 28 item 9) ----
+
+def test_a_restored_prefix_does_not_inflate_the_kept_share():
+    """The second turn of a conversation restores the first turn's whole prompt (a plain prefill
+    stored it), more than its system block: the kept share is of the tokens selected over, the
+    restored share is beside it, and keep_effect says why kept/total is more than keep."""
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, keep=0.1, threshold=48)
+    turn = chat(0, n=30)
+    first = run(rt, "a", messages=turn, **GREEDY)
+    assert first.reason and first.reason.startswith("keep all")  # short: plain, its prefix stored
+    second = run(rt, "b", messages=turn + [{"role": "assistant", "content": "ok"}, chat(2, n=400)[1]],
+                 **GREEDY)
+    restored, total, kept = second.restored, second.total, second.kept
+    assert restored == second.target_tokens["restored"] > second.protected_prefix
+    assert kept < total
+    assert second.ratio == pytest.approx((kept - restored) / (total - restored))
+    assert second.ratio < kept / total  # what was reported before
+    assert second.restored_ratio == pytest.approx(restored / total)
+    assert f"restored its first {restored} tokens" in second.keep_effect
+    assert f"applies to the other {total - restored} tokens" in second.keep_effect
+    d = second.to_json()
+    assert d["ratio"] == second.ratio and d["restored_ratio"] == second.restored_ratio
+
+
+def test_a_job_without_a_restore_reports_kept_over_total():
+    rt, _ = runtime(keep=0.25)
+    res = run(rt, "a", messages=chat(1), **GREEDY)
+    assert res.restored == 0 and res.restored_ratio == 0.0
+    assert res.ratio == pytest.approx(res.kept / res.total)
+    assert res.keep_effect is None or "restored" not in res.keep_effect
+    # what the job page shows, kept with the answer: the draft's importance and the kept text
+    assert res.importance_curve is not None and res.importance_curve.tokens_per_bin == 1
+    assert len(res.importance_curve.max) == res.total
+    assert [(s.start, s.end) for s in res.spans] == res.kept_ranges
+
+
+HYBRID_TARGETS = ["qwen3_5", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("family", HYBRID_TARGETS)
+def test_a_hybrid_target_restores_to_a_checkpoint_and_equals_a_cold_job(monkeypatch, family):
+    """A hybrid target's prefix is stored with its recurrent state at checkpoints (the system
+    prefix's end, the prompt's last full block): the next turn, and a job sharing only the
+    system prompt, restore up to the last checkpoint they reach, and their first logits are a
+    cold job's bit for bit (the same block steps), plain and sparse."""
+    seen = []
+    decode = sparse.generate_tokens
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, family=family, keep=1.0)
+    plain = dict(GREEDY, full_prefill=True)
+    first = run(rt, "a", messages=chat(0), **plain)
+    assert first.target_tokens["blocks_written"] > 0
+    turn = chat(0) + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
+    for job, messages, keep, how in (("b", turn, 1.0, plain), ("c", chat(1), 1.0, GREEDY), ("d", chat(2), 0.2, GREEDY)):
+        rt.settings = rt.settings.replace(keep=keep)
+        warm = run(rt, job, messages=messages, **how)
+        fresh, _ = runtime(family=family, keep=keep)
+        cold = run(fresh, job + "-cold", messages=messages, **how)
+        n_restored = warm.target_tokens["restored"]
+        system_end = warm.protected_prefix // 16 * 16
+        if job == "b":  # the first prompt's last full block is a checkpoint of the next turn
+            assert n_restored == (first.total // 16) * 16 > system_end
+        else:  # only the system prompt is shared
+            assert n_restored == system_end > 0
+        assert cold.target_tokens["restored"] == 0 and warm.kept_ranges == cold.kept_ranges
+        assert np.array_equal(seen[-2], seen[-1]) and warm.token_ids == cold.token_ids

@@ -138,3 +138,34 @@ def test_local_identity_hashes_config_and_weights(tmp_path):
     assert first.startswith("local:") and local_identity(tmp_path) != first
     with pytest.raises(ValueError, match="nope holds no config.json"):
         local_identity(tmp_path / "nope")
+
+
+def test_every_scored_job_keeps_what_the_job_page_shows():
+    """Without return_importance or return_spans, the result still carries the importance as the
+    maximum of each bin of positions (checked against the job that returns every token's) and
+    the kept text, so the page never runs the model; a memo hit says nothing it did not score."""
+    settings = Settings(draft_model="fake-draft").replace(threshold=64, tail_tokens=16, chunk_size=8, keep=0.25,
+                                                          page_curve_points=16)
+    rt = fake_runtime(fakeredis.FakeRedis(), settings)
+    text = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(300))
+    full = PrefillResult.from_json(_run(rt, build_spec(rt.settings, text=text, return_importance=True).to_payload()))
+    rt2 = fake_runtime(fakeredis.FakeRedis(), settings)
+    plain = PrefillResult.from_json(_run(rt2, build_spec(rt2.settings, text=text).to_payload()))
+    assert plain.importance is None and plain.kept_ranges == full.kept_ranges
+    curve = plain.importance_curve
+    per_bin = -(-len(full.importance) // 16)
+    assert curve.tokens_per_bin == per_bin == 19
+    assert curve.max == [max(full.importance[i:i + per_bin]) for i in range(0, len(full.importance), per_bin)]
+    assert [(s.start, s.end) for s in plain.spans] == plain.kept_ranges
+    assert all(s.text == FakeTokenizer().decode(FakeTokenizer().encode(text)[s.start:s.end]) for s in plain.spans)
+    again = PrefillResult.from_json(_run(rt2, build_spec(rt2.settings, text=text).to_payload(), job_id="again"))
+    assert again.memo_hit and again.importance_curve is None and again.spans == plain.spans
+    assert PrefillResult.from_json(plain.to_json()) == plain
+
+
+def test_kept_text_is_left_out_past_page_text_tokens_unless_asked():
+    rt = fake_runtime(fakeredis.FakeRedis(), Settings(draft_model="fake-draft").replace(
+        threshold=64, tail_tokens=16, chunk_size=8, keep=0.25, page_text_tokens=5))
+    assert PrefillResult.from_json(_run(rt, build_spec(rt.settings, text="y" * 200).to_payload())).spans is None
+    asked = build_spec(rt.settings, text="y" * 200, return_spans=True).to_payload()
+    assert PrefillResult.from_json(_run(rt, asked, job_id="asked")).spans

@@ -106,12 +106,16 @@ function renderOverview(data) {
       el("td", {}, status(b.status)), el("td", {}, bar(pct(c.completed + c.failed, c.total))),
       el("td", { text: `${c.completed} done, ${c.failed} failed of ${c.total}` }), el("td", { text: ago(b.created_at) }));
   });
-  const jobs = data.recent_jobs.map((j) => el("tr", {}, el("td", {}, jobLink(j.job_id)), el("td", {}, status(j.status))));
+  const jobs = data.recent_jobs.map((j) => el("tr", { "data-job": j.job_id },
+    el("td", {}, jobLink(j.job_id)), el("td", { class: "label", text: j.label || "" }), el("td", {}, status(j.status)),
+    el("td", { class: "share", text: j.ratio === null || j.ratio === undefined ? "—" : (100 * j.ratio).toFixed(1) + "%" }),
+    el("td", { class: "ttft", text: j.ttft_s === null || j.ttft_s === undefined ? "—" : (1000 * j.ttft_s).toFixed(0) + " ms" }),
+    el("td", { class: "ended", text: ago(j.ended_at) })));
   show(
     el("h2", { text: "Workers" }), table(["name", "state", "job", "done / failed", "busy", "loaded models"], workers),
     el("h2", { text: "Queues" }), table(["queue", "waiting", "running", "finished", "failed", "canceled"], queues),
     el("h2", { text: "Batches" }), table(["batch", "status", "progress", "requests", "created"], batches),
-    el("h2", { text: "Recent jobs" }), table(["job", "status"], jobs));
+    el("h2", { text: "Recent jobs" }), table(["job", "input", "status", "kept", "TTFT", "ended"], jobs));
 }
 
 // ---- batch view ----
@@ -170,7 +174,7 @@ function segmentNode(s) {
 
 function strip(view) {
   const total = view.result.total || 1;
-  return el("div", { id: "job-strip", title: "token positions: kept, dropped, protected prefix, tail" },
+  return el("div", { id: "job-strip", title: "token positions: restored, protected prefix, kept, tail, healed, dropped" },
     view.bands.map((b) => el("div", { class: b.kind, "data-start": b.start, "data-end": b.end,
                                       title: `${b.kind} tokens [${b.start}, ${b.end})`,
                                       style: `width:${(100 * (b.end - b.start) / total).toFixed(3)}%` })));
@@ -178,12 +182,17 @@ function strip(view) {
 
 function summary(view) {
   const r = view.result, o = view.options;
+  const pc = (x) => (100 * x).toFixed(1) + "%";
   const items = [["status", status(view.status)], ["kind", view.kind + " (" + view.input_kind + ")"],
-    ["kept", r ? `${r.kept} of ${r.total} tokens (${(100 * r.ratio).toFixed(1)}%)` : ""],
-    ["reason", r && r.reason ? r.reason : "—"],
-    ["from the block store", r ? `${r.cached_tokens} tokens` + (r.memo_hit ? " (memo hit)" : "") : ""],
+    ["kept", r ? `${r.kept} of ${r.total} tokens; ${pc(r.ratio)} of the ${r.total - r.restored} tokens selected over` : ""],
+    ["reason", r && (r.keep_effect || r.reason) ? (r.keep_effect || r.reason) : "—"]];
+  if (r && view.kind === "generate") {
+    items.push(["target, from the block store", el("span", { id: "restored-tokens", "data-tokens": r.restored,
+      text: `${r.restored} tokens restored (${pc(r.restored_ratio)} of the prompt)` })]);
+  }
+  items.push(["draft, from the block store", r ? `${r.cached_tokens} tokens` + (r.memo_hit ? " (memo hit)" : "") : ""],
     ["options", `keep ${o.keep}, chunk ${o.chunk_size}, tail ${o.tail_tokens}, threshold ${o.threshold}`],
-    ["draft model", o.draft_model], ["worker", view.worker || ""]];
+    ["draft model", o.draft_model], ["worker", view.worker || ""]);
   if (r && r.ttft_s !== undefined) items.push(["TTFT", r.ttft_s.toFixed(3) + " s"], ["target model", o.target_model]);
   return el("dl", { class: "summary" }, items.map(([k, v]) => [el("dt", { text: k }), el("dd", {}, v)]));
 }
@@ -204,12 +213,16 @@ async function renderJob(id) {
   if (view.result.text !== undefined) parts.push(el("h2", { text: "Answer" }), el("div", { class: "answer", text: view.result.text }));
   parts.push(el("h2", { text: "What SpecPrefill kept" }),
     el("p", { class: "legend" }, el("span", { class: "seg kept", text: "kept chunk" }),
+       el("span", { class: "seg kept restored", text: "holds tokens restored from the block store" }),
        el("span", { class: "seg kept prefix", text: "holds the protected prefix" }),
        el("span", { class: "seg kept tail", text: "holds the tail" }), el("span", { class: "seg dropped", text: "dropped" }),
+       el("span", { class: "seg dropped healed", text: "healed later" }),
        el("span", { class: "muted", text: "(the strip and the curve mark their exact token positions)" })),
     strip(view));
-  if (ex.note) parts.push(el("p", { class: "note", text: ex.note }));
-  if (!view.aligned && ex.status === "finished" && ex.matches) {
+  if (!ex.text) {
+    parts.push(el("p", { class: "note", text: "this result keeps no kept text (more tokens kept than the page keeps " +
+      "text for), so segments show their token counts only" }));
+  } else if (!view.aligned) {
     parts.push(el("p", { class: "note", text: "the kept spans could not each be placed in the document exactly once, " +
       "so dropped text is shown by its token count only" }));
   }
@@ -219,12 +232,8 @@ async function renderJob(id) {
   show(...parts);
   if (view.importance) {
     curve.innerHTML = await api(`/api/jobs/${encodeURIComponent(id)}/importance.svg`, true);  // our own SVG
-  } else if (ex.job_id && !["finished", "failed", "stopped", "canceled", "none"].includes(ex.status)) {
-    curve.replaceChildren(el("p", { class: "muted", id: "explain-progress", text: `scoring the prompt again for its importance (job ${ex.job_id})…` }));
-    await follow(`/api/jobs/${encodeURIComponent(ex.job_id)}/events`, () => {});
-    return renderJob(id);
   } else {
-    curve.replaceChildren(el("p", { class: "muted", text: ex.note || "no importance for this job" }));
+    curve.replaceChildren(el("p", { class: "muted", id: "no-curve", text: ex.note || "no importance for this job" }));
   }
 }
 

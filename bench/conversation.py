@@ -1,0 +1,329 @@
+"""A 10-turn agent conversation four ways: does healing keep the next turns fast and their recall whole?
+
+The shipped tiny draft and target (8K positions) and their recall task (``tools/recall_task.py``):
+a system prompt, a document in turn 1 with facts planted in it, then a tool result in every
+later turn; every turn ends with a question about a fact of its own text, except turns 3, 6
+and 10, which ask about a fact of turn 1's document. Each way runs the same trace (its own
+answers go into its history) with its own namespace in one Redis, one model pool:
+
+- ``full``: a full prefill of every turn, nothing restored;
+- ``plain``: a full prefill with the system prefix restored (only the system prefix's blocks are
+  kept between turns: the target's other blocks are dropped before each turn);
+- ``sparse``: SpecPrefill every turn, as the service runs without heals (the target restores
+  what was prefilled in order: the system prefix, the plain turns);
+- ``heal``: SpecPrefill, and after each turn its heal job runs before the next turn (a worker
+  idle between turns): the next turn restores the conversation and prefills only what is new.
+
+Then ``heal_user_job_delay``: a real worker process, a user job A running, B queued behind it,
+with and without a pile of heal jobs queued: B's wait (RQ's enqueued -> started) must not grow.
+The issue's trace (4K system, 8K document, 1-2K tool results) does not fit the shipped models'
+8K positions: the full run uses 1K / 2K / 384-token tool results (about 6.5K tokens by turn 10).
+Answers are the recall task's three words (not ~100 tokens). Ends with ``target ...`` lines.
+
+    .venv/bin/python bench/conversation.py [--traces 3]
+    .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
+"""
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
+from benchlib import ROOT, verdict  # noqa: E402
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import redis  # noqa: E402
+
+from jobs.settings import SHIPPED_MODELS, Settings  # noqa: E402
+from tools import recall_task  # noqa: E402
+
+MODES = ("full", "plain", "sparse", "heal")
+RECALL_TURNS = (3, 6, 10)
+DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
+
+
+@dataclass
+class Turn:
+    text: str  # the user turn: the document or tool result, then its question
+    answer: list[str]  # the three words the question asks for
+    recall: bool  # asks about turn 1's fact
+
+
+def make_trace(rng: random.Random, args) -> tuple[str, list[Turn]]:
+    """The system prompt and the 10 user turns of one conversation (distinct fact names)."""
+    task = recall_task.load()
+    system = task.decode(task.haystack(rng, args.system_tokens)[:args.system_tokens])
+    doc = task.make_document(rng, args.doc_tokens, 3)
+    fact, first = doc.needles[0], doc.needles[1]
+    used = {n.key for n in doc.needles}
+    turns = [Turn(doc.text + recall_task.QUESTION.format(first.key), first.value, False)]
+    for i in range(2, args.turns + 1):
+        while True:  # a tool result whose fact's name is new to the conversation
+            tool = task.make_document(rng, args.tool_tokens, 1)
+            if tool.needles[0].key not in used:
+                break
+        used.add(tool.needles[0].key)
+        asked = fact if i in RECALL_TURNS else tool.needles[0]
+        turns.append(Turn(tool.text + recall_task.QUESTION.format(asked.key), asked.value, i in RECALL_TURNS))
+    return system, turns
+
+
+def mode_settings(mode: str, url: str, args) -> Settings:
+    return Settings.from_env(
+        redis_url=url, namespace=f"conv-{mode}", draft_model=DRAFT, target_model=TARGET,
+        block_size=args.block_size, threshold=args.threshold, keep=args.keep,
+        **({"tail_tokens": args.tail_tokens} if args.tail_tokens else {}),
+        target_prefix_cache=mode != "full", heal=mode == "heal")
+
+
+class Runner:
+    """One way of running the conversation: generate jobs (and heals) in this process."""
+
+    def __init__(self, mode: str, url: str, models, args) -> None:
+        from worker.runtime import WorkerRuntime
+
+        self.mode, self.args, self.seq = mode, args, 0
+        conn = redis.Redis.from_url(url)
+        self.rt = WorkerRuntime.from_settings(mode_settings(mode, url, args), conn, models=models)
+
+    def _execute(self, payload: dict, job_id: str) -> dict:
+        from jobs.progress import ProgressPublisher
+        from worker.context import JobContext
+        from worker.tasks import execute
+
+        pub = ProgressPublisher(self.rt.connection, job_id, min_interval_s=1.0)
+        return execute(payload, JobContext(job_id, self.rt, pub, queue=self.rt.settings.queues[0]))
+
+    def turn(self, messages: list) -> tuple[dict, float]:
+        """One turn: its result, and (heal) the seconds its heal took after it."""
+        from jobs.spec import build_spec
+
+        if self.mode == "plain":
+            self._keep_system_blocks(messages)
+        spec = build_spec(self.rt.settings, kind="generate", messages=messages, max_tokens=4, greedy=True,
+                          full_prefill=self.mode in ("full", "plain"))
+        self.seq += 1
+        result = self._execute(spec.to_payload(), f"{self.mode}-{self.seq}")
+        heal_s = 0.0
+        if self.mode == "heal" and result["heal"].get("queued"):
+            t = time.perf_counter()
+            self._run_heal(result["heal"]["job_id"])
+            heal_s = time.perf_counter() - t
+        return result, heal_s
+
+    def _run_heal(self, job_id: str) -> None:
+        from rq import Queue
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+
+        conn = self.rt.connection
+        payload = Job.fetch(job_id, connection=conn, serializer=JSONSerializer).args[0]
+        self._execute(payload, job_id)
+        Queue(self.rt.settings.heal_queues[0], connection=conn, serializer=JSONSerializer).remove(job_id)
+
+    def _keep_system_blocks(self, messages: list) -> None:
+        """Drop every target block but the system prefix's (plain: only the system is cached)."""
+        from cache_store.keys import block_digests
+        from jobs.spec import build_spec
+        from worker.prompt import tokenize_prompt
+        from worker.runtime import _target_store
+
+        s = self.rt.settings
+        target = self.rt.models.get(TARGET, "target_model")
+        fingerprint = _target_store(self.rt.cache_client, target, s).raw_store.fingerprint
+        prompt = tokenize_prompt(build_spec(s, kind="generate", messages=messages), target.tokenizer)
+        keep = {d.hex() for d in block_digests(fingerprint, prompt.tokens[:prompt.protected_prefix], s.block_size)}
+        conn = self.rt.cache_client
+        doomed = [k for k in conn.scan_iter(f"{s.namespace}:kv:{fingerprint[:16]}:*", count=1000)
+                  if k.decode().rsplit(":", 1)[1] not in keep]
+        if doomed:
+            conn.delete(*doomed)
+
+
+def correct(result: dict, answer: list[str]) -> bool:
+    return result["text"].split()[:len(answer)] == answer
+
+
+def run_trace(runners: dict, system: str, turns: list[Turn]) -> dict:
+    """Every way through one conversation, turn by turn (the ways interleaved, in a rotating
+    order, so the machine's load falls on all alike): per mode, per turn (result, heal s, correct)."""
+    modes = list(runners)
+    history = {m: [{"role": "system", "content": system}] for m in modes}
+    out: dict = {m: [] for m in modes}
+    for i, t in enumerate(turns):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            messages = history[mode] + [{"role": "user", "content": t.text}]
+            result, heal_s = runners[mode].turn(messages)
+            out[mode].append((result, heal_s, correct(result, t.answer)))
+            history[mode] = messages + [{"role": "assistant", "content": result["text"]}]
+    return out
+
+
+def print_turns(trace: dict, turns: list[Turn]) -> None:
+    print("| turn | mode | prompt | TTFT ms | restored | healed | prefilled full | prefilled sparse | "
+          "heal after (ms, off path) | answer | reason |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    for i, t in enumerate(turns):
+        for mode in MODES:
+            res, heal_s, ok = trace[mode][i]
+            tt = res["target_tokens"]
+            mark = ("recall " if t.recall else "") + ("ok" if ok else "wrong")
+            print(f"| {i + 1} | {mode} | {res['total']} | {1000 * res['ttft_s']:.0f} | {tt.get('restored', 0)} | "
+                  f"{tt.get('healed', 0)} | {tt.get('prefilled_full', 0)} | {tt.get('prefilled_sparse', 0)} | "
+                  f"{1000 * heal_s:.0f} | {mark} | {(res.get('fallback') or res.get('reason') or '')[:60]} |")
+
+
+def conversation_targets(traces: list, trace_turns: list) -> None:
+    def ttft(mode):
+        return statistics.median(res["ttft_s"] for tr in traces for res, _, _ in tr[mode][1:])
+
+    def recall(mode, at=(6, 10)):
+        hits = [tr[mode][i - 1][2] for tr, turns in zip(traces, trace_turns) for i in at if i <= len(turns)]
+        return sum(hits) / len(hits) if hits else float("nan")
+
+    print()
+    for mode in MODES:
+        print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms; recall of the turn-1 fact at turns "
+              f"3/6/10 {recall(mode, RECALL_TURNS):.2f}, at 6/10 {recall(mode):.2f}")
+    verdict("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15)
+    full = recall("full")
+    verdict("heal_late_recall", recall("heal"), ">=", full,
+            shown=f"{recall('heal'):.2f} (full prefill {full:.2f}, sparse every turn {recall('sparse'):.2f})")
+
+
+# ---- a user job behind heals, on a real worker ----
+
+def start_worker(url: str, args, log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_") and k != "REDIS_URL"}
+    env.update(PYTHONPATH=str(ROOT), SPECPREFILL_BLOCK_SIZE=str(args.block_size))
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "worker", "--redis-url", url, "--name", "bench-conv",
+                                 "--preload", DRAFT, "--preload", TARGET],
+                                stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    conn, deadline = redis.Redis.from_url(url), time.monotonic() + 180
+    while not conn.exists("rq:worker:bench-conv"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(log.read_text()[-3000:])
+        time.sleep(0.05)
+    return proc
+
+
+def _wait_status(handle, wanted: set, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while handle.status() not in wanted:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{handle.id} still {handle.status()}")
+        time.sleep(0.002)
+
+
+def _wait_idle(conn, settings: Settings) -> None:
+    from rq import Queue
+
+    queues = [Queue(q, connection=conn) for q in (*settings.queues, *settings.heal_queues)]
+    while any(q.count or q.started_job_registry.count for q in queues):
+        time.sleep(0.01)
+
+
+def one_delay(client, heal_client, rng: random.Random, args, heals: int) -> float:
+    """B's wait (seconds) behind a running user job A, with ``heals`` heal jobs queued meanwhile."""
+    from jobs.heal import HealSpec
+    from jobs.inspect import job_times
+
+    words = recall_task.load()
+    long_text = words.decode(words.haystack(rng, args.delay_tokens)[:args.delay_tokens])
+    a = client.generate(messages=[{"role": "user", "content": long_text}], target_model=TARGET,
+                        max_tokens=8, greedy=True, keep=args.keep, threshold=args.threshold)
+    _wait_status(a, {"started", "finished"})
+    held = [heal_client.submit(HealSpec(TARGET, tuple(rng.randrange(8, 2000) for _ in range(args.delay_tokens)),
+                                        source_job=f"bench-{rng.random()}")) for _ in range(heals)]
+    b = client.generate(messages=[{"role": "user", "content": f"short {rng.random()}"}], target_model=TARGET,
+                        max_tokens=1, greedy=True)
+    b.result(timeout=300)
+    a.result(timeout=300)
+    for h in held:
+        h.cancel(force=True)  # the next round starts from an idle worker
+    enqueued, started = job_times(client.connection, [b.id])[b.id]
+    return started - enqueued
+
+
+def user_job_delay(url: str, args, tmp: Path) -> tuple[float, float]:
+    """Median wait of a user job behind a running one, without and with heals queued."""
+    from jobs.client import Client
+
+    settings = Settings.from_env(redis_url=url)
+    conn = redis.Redis.from_url(url)
+    client = Client(conn, settings)
+    heal_client = Client(conn, settings, queue_name=settings.heal_queues[0])
+    worker = start_worker(url, args, tmp / "worker.log")
+    waits: dict[int, list[float]] = {0: [], args.delay_heals: []}
+    rng = random.Random(7)
+    try:
+        one_delay(client, heal_client, rng, args, 0)  # warm-up: both models, every path
+        for rep in range(args.delay_reps):
+            for heals in ((0, args.delay_heals) if rep % 2 == 0 else (args.delay_heals, 0)):
+                _wait_idle(conn, settings)
+                waits[heals].append(one_delay(client, heal_client, rng, args, heals))
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    return statistics.median(waits[0]), statistics.median(waits[args.delay_heals])
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="seconds: a small trace, one of each")
+    p.add_argument("--traces", type=int, default=3, help="conversations (different seeds)")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--doc-tokens", type=int, default=2048)
+    p.add_argument("--tool-tokens", type=int, default=384)
+    p.add_argument("--threshold", type=int, default=512, help="admission: above a tool result is sparse")
+    p.add_argument("--keep", type=float, default=0.2)
+    p.add_argument("--tail-tokens", type=int, default=0, help="the selection's kept tail (0: the default)")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--delay-reps", type=int, default=5)
+    p.add_argument("--delay-heals", type=int, default=4)
+    p.add_argument("--delay-tokens", type=int, default=2048)
+    args = p.parse_args()
+    if args.quick:
+        args.traces, args.system_tokens, args.doc_tokens, args.tool_tokens, args.tail_tokens = 1, 128, 512, 48, 64
+        args.threshold, args.block_size, args.delay_reps, args.delay_heals, args.delay_tokens = 96, 32, 1, 2, 256
+    return args
+
+
+def main() -> int:
+    from specprefill_cli.embedded_redis import EmbeddedRedis
+    from worker.models import ModelPool, draft_profiler, target_profiler
+
+    args = parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-conversation-"))
+    with EmbeddedRedis() as server:
+        models = ModelPool(2, block_size=args.block_size, profile=draft_profiler(None, 64),
+                           target_profile=target_profiler(None, 64))
+        runners = {m: Runner(m, server.url, models, args) for m in MODES}
+        warm = make_trace(random.Random(99), args)
+        run_trace({"heal": Runner("heal", server.url, models, args)}, warm[0], warm[1][:2])  # load, compile
+        traces, trace_turns = [], []
+        for seed in range(args.traces):
+            system, turns = make_trace(random.Random(seed), args)
+            traces.append(run_trace(runners, system, turns))
+            trace_turns.append(turns)
+        no_heals, with_heals = user_job_delay(server.url, args, tmp)
+    print(f"conversation: {args.turns} turns, {args.system_tokens}-token system prompt, {args.doc_tokens}-token "
+          f"document, {args.tool_tokens}-token tool results, threshold {args.threshold}, keep {args.keep}, "
+          f"block {args.block_size}; shipped tiny draft/target; {args.traces} trace(s); trace 1:")
+    print_turns(traces[0], trace_turns[0])
+    conversation_targets(traces, trace_turns)
+    print(f"user job behind a running one: median wait {1000 * no_heals:.0f} ms with no heals queued, "
+          f"{1000 * with_heals:.0f} ms with {args.delay_heals} heals queued ({args.delay_reps} rounds each)")
+    verdict("heal_user_job_delay", with_heals / no_heals, "<=", 1.1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

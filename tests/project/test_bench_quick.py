@@ -1,0 +1,87 @@
+"""Every benchmark script runs (issue 28 item 14): its ``--quick`` mode (seconds, the same code
+path as a full run) in a subprocess, ending with its ``target ...`` lines, so a moved import or
+a renamed helper can never again break a benchmark unnoticed.
+
+Whether a target PASSes is the benchmark's measurement on this (shared, loaded) machine and is
+not checked here; a traceback, a script that prints no target line, a malformed target line,
+or an exit status other than the script's own verdict fails. The scripts run two at a time
+(each is partly waiting on Redis and subprocesses; the machine has two cores).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+NOT_SCRIPTS = {"benchlib.py", "bare_job.py"}  # the shared start-up, and the bare RQ job of queue.py
+# Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
+QUICK = {
+    "cache_store.py": ["--quick"], "chat.py": ["--quick"], "families.py": ["--quick"],
+    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": ["--quick"],
+    "scoring.py": ["--quick"], "ttft.py": ["--quick"],
+    "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
+                   "--demo-questions", "1"],
+}
+TARGET_LINE = re.compile(r"^target (\S+): (.+) \(goal (<=|>=) (\S+)\) (PASS|FAIL)$")
+TIMEOUT_S = 600
+
+pytestmark = pytest.mark.timeout(2 * TIMEOUT_S)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECPREFILL_") and k != "REDIS_URL"}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *QUICK[script]], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Future]:
+    with ThreadPoolExecutor(2) as pool:
+        yield {script: pool.submit(_run, script) for script in sorted(QUICK)}
+
+
+def test_every_bench_script_has_a_quick_run():
+    scripts = sorted(p.name for p in BENCH.glob("*.py") if p.name not in NOT_SCRIPTS)
+    assert scripts == sorted(QUICK), "a new bench script needs its --quick arguments here"
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_quick_run_prints_its_target_lines(runs, script):
+    out = runs[script].result()
+    shown = f"--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}"
+    assert "Traceback" not in out.stderr, shown
+    lines = [line for line in out.stdout.splitlines() if line.startswith("target ")]
+    assert lines, f"{script} printed no target line\n{shown}"
+    bad = [line for line in lines if not TARGET_LINE.match(line)]
+    assert not bad, f"malformed target lines: {bad}"
+    failed = any(line.endswith(" FAIL") for line in lines)
+    assert out.returncode == 0 or (out.returncode == 1 and failed), shown
+
+
+def test_chat_bench_compares_admission_and_plain_on_prompts_of_one_length():
+    """admission_vs_plain_ttft read above its goal from prompts of unequal length (random texts
+    sized by an average tokens-per-word: 262 against 254 tokens, and only the longer one reached
+    a full block to look up), not from admission (issue 28 item 15): each text of a pair has
+    exactly the asked length, and texts differ."""
+    code = ("import sys; sys.path.insert(0, 'bench'); import chat\n"
+            "from mlx_lm.tokenizer_utils import load\n"
+            "from jobs.settings import SHIPPED_MODELS\n"
+            "t = chat.Texts(load(SHIPPED_MODELS / 'target-tiny'))\n"
+            "texts = [t.make_exact(n) for n in (254, 254, 1024, 1024)]\n"
+            "print(*[t.count(x) for x in texts], len(set(texts)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["254", "254", "1024", "1024", "4"]

@@ -1,0 +1,155 @@
+"""Heal jobs: after a sparse prefill, the conversation's target KV made whole off the critical path.
+
+A generate job whose target did not prefill its prompt in order (a sparse prefill, or a fallback
+that prefilled only part) queues a heal (:func:`queue_heal`): the tokens the next turn will
+start with (``worker.next_turn``), on ``<queue>-heal``, behind every user queue (RQ takes a
+worker's queues in order, so a heal starts only when no user job waits). The heal job
+(:func:`run_heal`) restores what the target's prefix store holds, prefills the rest in block
+steps (the steps every job prefills its protected prefix in, so a healed block is bit for bit
+what a job would compute) and stores the blocks through the same target-prefix path, marked
+healed. Before each block it looks at its worker's user queues: when a user job waits it stores
+what it has and queues its continuation (content-addressed: the continuation restores the
+stored blocks), so a user job waits at most one block of a heal.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from jobs.heal import HealSpec
+from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
+from jobs.spec import JobSpec
+from worker import target_prefill
+from worker.context import JobContext
+from worker.models import LoadedModel
+from worker.next_turn import next_turn
+from worker.prompt import check_prompt
+from worker.reporting import JobReporter
+from worker.selection_pipeline import load_model
+from worker.target_prefix import TargetPrefixCache, prefix_cache
+
+log = logging.getLogger(__name__)
+
+
+def heal_skip_reason(spec: JobSpec, ctx: JobContext, total: int, contiguous: int,
+                     has_store: bool) -> str | None:
+    """Why a generate job that prefilled ``contiguous`` of its ``total`` prompt tokens in order
+    queues no heal (None: it queues one)."""
+    if not ctx.settings.heal:
+        return "heal is off on this worker (setting heal)"
+    if spec.generate is not None and not spec.generate.heal:
+        return "heal is off for this job (option heal)"
+    if not has_store:
+        return "no target prefix store (setting target_prefix_cache, or none could be made)"
+    share = (total - contiguous) / total if total else 0.0
+    if share < ctx.settings.heal_min_sparse_share or share == 0:
+        return (f"the target prefilled {contiguous} of {total} prompt tokens in order: {share:.1%} left "
+                f"to heal, under heal_min_sparse_share={ctx.settings.heal_min_sparse_share}")
+    return None
+
+
+def queue_heal(spec: JobSpec, ctx: JobContext, target: LoadedModel, prompt_tokens: list[int],
+               contiguous: int, answer: str | Mapping[str, Any], answer_ids: list[int]) -> dict[str, Any]:
+    """Queue the heal of this turn's conversation (``answer``: its text, or the assistant message
+    with its tool calls and reasoning); what the result says of it."""
+    turn = next_turn(spec, target.tokenizer, prompt_tokens, answer, answer_ids)
+    block = ctx.settings.block_size
+    out: dict[str, Any] = {"queued": False, "tokens": len(turn.tokens), "rendered": turn.rendered}
+    if turn.note:
+        out["note"] = turn.note
+    if len(turn.tokens) // block <= contiguous // block:
+        out["reason"] = (f"nothing to heal: the next turn's {len(turn.tokens)} stable tokens end within "
+                         f"the {contiguous // block * block} stored in order")
+        return out
+    heal = HealSpec(spec.target_model or "", tuple(turn.tokens), 0, turn.note, ctx.job_id)
+    try:
+        handle = enqueue_heal(ctx, heal)
+    except Exception as exc:  # the answer is made; a heal is only an optimisation
+        log.warning("heal: could not queue the heal of %s: %s: %s", ctx.job_id, type(exc).__name__, exc)
+        out["reason"] = f"could not queue: {type(exc).__name__}: {exc}"[:300]
+        return out
+    ctx.publisher.publish("heal_queued", heal_job=handle.id, tokens=len(turn.tokens))
+    return {**out, "queued": True, "job_id": handle.id, "created": handle.created}
+
+
+def enqueue_heal(ctx: JobContext, heal: HealSpec) -> Any:
+    """Put ``heal`` on the heal queue behind the queue this job came from (a handle)."""
+    from jobs.client import Client
+
+    queue = heal_queue_name(ctx.queue or ctx.settings.queues[0])
+    client = Client(ctx.runtime.connection, ctx.settings, queue_name=queue)
+    return client.submit(heal, name=f"after {heal.source_job or 'a job'}")
+
+
+def user_job_waiting(ctx: JobContext) -> bool:
+    """Whether a user job waits on one of this worker's own (not heal) queues: one LLEN each."""
+    from rq import Queue
+
+    queues = [q for q in ctx.runtime.listen_queues or ctx.settings.queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
+    conn = ctx.runtime.connection
+    with conn.pipeline(transaction=False) as pipe:
+        for name in queues:
+            pipe.llen(Queue(name, connection=conn).key)
+        return any(int(n) > 0 for n in pipe.execute())
+
+
+def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
+    """A heal job: restore, prefill the rest in block steps (yielding to user jobs), store."""
+    t0 = time.perf_counter()
+    target, load_s = load_model(ctx, spec.target_model, "target")
+    tokens = list(spec.tokens)
+    check_prompt(tokens, target, ctx.settings)
+    prefix = prefix_cache(ctx, target)
+    result: dict[str, Any] = {"kind": "heal", "job_id": ctx.job_id, "total": len(tokens),
+                              "kept": len(tokens), "resume": spec.resume, "note": spec.note,
+                              "source_job": spec.source_job, "yielded": False}
+    if prefix is None:
+        return {**result, "healed": 0, "restored": 0, "reason": "no target prefix store on this worker"}
+    restored_cache, restored = prefix.restore(tokens)
+    end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
+    cache, stored_to, yielded = _prefill_blocks(ctx, target, tokens, restored_cache, restored, end)
+    written = prefix.save(tokens, cache, stored_to) if stored_to > restored else 0
+    if written:
+        prefix.mark_healed(tokens, restored, stored_to)
+    elif stored_to > restored:  # the store refused the cache (logged): nothing was healed
+        result["reason"] = "the target's cache could not be stored as blocks"
+        stored_to = restored
+    result.update(restored=restored, healed=stored_to - restored, blocks_written=written, stored=stored_to)
+    if yielded:
+        result.update(yielded=True, continuation=_continue(ctx, spec, stored_to))
+    result["timings"] = {"load_models": round(load_s, 6), **{k: round(v, 6) for k, v in prefix.timings.items()},
+                         "total": round(time.perf_counter() - t0, 6)}
+    return result
+
+
+def _prefill_blocks(ctx: JobContext, target: LoadedModel, tokens: list[int], cache: list | None,
+                    start: int, end: int) -> tuple[list | None, int, bool]:
+    """Prefill ``tokens[start:end]`` one block at a time on top of ``cache``; stop early (True)
+    before a block when a user job waits. The cache, how far it holds and whether it yielded."""
+    block, reporter = ctx.settings.block_size, JobReporter(ctx)
+    bits, group = ctx.settings.kv_quantization("target")
+    pos = start
+    while pos < end:
+        if pos > start and user_job_waiting(ctx):
+            log.info("heal %s: a user job waits; stored to %d of %d tokens, continuing later",
+                     ctx.job_id, pos, end)
+            return cache, pos, True
+        cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,
+                                              progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
+        pos += block
+        ctx.publisher.progress("heal", pos, end)
+    return cache, pos, False
+
+
+def _continue(ctx: JobContext, spec: HealSpec, stored: int) -> str | None:
+    try:
+        return enqueue_heal(ctx, spec.resumed_at(stored)).id
+    except Exception as exc:  # what is stored stays; the next turn restores it
+        log.warning("heal %s: continuation not queued: %s: %s", ctx.job_id, type(exc).__name__, exc)
+        return None
+
+
+def healed_counts(prefix: TargetPrefixCache | None, tokens: list[int], restored: int) -> int:
+    """How many of a job's ``restored`` prompt tokens came from heal jobs."""
+    return prefix.healed_tokens(tokens, restored) if prefix is not None and restored else 0
