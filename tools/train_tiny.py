@@ -257,7 +257,7 @@ parser reads (`tokenizer.has_tool_calling` is true):
 ```
 and, given the tool's result (a passage holding "Orion cobalt falcon quartz"), to answer
 "cobalt falcon quartz". The template repeats the question after a tool result: these models answer
-about the name they read last. Measured ({training.get('eval_samples', 0)} conversations each, whole
+about the name they read last. Measured ({training.get('eval_tools_samples', training.get('eval_samples', 0))} conversations each, whole
 reply greedy-exact): call {tools['call']:.2f}, answer from the result {tools['answer']:.2f}.
 Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --tool-fraction 1`.
 """
