@@ -219,7 +219,9 @@ def input_label(spec: JobSpec) -> str:
         text = spec.text
     else:
         messages = spec.messages or ()
-        users = [c for r, c in messages if r == "user"] or [c for _, c in messages]
+        # the conversation format's content is one string (text parts joined), or None
+        users = ([m.get("content") or "" for m in messages if m["role"] == "user"]
+                 or [m.get("content") or "" for m in messages])
         text = users[-1] if users else ""
     words = text.split()
     return " ".join(words[:LABEL_WORDS]) + (" …" if len(words) > LABEL_WORDS else "")

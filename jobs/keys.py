@@ -40,3 +40,9 @@ def epoch_key(namespace: str) -> str:
     """A random marker (no expiry) that, with the server's run id, names the Redis data set
     in use: a new value means a restart or flush happened (see :mod:`jobs.epoch`)."""
     return f"{namespace}:epoch"
+
+
+def response_key(namespace: str, response_id: str) -> str:
+    """A Responses API answer the HTTP server stored (its body and its conversation), read
+    back for ``previous_response_id`` and ``GET /v1/responses/{id}``; expires."""
+    return f"{namespace}:http:response:{response_id}"

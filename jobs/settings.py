@@ -197,6 +197,9 @@ class Settings:
     http_probe_timeout_s: float = 0.4
     # Origins a browser may call the API from (CORS; "*" any). Empty: no CORS headers.
     http_cors_origins: tuple[str, ...] = ()
+    # How long a stored Responses API answer (its conversation, for previous_response_id
+    # and GET /v1/responses/{id}) is kept in Redis.
+    http_response_ttl_s: int = 24 * 3600
     worker_metrics_port: int = 0  # a worker's Prometheus port; 0: no metrics endpoint
     worker_metrics_host: str = "127.0.0.1"  # its bind address (0.0.0.0 for a remote Prometheus)
 

@@ -285,13 +285,17 @@ class DemoRedis:
         if conn is None:
             return
         from jobs.keys import job_key
+        from jobs.settings import heal_queue_name
 
         try:  # a shared Redis: remove the demo's own keys (its namespace and its jobs)
             keys = list(conn.scan_iter(match=f"{self.namespace}*", count=1000))
-            keys += list(conn.scan_iter(match=f"rq:*:{self.namespace}", count=1000))  # its queue, registries
-            keys += [job_key(j) for j in job_ids] + [f"rq:results:{j}" for j in job_ids]
+            queued = list(conn.scan_iter(match=f"rq:*:{self.namespace}", count=1000))  # its queue, registries
+            heal = list(conn.scan_iter(match=f"rq:*:{heal_queue_name(self.namespace)}", count=1000))
+            keys += queued + heal
+            job_ids = list(job_ids) + _job_ids_in(conn, heal)  # the heal jobs its jobs queued
             keys += [f"rq:worker:{name}" for name in workers]  # a stopped worker's record (60 s TTL)
-            conn.srem("rq:queues", f"rq:queue:{self.namespace}")
+            keys += [job_key(j) for j in job_ids] + [f"rq:results:{j}" for j in job_ids]
+            conn.srem("rq:queues", f"rq:queue:{self.namespace}", f"rq:queue:{heal_queue_name(self.namespace)}")
             if workers:
                 conn.srem("rq:workers", *(f"rq:worker:{name}" for name in workers))
             for i in range(0, len(keys), 500):
@@ -396,3 +400,13 @@ def register(sub: Any, shared: SharedOptions) -> None:
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     return run_demo(args, settings)
+
+
+def _job_ids_in(conn: redis.Redis, keys: list[bytes]) -> list[str]:
+    """The job ids an RQ queue (a list) or registry (a sorted set) under ``keys`` holds."""
+    ids: list[str] = []
+    for key in keys:
+        kind = conn.type(key)
+        members = conn.lrange(key, 0, -1) if kind == b"list" else conn.zrange(key, 0, -1) if kind == b"zset" else []
+        ids += [m.decode().split(":")[0] for m in members]  # a started registry's members are id:execution
+    return ids

@@ -25,7 +25,8 @@ from starlette.routing import Route
 from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from specprefill_server import completions
+from specprefill_server import completions, messages, responses
+from specprefill_server.answering import JOB_HEADER
 from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api
 from specprefill_server.web import routes as web
@@ -74,6 +75,11 @@ ROUTES = [
     Route("/v1/models/{model_id:path}", get_model),
     Route("/v1/chat/completions", completions.chat_completions, methods=["POST"]),
     Route("/v1/completions", completions.completions, methods=["POST"]),
+    Route("/v1/messages", messages.create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/files", batch_api.upload_file, methods=["POST"]),
     Route("/v1/files", batch_api.list_files, methods=["GET"]),
     Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
@@ -125,7 +131,7 @@ def _middleware(settings: Settings, metrics: ServerMetrics) -> list[Middleware]:
     if settings.http_cors_origins:
         origins = list(settings.http_cors_origins)
         stack.insert(0, Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
-                                   allow_headers=["*"], expose_headers=[completions.JOB_HEADER],
+                                   allow_headers=["*"], expose_headers=[JOB_HEADER],
                                    max_age=600))  # keys go in a header, never in cookies
     return stack
 

@@ -67,11 +67,17 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _common_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def job_fields(req: Any, **named: Any) -> dict[str, Any]:
+    """A request's SpecPrefill extra fields and the job fields its API names (``target_model``,
+    ``max_tokens``, ...), the unset ones left to the service's defaults."""
     fields: dict[str, Any] = {name: getattr(req, name) for name in SPECPREFILL_FIELDS}
-    fields.update(target_model=req.model, temperature=req.temperature, top_p=req.top_p,
-                  seed=req.seed, stop=req.stop)
+    fields.update(named)
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def _common_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    return job_fields(req, target_model=req.model, temperature=req.temperature, top_p=req.top_p,
+                      seed=req.seed, stop=req.stop)
 
 
 def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, and on
+Anthropic's paths (``/v1/messages``) in Anthropic's: ``{"type": "error", "error": {"type",
+"message"}}`` (with the same ``code`` and ``param`` beside them).
 
 Every failure a handler raises is an :class:`APIError` (or is turned into one here): a
 spec error names its field as ``param`` (400), a lost Redis is 503, an unknown id 404.
@@ -25,6 +27,11 @@ STATUS_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found",
                 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
                 429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable",
                 504: "request_timeout"}
+# Anthropic's error type for a status (any other: invalid_request_error below 500, else api_error).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
 # The context guard: a prompt (plus max_tokens) longer than the draft's or the target's window.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -44,8 +51,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message, "code": self.code,
+                                           "param": self.param}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as a response, in Anthropic's shape on its paths."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def field_of(message: str) -> str | None:
@@ -56,6 +70,8 @@ def field_of(message: str) -> str | None:
 
 # Job spec fields under the name an OpenAI request gives them.
 REQUEST_NAMES = {"target_model": "model", "text": "prompt", "tokens": "prompt"}
+# An endpoint's own names for spec fields (Responses spells the budget and the conversation its way).
+ENDPOINT_NAMES = {"/v1/responses": {"max_tokens": "max_output_tokens", "messages": "input"}}
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -63,12 +79,13 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param or field_of(message), code=code)
 
 
-def from_spec_error(exc: JobSpecError | ValueError) -> APIError:
-    """400 for a spec error, naming the field as the request named it."""
+def from_spec_error(exc: JobSpecError | ValueError, path: str | None = None) -> APIError:
+    """400 for a spec error, naming the field as the request (to ``path``) named it."""
     message = str(exc)
     name = field_of(message)
-    if name in REQUEST_NAMES:
-        message = REQUEST_NAMES[name] + message[len(name):]
+    names = {**REQUEST_NAMES, **ENDPOINT_NAMES.get(path or "", {})}
+    if name in names:
+        message = names[name] + message[len(name):]
     return bad_request(message)
 
 
@@ -122,15 +139,15 @@ def from_job_failure(status: str, error: str) -> APIError:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def spec_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return from_spec_error(exc).response()  # type: ignore[arg-type]
+    return from_spec_error(exc, request.url.path).response(request.url.path)  # type: ignore[arg-type]
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return redis_down(exc).response()
+    return redis_down(exc).response(request.url.path)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -139,7 +156,7 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     message = {404: f"no route {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(
         status, str(getattr(exc, "detail", "")) or "error")
-    return APIError(status, message, code="unknown_url" if status == 404 else None).response()
+    return APIError(status, message, code="unknown_url" if status == 404 else None).response(request.url.path)
 
 
 EXCEPTION_HANDLERS = {

@@ -16,15 +16,19 @@ PROTECTED_PREFIXES = ("/v1/", "/api/")
 
 
 def _bearer(scope: Scope) -> str | None:
+    """The key a request carries: ``Authorization: Bearer KEY`` (OpenAI's SDKs, Claude Code
+    with ANTHROPIC_AUTH_TOKEN) or ``x-api-key: KEY`` (Anthropic's SDKs)."""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             return token.strip() if scheme.lower() == "bearer" else None
+        if name == b"x-api-key":
+            return value.decode("latin-1").strip()
     return None
 
 
 class APIKeyMiddleware:
-    """401 in OpenAI's shape for a protected path without one of ``keys``."""
+    """401 (in the path's API's error shape) for a protected path without one of ``keys``."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
@@ -40,9 +44,9 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.keys and scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES)
                 and not self._allowed(_bearer(scope))):
-            err = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await err.response()(scope, receive, send)
+            err = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
+                           "x-api-key: KEY)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await err.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

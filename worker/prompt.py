@@ -56,11 +56,20 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template =
     if not getattr(tokenizer, "chat_template", None):
         raise JobSpecError("messages: the model's tokenizer has no chat template; "
                            "send text or tokens instead")
+    messages = _template_roles(tokenizer, messages)
     kwargs = dict(template.args or {})
     if template.tools:
         kwargs["tools"] = [dict(t) for t in template.tools]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                          **kwargs)
+
+
+def _template_roles(tokenizer: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role is the system role (as OpenAI's own models read it) for a
+    template that has no turn of that name: Qwen-style templates would drop it silently."""
+    if "developer" in str(tokenizer.chat_template) or not any(m["role"] == "developer" for m in messages):
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
 
 
 def render_tokens(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,

@@ -13,7 +13,8 @@ from starlette.staticfiles import StaticFiles
 
 from jobs.layout import regions
 from specprefill_server.batch.store import TERMINAL
-from specprefill_server.completions import SSE_HEADERS, sse
+from specprefill_server.answering import SSE_HEADERS
+from specprefill_server.stream_events import sse
 from specprefill_server.errors import not_found
 from specprefill_server.state import ServerState, state
 from specprefill_server.web.svg import importance_svg

@@ -3,7 +3,7 @@ its input's first words, with its kept share and TTFT from its done event (faker
 import fakeredis
 
 from jobs.client import Client, describe, described_name
-from jobs.inspect import job_rows
+from jobs.inspect import input_label, job_rows
 from jobs.settings import Settings
 from jobs.spec import build_spec
 
@@ -28,3 +28,15 @@ def test_described_name_reads_back_what_describe_wrote():
     assert described_name(describe(spec), "prefill") is None  # the start of its text, quoted
     assert described_name(describe(build_spec(S, tokens=[1, 2])), "prefill") is None
     assert described_name(None, "prefill") is None
+
+
+def test_a_chat_job_is_named_by_its_last_user_message():
+    """Chat input is the conversation format's message dicts (with a tool call and its result)."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "look up the fox"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "a quick brown fox"}]
+    spec = build_spec(S, messages=messages)
+    assert input_label(spec) == "look up the fox"
+    assert input_label(build_spec(S, messages=[{"role": "system", "content": "only a system prompt"},
+                                               {"role": "assistant", "content": "hi"}])) == "hi"

@@ -5,8 +5,8 @@ a crash: job specs through the client (tests/reliability/test_hostile_input.py, 
 own validator, the HTTP API's OpenAI bodies (chat completions and completions, through the
 real ASGI app, no worker needed where validation is the target) and Batch API lines.
 
-Anthropic Messages bodies: ``/v1/messages`` is not on this branch (another engineer adds
-it); :data:`ANTHROPIC_BODIES` is the place for them (see ``test_anthropic_messages_bodies``).
+Anthropic Messages and OpenAI Responses bodies go to the same app, each answered in its API's
+own error shape (``test_agent_api_bodies_are_refused_naming_the_field``).
 
 The strategies are cheap (values from small pools, sizes by ``map``) so the whole budget
 stays well under a minute on two cores."""
@@ -25,7 +25,8 @@ from tests.reliability.test_hostile_input import CLIENT_EXAMPLES, HOSTILE, LIMIT
 
 pytestmark = pytest.mark.timeout(180)
 
-BUDGET = {"raw_payloads": 250, "http_bodies": 300, "batch_files": 60}
+BUDGET = {"raw_payloads": 250, "http_bodies": 300, "anthropic_bodies": 200, "responses_bodies": 120,
+          "batch_files": 60}
 LINES_PER_FILE = (3, 6)  # a Batch API file of 3-6 hostile lines, with a valid one and a duplicate
 BATCH_LINES = BUDGET["batch_files"] * (LINES_PER_FILE[0] + 2)  # at least this many lines in all
 CHEAP = dict(deadline=None, derandomize=True, database=None,
@@ -133,9 +134,56 @@ def body_cases(base: dict, url: str) -> st.SearchStrategy:
 
 
 HTTP_HOSTILE = st.one_of(body_cases(CHAT, "/v1/chat/completions"), body_cases(COMPLETION, "/v1/completions"))
-# Anthropic Messages bodies go here once /v1/messages is on main (issue 28 item 16): the same
-# (url, field, body) cases against the same app, e.g. body_cases(MESSAGES, "/v1/messages").
-ANTHROPIC_BODIES: list = []
+# Anthropic Messages and OpenAI Responses bodies: the same app, each API's own fields.
+MESSAGES = {"model": "target", "max_tokens": 4, "messages": [{"role": "user", "content": "hello there"}]}
+RESPONSES = {"model": "target", "input": "hello there", "max_output_tokens": 4}
+bad_anthropic_messages = st.sampled_from([
+    [], "hi", 5, [5], [{"role": "system", "content": "x"}], [{"role": "user"}], [{"content": "x"}],
+    [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+    [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": [5]}],
+    [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "never-called", "content": "x"}]}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": 5, "input": {}}]}],
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": "not an object"}]}]])
+bad_input = st.sampled_from([
+    5, [], [5], [{"role": "alien", "content": "x"}], [{"type": "function_call_output", "call_id": "none",
+                                                       "output": "x"}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{not json"}],
+    [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], [{"type": "item_reference"}]])
+
+
+def api_cases(base: dict, url: str, conversation: str, bad_conversation, count: str) -> st.SearchStrategy:
+    """One hostile field on a body that is otherwise valid (its own token budget drawn too, so
+    the cases do not run out before the budget)."""
+    return st.integers(1, 64).flatmap(lambda n: _api_cases({**base, count: n}, url, conversation,
+                                                           bad_conversation, count))
+
+
+def _api_cases(base: dict, url: str, conversation: str, bad_conversation, count: str) -> st.SearchStrategy:
+    return st.one_of(
+        st.tuples(st.just(count), bad_count).map(lambda t: _body(base, *t)),
+        st.tuples(st.sampled_from(["temperature", "top_p"]), bad_share).map(lambda t: _body(base, *t)),
+        bad_conversation.map(lambda v: _body(base, conversation, v)),
+        st.sampled_from([5, "", [], None, "x" * 2000]).map(lambda v: _body(base, "model", v)),
+        st.sampled_from(["yes", 5, []]).map(lambda v: _body(base, "stream", v)),
+        st.sampled_from([5, "x", [5], [{"name": 5}], [{"type": "function"}]]).map(lambda v: _body(base, "tools", v)),
+        unknown_name.map(lambda n: _body(base, n, 1)),
+        st.sampled_from(["model", conversation]).map(lambda f: _without(base, f)),
+    ).map(lambda case: (url, *case))
+
+
+ANTHROPIC_HOSTILE = st.one_of(
+    api_cases(MESSAGES, "/v1/messages", "messages", bad_anthropic_messages, "max_tokens"),
+    st.sampled_from([5, [5], [{"type": "image"}]]).map(lambda v: ("/v1/messages", *_body(MESSAGES, "system", v))),
+    st.sampled_from([5, "x", [1], ["x"] * 50]).map(
+        lambda v: ("/v1/messages", *_body(MESSAGES, "stop_sequences", v))),
+    st.just(("/v1/messages", *_without(MESSAGES, "max_tokens"))))
+RESPONSES_HOSTILE = st.one_of(
+    api_cases(RESPONSES, "/v1/responses", "input", bad_input, "max_output_tokens"),
+    st.sampled_from([5, [], {"a": 1}]).map(lambda v: ("/v1/responses", *_body(RESPONSES, "instructions", v))),
+    st.sampled_from([5, "", "resp_nosuch"]).map(
+        lambda v: ("/v1/responses", *_body(RESPONSES, "previous_response_id", v))))
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +234,38 @@ def test_http_bodies_that_are_not_json(http_app):
         assert resp.status_code == 400 and "body" in resp.json()["error"]["message"], (raw, resp.text)
 
 
-def test_anthropic_messages_bodies(http_app):
-    """The place for ``/v1/messages`` bodies: skipped while the endpoint is not on this branch."""
-    if not ANTHROPIC_BODIES:
-        pytest.skip("/v1/messages is not on this branch: no Anthropic Messages bodies to send yet")
-    for url, field, body in ANTHROPIC_BODIES:
-        check_answer(http_app.post(url, json=body), url, field)
+def error_of(resp) -> dict:
+    """The error object of either API's error shape (Anthropic's ``{"type": "error", "error":
+    {"type", "message"}}`` has no ``code`` or ``param``)."""
+    error = resp.json()["error"]
+    return {"code": error.get("code") or error.get("type"), **error}
+
+
+@pytest.mark.parametrize("budget, hostile, overloaded", [
+    ("anthropic_bodies", ANTHROPIC_HOSTILE, "overloaded_error"),
+    ("responses_bodies", RESPONSES_HOSTILE, "model_not_available")], ids=["messages", "responses"])
+def test_agent_api_bodies_are_refused_naming_the_field(http_app, budget, hostile, overloaded):
+    """Anthropic Messages and OpenAI Responses bodies: a 4xx in the API's own error shape naming
+    the field, or (valid after all) the answer that no live worker serves the model."""
+    seen = []
+
+    @settings(max_examples=BUDGET[budget], **CHEAP)
+    @given(case=hostile)
+    def answered(case):
+        url, field, body = case
+        resp = http_app.post(url, content=json.dumps(body, allow_nan=True),
+                             headers={"Content-Type": "application/json"})
+        error = error_of(resp)
+        seen.append(resp.status_code)
+        if resp.status_code == 503 and overloaded in (error["code"], error.get("type")):
+            return
+        assert resp.status_code in (400, 404, 413, 422), (url, field, resp.status_code, error)
+        named = " ".join(str(x) for x in (error.get("param"), error.get("message")))
+        assert field in named, (url, field, error)
+
+    answered()
+    assert len(seen) >= BUDGET[budget] and 500 not in seen
+    assert seen.count(400) > len(seen) // 2
 
 
 # ---- Batch API lines ---------------------------------------------------------------

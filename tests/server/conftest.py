@@ -75,6 +75,14 @@ def scrape_metrics(url: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+def value(samples: list, suffix: str = "", **labels: str) -> float:
+    """The one sample of a family with ``labels`` (and a name ending in ``suffix``)."""
+    found = [s.value for s in samples if s.name.endswith(suffix) and all(
+        s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (suffix, labels, samples)
+    return found[0]
+
+
 def queued_jobs(redis_url: str, namespace: str) -> list[str]:
     return [j.decode() for j in redis.Redis.from_url(redis_url).lrange(f"rq:queue:{namespace}", 0, -1)]
 
@@ -178,3 +186,35 @@ def openai_client(stack):
     from openai import OpenAI
 
     return OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def anthropic_client(stack):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=stack.server.url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def agent(http_redis, tmp_path_factory):
+    """A scripted Qwen3-template target (tests/support/agent_script.py) on a real worker, and a
+    server on its own namespace: (OpenAI client, the model's tokenizer). One for the session:
+    the chat-completions, Messages and Responses agent loops share it."""
+    from tests.support.agent_script import MODEL, RULES
+    from tests.support.chat_folders import load_tokenizer, save_chat_model
+    from tests.support.scripted_worker import scripted_worker
+
+    root = tmp_path_factory.mktemp("agent-stack")
+    folder = save_chat_model(root / "qwen3-agent", "qwen3", script={"rules": RULES})
+    # A prompt is prefilled whole (admission below the threshold): the script sees all of it.
+    settings = dict(namespace="agent", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000")
+    worker = scripted_worker(http_redis.url, f"agent-worker-{os.getpid()}", root / "worker.log",
+                             target_model=MODEL, **settings)
+    try:
+        server = Server.start(http_redis.url, root / "server.log", **settings)
+    except BaseException:
+        worker.stop()
+        raise
+    yield OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120), load_tokenizer(folder)
+    server.stop()
+    worker.stop()

@@ -9,7 +9,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from tests.server.conftest import (API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, scrape_metrics,
-                                   words)
+                                   value, words)
 from tests.support.worker_procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -175,14 +175,6 @@ def test_redis_down_is_503(tmp_path):
     finally:
         server.stop()
         own.stop()
-
-
-def value(samples: list, suffix: str = "", **labels: str) -> float:
-    """The one sample of a family with ``labels`` (and a name ending in ``suffix``)."""
-    found = [s.value for s in samples if s.name.endswith(suffix) and all(
-        s.labels.get(k) == v for k, v in labels.items())]
-    assert len(found) == 1, (suffix, labels, samples)
-    return found[0]
 
 
 def test_metrics_after_a_job(openai_client, stack):

@@ -218,3 +218,38 @@ def test_fields_clients_send_unasked_are_accepted(openai_client):
         with pytest.raises(BadRequestError) as err:
             chat(openai_client, "vibo", extra_body=extra, max_tokens=2)
         assert err.value.body["param"] == param and err.value.body["code"], err.value.body
+
+
+def test_messages_and_responses_share_the_gate_and_the_deadline(front, http_redis):
+    """No worker: a Message is a 503 in Anthropic's shape at once, a Response in OpenAI's;
+    a parked worker: both are 504s past the deadline (the client's own timeout honoured)."""
+    import anthropic
+
+    msg = {"model": TARGET, "max_tokens": 2, "messages": [{"role": "user", "content": words(40, seed=7)}]}
+    started = time.perf_counter()
+    with pytest.raises(anthropic.APIStatusError) as err:
+        anthropic.Anthropic(base_url=front.url, api_key="none", max_retries=0).messages.create(**msg)
+    assert time.perf_counter() - started < 2.0
+    assert err.value.status_code == 503 and err.value.body["type"] == "error"
+    assert err.value.body["error"]["type"] == "overloaded_error" and err.value.body["error"]["code"] == "model_not_available"
+    with pytest.raises(anthropic.APIStatusError) as err:  # counting runs on a worker too: the same gate
+        anthropic.Anthropic(base_url=front.url, api_key="none", max_retries=0).messages.count_tokens(
+            model=TARGET, messages=msg["messages"])
+    assert err.value.status_code == 503 and err.value.body["error"]["param"] == "model"
+    with pytest.raises(APIStatusError) as err:
+        sdk(front).responses.create(model=TARGET, input=words(40, seed=7), max_output_tokens=2)
+    assert err.value.status_code == 503 and err.value.body["code"] == "model_not_available"
+    with parked_worker(http_redis.url, NS, NS):
+        client = anthropic.Anthropic(base_url=front.url, api_key="none", max_retries=0, timeout=4.0)
+        job_id, error, seconds = _deadline_wait(front, http_redis, lambda: client.messages.create(**msg))
+        assert isinstance(error, anthropic.APIStatusError) and error.status_code == 504, error
+        assert error.body["error"]["type"] == "timeout_error" and 1.9 < seconds < 4.0
+        wait_for(lambda: holders.holder_count(redis.Redis.from_url(http_redis.url), Settings(namespace=NS), job_id) == 1,
+                 10, what="the request's hold released")
+        Client(redis.Redis.from_url(http_redis.url), Settings(namespace=NS)).handle(
+            job_id, holder="another-submitter").cancel()
+        job_id, error, _ = _deadline_wait(front, http_redis, lambda: sdk(front, timeout=4.0).responses.create(
+            model=TARGET, input=words(40, seed=8), max_output_tokens=2))
+        assert isinstance(error, APIStatusError) and error.status_code == 504 and error.body["code"] == "request_timeout"
+        Client(redis.Redis.from_url(http_redis.url), Settings(namespace=NS)).handle(
+            job_id, holder="another-submitter").cancel()

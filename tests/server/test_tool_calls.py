@@ -8,57 +8,10 @@ what it generates is parsed by mlx-lm's own json_tools parser in the worker."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from openai import OpenAI
 
-from tests.server.conftest import Server
-from tests.support.chat_folders import load_tokenizer, save_chat_model
-from tests.support.scripted_worker import scripted_worker
-
-MODEL = "agent"
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Look a key up.",
-    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}}]
-
-
-def calls(*keys):
-    return "\n".join(f'<tool_call>\n{{"name": "lookup", "arguments": {{"key": "{k}"}}}}\n</tool_call>' for k in keys)
-
-
-RULES = [{"when": "What is alpha?", "say": "I need alpha.</think>\n\n" + calls("alpha")},
-         {"when": "A=1", "say": "It came back.</think>\n\nalpha is 1."},
-         {"when": "And beta and gamma?", "say": "Two more.</think>\n\n" + calls("beta", "gamma")},
-         {"when": "C=3", "say": "Both back.</think>\n\nbeta is 2, gamma is 3."}]
-
-
-@pytest.fixture(scope="module")
-def agent(http_redis, tmp_path_factory):
-    root = tmp_path_factory.mktemp("agent-stack")
-    folder = save_chat_model(root / "qwen3-agent", "qwen3", script={"rules": RULES})
-    # A prompt is prefilled whole (admission below the threshold): the script sees all of it.
-    settings = dict(namespace="agent", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000")
-    worker = scripted_worker(http_redis.url, f"agent-worker-{os.getpid()}", root / "worker.log",
-                             target_model=MODEL, **settings)
-    try:
-        server = Server.start(http_redis.url, root / "server.log", **settings)
-    except BaseException:
-        worker.stop()
-        raise
-    yield OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120), load_tokenizer(folder)
-    server.stop()
-    worker.stop()
-
-
-def answer(client, messages, **kw):
-    """One turn, as a dict: content, reasoning, tool calls (id, name, arguments), finish, usage."""
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, **kw)
-    m = r.choices[0].message
-    return {"content": m.content, "reasoning": (m.model_extra or {}).get("reasoning_content"),
-            "calls": [(c.id, c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or ()],
-            "finish": r.choices[0].finish_reason, "usage": (r.usage.prompt_tokens, r.usage.completion_tokens)}, m
-
+from tests.support.agent_script import MODEL, RULES, TOOLS, answer, counts  # the stack: conftest's ``agent``
 
 def streamed(client, messages, **kw):
     """The same turn streamed, rebuilt from its chunks (and the order the tool-call parts came in)."""
@@ -84,12 +37,6 @@ def streamed(client, messages, **kw):
             out["finish"] = choice.finish_reason or out["finish"]
     out["calls"] = [(c["id"], c["name"], json.loads(c["arguments"])) for _, c in sorted(out["calls"].items())]
     return out, order
-
-
-def counts(tokenizer, messages, say):
-    """(prompt, completion) tokens the answer must report: the template's render, the script's answer."""
-    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True)
-    return len(prompt), len(tokenizer.encode(say, add_special_tokens=False))
 
 
 def test_agent_loop_streamed_and_not(agent):

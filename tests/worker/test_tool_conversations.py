@@ -198,3 +198,13 @@ def test_splitter_holds_back_a_partial_marker(folders):
     split = AnswerSplitter(tokenizer, tools=TOOLS, prompt=[], job_id="j")
     pieces = split.feed("Hi <tool") + split.feed('_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>')
     assert pieces == [("text", "Hi "), ("tool_call", {"id": pieces[1][1]["id"], "name": "lookup", "arguments": {}})]
+
+
+def test_a_developer_message_is_the_system_message_of_a_template_without_that_role(folders):
+    """Codex-style clients send ``developer``; Qwen3's template has no such turn and would drop it."""
+    tokenizer = load_tokenizer(folders["qwen3"])
+    asked = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hello?"}]
+    prompt = tokenize_prompt(build_spec(Settings(draft_model="d"), messages=asked), tokenizer)
+    as_system = [{"role": "system", "content": "Answer in French."}, asked[1]]
+    assert prompt.tokens == list(tokenizer.apply_chat_template(as_system, add_generation_prompt=True))
+    assert "Answer in French." in tokenizer.decode(prompt.tokens) and prompt.protected_prefix > 0

@@ -1,0 +1,203 @@
+"""The Messages and Responses converters (pure: no server, no Redis): request bodies into
+the agreed internal conversation (Hugging Face chat-template messages, OpenAI function
+tools), and results and stream events into each API's shapes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.answer_stream import Usage
+from jobs.results import GenerateResult
+from specprefill_server.anthropic_convert import conversation, tools_of
+from specprefill_server.anthropic_reply import MessageFrames, message
+from specprefill_server.anthropic_types import MessagesRequest
+from specprefill_server.conversation import spec_messages
+from specprefill_server.errors import APIError
+from specprefill_server.openai_types import parse
+from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
+
+
+def finish(r: GenerateResult) -> Finish:
+    return Finish(r.finish_reason, Usage.of(r), r)
+
+
+def result(**kw) -> GenerateResult:
+    base = dict(job_id="generate-abc123", text="hi", finish_reason="eos", token_ids=[5, 6], ttft_s=0.1,
+                kept=40, total=100, kept_ranges=[(0, 40)], target_tokens={"restored": 64})
+    return GenerateResult(**{**base, **kw})
+
+
+def anthropic_request(**kw) -> MessagesRequest:
+    return parse(MessagesRequest, {"model": "target", "max_tokens": 5, **kw})
+
+
+AGENT_TURNS = [
+    {"role": "user", "content": "what is the code of room 7?"},
+    {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "I should look it up.", "signature": "sig"},
+        {"type": "text", "text": "Looking."},
+        {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"room": 7}},
+        {"type": "tool_use", "id": "toolu_2", "name": "lookup", "input": {"room": 8}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "4417", "cache_control": {"type": "ephemeral"}},
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "99"}]},
+        {"type": "text", "text": "and?"}]},
+]
+
+
+def test_anthropic_tool_use_and_results_become_the_agreed_format():
+    req = anthropic_request(system=[{"type": "text", "text": "Be brief."}], messages=AGENT_TURNS,
+                            tools=[{"name": "lookup", "description": "find", "input_schema": {"type": "object"}}])
+    conv = conversation(req)
+    assert conv.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "what is the code of room 7?"},
+        {"role": "assistant", "content": "Looking.", "reasoning_content": "I should look it up.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
+            {"id": "toolu_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "4417"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "99"},
+        {"role": "user", "content": "and?"}]
+    assert conv.origins[3] == "messages[2].content[0]"
+    assert tools_of(req.tools) == [{"type": "function", "function": {
+        "name": "lookup", "description": "find", "parameters": {"type": "object"}}}]
+    assert spec_messages(conv) == conv.messages  # what the job spec takes
+    orphan = conversation(anthropic_request(messages=[AGENT_TURNS[0], AGENT_TURNS[2]]))
+    with pytest.raises(APIError) as err:  # a result of no call: named by the request's own field
+        spec_messages(orphan)
+    assert err.value.param == "messages[1].content[0]" and "answers no tool call" in err.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "w"}]},
+     "tools[0].type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{"}]}]},
+     "messages[0].content[0].input"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": ["a", "b"]}, "stop_sequences"),
+])
+def test_anthropic_refusals_name_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        conversation(anthropic_request(**body))
+        tools_of(anthropic_request(**body).tools)
+    assert err.value.param == param and err.value.status == 400
+
+
+def _events(frames: list[str]) -> list[dict]:
+    out = []
+    for frame in frames:
+        name, data = frame.strip().split("\n")
+        body = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {body['type']}"
+        out.append(body)
+    return out
+
+
+def test_anthropic_stream_of_text_then_a_tool_call():
+    frames = MessageFrames(job_id="generate-abc123", model="target", stop_sequences=None)
+    events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallStart(0, "toolu_9", "lookup"), ToolCallArguments(0, '{"ro'),
+                                   ToolCallArguments(0, 'om": 7}'),
+                                   finish(result(finish_reason="tool_calls", text="Let me see.")))
+                      for f in frames(ev)])
+    kinds = [(e["type"], e.get("index")) for e in events]
+    assert kinds == [("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
+                     ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1),
+                     ("content_block_delta", 1), ("content_block_stop", 1), ("content_block_start", 2),
+                     ("content_block_delta", 2), ("content_block_delta", 2), ("content_block_stop", 2),
+                     ("message_delta", None), ("message_stop", None)]
+    assert events[3]["delta"] == {"type": "thinking_delta", "thinking": "hmm"}
+    assert events[9]["content_block"] == {"type": "tool_use", "id": "toolu_9", "name": "lookup", "input": {}}
+    assert "".join(e["delta"]["partial_json"] for e in events[10:12]) == '{"room": 7}'
+    delta = events[13]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"] == {"input_tokens": 36, "output_tokens": 2, "cache_read_input_tokens": 64}
+
+
+def test_anthropic_message_body():
+    body = message(result(finish_reason="stop"), model="target", stop_sequences=["END"])
+    assert body["stop_reason"] == "stop_sequence" and body["stop_sequence"] == "END"
+    assert body["content"] == [{"type": "text", "text": "hi"}] and body["id"] == "msg_abc123"
+    assert message(result(finish_reason="length", text=""), model="t", stop_sequences=None)["content"] == []
+
+
+def test_responses_items_become_the_agreed_format():
+    from specprefill_server.responses_convert import conversation as items_conversation, tools_of as flat_tools
+
+    prefix = [{"role": "user", "content": "what is the code of room 7?"}]
+    conv = items_conversation([
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "a summary"}],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{\"room\": 7}", "id": "fc_1"},
+        {"type": "function_call", "call_id": "call_2", "name": "lookup", "arguments": "{\"room\": 8}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "4417"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "99"}]},
+        {"role": "developer", "content": "be brief"}], prefix=prefix)
+    assert conv.messages == [
+        prefix[0],
+        {"role": "assistant", "content": "Looking.", "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": {"room": 7}}},
+            {"id": "call_2", "type": "function", "function": {"name": "lookup", "arguments": {"room": 8}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4417"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "99"},
+        {"role": "system", "content": "be brief"}]
+    assert conv.origins[:2] == ["previous_response_id", "input[3]"]
+    assert flat_tools([{"type": "function", "name": "lookup", "parameters": {"type": "object"}, "strict": True}]) == \
+        [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    # a call with no assistant text before it opens the assistant's turn
+    alone = items_conversation([{"type": "function_call", "call_id": "c", "name": "f", "arguments": ""}])
+    assert alone.messages == [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]
+
+
+def test_responses_stream_of_text_then_a_tool_call():
+    from specprefill_server.responses_reply import ResponseFrames, ResponseShape
+    from specprefill_server.responses_types import ResponsesRequest
+
+    shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
+    frames = ResponseFrames(shape)
+    events = _events([f for ev in (Opened(), ReasoningDelta("hmm"), TextDelta("Let me "), TextDelta("see."),
+                                   ToolCallStart(0, "call_9", "lookup"), ToolCallArguments(0, '{"ro'),
+                                   ToolCallArguments(0, 'om": 7}'), finish(result(text="Let me see.")))
+                      for f in frames(ev)])
+    kinds = [(e["type"], e.get("output_index")) for e in events]
+    assert kinds == [
+        ("response.created", None), ("response.in_progress", None), ("response.output_item.added", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.content_part.added", 1), ("response.output_text.delta", 1), ("response.output_text.delta", 1),
+        ("response.output_text.done", 1), ("response.content_part.done", 1), ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2), ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2), ("response.completed", None)]
+    assert [e["sequence_number"] for e in events] == list(range(1, 20))
+    assert events[5]["item"]["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert events[10]["text"] == "Let me see." and events[16]["arguments"] == '{"room": 7}'
+    assert events[17]["item"] == {"type": "function_call", "id": "fc_abc123_0", "call_id": "call_9",
+                                  "name": "lookup", "arguments": '{"room": 7}', "status": "completed"}
+    assert events[18]["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 64}
+
+
+def test_answers_with_reasoning_and_tool_calls():
+    """What a chat job's result holds once the worker separates reasoning and parses tool
+    calls (the conversation work): each API's body, and the conversation a stored Response leaves."""
+    from specprefill_server.responses_reply import ResponseShape, answer_messages
+    from specprefill_server.responses_types import ResponsesRequest
+
+    r = result(text="", finish_reason="tool_calls", reasoning="need it",
+               tool_calls=[{"id": "call_1", "name": "lookup", "arguments": {"room": 7}}])
+    body = message(r, model="target", stop_sequences=None)
+    assert body["stop_reason"] == "tool_use" and body["content"] == [
+        {"type": "thinking", "thinking": "need it", "signature": ""},
+        {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"room": 7}}]
+    shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
+    assert [(i["type"], i.get("arguments")) for i in shape.body(r)["output"]] == \
+        [("reasoning", None), ("function_call", '{"room": 7}')]
+    assert "output_tokens_details" not in shape.body(r)["usage"]  # its reasoning's tokens are not known here
+    assert shape.body(result())["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert answer_messages(r) == [{"role": "assistant", "content": None, "reasoning_content": "need it",
+                                   "tool_calls": [{"id": "call_1", "type": "function",
+                                                   "function": {"name": "lookup", "arguments": {"room": 7}}}]}]
