@@ -107,6 +107,7 @@ class WorkerProcesses:
             [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         # Prefill the ~2K-token demo documents in several chunks so progress shows live.
         env.setdefault("SPECPREFILL_PREFILL_STEP", "256")
+        self.env = env  # the HTTP server of --agent runs with the same settings
         for name, log in zip(self.names, self.logs):
             with open(log, "w") as log_file:  # the child keeps its own descriptor
                 self.procs.append(subprocess.Popen(
@@ -337,6 +338,8 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
         rounds = [_run_round(client, docs, n, target is not None, out, args.timeout, job_ids) for n in (1, 2)]
         _summary(rounds, out)
         status = 0 if all(r["failed"] == 0 for r in rounds) else 1
+        if args.agent and target is not None:
+            status = max(status, _agent_round(where, workers, docs, log_dir, out))
         return status
     except KeyboardInterrupt:
         hurry, status = True, 130
@@ -347,6 +350,21 @@ def run_demo(args: Any, settings: Settings, out: TextIO = sys.stdout) -> int:
         return status
     finally:
         _stop(workers, where, conn, job_ids, log_dir, hurry=hurry, show_logs=status not in (0, 130), out=out)
+
+
+def _agent_round(where: "DemoRedis", workers: WorkerProcesses, docs: list[DemoDoc], log_dir: Path,
+                 out: TextIO) -> int:
+    """``--agent``: the HTTP server in front of the demo's workers, one tool-using conversation
+    per document (``specprefill_cli.agent``); 0 when every answer is right."""
+    from specprefill_cli import agent
+
+    server = agent.ServerProcess(where.url, workers.env, log_dir / "server.log", REPO_ROOT)
+    try:
+        server.wait_ready(timeout=60)
+        counts = agent.run_agent_round(server.url, "target", docs, out)
+    finally:
+        server.stop()
+    return 0 if counts["right"] == len(docs) else 1
 
 
 def _stop(workers: WorkerProcesses | None, where: DemoRedis | None, conn: Any, job_ids: list[str],
@@ -374,6 +392,9 @@ def register(sub: Any, shared: SharedOptions) -> None:
     p.add_argument("--target", help="the target model that answers (default: the shipped target-tiny)")
     p.add_argument("--no-answers", action="store_true", help="prefill jobs only: no target, no answers")
     p.add_argument("--timeout", type=float, default=600, help="seconds each round may take")
+    p.add_argument("--agent", action="store_true",
+                   help="then an agent round over the HTTP API: the target calls a lookup tool, reads its "
+                        "result and answers (OpenAI chat-completions tool format, streamed)")
     p.set_defaults(func=run)
 
 

@@ -18,9 +18,37 @@ VOCAB_SIZE = 2048
 END = "<|end|>"
 SPECIAL_TOKENS = ["<pad>", END, "<|system|>", "<|user|>", "<|assistant|>"]
 # Markers are single special tokens and no spaces are added: "<|user|>TEXT<|end|><|assistant|>".
+# With ``tools`` the first turn is a system turn listing them (the caller's system message first),
+# and a call is Qwen-style JSON in <tool_call> tags, so mlx-lm picks its json_tools parser
+# ("<tool_call>" and "tool_call.name" in the template). A tool result is a "<|tool|>" turn
+# (plain text: the role marker is not a special token). After a tool result the question the
+# tools answer (the last user message) is repeated before the generation prompt: the shipped
+# models answer a question about a name from the name read last (tools/induction_init.py).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{%- set ns = namespace(question='') -%}"
+    "{%- if tools -%}<|system|>"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif -%}"
+    "# Tools\nYou may call these functions:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor -%}"
+    "</tools>\nTo call one, reply with <tool_call>\n{\"name\": <function name>, "
+    "\"arguments\": <arguments as a JSON object>}\n</tool_call><|end|>"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' %}{% set ns.question = message['content'] %}{% endif -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "<|assistant|>{{ message['content'] or '' }}"
+    "{%- for tool_call in message['tool_calls'] -%}"
+    "{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif -%}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{%- if tool_call.arguments is string %} {{ tool_call.arguments }}{% else %} {{ tool_call.arguments | tojson }}"
+    "{%- endif %}}\n</tool_call>"
+    "{%- endfor %}<|end|>"
+    "{%- else %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{%- if messages and messages[-1]['role'] == 'tool' and ns.question %}<|user|>{{ ns.question }}<|end|>{% endif -%}"
+    "<|assistant|>{%- endif -%}"
 )
 WORD_REPEATS = 4000  # far above the last merge's pair count on this corpus
 

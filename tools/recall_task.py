@@ -246,3 +246,42 @@ def load(tokenizer_path: str | None = None) -> RecallTask:
     from tokenizers import Tokenizer
 
     return RecallTask(Tokenizer.from_file(str(tokenizer_path or SHIPPED_TOKENIZER)))
+
+
+VERBATIM_QUESTION = "\n\nQuote the {} lines after {}"
+
+
+@dataclass
+class VerbatimExample:
+    tokens: list[int]            # the prompt: the document, then the question
+    span: tuple[int, int]        # token positions [start, end) of the lines to quote
+    quote: list[int]             # the lines' tokens (the exact answer)
+    key: str
+
+
+def make_verbatim(task: RecallTask, rng: random.Random, length: int, n_lines: int) -> VerbatimExample:
+    """A ``length``-token prompt (at most) asking to quote the ``n_lines`` lines after a marker.
+
+    The marker is a name on a line of its own ("Orion:"), planted at a sentence end of the
+    prose; the lines after it are sentences of another part of the novels, one per line. The
+    question ends in the name, as the recall questions do, so the draft's attention peaks at
+    the block's start; the quote is every token of the lines, the failure users report when the
+    selection keeps the peak but not the lines that follow it.
+    """
+    key = rng.choice(KEYS)
+    source = task.decode(task.haystack(rng, 40 * n_lines))
+    sentences = [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", source) if len(s.strip()) > 20]
+    sentences = sentences[1:n_lines + 1]  # the first may start mid-sentence
+    block_text = f" {key}:\n" + "\n".join(sentences) + "\n"
+    block = task.encode(block_text)
+    question = task.encode(VERBATIM_QUESTION.format(n_lines, key))
+    room = length - len(block) - len(question)
+    hay = task.haystack(rng, room + 1)[:room]
+    points = [p for p in task.insertion_points(hay) if p < room] or [room // 2]
+    at = rng.choice(points)
+    tokens = hay[:at] + block + hay[at:] + question
+    marker = task.encode(f" {key}:\n")
+    if block[:len(marker)] != marker:
+        raise AssertionError("the marker line does not tokenize on its own")
+    start, end = at + len(marker), at + len(block)   # the lines (with their newlines)
+    return VerbatimExample(tokens, (start, end), tokens[start:end], key)

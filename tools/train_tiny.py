@@ -44,6 +44,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from tools import english_tokenizer, recall_task  # noqa: E402
 from tools.induction_init import init_induction_circuit  # noqa: E402
 from tools.recall_task import VALUE_LEN, RecallTask  # noqa: E402
+from tools.tool_task import ToolTask  # noqa: E402
 
 PRESETS = {
     "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -53,6 +54,7 @@ PRESETS = {
 }
 DEFAULT_PHASES = "128:50,256-2048:350"
 CHAT_FRACTION = 0.3
+TOOL_TURNS = ("call", "call", "answer")  # the call is the turn to learn; the answer mostly works already
 
 
 def model_config(task: RecallTask, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
@@ -98,12 +100,27 @@ def parse_phases(spec: str) -> list[tuple[list[int], int]]:
     return phases
 
 
+def tool_row(tools: ToolTask, rng: random.Random, length: int) -> tuple[list[int], list[int]] | None:
+    """A tool-call or tool-answer example right-padded to ``length`` (None if it is longer)."""
+    ex = tools.example(rng, rng.choice(TOOL_TURNS))
+    if len(ex.tokens) > length:
+        return None
+    return ex.tokens + [tools.task.id["<pad>"]] * (length - len(ex.tokens)), ex.answer_positions
+
+
 def sample_batch(task: RecallTask, rng: random.Random, length: int, batch: int, *,
                  chat_fraction: float = CHAT_FRACTION, max_needles: int = 8,
-                 max_queries: int = 1) -> tuple[mx.array, mx.array]:
-    """Token rows (batch, length) and the mask of answer targets (batch, length - 1)."""
+                 max_queries: int = 1, tools: ToolTask | None = None,
+                 tool_fraction: float = 0.0) -> tuple[mx.array, mx.array]:
+    """Token rows (batch, length) and the mask of answer targets (batch, length - 1);
+    with ``tools``, a ``tool_fraction`` share of rows are tool turns (``tools/tool_task.py``)."""
     rows, mask = [], np.zeros((batch, length - 1), dtype=np.float32)
     for b in range(batch):
+        row = tool_row(tools, rng, length) if tools is not None and rng.random() < tool_fraction else None
+        if row is not None:
+            rows.append(row[0])
+            mask[b, np.array(row[1]) - 1] = 1.0
+            continue
         # At least two needles: with one, "copy the value after any key" answers without
         # matching the key, and the model settles on that shortcut.
         n_needles = rng.randint(min(2, max_needles), max(2, min(max_needles, length // 64)))
@@ -153,11 +170,17 @@ def model_card(config: dict, training: dict) -> str:
         t = t.get("base_training")
     commands = "\n".join(t["command"] for t in chain)
     stages = "; then ".join(
+        f"RoPE re-based from {t['rope_rebase']['rope_theta'][0]:g} to {t['rope_rebase']['rope_theta'][1]:g} "
+        "(`tools/rope_rebase.py`: the hand-made circuit rebuilt for the new base, trained weights kept, no training)"
+        if "rope_rebase" in t else
         f"phases {t['phases']} at lr {t['lr']:g}, {t['tokens_per_step']} tokens per step, seed {t['seed']}"
+        + (f", {t['tool_fraction']:.0%} of rows lookup-tool turns" if t.get("tool_fraction") else "")
         for t in chain)
-    acc = training.get("eval", {})
+    acc = {**next((t["eval"] for t in chain[::-1] if t.get("eval")), {}), **training.get("eval_long", {})}
     rows = "\n".join(f"| {L} | {r['plain']:.2f} | {r['chat']:.2f} |" for L, r in acc.items())
     first = chain[0]
+    long_note = (f"\nRows of {', '.join(training['eval_long'])} tokens: {training['eval_long_samples']} documents per cell, "
+                 "prefilled through a KV cache in 1024-token steps.\n" if training.get("eval_long") else "")
     if first.get("induction_init"):
         init_note = ("\nInitialization: `tools/induction_init.py` builds a working induction circuit by hand "
                      "(layer 0: a previous-token head and a head that hands the key to the chat template's "
@@ -174,6 +197,13 @@ def model_card(config: dict, training: dict) -> str:
                           "learn when to stop (`<|end|>`) and keep the circuit's answers at every length.")
     else:
         init_note = "\nInitialization: mlx's default random init."
+    rebased = next((t["rope_rebase"] for t in chain if "rope_rebase" in t), None)
+    if rebased:
+        init_note += (f"\n\nContext length: at rope_theta {rebased['rope_theta'][0]:g} the fastest of the six RoPE "
+                      "pairs the matching head uses turns by 5.8 rad over 32K positions (computed; those models were measured to 4K only); at "
+                      f"{rebased['rope_theta'][1]:g} it turns by 0.33 rad over 32K (0.66 over 64K). The circuit "
+                      "is a function of the seed and the base, so `tools/rope_rebase.py` rebuilds it for the new base "
+                      "and keeps every trained weight; measured before shipping (table below).")
     return f"""# {training['name']}
 
 A tiny mlx-lm `llama` trained by this project on an English recall task
@@ -189,7 +219,7 @@ model English (its loss on the prose stays near that of a uniform guess over the
 ## Architecture
 hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, {config['num_attention_heads']} heads,
 {config['num_key_value_heads']} KV heads, intermediate {config['intermediate_size']}, vocab {config['vocab_size']}
-(byte-level BPE trained on the corpus: any UTF-8 text encodes, there is no unknown token), tied embeddings, rope_theta {config['rope_theta']:g}, float32;
+(byte-level BPE trained on the corpus: any UTF-8 text encodes, there is no unknown token), tied embeddings, rope_theta {config['rope_theta']:g}, max_position_embeddings {config['max_position_embeddings']}, float32;
 {n:,} parameters ({n * 4 / 1e6:.1f} MB).
 
 ## Training
@@ -205,14 +235,52 @@ Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU share
 | tokens | plain prompt | chat prompt |
 |---|---|---|
 {rows}
-
+{long_note}
 Reproduce: `python tools/train_tiny.py --eval <this folder>`.
+{tool_section(training)}"""
+
+
+def tool_section(training: dict) -> str:
+    """The model card's paragraph on the lookup tool, when the model was trained on it."""
+    tools = training.get("eval_tools")
+    if not tools:
+        return ""
+    return f"""
+## Tool calls
+Trained (`--tool-fraction`, `tools/tool_task.py`) to answer "Look up the words after Orion", with the
+`lookup` tool offered, by a call in the chat template's Qwen-style format, which mlx-lm's `json_tools`
+parser reads (`tokenizer.has_tool_calling` is true):
+```
+<tool_call>
+{{"name": "lookup", "arguments": {{"query": "the words after Orion"}}}}
+</tool_call>
+```
+and, given the tool's result (a passage holding "Orion cobalt falcon quartz"), to answer
+"cobalt falcon quartz". The template repeats the question after a tool result: these models answer
+about the name they read last. Measured ({training.get('eval_tools_samples', training.get('eval_samples', 0))} conversations each, whole
+reply greedy-exact): call {tools['call']:.2f}, answer from the result {tools['answer']:.2f}.
+Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --tool-fraction 1`.
 """
+
+
+def answer_correct_chunked(model, tokens: list[int], step: int = 1024) -> bool:
+    """Teacher-forced final answer of one long row, prefilled through a KV cache in ``step``-token
+    pieces (a full forward at 16-32K would hold every head's score matrix at once)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    inputs, tail = tokens[:-1], []
+    for start in range(0, len(inputs), step):
+        logits = model(mx.array([inputs[start:start + step]]), cache=cache)
+        mx.eval(logits)
+        tail = (tail + logits[0].argmax(-1).tolist())[-VALUE_LEN - 1:]
+    return tail[:VALUE_LEN] == tokens[-VALUE_LEN - 1:-1]
 
 
 def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: int,
              batch_tokens: int = 8192) -> dict:
-    """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy)."""
+    """Answer accuracy by length for plain and chat prompts (teacher-forced argmax = greedy);
+    rows longer than ``batch_tokens`` go one at a time through a KV cache."""
     out: dict[str, dict[str, float]] = {}
     for length in lengths:
         row = {}
@@ -225,12 +293,31 @@ def evaluate(model, task: RecallTask, lengths: list[int], samples: int, seed: in
                 b = min(batch, samples - done)
                 rows = [task.make_example(rng, length, rng.randint(1, min(8, length // 64)), chat=chat,
                                           system_tokens=8 if chat else 0).tokens for _ in range(b)]
-                _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
-                correct += acc.item() * b
+                if length > batch_tokens:
+                    correct += sum(answer_correct_chunked(model, row) for row in rows)
+                else:
+                    _, _, acc = losses(model, mx.array(np.array(rows, dtype=np.int32)))
+                    correct += acc.item() * b
                 done += b
             row["chat" if chat else "plain"] = correct / samples
         out[str(length)] = row
         print(f"eval len {length:5d}: plain {row['plain']:.3f}  chat {row['chat']:.3f}", flush=True)
+    return out
+
+
+def evaluate_tools(model, tools: ToolTask, samples: int, seed: int) -> dict:
+    """Share of tool-call and tool-answer turns whose whole reply is the greedy one (argmax at
+    every reply position, teacher-forced: equal to greedy decoding of that reply)."""
+    out = {}
+    for turn in ("call", "answer"):
+        rng = random.Random(seed * 31 + len(turn))
+        correct = 0
+        for _ in range(samples):
+            ex = tools.example(rng, turn)
+            logits = model(mx.array([ex.tokens[:-1]]))[0, ex.prompt_len - 1:]
+            correct += logits.argmax(-1).tolist() == ex.tokens[ex.prompt_len:]
+        out[turn] = correct / samples
+    print(f"eval tools: call {out['call']:.3f}  answer {out['answer']:.3f}", flush=True)
     return out
 
 
@@ -287,6 +374,7 @@ def train(args: argparse.Namespace) -> None:
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
 
+    tools = ToolTask(task) if args.tool_fraction > 0 else None
     phases = parse_phases(args.phases)
     total = sum(s for _, s in phases)
     warmup = min(args.warmup, max(1, total // 10))
@@ -320,7 +408,8 @@ def train(args: argparse.Namespace) -> None:
             length = rng.choice(lengths)
             tokens, mask = sample_batch(task, rng, length, max(1, args.tokens_per_step // length),
                                         chat_fraction=args.chat_fraction if length > 64 else 0.0,
-                                        max_needles=args.max_needles, max_queries=args.max_queries)
+                                        max_needles=args.max_needles, max_queries=args.max_queries,
+                                        tools=tools, tool_fraction=args.tool_fraction)
             loss, (lm, ans, acc) = step(tokens, mask)
             mx.eval(state, loss, lm, ans, acc)
             window.append((lm.item(), ans.item(), acc.item()))
@@ -339,6 +428,7 @@ def train(args: argparse.Namespace) -> None:
         "seed": args.seed, "lr": args.lr, "warmup": warmup, "weight_decay": args.weight_decay,
         "lm_weight": args.lm_weight, "freeze_circuit": args.freeze_circuit,
         "tokens_per_step": args.tokens_per_step, "phases": args.phases, "init": args.init,
+        "tool_fraction": args.tool_fraction,
         "induction_init": bool(args.induction_init and not args.init),
         "parameters": n_params, "train_seconds": round(train_seconds, 1), "blas": blas_in_use(),
     }
@@ -352,6 +442,8 @@ def train(args: argparse.Namespace) -> None:
         lengths = [int(x) for x in args.eval_lengths.split(",")]
         training["eval"] = evaluate(model, task, lengths, args.eval_samples, seed=10_000 + args.seed)
         training["eval_samples"] = args.eval_samples
+        if tools is not None:
+            training["eval_tools"] = evaluate_tools(model, tools, args.eval_samples, seed=10_000 + args.seed)
     save_folder(model, config, Path(args.out), training, tokenizer)
     print(f"wrote {args.out} in {train_seconds:.0f}s of training", flush=True)
 
@@ -386,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
                         "the built-in copy circuit to distrust itself")
     p.add_argument("--max-queries", type=int, default=1,
                    help="question/answer pairs per plain training document (more recalls per step)")
+    p.add_argument("--tool-fraction", type=float, default=0.0,
+                   help="share of rows that are lookup-tool turns (call or answer), right-padded")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--out", help="model folder to write")
     p.add_argument("--log-every", type=int, default=50)
@@ -404,7 +498,10 @@ def main(argv: list[str] | None = None) -> None:
 
         model, _ = load(args.eval)
         task = recall_task.load(str(Path(args.eval) / "tokenizer.json"))
-        evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        if args.eval_lengths:
+            evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
+        if args.tool_fraction > 0:
+            evaluate_tools(model, ToolTask(task), args.eval_samples, seed=10_000)
         return
     if not args.out:
         p.error("--out is required when training")
