@@ -290,12 +290,14 @@ class DemoRedis:
         try:  # a shared Redis: remove the demo's own keys (its namespace and its jobs)
             keys = list(conn.scan_iter(match=f"{self.namespace}*", count=1000))
             queued = list(conn.scan_iter(match=f"rq:*:{self.namespace}", count=1000))  # its queue, registries
+            nodes = list(conn.scan_iter(match=f"rq:*:{self.namespace}@*", count=1000))  # its node queues (routing)
             heal = list(conn.scan_iter(match=f"rq:*:{heal_queue_name(self.namespace)}", count=1000))
-            keys += queued + heal
+            keys += queued + nodes + heal
             job_ids = list(job_ids) + _job_ids_in(conn, heal)  # the heal jobs its jobs queued
             keys += [f"rq:worker:{name}" for name in workers]  # a stopped worker's record (60 s TTL)
             keys += [job_key(j) for j in job_ids] + [f"rq:results:{j}" for j in job_ids]
-            conn.srem("rq:queues", f"rq:queue:{self.namespace}", f"rq:queue:{heal_queue_name(self.namespace)}")
+            conn.srem("rq:queues", f"rq:queue:{self.namespace}", f"rq:queue:{heal_queue_name(self.namespace)}",
+                      *(k for k in nodes if k.startswith(b"rq:queue:")))
             if workers:
                 conn.srem("rq:workers", *(f"rq:worker:{name}" for name in workers))
             for i in range(0, len(keys), 500):
