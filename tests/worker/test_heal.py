@@ -242,3 +242,49 @@ def test_the_page_and_the_queue_stats_show_heal_jobs():
     stats = {q.name: q.queued for q in queue_stats(r, rt.settings)}
     assert stats == {"specprefill": 0, HEAL_QUEUE: 1}
     assert recent_jobs(r, rt.settings) == []  # none ended through RQ here
+
+
+# ---- hybrid targets: the heal stores through the checkpoint path ----
+
+HYBRID_HEAL_TARGETS = ["qwen3_5", "lfm2"]
+
+
+@pytest.mark.parametrize("family", HYBRID_HEAL_TARGETS)
+def test_a_hybrid_target_heals_and_the_next_turn_equals_a_cold_job(monkeypatch, family):
+    """A hybrid target's heal records its recurrent state at its end (a checkpoint): the next
+    turn restores the healed prefix, and its first logits are a cold job's bit for bit (both
+    prefill up to the prompt's last full block in the same block steps)."""
+    seen = []
+    decode = sparse.generate_tokens
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r, family=family)
+    assert "reason" not in healed and healed["healed"] > 0 and healed["blocks_written"] > 0
+    assert healed["stored"] == healed["total"] // 16 * 16 > healed["restored"]
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    turn2 = next_turn(first, messages)
+    second = run(rt, "t2", messages=turn2, **GREEDY)
+    fresh, _ = runtime(family=family, **SPARSE)
+    cold = run(fresh, "c", messages=turn2, full_prefill=True, **GREEDY)
+    t = second.target_tokens
+    assert t["restored"] == healed["stored"] and t["healed"] == healed["healed"]
+    assert second.kept == second.total and t["restored"] + t["prefilled_full"] == second.total
+    assert cold.target_tokens["restored"] == 0 and cold.kept == cold.total
+    assert np.array_equal(seen[0], seen[1]) and second.token_ids == cold.token_ids
+
+
+def test_a_yielded_hybrid_heal_stores_a_checkpoint_its_continuation_restores():
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, family="qwen3_5", **SPARSE)
+    first = run(rt, "t1", messages=chat(0), **GREEDY)
+    user = Client(r, rt.settings).submit(build_spec(rt.settings, text="a user job waits"))
+    part = run_heal(rt, first.heal["job_id"])
+    assert part["yielded"] and part["stored"] == part["restored"] + 16 and part["healed"] == 16
+    Queue("specprefill", connection=r).remove(user.id)  # the user job ran
+    rest = run_heal(rt, part["continuation"])
+    assert not rest["yielded"] and rest["restored"] == part["stored"]  # the yield point is a checkpoint
+    assert rest["stored"] == rest["total"] // 16 * 16 and rest["healed"] > 0
