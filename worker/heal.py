@@ -171,6 +171,6 @@ def _continue(ctx: JobContext, spec: HealSpec, stored: int) -> str | None:
         return None
 
 
-def healed_counts(prefix: TargetPrefixCache | None, tokens: list[int], restored: int) -> int:
-    """How many of a job's ``restored`` prompt tokens came from heal jobs."""
-    return prefix.healed_tokens(tokens, restored) if prefix is not None and restored else 0
+def healed_ranges(prefix: TargetPrefixCache | None, tokens: list[int], restored: int) -> list[tuple[int, int]]:
+    """The ranges of a job's ``restored`` prompt tokens that came from heal jobs."""
+    return prefix.healed_ranges(tokens, restored) if prefix is not None and restored else []

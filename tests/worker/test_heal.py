@@ -14,6 +14,8 @@ from rq.serializers import JSONSerializer
 
 from jobs.client import Client
 from jobs.heal import HealSpec, heal_spec_from_payload
+from jobs.layout import regions
+from jobs.results import GenerateResult
 from jobs.progress import ProgressPublisher
 from jobs.spec import JobSpecError, build_spec, payload_kind
 from specprefill import sparse
@@ -65,6 +67,11 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
     assert "keep all" in second.reason and t["prefilled_sparse"] == 0  # a short new turn: plain
     assert t["restored"] + t["prefilled_full"] == second.total
     assert not second.heal["queued"]  # prefilled in order: nothing to heal
+    # The restored blocks the heal made, as ranges the page draws (jobs.layout)
+    assert first.healed_ranges == [] and second.healed_ranges == [(healed["restored"], healed["stored"])]
+    assert [(g.kind, g.start, g.end) for g in regions(second)][:2] == [
+        ("restored", 0, healed["restored"]), ("healed", healed["restored"], healed["stored"])]
+    assert GenerateResult.from_json(second.to_json()).healed_ranges == second.healed_ranges
 
 
 def test_a_healed_turn_equals_a_full_prefill(monkeypatch):
