@@ -5,8 +5,9 @@ The one reading of the layout facts a result carries (``kept_ranges``, ``protect
 else that draws a prompt read it here rather than re-deriving it. Kinds, in the order a
 token is classified:
 
+- ``healed``: restored from blocks a heal job prefilled (an earlier turn dropped the token,
+  the heal filled its KV in);
 - ``restored``: the target restored the token's KV from the block store (held whole);
-- ``healed``: dropped at prefill, its KV filled in later by a heal job;
 - ``dropped``: not prefilled;
 - ``prefix``: the protected system block (kept by rule);
 - ``tail``: the selection's mandatory tail (kept by rule);
@@ -48,10 +49,12 @@ def layout(total: int, kept_ranges: Sequence[Sequence[int]], *, protected_prefix
     points = sorted(cuts)
     out: list[Region] = []
     for a, b in zip(points, points[1:]):
-        if a < restored:
+        if _inside(healed, a, b):  # restored from blocks a heal job prefilled
+            kind = "healed"
+        elif a < restored:
             kind = "restored"
         elif not _inside(kept, a, b):
-            kind = "healed" if _inside(healed, a, b) else "dropped"
+            kind = "dropped"
         elif a < protected_prefix:
             kind = "prefix"
         elif tail_start is not None and a >= tail_start:

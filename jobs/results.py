@@ -81,7 +81,7 @@ class JobResult:
     # Text of each kept range: when the spec asked (return_spans), else when the kept tokens
     # are at most Settings.page_text_tokens (None: neither).
     spans: list[KeptSpan] | None = None
-    # Dropped ranges whose KV a heal job filled in later (empty: none healed).
+    # Ranges of the restored prefix whose blocks a heal job prefilled (empty: none healed).
     healed_ranges: list[tuple[int, int]] = field(default_factory=list)
 
     @property

@@ -37,7 +37,7 @@ from worker.answer_split import AnswerSplitter, splits_answer
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
-from worker.heal import heal_skip_reason, healed_counts, queue_heal
+from worker.heal import heal_skip_reason, healed_ranges, queue_heal
 from worker.models import LoadedModel
 from worker.context_window import check_context
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
@@ -81,6 +81,7 @@ class _Decoded:
     target: dict[str, int] = field(default_factory=dict)
     kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
     splitter: AnswerSplitter | None = None  # a chat answer's content, reasoning and tool calls
+    healed_ranges: list[tuple[int, int]] = field(default_factory=list)  # restored blocks a heal made
 
 
 def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
@@ -93,7 +94,8 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     splitter = _splitter(spec, ctx, prompt)
     decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0, splitter)
     # After the answer (no TTFT): what of the restored prefix heals made, and this turn's heal.
-    decoded.target["healed"] = healed_counts(prompt.prefix, prompt.tokens, prompt.restored)
+    decoded.healed_ranges = healed_ranges(prompt.prefix, prompt.tokens, prompt.restored)
+    decoded.target["healed"] = sum(e - s for s, e in decoded.healed_ranges)
     heal = _heal(spec, ctx, prompt, decoded)
     timings["total"] = time.perf_counter() - t0
     result = _result(spec, prompt, ctx, decoded, timings)
@@ -342,7 +344,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         draft_model=sel.model if sel is not None else "", target_model=prompt.target.identity,
         draft_name=sel.draft_name if sel is not None else "", target_name=spec.target_model,
         warnings=prompt.warnings + (decoded.splitter.warnings if decoded.splitter is not None else []),
-        target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft),
+        target_tokens=counts, ttft_phases=_ttft_phases(timings, ttft), healed_ranges=decoded.healed_ranges,
         timings={k: round(v, 6) for k, v in timings.items()},
         tokens_per_s=rates(timings, {"target_prefill": state.kept_tokens - state.cached_tokens,
                                      "decode": decoded.tokens, **scored}),

@@ -108,8 +108,13 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
         return {**result, "healed": 0, "restored": 0, "reason": "no target prefix store on this worker"}
     restored_cache, restored = prefix.restore(tokens)
     end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
-    cache, stored_to, yielded = _prefill_blocks(ctx, target, tokens, restored_cache, restored, end)
-    written = prefix.save(tokens, cache, stored_to) if stored_to > restored else 0
+    # A hybrid target's blocks are restorable up to a checkpoint only: the heal's end is one,
+    # and so is where it yields (added when it does), or its continuation restores less.
+    rec = prefix.recorder(end)
+    cache, stored_to, yielded = _prefill_blocks(ctx, target, tokens, restored_cache, restored, end, rec)
+    written = prefix.save(tokens, cache, stored_to, rec) if stored_to > restored else 0
+    if rec is not None:
+        stored_to = max(restored, min(stored_to, max(rec.states, default=0)))
     if written:
         prefix.mark_healed(tokens, restored, stored_to)
     elif stored_to > restored:  # the store refused the cache (logged): nothing was healed
@@ -124,22 +129,38 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
 
 
 def _prefill_blocks(ctx: JobContext, target: LoadedModel, tokens: list[int], cache: list | None,
-                    start: int, end: int) -> tuple[list | None, int, bool]:
-    """Prefill ``tokens[start:end]`` one block at a time on top of ``cache``; stop early (True)
-    before a block when a user job waits. The cache, how far it holds and whether it yielded."""
+                    start: int, end: int, rec: Any = None) -> tuple[list | None, int, bool]:
+    """Prefill ``tokens[start:end]`` one block at a time on top of ``cache`` (each step handed to
+    the block recorder ``rec``, if any); stop early (True) after a block when a user job waits,
+    that block's end then kept as a checkpoint. The cache, how far it holds and whether it yielded."""
     block, reporter = ctx.settings.block_size, JobReporter(ctx)
     bits, group = ctx.settings.kv_quantization("target")
-    pos = start
+    pos, waiting = start, False
+
+    def step(lo: int, hi: int, step_cache: list) -> None:
+        nonlocal waiting
+        waiting = hi < end and user_job_waiting(ctx)
+        if rec is not None:
+            if waiting:
+                rec.keep_state = _with_checkpoint(rec.keep_state, hi)
+            rec(lo, hi, step_cache)
+
     while pos < end:
-        if pos > start and user_job_waiting(ctx):
+        cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,
+                                              progress=reporter.begin(), kv_bits=bits, kv_group_size=group,
+                                              on_step=step)
+        pos += block
+        ctx.publisher.progress("heal", pos, end)
+        if waiting:
             log.info("heal %s: a user job waits; stored to %d of %d tokens, continuing later",
                      ctx.job_id, pos, end)
             return cache, pos, True
-        cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,
-                                              progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
-        pos += block
-        ctx.publisher.progress("heal", pos, end)
     return cache, pos, False
+
+
+def _with_checkpoint(keep_state: Any, at: int) -> Any:
+    """A recorder's ``keep_state`` that also keeps the state at block end ``at``."""
+    return lambda e: e == at or keep_state is None or keep_state(e)
 
 
 def _continue(ctx: JobContext, spec: HealSpec, stored: int) -> str | None:
@@ -150,6 +171,6 @@ def _continue(ctx: JobContext, spec: HealSpec, stored: int) -> str | None:
         return None
 
 
-def healed_counts(prefix: TargetPrefixCache | None, tokens: list[int], restored: int) -> int:
-    """How many of a job's ``restored`` prompt tokens came from heal jobs."""
-    return prefix.healed_tokens(tokens, restored) if prefix is not None and restored else 0
+def healed_ranges(prefix: TargetPrefixCache | None, tokens: list[int], restored: int) -> list[tuple[int, int]]:
+    """The ranges of a job's ``restored`` prompt tokens that came from heal jobs."""
+    return prefix.healed_ranges(tokens, restored) if prefix is not None and restored else []

@@ -28,6 +28,20 @@ NEXT_TURN_PROBES = (
      {"role": "user", "content": "and again?"}),
 )
 
+# An answer with tool calls is followed by their results (the chat APIs require them, before
+# any user message): its throwaway next turns are results of its own calls, so a template that
+# keeps the reasoning of a turn still in flight (Qwen3's) keeps it in the heal too.
+TOOL_RESULT_PROBES = ("probe-A: 17 apples?", "{\"probe\": \"Z\", \"value\": 42}", "Quick probe")
+
+
+def next_turn_probes(reply: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """The throwaway next turns of an answer (``reply``: the assistant message)."""
+    calls = reply.get("tool_calls") or []
+    if not calls:
+        return NEXT_TURN_PROBES
+    return tuple(tuple({"role": "tool", "tool_call_id": c.get("id"), "name": c.get("function", {}).get("name"),
+                        "content": content} for c in calls) for content in TOOL_RESULT_PROBES)
+
 
 @dataclass(frozen=True)
 class NextTurn:
@@ -56,7 +70,7 @@ def next_turn(spec: JobSpec, tokenizer: Any, prompt_tokens: Sequence[int], answe
         return NextTurn([], 0, f"the chat template cannot render the answered conversation: "
                                f"{type(exc).__name__}: {exc}"[:400])
     renders = []
-    for probe in NEXT_TURN_PROBES:
+    for probe in next_turn_probes(reply):
         try:
             renders.append(render_tokens(tokenizer, history + list(probe), template))
         except Exception:  # a template refusing one role or shape: the other probes decide

@@ -170,17 +170,30 @@ class TargetPrefixCache:
 
     def healed_tokens(self, tokens: Sequence[int], n_tokens: int) -> int:
         """How many of the first ``n_tokens`` (a restored prefix) a heal job prefilled."""
+        return sum(e - s for s, e in self.healed_ranges(tokens, n_tokens))
+
+    def healed_ranges(self, tokens: Sequence[int], n_tokens: int) -> list[tuple[int, int]]:
+        """The ``(start, end)`` token ranges of the first ``n_tokens`` (a restored prefix) whose
+        blocks a heal job prefilled, adjacent blocks merged."""
         if n_tokens <= 0:
-            return 0
+            return []
         try:
             keys, raw = self._heal_keys(tokens, 0, n_tokens), self.store.raw_store
             with raw.client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.exists(key)
-                return raw.block_size * sum(bool(x) for x in pipe.execute())
+                marked = pipe.execute()
         except Exception as exc:
             log.warning("target prefix: heal marks not read: %s: %s", type(exc).__name__, exc)
-            return 0
+            return []
+        out: list[tuple[int, int]] = []
+        for i, mark in enumerate(marked):
+            s, e = i * raw.block_size, (i + 1) * raw.block_size
+            if mark and out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            elif mark:
+                out.append((s, e))
+        return out
 
 
 def prefix_cache(ctx: Any, target: LoadedModel) -> TargetPrefixCache | None:

@@ -200,6 +200,10 @@ def test_layout_splits_every_region_kind_exactly():
                                                      tail_start=80, restored=32, healed_ranges=[(40, 50)])] == [
         ("restored", 0, 32), ("kept", 32, 40), ("healed", 40, 50), ("dropped", 50, 60), ("kept", 60, 80),
         ("tail", 80, 100)]
+    # a restored prefix part of which a heal made (a generate job's healed_ranges)
+    assert [(r.kind, r.start, r.end) for r in layout(100, [(0, 100)], protected_prefix=10, restored=64,
+                                                     healed_ranges=[(32, 64)])] == [
+        ("restored", 0, 32), ("healed", 32, 64), ("kept", 64, 100)]
     result = PrefillResult(job_id="j", kept=60, total=100, kept_ranges=[(0, 40), (80, 100)],
                            protected_prefix=5, tail_start=90)
     assert regions(result) == [Region("prefix", 0, 5), Region("kept", 5, 40), Region("dropped", 40, 80),

@@ -14,6 +14,8 @@ from rq.serializers import JSONSerializer
 
 from jobs.client import Client
 from jobs.heal import HealSpec, heal_spec_from_payload
+from jobs.layout import regions
+from jobs.results import GenerateResult
 from jobs.progress import ProgressPublisher
 from jobs.spec import JobSpecError, build_spec, payload_kind
 from specprefill import sparse
@@ -65,6 +67,11 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
     assert "keep all" in second.reason and t["prefilled_sparse"] == 0  # a short new turn: plain
     assert t["restored"] + t["prefilled_full"] == second.total
     assert not second.heal["queued"]  # prefilled in order: nothing to heal
+    # The restored blocks the heal made, as ranges the page draws (jobs.layout)
+    assert first.healed_ranges == [] and second.healed_ranges == [(healed["restored"], healed["stored"])]
+    assert [(g.kind, g.start, g.end) for g in regions(second)][:2] == [
+        ("restored", 0, healed["restored"]), ("healed", healed["restored"], healed["stored"])]
+    assert GenerateResult.from_json(second.to_json()).healed_ranges == second.healed_ranges
 
 
 def test_a_healed_turn_equals_a_full_prefill(monkeypatch):
@@ -242,3 +249,115 @@ def test_the_page_and_the_queue_stats_show_heal_jobs():
     stats = {q.name: q.queued for q in queue_stats(r, rt.settings)}
     assert stats == {"specprefill": 0, HEAL_QUEUE: 1}
     assert recent_jobs(r, rt.settings) == []  # none ended through RQ here
+
+
+# ---- hybrid targets: the heal stores through the checkpoint path ----
+
+HYBRID_HEAL_TARGETS = ["qwen3_5", "lfm2"]
+
+
+@pytest.mark.parametrize("family", HYBRID_HEAL_TARGETS)
+def test_a_hybrid_target_heals_and_the_next_turn_equals_a_cold_job(monkeypatch, family):
+    """A hybrid target's heal records its recurrent state at its end (a checkpoint): the next
+    turn restores the healed prefix, and its first logits are a cold job's bit for bit (both
+    prefill up to the prompt's last full block in the same block steps)."""
+    seen = []
+    decode = sparse.generate_tokens
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r, family=family)
+    assert "reason" not in healed and healed["healed"] > 0 and healed["blocks_written"] > 0
+    assert healed["stored"] == healed["total"] // 16 * 16 > healed["restored"]
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    turn2 = next_turn(first, messages)
+    second = run(rt, "t2", messages=turn2, **GREEDY)
+    fresh, _ = runtime(family=family, **SPARSE)
+    cold = run(fresh, "c", messages=turn2, full_prefill=True, **GREEDY)
+    t = second.target_tokens
+    assert t["restored"] == healed["stored"] and t["healed"] == healed["healed"]
+    assert second.kept == second.total and t["restored"] + t["prefilled_full"] == second.total
+    assert cold.target_tokens["restored"] == 0 and cold.kept == cold.total
+    assert np.array_equal(seen[0], seen[1]) and second.token_ids == cold.token_ids
+
+
+def test_a_yielded_hybrid_heal_stores_a_checkpoint_its_continuation_restores():
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, family="qwen3_5", **SPARSE)
+    first = run(rt, "t1", messages=chat(0), **GREEDY)
+    user = Client(r, rt.settings).submit(build_spec(rt.settings, text="a user job waits"))
+    part = run_heal(rt, first.heal["job_id"])
+    assert part["yielded"] and part["stored"] == part["restored"] + 16 and part["healed"] == 16
+    Queue("specprefill", connection=r).remove(user.id)  # the user job ran
+    rest = run_heal(rt, part["continuation"])
+    assert not rest["yielded"] and rest["restored"] == part["stored"]  # the yield point is a checkpoint
+    assert rest["stored"] == rest["total"] // 16 * 16 and rest["healed"] > 0
+
+
+# ---- a tool-call turn heals (a scripted qwen3 target answers with tool calls) ----
+
+def scripted_heal_runtime(tmp_path, say):
+    """A scripted tiny qwen3-template target (tests/support/scripted_target.py) with the real
+    Redis block store on fakeredis, the fake draft scoring and a sparse keep."""
+    from specprefill.profile import profile_model
+    from tests.support.chat_folders import VOCAB_SIZE, save_chat_model
+    from tests.support.fake_worker import FakeModel, fake_backend
+    from tests.support.scripted_target import scripted_loader
+    from worker.models import ModelPool
+    from worker.runtime import WorkerRuntime
+
+    folder = str(save_chat_model(tmp_path / "qwen3", "qwen3", script={"rules": [{"say": say}]}))
+    loaded = {}
+
+    def load(name):  # the fake draft shares the target's tokenizer (the pair check)
+        if name not in loaded:
+            loaded[name] = scripted_loader(folder)
+        if name != "fake-draft":
+            return loaded[name]
+        draft = FakeModel()
+        draft.args = type("args", (), {"vocab_size": VOCAB_SIZE})
+        return draft, loaded[folder][1]
+
+    pool = ModelPool(2, block_size=16, loader=lambda n: load(folder) and load(n),
+                     profile=lambda m: None if isinstance(m, FakeModel) else profile_model(m),
+                     fingerprint=lambda prof, ident, bs: "fp-" + ident, identify=lambda n: "fake:" + n,
+                     warm=lambda m: None)
+    settings = runtime()[0].settings.replace(target_model=folder)
+    be = fake_backend()
+    be.target_store = _target_store
+    r = fakeredis.FakeRedis()
+    return WorkerRuntime(settings, r, r, pool, backend_factory=lambda: be), folder
+
+
+def test_a_tool_call_turn_heals_and_the_next_turn_restores_it(tmp_path):
+    from tests.worker.test_tool_conversations import QWEN_CALLS, TOOLS
+
+    rt, folder = scripted_heal_runtime(tmp_path, QWEN_CALLS)
+    doc = " ".join(f"w{(i * 7 + i * i) % 97}" for i in range(160))
+    messages = [{"role": "system", "content": "You answer from lookups."},
+                {"role": "user", "content": doc + "\nWhat are alpha and beta?"}]
+    first = run(rt, "t1", messages=messages, tools=TOOLS, **{**GREEDY, "max_tokens": 200}, **SPARSE)
+    assert first.finish_reason == "tool_calls" and len(first.tool_calls) == 2
+    assert first.kept < first.total and first.heal["queued"], first.heal
+    heal = heal_payload(rt.connection, first.heal["job_id"])
+    # the heal holds the whole answered turn, its reasoning and calls as the template renders
+    # them (Qwen3 keeps a turn's reasoning while its tool results follow: no note, nothing cut)
+    assert "note" not in first.heal and first.heal["tokens"] == first.heal["rendered"] > first.total
+    tokenizer = rt.models.get(folder, "target_model").tokenizer
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"key": "beta"}}' in tokenizer.decode(heal["tokens"])
+    healed = run_heal(rt, first.heal["job_id"])
+    assert healed["healed"] > 0 and "reason" not in healed
+    calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in first.tool_calls]
+    turn2 = messages + [{"role": "assistant", "content": first.text, "reasoning_content": first.reasoning,
+                         "tool_calls": calls},
+                        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "A=1"},
+                        {"role": "tool", "tool_call_id": calls[1]["id"], "content": "B=2"}]
+    second = run(rt, "t2", messages=turn2, tools=TOOLS, **GREEDY)
+    t = second.target_tokens
+    # the heal rendered the assistant message with its tool calls: turn 2 starts with its tokens
+    assert second.total > len(heal["tokens"]) and t["restored"] == healed["stored"] > first.total
+    assert t["healed"] == healed["healed"] and second.healed_ranges == [(healed["restored"], healed["stored"])]
