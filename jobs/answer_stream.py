@@ -31,11 +31,10 @@ and one ``tool_call`` event per call (``index``, ``id``, ``name``, ``arguments``
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
-from jobs.client import JobHandle, StreamDiverged
+from jobs.client import JobHandle, StreamDiverged, check_same
 from jobs.results import GenerateResult
 
 FINISH_REASONS = ("eos", "stop", "length", "tool_calls")
@@ -112,16 +111,9 @@ class _Follower:
         self.said = {c: "" for c in CHANNELS}
         self.said_calls = 0
 
-    def _check_same(self, shown: str, said: str) -> None:
-        at = len(os.path.commonprefix([shown, said]))
-        if at < min(len(shown), len(said)):
-            raise StreamDiverged(f"job {self.job_id}: a retry generated other text from character {at} "
-                                 f"on ({len(shown)} characters were already streamed); "
-                                 "handle.result() holds the final answer")
-
     def channel(self, kind: str, said: str) -> Iterator[AnswerEvent]:
         """The part of ``said`` (all the attempt said on ``kind``) not yielded yet."""
-        self._check_same(self.shown[kind], said)
+        check_same(self.job_id, self.shown[kind], said, final="answer")
         self.said[kind] = said
         if len(said) > len(self.shown[kind]):
             yield _DELTAS[kind](said[len(self.shown[kind]):])

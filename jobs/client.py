@@ -268,11 +268,16 @@ class JobHandle:
                          else event_error or ended_reason(status))
 
     def _check_same(self, shown: str, text: str) -> None:
-        at = len(os.path.commonprefix([shown, text]))
-        if at < min(len(shown), len(text)):
-            raise StreamDiverged(f"job {self.id}: a retry generated other text from character {at} "
-                                 f"on ({len(shown)} characters were already streamed); "
-                                 "handle.result() holds the final text")
+        check_same(self.id, shown, text)
+
+
+def check_same(job_id: str, shown: str, said: str, final: str = "text") -> None:
+    """Raise :class:`StreamDiverged` when a retry's ``said`` departs from what was ``shown``."""
+    at = len(os.path.commonprefix([shown, said]))
+    if at < min(len(shown), len(said)):
+        raise StreamDiverged(f"job {job_id}: a retry generated other text from character {at} "
+                             f"on ({len(shown)} characters were already streamed); "
+                             f"handle.result() holds the final {final}")
 
 
 class BatchHandle:
