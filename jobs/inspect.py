@@ -23,6 +23,7 @@ from cache_store.replies import as_text
 from jobs.client import described_name
 from jobs.settings import Settings
 from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
+from jobs.node_queues import node_queues_of
 from jobs.spec import JobSpec, spec_from_payload
 
 REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "canceled")
@@ -198,9 +199,10 @@ def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobR
 
 
 def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) -> list[str]:
-    """Ids of the most recently finished and failed jobs (heal jobs too), newest first."""
+    """Ids of the most recently finished and failed jobs (of the node queues routing sends jobs
+    to, and heal jobs, too), newest first."""
     out: list[tuple[float, str]] = []
-    for name in (*settings.queues, *settings.heal_queues):
+    for name in (*settings.queues, *node_queues_of(connection, settings.queues), *settings.heal_queues):
         q = Queue(name, connection=connection, serializer=JSONSerializer)
         for reg in (q.finished_job_registry, q.failed_job_registry):
             for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):
@@ -211,9 +213,11 @@ def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) ->
 LABEL_WORDS = 8  # the recent-jobs list names a job by its input's first words
 
 
-def input_label(spec: JobSpec) -> str:
+def input_label(spec: JobSpec | HealSpec) -> str:
     """A job's input as a list names it when it has no document name: the first words of its text or last user message
     (of its last message when none is the user's), or its token count."""
+    if spec.kind == "heal":
+        return f"heal of {spec.source_job or 'a conversation'}, {len(spec.tokens)} tokens"
     if spec.tokens is not None:
         return f"{len(spec.tokens)} tokens"
     if spec.text is not None:
@@ -235,7 +239,8 @@ def _job_row(job: Job, settings: Settings) -> dict[str, Any]:
                            "label": None, "kind": None, "ratio": None, "ttft_s": None,
                            "ended_at": _ts(job.ended_at)}
     try:
-        spec = spec_from_payload(job.args[0], settings)
+        payload = job.args[0]
+        spec = (heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload)(payload, settings)
         row.update(label=described_name(job.description, spec.kind) or input_label(spec), kind=spec.kind)
     except Exception:  # a foreign or unreadable payload: listed without a label
         pass

@@ -2,6 +2,9 @@
 server, a real Redis and a real worker on the shipped tiny models."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import redis
 from openai import APIError, AuthenticationError, BadRequestError, NotFoundError, OpenAI, RateLimitError
@@ -11,6 +14,8 @@ from rq.serializers import JSONSerializer
 from tests.server.conftest import (API_KEY, TARGET, chat, job_status, queued_jobs, raw_request, scrape_metrics,
                                    value, words)
 from tests.support.worker_procs import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,12 +99,15 @@ def test_bad_requests_name_the_field(openai_client):
 
 
 def test_a_prompt_beyond_the_targets_context_is_400_context_length_exceeded(openai_client):
-    # the shipped target declares max_position_embeddings 8192: 8100 prompt tokens + 200 do not fit
+    # the shipped target declares max_position_embeddings 65536 (its config, read by the worker):
+    # 65400 prompt tokens fit, 200 more to generate do not; refused before any prefill
+    window = json.loads((ROOT / "models" / "target-tiny" / "config.json").read_text())["max_position_embeddings"]
+    n = window - 136
     with pytest.raises(BadRequestError) as err:
-        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(8100)], max_tokens=200)
+        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(n)], max_tokens=200)
     body = err.value.body
     assert err.value.status_code == 400 and body["code"] == "context_length_exceeded", body
-    assert body["param"] == "max_tokens" and "8100 tokens" in body["message"] and "8192 tokens" in body["message"]
+    assert body["param"] == "max_tokens" and f"{n} tokens" in body["message"] and f"{window} tokens" in body["message"]
 
 
 def test_unauthorized_and_not_found(stack, openai_client):
