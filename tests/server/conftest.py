@@ -155,7 +155,9 @@ def stack(http_redis, tmp_path_factory):
     worker = WorkerProcess(
         [sys.executable, "-m", "worker", "--redis-url", http_redis.url, "--name", name,
          "--preload", DRAFT, "--preload", TARGET],
-        clean_env(worker_metrics_port=str(metrics_port)), name, http_redis.url,
+        # heal off: these tests compare answers across requests, and a heal between two of them
+        # changes what the second restores (a full prefill's KV); heals: tests/worker/test_heal.py
+        clean_env(worker_metrics_port=str(metrics_port), heal="false"), name, http_redis.url,
         logs / "worker.log", ready_timeout=90, stop_grace_s=10)
     settings = dict(SELECTION, api_keys=API_KEY, batch_poll_s="0.2")
     try:
