@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, TextIO
 
-# The tool the shipped target was trained to call (tools/tool_task.py holds the same).
+# The tool the shipped target was trained to call (tools/tool_task.py trains on this one).
 LOOKUP_TOOL = {
     "type": "function",
     "function": {

@@ -21,22 +21,10 @@ import json
 import random
 from dataclasses import dataclass
 
+from specprefill_cli.agent import ASK, LOOKUP_TOOL  # the tool the demo's agent offers: one definition
 from tools import english_tokenizer
 from tools.recall_task import RecallTask
 
-LOOKUP_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Find the words that follow a name in the stored documents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"query": {"type": "string", "description": "the words wanted, ending in the name"}},
-            "required": ["query"],
-        },
-    },
-}
-ASK = "Look up the words after {}"
 SYSTEMS = ("", "You are a helpful assistant.", "Answer briefly.", "Use the tools when asked to look something up.")
 
 
