@@ -189,6 +189,7 @@ def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
     from specprefill.options import SelectionOptions
     from specprefill.reuse import score_with_cache
     from specprefill.selection import plan_selection
+    from cache_store.trailing import BOOKKEEPING
     from worker.runtime import wire_block_store
 
     model = hybrid_draft()
@@ -219,6 +220,7 @@ def hybrid_warm_over_cold(lengths: list[int], repeats: int) -> list[dict]:
                 cold[-1], warm[-1] = cold[-1][0], warm[-1][0]
             rows.append(dict(length=length, cold=min(cold), warm=min(warm), cached=cached,
                              block_mb=client.strlen(raw.block_keys(tokens)[0]) / MB))
+        BOOKKEEPING.flush()  # the fetches' counters, before the client and the server go
         client.close()
     return rows
 
