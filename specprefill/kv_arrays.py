@@ -9,6 +9,7 @@ holds (every mlx-lm cache type) is :mod:`specprefill.attention.caches`'s, and
 """
 from __future__ import annotations
 
+import io
 from typing import Mapping, Sequence
 
 import mlx.core as mx
@@ -64,20 +65,68 @@ def to_mlx_many(raws: Sequence[RawBits]) -> list[mx.array]:
 _CARRIERS = {np.dtype("<u2"): mx.uint16, np.dtype("<u4"): mx.uint32}
 
 
+class _Unfilled(io.RawIOBase):
+    """An ``.npy`` stream whose payload is never written: ``mx.load`` reads it into the new
+    array's own buffer, so the array is allocated without the zero fill ``mx.zeros`` runs
+    (mlx has no uninitialised allocation: ``mx.empty`` is ``mx.zeros``)."""
+
+    name = "unfilled.npy"  # mx.load asks a file object for its name and mode
+    mode = "rb"
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(head, {"descr": dtype.str, "fortran_order": False, "shape": shape})
+        self._head = head.getvalue()
+        self._size = len(self._head) + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = (offset, self._pos + offset, self._size + offset)[whence]
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(memoryview(buffer).cast("B")), self._size - self._pos)
+        head = self._head[self._pos:self._pos + n]
+        if head:
+            memoryview(buffer).cast("B")[:len(head)] = head
+        self._pos += n  # the payload's bytes are left as allocated: the fetch writes every one it keeps
+        return n
+
+
+def _unfilled(shape: tuple[int, ...], carrier: np.dtype) -> mx.array:
+    """A new evaluated mlx array of ``shape`` whose contents are whatever its memory held."""
+    array = mx.load(_Unfilled(carrier, shape))
+    if array.shape != tuple(shape) or array.dtype != _CARRIERS[carrier]:  # an mlx that reads .npy otherwise
+        raise ValueError(f"unfilled allocation gave {array.dtype} {array.shape}")
+    return array
+
+
 class MlxDestinations:
     """The ``allocate`` of a block store's fetch that puts the prefix straight into mlx memory.
 
     Each destination is a writable numpy view of a new mlx array holding the bits (mlx documents
     that writes through ``np.array(a, copy=False)`` are the array's), so the store copies each
     block once, into the arrays the restored cache then holds: no join in numpy and no second
-    copy into mlx.
+    copy into mlx. The arrays are allocated unfilled (:class:`_Unfilled`; the zero fill was a
+    quarter of a warm local-tier fetch): the store writes every token it returns and trims the
+    rest away (``cache_store.prefix``), so no unwritten byte is ever restored.
     """
 
     def __init__(self) -> None:
         self._made: dict[int, tuple[np.ndarray, mx.array]] = {}
 
     def __call__(self, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        carrier = mx.zeros(shape, dtype=_CARRIERS[DTYPES[dtype][1]])
+        carrier = _unfilled(shape, DTYPES[dtype][1])
         view = np.array(carrier, copy=False)  # evaluates the carrier: the view is its memory
         self._made[id(view)] = (view, carrier)
         return view

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import specprefill.draft_cache as draft_cache_mod
+import specprefill.kv_arrays as kv_arrays_mod
 import tests.support.families as F
 from cache_store import RedisBlockStore
 from cache_store.codec import DTYPES
@@ -100,6 +101,24 @@ def test_mlx_destinations_hold_the_bits_without_a_copy():
     assert restored.dtype == mx.bfloat16 and same_bits(restored, source) and same_bits(copied, source)
     view[0, 0, 0, 0] ^= 0xFFFF  # the restored array is that memory
     assert not same_bits(restored, source)
+
+
+def test_mlx_destinations_are_allocated_without_a_fill(monkeypatch):
+    """The destinations skip mlx's zero fill (a quarter of a warm local-tier fetch): every byte
+    kept is written by the fetch, so filling first was a second pass over the prefix."""
+    def no_fill(*args, **kwargs):
+        raise AssertionError("a destination was zero-filled (mx.zeros)")
+
+    monkeypatch.setattr(mx, "zeros", no_fill)
+    monkeypatch.setattr(mx, "full", no_fill)
+    destinations = MlxDestinations()
+    for dtype, shape in (("bfloat16", (1, 2, 4, 8)), ("float32", (1, 3, 5, 7)), ("uint32", (2, 6))):
+        view = destinations(dtype, shape)
+        assert view.shape == shape and view.dtype == kv_arrays_mod.DTYPES[dtype][1] and view.flags.writeable
+        view[...] = np.arange(view.size, dtype=view.dtype).reshape(shape)
+        restored = destinations.to_mlx_many([(dtype, view)])[0]
+        bits = restored.view(mx.uint16 if dtype == "bfloat16" else mx.uint32)
+        assert restored.dtype == kv_arrays_mod.DTYPES[dtype][0] and np.array_equal(np.array(bits), view)
 
 
 def test_a_fetch_into_mlx_equals_a_fetch_into_numpy(store, stored):
