@@ -24,7 +24,8 @@
 Sections are in ``SECTIONS``, each a function of the shared chain and the options that returns
 rows and verdicts.
 
-    .venv/bin/python bench/scale.py [--blocks 64] [--repeats 7] [--conversations 40] [--quick]
+    .venv/bin/python bench/scale.py [--blocks 64] [--repeats 7] [--fetch-rounds 25]
+                                   [--conversations 40] [--quick]
 """
 from __future__ import annotations
 
@@ -109,33 +110,56 @@ def best_of(fn, repeats: int, before=None) -> float:
     return best
 
 
+def paired_rounds(fns: dict, rounds: int) -> dict[str, list[float]]:
+    """Wall times of each of ``fns`` over ``rounds`` rounds, one run of each per round, the order
+    reversed every other round (on a loaded host, neighbours in time see the same load, and no
+    one goes first every time)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def spread(ours: list[float], theirs: list[float]) -> str:
+    """The per-round ratios of paired runs (ours / theirs): quartiles, as the load moved them."""
+    q1, q2, q3 = np.percentile([a / b for a, b in zip(ours, theirs)], [25, 50, 75])
+    return f"per round {q2:.2f} (quartiles {q1:.2f}-{q3:.2f}, {len(ours)} rounds)"
+
+
 def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
-    """Store and fetch GB/s on one Redis and on a 3-primary cluster, interleaved."""
-    repeats = opts.repeats
+    """Store and fetch GB/s on one Redis and on a 3-primary cluster: stores best of ``repeats``,
+    fetches best of ``fetch_rounds`` paired rounds (the target: the ratio of the bests)."""
     with EmbeddedRedis(binary=redis7()) as single, LocalCluster(primaries=3, replicas=0) as cluster:
         settings = Settings(redis_url=single.url)
         clients = {"one Redis": cache_connection(settings.replace(cache_redis_url=single.url)),
                    "3-primary cluster": cache_connection(settings.replace(cache_redis_url=cluster.url))}
         stores = {name: chain.store(c) for name, c in clients.items()}
-        times = {name: {"store": float("inf"), "fetch": float("inf")} for name in clients}
-        for _ in range(repeats):  # interleaved: both see the same machine load
+        flushes = {"one Redis": clients["one Redis"].flushall, "3-primary cluster": cluster.flush}
+        store_times = {name: float("inf") for name in clients}
+        for _ in range(opts.repeats):  # interleaved: both see the same machine load
             for name, store in stores.items():
-                flush = (lambda c=clients[name]: c.flushall()) if name == "one Redis" else cluster.flush
-                times[name]["store"] = min(times[name]["store"], best_of(lambda s=store: chain.write(s), 1, flush))
-                times[name]["fetch"] = min(times[name]["fetch"], best_of(lambda s=store: chain.fetch(s), 2))
+                store_times[name] = min(store_times[name], best_of(lambda s=store: chain.write(s), 1, flushes[name]))
+        fetches = paired_rounds({name: (lambda s=store: chain.fetch(s)) for name, store in stores.items()},
+                                opts.fetch_rounds)
         key = stores["one Redis"].raw_store.block_keys(chain.tokens[:1 + BLOCK])[0]
         chain.n_bytes = clients["one Redis"].strlen(key) * (chain.n_tokens // BLOCK)
         BOOKKEEPING.flush()  # the fetches' counters, before the servers go
         for c in clients.values():
             c.close()
-    one, many = times["one Redis"], times["3-primary cluster"]
-    rows = [(f"cluster: fetch of a {chain.n_tokens // BLOCK}-block chain",
-             f"{chain.n_bytes / many['fetch'] / GB:.2f} GB/s ({many['fetch'] * 1e3:.0f} ms)",
-             f"one Redis {chain.n_bytes / one['fetch'] / GB:.2f} GB/s ({one['fetch'] * 1e3:.0f} ms)",
-             f"{one['fetch'] / many['fetch']:.2f}"),
-            ("cluster: store of the chain", f"{chain.n_bytes / many['store'] / GB:.2f} GB/s",
-             f"one Redis {chain.n_bytes / one['store'] / GB:.2f} GB/s", f"{one['store'] / many['store']:.2f}")]
-    return rows, [("cluster_fetch_vs_single", one["fetch"] / many["fetch"], ">=", GOALS["cluster"])]
+    one, many = min(fetches["one Redis"]), min(fetches["3-primary cluster"])
+    one_s, many_s = store_times["one Redis"], store_times["3-primary cluster"]
+    rows = [(f"cluster: fetch of a {chain.n_tokens // BLOCK}-block chain (best)",
+             f"{chain.n_bytes / many / GB:.2f} GB/s ({many * 1e3:.0f} ms)",
+             f"one Redis {chain.n_bytes / one / GB:.2f} GB/s ({one * 1e3:.0f} ms)", f"{one / many:.2f}"),
+            ("cluster: fetch, one Redis's time over the cluster's", "", "",
+             spread(fetches["one Redis"], fetches["3-primary cluster"])),
+            ("cluster: store of the chain", f"{chain.n_bytes / many_s / GB:.2f} GB/s",
+             f"one Redis {chain.n_bytes / one_s / GB:.2f} GB/s", f"{one_s / many_s:.2f}")]
+    return rows, [("cluster_fetch_vs_single", one / many, ">=", GOALS["cluster"])]
 
 
 class DiskcacheTier:
@@ -166,8 +190,8 @@ class DiskcacheTier:
 
 
 def bench_local_tier(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
-    """A warm fetch from the local tier (plain files; diskcache) against one from Redis."""
-    repeats = opts.repeats
+    """A warm fetch from the local tier (plain files; diskcache) against one from Redis, best of
+    ``fetch_rounds`` paired rounds (the target: the ratio of the bests)."""
     folder = Path(tempfile.mkdtemp(prefix="specprefill-tier-"))
     try:
         with EmbeddedRedis(binary=redis7(), unix_socket=True) as server:
@@ -180,18 +204,20 @@ def bench_local_tier(chain: Chain, opts: argparse.Namespace) -> tuple[list, list
             stores = {name: chain.store(client, local=tier) for name, tier in tiers.items()}
             for store in stores.values():
                 chain.fetch(store)  # fills the tier from Redis
-            times = {"redis": float("inf"), **{name: float("inf") for name in stores}}
-            for _ in range(repeats):
-                times["redis"] = min(times["redis"], best_of(lambda: chain.fetch(shared), 1))
-                for name, store in stores.items():
-                    times[name] = min(times[name], best_of(lambda s=store: chain.fetch(s), 1))
+            fetches = {"redis": lambda: chain.fetch(shared)}
+            fetches.update({name: (lambda s=store: chain.fetch(s)) for name, store in stores.items()})
+            runs = paired_rounds(fetches, opts.fetch_rounds)
+            times = {name: min(t) for name, t in runs.items()}
             BOOKKEEPING.flush()
             client.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    rows = [(f"local tier ({name}): warm fetch of the chain", f"{t * 1e3:.1f} ms",
-             f"Redis over a unix socket {times['redis'] * 1e3:.1f} ms", f"{t / times['redis']:.2f}")
-            for name, t in times.items() if name != "redis"]
+    rows = []
+    for name, t in times.items():
+        if name != "redis":
+            rows.append((f"local tier ({name}): warm fetch of the chain (best)", f"{t * 1e3:.1f} ms",
+                         f"Redis over a unix socket {times['redis'] * 1e3:.1f} ms", f"{t / times['redis']:.2f}"))
+            rows.append((f"local tier ({name}): its time over Redis's", "", "", spread(runs[name], runs["redis"])))
     if "diskcache" not in times:
         rows.append(("local tier (diskcache)", "not installed", "pip install diskcache to compare", ""))
     return rows, [("local_tier_fetch_vs_redis", times["plain files"] / times["redis"], "<=", GOALS["local"])]
@@ -232,17 +258,22 @@ SECTIONS = (bench_cluster, bench_local_tier, bench_trace)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=7, help="rounds of the stores")
+    parser.add_argument("--fetch-rounds", type=int, default=25, help="paired rounds of the fetches")
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--only", choices=[f.__name__.removeprefix("bench_") for f in SECTIONS], action="append",
+                        help="run only this section (repeatable; default all)")
     parser.add_argument("--quick", action="store_true",
-                        help="a 16-block chain, 2 repeats, 6 conversations of 2 turns (the same code)")
+                        help="a 16-block chain, 2 repeats, 4 fetch rounds, 6 conversations of 2 turns (the same code)")
     opts = parser.parse_args()
     if opts.quick:
-        opts.blocks, opts.repeats, opts.conversations, opts.turns = 16, 2, 6, 2
+        opts.blocks, opts.repeats, opts.fetch_rounds, opts.conversations, opts.turns = 16, 2, 4, 6, 2
     chain = Chain(opts.blocks)
     rows, verdicts = [], []
     for section in SECTIONS:
+        if opts.only and section.__name__.removeprefix("bench_") not in opts.only:
+            continue
         more_rows, more_verdicts = section(chain, opts)
         rows += more_rows
         verdicts += more_verdicts
