@@ -27,10 +27,12 @@ def _ratio(part: int, whole: int) -> float | None:
 
 
 def hit_rates(counters: dict[str, int]) -> dict[str, float | None]:
-    """Block hit rate (restored / looked-for full blocks) and memo hit rate (hits / lookups)."""
+    """Block hit rate (restored / looked-for full blocks), memo hit rate (hits / lookups) and the
+    share of restored blocks a node read from its own local tier (``local_tier_share``)."""
     hit, missed = counters.get("hit_blocks", 0), counters.get("missed_blocks", 0)
     return {"block_hit_rate": _ratio(hit, hit + missed),
-            "memo_hit_rate": _ratio(counters.get("memo_hits", 0), counters.get("memo_lookups", 0))}
+            "memo_hit_rate": _ratio(counters.get("memo_hits", 0), counters.get("memo_lookups", 0)),
+            "local_tier_share": _ratio(counters.get("local_tier_hit_blocks", 0), hit)}
 
 
 def _labels(client: redis.Redis, namespace: str) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ from specprefill_cli.options import SharedOptions
 from jobs.connection import checked_connection
 from jobs.settings import Settings
 
-SHOWN_COUNTERS = ("lookups", "hit_blocks", "missed_blocks", "hit_tokens", "stores", "blocks_written",
+SHOWN_COUNTERS = ("lookups", "hit_blocks", "local_tier_hit_blocks", "missed_blocks", "hit_tokens", "stores", "blocks_written",
                   "bytes_written", "corrupt_blocks", "memo_lookups", "memo_hits", "memo_writes",
                   "memo_corrupt")
 BAD_INPUT = 2  # the exit status of a command refused as given (here: clear without --yes)
@@ -49,14 +49,14 @@ def _print_stats(stats: dict[str, Any]) -> None:
           f"entries, {stats['store_bytes'] / 1e6:.1f} MB stored (Redis uses "
           f"{stats['redis_used_memory'] / 1e6:.1f} MB in all)")
     print(f"  block hit rate  {_rate(stats['block_hit_rate'])}   memo hit rate  "
-          f"{_rate(stats['memo_hit_rate'])}")
+          f"{_rate(stats['memo_hit_rate'])}   restored from a local tier  {_rate(stats['local_tier_share'])}")
     for name in SHOWN_COUNTERS:
         if name in stats["totals"]:
             print(f"  {name:<15} {stats['totals'][name]}")
     for model, c in stats["models"].items():
         named = f" ({c['name']})" if c.get("name") else ""
-        print(f"  model {model}{named}: {c.get('hit_blocks', 0)} blocks restored, "
-              f"{c.get('blocks_written', 0)} written, block hit rate {_rate(c['block_hit_rate'])}, "
+        print(f"  model {model}{named}: {c.get('hit_blocks', 0)} blocks restored "
+              f"({c.get('local_tier_hit_blocks', 0)} from a local tier), {c.get('blocks_written', 0)} written, block hit rate {_rate(c['block_hit_rate'])}, "
               f"memo hit rate {_rate(c['memo_hit_rate'])}")
 
 
