@@ -46,11 +46,18 @@ return n
 
 @dataclass(frozen=True)
 class NodeQueueState:
-    """One node queue now: how many jobs wait in it, how many live workers listen on it."""
+    """One node queue now: how many jobs wait in it, how many live workers listen on it, and
+    how many of those run a job (RQ's worker ``state``: ``busy``)."""
 
     name: str
     waiting: int
     live_listeners: int
+    busy: int = 0
+
+    @property
+    def load(self) -> int:
+        """Jobs this node has ahead of a new one: waiting and running."""
+        return self.waiting + self.busy
 
 
 def queue_states(conn: redis.Redis, names: Iterable[str], stale_s: float) -> dict[str, NodeQueueState]:
@@ -67,13 +74,14 @@ def queue_states(conn: redis.Redis, names: Iterable[str], stale_s: float) -> dic
     with conn.pipeline(transaction=False) as pipe:
         for keys in members:
             for key in keys:
-                pipe.hget(key, "last_heartbeat")
+                pipe.hmget(key, "last_heartbeat", "state")
         beats = iter(pipe.execute())
     moment = now()
     states = {}
     for name, length, keys in zip(names, lengths, members):
-        live = sum(1 for _ in keys if _beat_age_s(next(beats), moment) <= stale_s)
-        states[name] = NodeQueueState(name, int(length), live)
+        live = [state for beat, state in (next(beats) for _ in keys) if _beat_age_s(beat, moment) <= stale_s]
+        busy = sum(1 for state in live if as_text(state or b"") == "busy")
+        states[name] = NodeQueueState(name, int(length), len(live), busy)
     return states
 
 

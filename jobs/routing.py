@@ -6,9 +6,12 @@ or its conversation rendered message by message) is cut at a few lengths (``FIRS
 characters, doubling, and the whole text), and each cut's digest names a sorted set of the
 nodes that served a prompt with that prefix, by when (:func:`jobs.keys.route_index_key`).
 A worker records its node under every cut of a job it finished (:func:`record_served`); the
-submitter (:class:`Router`) looks its prompt's cuts up, longest first, and picks the most
-recent node that holds the longest one, has a live worker on its node queue and at most
-``route_max_queue`` jobs waiting there; else the job goes to the shared queue. A
+submitter (:class:`Router`) looks its prompt's cuts up, longest first, and picks, among the
+nodes holding the longest one that have a live worker on their node queue and at most
+``route_max_queue`` jobs waiting there, the least loaded (jobs waiting and running; then the
+most recent): every conversation's first turn shares the system prompt, and without the
+tiebreak they all went to whichever node served it last. No such node: the next shorter cut's
+holders, and past the shortest the shared queue. A
 ``prompt_cache_key`` (the OpenAI field) replaces the text as the whole index entry.
 
 Approximate, by design: a cut says a node served that prefix recently, not that its local
@@ -96,14 +99,13 @@ class Router:
         if self.settings.routing != "prefix" or not texts:
             return [self.queue] * len(texts)
         candidates = self._candidates(texts, route_keys)
-        nodes = {n for c in candidates for n in c}
+        nodes = {n for ranked in candidates for holders in ranked for n in holders}
         states = queue_states(self.conn, [node_queue_name(self.queue, n) for n in nodes],
                               self.settings.heartbeat_ttl_s)
         waiting = {n: states[node_queue_name(self.queue, n)].waiting for n in nodes}
         out = []
         for ranked in candidates:
-            node = next((n for n in ranked if states[node_queue_name(self.queue, n)].live_listeners
-                         and waiting[n] <= self.settings.route_max_queue), None)
+            node = self._pick(ranked, states, waiting)
             if node is None:
                 out.append(self.queue)
                 continue
@@ -111,8 +113,19 @@ class Router:
             out.append(node_queue_name(self.queue, node))
         return out
 
-    def _candidates(self, texts: Sequence[str], route_keys: Sequence[str | None]) -> list[list[str]]:
-        """Each prompt's holder nodes, the longest prefix first, the most recent first."""
+    def _pick(self, ranked: list[list[str]], states: Mapping[str, Any], waiting: dict[str, int]) -> str | None:
+        """The least loaded node open to a job among the holders of the longest cut that has one
+        (``ranked``: per cut, longest first, its holders most recent first)."""
+        for holders in ranked:
+            open_nodes = [n for n in holders if states[node_queue_name(self.queue, n)].live_listeners
+                          and waiting[n] <= self.settings.route_max_queue]
+            if open_nodes:  # min keeps the first of equals: the most recent
+                return min(open_nodes, key=lambda n: waiting[n] + states[node_queue_name(self.queue, n)].busy)
+        return None
+
+    def _candidates(self, texts: Sequence[str], route_keys: Sequence[str | None]) -> list[list[list[str]]]:
+        """Each prompt's holder nodes per cut, the longest cut first (a node under its longest
+        only), the most recent first."""
         cuts = [prefix_cuts(t, k) for t, k in zip(texts, route_keys)]
         oldest = time.time() - self.settings.route_index_ttl_s
         with self.conn.pipeline(transaction=False) as pipe:
@@ -123,10 +136,14 @@ class Router:
             replies = iter(pipe.execute())
         out = []
         for prompt_cuts in cuts:
-            ranked: dict[str, None] = {}
+            seen: set[str] = set()
+            ranked = []
             for _ in prompt_cuts:
-                ranked.update((_text(n), None) for n in next(replies) if _text(n) not in ranked)
-            out.append(list(ranked))
+                holders = [n for n in map(_text, next(replies)) if n not in seen]
+                seen.update(holders)
+                if holders:
+                    ranked.append(holders)
+            out.append(ranked)
         return out
 
 

@@ -83,6 +83,30 @@ def test_falls_back_to_the_shared_queue_when_no_node_matches_or_its_queue_is_lon
     assert waiting(conn, "specprefill") == [unmatched.id, batch.job_ids[2]]
 
 
+def test_among_equal_holders_the_least_loaded_node_gets_the_job(conn):
+    """Every conversation's first turn shares the system prompt: among the nodes holding the
+    longest matching prefix, the job goes to the one with fewer jobs waiting and running (the
+    trace piled 87 of 120 jobs onto one node when the most recent holder always won)."""
+    import time
+
+    s = settings(route_max_queue=4)
+    for node in ("a", "b"):
+        listen(conn, node)
+    record_served(conn, s, "b", SYSTEM)
+    time.sleep(0.01)
+    record_served(conn, s, "a", SYSTEM)  # a served the system prompt last
+    client = Client(conn, s)
+    conn.hset("rq:worker:a-w", "state", "busy")  # a runs a job, b's worker is idle
+    first = client.submit(text=conversation(1, 1))
+    assert waiting(conn, "specprefill@b") == [first.id]
+    batch = client.submit_many([conversation(n, 1) for n in (2, 3, 4)])  # b: 1 waiting, a: 1 running
+    assert waiting(conn, "specprefill@a") == [batch.job_ids[0], batch.job_ids[2]]
+    assert waiting(conn, "specprefill@b") == [first.id, batch.job_ids[1]]
+    record_served(conn, s, "b", conversation(5, 2))  # a longer prefix wins over a shorter queue
+    longer = client.submit(text=conversation(5, 3))
+    assert waiting(conn, "specprefill@b")[-1] == longer.id
+
+
 def test_a_node_without_a_live_worker_is_not_routed_to(conn):
     s = settings(heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0)
     listen(conn, "a", beat_age_s=30)  # its worker's last beat: long past heartbeat_ttl_s
