@@ -21,7 +21,7 @@ from rq.utils import utcparse
 
 from cache_store.replies import as_text
 from jobs.client import described_name
-from jobs.settings import Settings
+from jobs.settings import HEAL_QUEUE_SUFFIX, Settings
 from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.node_queues import node_queues_of
 from jobs.spec import JobSpec, spec_from_payload
@@ -55,10 +55,19 @@ class QueueStats:
         return asdict(self)
 
 
+def queue_kind(name: str) -> str:
+    """What a queue of the deployment is: ``heal`` (behind a user queue), ``node`` (one node's
+    routed jobs, ``<queue>@<node>``) or ``shared``."""
+    if name.endswith(HEAL_QUEUE_SUFFIX):
+        return "heal"
+    return "node" if "@" in name else "shared"
+
+
 def queue_stats(connection: redis.Redis, settings: Settings) -> list[QueueStats]:
-    """Counts for every queue of the deployment and its heal queues, in one pipelined round trip."""
-    queues = [Queue(name, connection=connection, serializer=JSONSerializer)
-              for name in (*settings.queues, *settings.heal_queues)]
+    """Counts for every queue of the deployment: the shared ones, the node queues RQ knows of
+    them (routed jobs wait there) and the heal queues; two pipelined round trips."""
+    names = (*settings.queues, *sorted(node_queues_of(connection, settings.queues)), *settings.heal_queues)
+    queues = [Queue(name, connection=connection, serializer=JSONSerializer) for name in names]
     with connection.pipeline(transaction=False) as pipe:
         for q in queues:
             pipe.llen(q.key)

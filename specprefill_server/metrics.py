@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cache_store.inventory import counters_by_name
-from jobs.inspect import queue_stats, workers
+from jobs.inspect import queue_kind, queue_stats, workers
 from jobs.model_names import public_name
 from jobs.results import GenerateResult
 from jobs.settings import Settings
@@ -69,11 +69,12 @@ class DeploymentCollector(Collector):
         yield from families
 
     def _queues(self) -> list[Any]:
-        depth = GaugeMetricFamily("specprefill_queue_depth", "Jobs waiting in the queue", labels=["queue"])
+        depth = GaugeMetricFamily("specprefill_queue_depth", "Jobs waiting in the queue (kind: shared, "
+                                  "node: a node's routed jobs, heal)", labels=["queue", "kind"])
         jobs = GaugeMetricFamily("specprefill_jobs", "Jobs in each RQ state (registries hold finished "
                                  "and failed jobs for their TTL)", labels=["queue", "status"])
         for q in queue_stats(self.connection, self.settings):
-            depth.add_metric([q.name], q.queued)
+            depth.add_metric([q.name, queue_kind(q.name)], q.queued)
             for status, n in q.to_json().items():
                 if status != "name":
                     jobs.add_metric([q.name, status], n)

@@ -202,7 +202,7 @@ def test_metrics_after_a_job(openai_client, stack):
                 if s.labels.get("route") == "/v1/chat/completions" and s.labels["status"] == "200"]
     assert answered and answered[0].value >= 1
     assert [s.value for s in server["specprefill_redis_up"]] == [1]
-    assert any(s.labels == {"queue": "specprefill"} for s in server["specprefill_queue_depth"])
+    assert any(s.labels == {"queue": "specprefill", "kind": "shared"} for s in server["specprefill_queue_depth"])
     finished = [s.value for s in server["specprefill_jobs"] if s.labels["status"] == "finished"
                 and s.labels["queue"] == "specprefill"]
     assert finished and finished[0] >= 1

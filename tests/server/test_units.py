@@ -401,3 +401,25 @@ def test_a_job_without_a_curve_says_why():
     assert "skipped (draft: boom)" in curve_note(PrefillResult(**base, fallback="draft: boom", reason="draft: boom"))
     gen = GenerateResult(**base, text="", finish_reason="length", token_ids=[], ttft_s=0.1, full_prefill=True)
     assert "full prefill requested" in curve_note(gen)
+
+
+def test_queue_depth_covers_node_and_heal_queues_labelled_by_kind():
+    """Issue 27: routed jobs wait in node queues (``<queue>@<node>``) and heals in ``-heal``
+    queues; specprefill_queue_depth shows each, its kind a label (only the shared queue before)."""
+    import fakeredis
+    from rq import Queue
+
+    from specprefill_server.metrics import DeploymentCollector
+
+    r = fakeredis.FakeRedis()
+    s = Settings()
+    waiting = {"specprefill": 1, "specprefill@node-a": 2, "specprefill@node-b": 0, "specprefill-heal": 3}
+    for name, n in waiting.items():
+        r.sadd(Queue.redis_queues_keys, Queue.redis_queue_namespace_prefix + name)
+        for i in range(n):
+            r.rpush(Queue.redis_queue_namespace_prefix + name, f"job-{name}-{i}")
+    r.sadd(Queue.redis_queues_keys, Queue.redis_queue_namespace_prefix + "other@node-a")  # not this deployment's
+    families = {f.name: f for f in DeploymentCollector(r, r, s).collect()}
+    depth = {(m.labels["queue"], m.labels["kind"]): m.value for m in families["specprefill_queue_depth"].samples}
+    assert depth == {("specprefill", "shared"): 1, ("specprefill@node-a", "node"): 2,
+                     ("specprefill@node-b", "node"): 0, ("specprefill-heal", "heal"): 3}
