@@ -160,7 +160,7 @@ def bench_codec() -> dict[str, float]:
 
 class _Clock:
     """Time a fetch spends inside its socket reads (the block store's wire reader), making its
-    MLX destinations (``MlxDestinations``: allocation and MLX's zero fill) and in checksums run
+    MLX destinations (``MlxDestinations``: allocation, unfilled since issue 27) and in checksums run
     on the helper thread; the rest is header checks, Python, the rebuild and the bookkeeping."""
 
     def __init__(self) -> None:
@@ -311,7 +311,7 @@ def transport_rows(server: EmbeddedRedis, profile: ModelProfile, rows: list, n_b
         rows.append(("  context: raw GETs streamed, each value dropped as the next comes", "",
                      f"{t['bytes'] / t['streamed'] / GB:.2f} GB/s ({t['streamed'] * 1e3:.0f} ms)",
                      f"{t['streamed'] / t['store']:.2f}"))
-        rows.append(("  a timed fetch: outside its socket reads / of which MLX allocation (zero fill)",
+        rows.append(("  a timed fetch: outside its socket reads / of which MLX allocation",
                      f"{(t['clocked'] - t['socket']) * 1e3:.1f} of {t['clocked'] * 1e3:.1f} ms",
                      f"{t['allocate'] * 1e3:.1f} ms; " + (f"checksums {t['checksums'] * 1e3:.1f} ms on the helper "
                                                         "thread" if OVERLAP else "checksums inline as pieces land"),
