@@ -10,10 +10,13 @@ holds (every mlx-lm cache type) is :mod:`specprefill.attention.caches`'s, and
 from __future__ import annotations
 
 import io
+import logging
 from typing import Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 RawBits = tuple[str, np.ndarray]  # (dtype name, numpy view of the bits; logical shape)
 LayerArrays = Mapping[str, RawBits]  # one layer's named arrays
@@ -103,12 +106,21 @@ class _Unfilled(io.RawIOBase):
         return n
 
 
+_UNFILLED_WORKS = [True]  # until an mlx reads the stream otherwise; then zero-filled, as before
+
+
 def _unfilled(shape: tuple[int, ...], carrier: np.dtype) -> mx.array:
-    """A new evaluated mlx array of ``shape`` whose contents are whatever its memory held."""
-    array = mx.load(_Unfilled(carrier, shape))
-    if array.shape != tuple(shape) or array.dtype != _CARRIERS[carrier]:  # an mlx that reads .npy otherwise
-        raise ValueError(f"unfilled allocation gave {array.dtype} {array.shape}")
-    return array
+    """A new evaluated mlx array of ``shape`` whose contents are whatever its memory held (zeros
+    on an mlx whose ``.npy`` reader does not take the stream: slower, never wrong)."""
+    if _UNFILLED_WORKS[0]:
+        try:
+            array = mx.load(_Unfilled(carrier, shape))
+            if array.shape == tuple(shape) and array.dtype == _CARRIERS[carrier]:
+                return array
+        except (ValueError, RuntimeError, OSError) as exc:
+            log.warning("unfilled allocation unavailable (%s): fetch destinations are zero-filled", exc)
+        _UNFILLED_WORKS[0] = False
+    return mx.zeros(shape, dtype=_CARRIERS[carrier])
 
 
 class MlxDestinations:

@@ -121,6 +121,21 @@ def test_mlx_destinations_are_allocated_without_a_fill(monkeypatch):
         assert restored.dtype == kv_arrays_mod.DTYPES[dtype][0] and np.array_equal(np.array(bits), view)
 
 
+def test_an_mlx_that_reads_the_unfilled_stream_otherwise_gets_zero_filled_destinations(monkeypatch):
+    """If mlx's ``.npy`` reader ever refuses the unfilled stream, fetches still work (zero-filled)."""
+    def refuse(*args, **kwargs):
+        raise ValueError("not an npy file")
+
+    monkeypatch.setattr(mx, "load", refuse)
+    monkeypatch.setattr(kv_arrays_mod, "_UNFILLED_WORKS", [True])
+    destinations = MlxDestinations()
+    view = destinations("float32", (2, 3))
+    view[...] = np.arange(6, dtype=view.dtype).reshape(2, 3)
+    restored = destinations.to_mlx_many([("float32", view)])[0]
+    assert np.array_equal(np.array(restored.view(mx.uint32)), view)
+    assert kv_arrays_mod._UNFILLED_WORKS == [False]
+
+
 def test_a_fetch_into_mlx_equals_a_fetch_into_numpy(store, stored):
     _, tokens, cache = stored
     destinations = MlxDestinations()
