@@ -181,7 +181,8 @@ class LocalSentinels:
         return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels) + f"/{self.service}/0"
 
     def start(self) -> "LocalSentinels":
-        self.primary = EmbeddedRedis(binary=redis7()).start()
+        # Redis 7 waits 5 s (repl-diskless-sync-delay) for more replicas before a full sync.
+        self.primary = EmbeddedRedis(binary=redis7(), extra_args=("--repl-diskless-sync-delay", "0")).start()
         self.replica = EmbeddedRedis(binary=redis7(), extra_args=(
             "--replicaof", "127.0.0.1", str(self.primary.port))).start()
         _wait("the replica to sync", lambda: redis.Redis(port=self.replica.port).info("replication")
@@ -226,7 +227,8 @@ class _Sentinel:
         self.process = subprocess.Popen([redis7(), str(self.conf), "--sentinel", "--logfile",
                                          str(self.data_dir / "sentinel.log")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait("a sentinel to answer", lambda: redis.Redis(port=self.port, socket_timeout=1).ping(), 10)
+        # No client retries: a refused connection is polled again at once, not after a backoff.
+        _wait("a sentinel to answer", lambda: redis.Redis(port=self.port, socket_timeout=1, retry=None).ping(), 30)
         return self
 
     def cleanup(self) -> None:
