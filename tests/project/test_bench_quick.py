@@ -9,6 +9,7 @@ or an exit status other than the script's own verdict fails. The scripts run two
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -58,6 +59,28 @@ def test_every_bench_script_has_a_quick_run():
     assert scripts == sorted(QUICK), "a new bench script needs its --quick arguments here"
 
 
+def _exits_with_main(tree: ast.Module) -> bool:
+    """Whether the module's ``__main__`` block is ``sys.exit(main())`` / ``raise SystemExit(main())``."""
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            body = ast.unparse(node.body[0]).replace(" ", "")
+            return body in ("sys.exit(main())", "raiseSystemExit(main())")
+    return False
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_every_bench_script_exits_with_its_verdict(script):
+    """A FAIL target makes the script exit 1 (its ``main`` returns the status), never 0: the
+    exit status of a full run is the run's verdict, for every script alike."""
+    tree = ast.parse((BENCH / script).read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert ast.unparse(main.returns) == "int", f"{script}: main() must return the exit status"
+    last = main.body[-1]
+    assert not (isinstance(last, ast.Return) and isinstance(last.value, ast.Constant)), \
+        f"{script}: main() ends with a fixed status, not its targets' verdict"
+    assert _exits_with_main(tree), f"{script}: its __main__ block must exit with main()'s status"
+
+
 @pytest.mark.parametrize("script", sorted(QUICK))
 def test_quick_run_prints_its_target_lines(runs, script):
     out = runs[script].result()
@@ -68,7 +91,7 @@ def test_quick_run_prints_its_target_lines(runs, script):
     bad = [line for line in lines if not TARGET_LINE.match(line)]
     assert not bad, f"malformed target lines: {bad}"
     failed = any(line.endswith(" FAIL") for line in lines)
-    assert out.returncode == 0 or (out.returncode == 1 and failed), shown
+    assert out.returncode == (1 if failed else 0), shown  # every script: 1 exactly when a target FAILs
 
 
 def test_conversation_bench_heals_recall_what_a_full_prefill_recalls(runs):
