@@ -170,10 +170,11 @@ def test_workers_are_listed_within_a_beat_after_a_restart(private_redis, workers
     interval = 2.0  # a worker beats again a quarter interval after a failed beat
     s = fake_settings(heartbeat_interval_s=interval, heartbeat_ttl_s=2 * interval)
     busy = workers.fake(url, s, delay=0.2, name="busy")
-    idle = workers.fake(url, s, delay=0.0, name="idle")
     c = client_for(url, s)
-    c.submit(tokens=doc(7))  # ~6 s: the busy worker runs it through the restart
-    wait_for(lambda: c.connection.hget("rq:worker:busy", "state") == b"busy", what="a busy worker")
+    c.submit(tokens=doc(7, 600))  # ~7.6 s: the busy worker runs it through the restart
+    wait_for(lambda: c.connection.hget("rq:worker:busy", "state") == b"busy", timeout=60, what="a busy worker")
+    # Started once the job is taken: a second listener could have taken it (and run it in no time).
+    idle = workers.fake(url, s, delay=0.0, name="idle")
     if persist:
         time.sleep(1.2)  # let `save 1 1` catch the busy state
     server.stop()
