@@ -11,7 +11,7 @@ chunk with content arrives (the same clock, one process). Ends with ``target ...
 The HTTP path includes the front door's checks (the live-model gate, the deadline).
 
     .venv/bin/python bench/http.py            # 32 requests per path
-    .venv/bin/python bench/http.py --quick    # 8 per path: seconds, same goals
+    .venv/bin/python bench/http.py --quick    # 4 per path (one per place of the rotation): seconds, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import report  # noqa: E402
@@ -213,8 +213,8 @@ def run_bench(server_url: str, conn: redis.Redis, tmp: Path, reps: int, vocab: l
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests per path instead of 32")
-    reps = 8 if parser.parse_args().quick else REPS
+    parser.add_argument("--quick", action="store_true", help="4 requests per path instead of 32")
+    reps = 4 if parser.parse_args().quick else REPS
 
     from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.settings import SHIPPED_MODELS

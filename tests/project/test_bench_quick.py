@@ -23,10 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # The shared start-up, the bare RQ job of queue.py, and scale.py's two-node trace (a module of it).
 NOT_SCRIPTS = {"benchlib.py", "bare_job.py", "routing_trace.py"}
+# scale.py's --quick sizes (16 blocks, 2 repeats, 2 turns) with 2 conversations instead of 6:
+# its --quick sets the conversations after parsing, so "--quick --conversations 2" ran 6.
+SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--turns", "2"]
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
     "cache_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
-    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": ["--quick", "--conversations", "2"],
+    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": SCALE_QUICK,
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],
     "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
                    "--demo-questions", "1"],
