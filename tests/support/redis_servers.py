@@ -73,6 +73,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
                 "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+                "--repl-diskless-sync-delay", "0",  # a replica's full sync at once, not after 5 s
                 *self.extra_args)
         for _ in range(self.n_primaries * (1 + self.n_replicas)):
             # The cluster bus listens on a port of its own (by default port + 10000, which
