@@ -34,16 +34,21 @@ def verdict(name: str, value: float, op: str, bound: float, shown: str | None = 
     return ok
 
 
-def report(rows: list[tuple[str, str, str, str]], verdicts: list[tuple[str, float, str, float]]) -> int:
-    """Print the table of ``rows`` (measurement, this, against, ratio) and a verdict line per
-    target; the exit status: 1 if any target failed, else 0."""
-    print()
-    print("| measurement | this | against | ratio |")
-    print("|---|---:|---:|---:|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    print()
+Verdict = tuple  # (name, value, op, bound) or (name, value, op, bound, shown): verdict()'s arguments
+
+
+def report(rows: list[tuple[str, str, str, str]], verdicts: list[Verdict]) -> int:
+    """Print the table of ``rows`` (measurement, this, against, ratio; none: no table, for a
+    script that prints its own) and a verdict line per target; the exit status every bench
+    script ends with: 1 if any target failed, else 0."""
+    if rows:
+        print()
+        print("| measurement | this | against | ratio |")
+        print("|---|---:|---:|---:|")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print()
     failed = False
-    for name, value, op, bound in verdicts:
-        failed |= not verdict(name, value, op, bound)
+    for name, value, op, bound, *shown in verdicts:
+        failed |= not verdict(name, value, op, bound, *shown)
     return 1 if failed else 0

@@ -20,7 +20,6 @@ each mode reports its fastest round. Ends with ``target ...`` lines.
     .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2] [--quick]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
-from benchlib import verdict  # noqa: E402
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -130,7 +129,7 @@ def admission_cost() -> str:
             f"{1000 * outside['short_admission']:.1f} ms")
 
 
-def main() -> None:
+def main() -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from specprefill_cli.embedded_redis import EmbeddedRedis
@@ -168,10 +167,11 @@ def main() -> None:
         finally:
             worker.terminate()
             worker.wait(30)
-    report(rounds, args)
+    return report(rounds, args)
 
 
-def report(rounds: list, args) -> None:
+def report(rounds: list, args) -> int:
+    """Print the best round's table and the targets; the exit status (benchlib.report's)."""
     best = {mode: min((r[mode] for r in rounds), key=lambda res: res.ttft_s) for mode in rounds[0]}
     print(f"chat workload: {args.system_tokens}-token system prompt + {len(TOOLS)} tools, "
           f"{args.doc_tokens}-token documents; shipped tiny draft/target, one worker; "
@@ -188,11 +188,14 @@ def report(rounds: list, args) -> None:
         if best[mode].fallback:
             print(f"warning: {mode} fell back: {best[mode].fallback}")
     second, first, plain = best["second"].ttft_s, best["first"].ttft_s, best["plain"].ttft_s
-    verdict("second_vs_first_ttft", second / first, "<=", 0.5)
-    verdict("second_vs_plain_ttft", second / plain, "<=", 0.3)
-    verdict("admission_vs_plain_ttft", best["short_admission"].ttft_s / best["short_plain"].ttft_s, "<=", 1.05)
+    status = benchlib.report([], [
+        ("second_vs_first_ttft", second / first, "<=", 0.5),
+        ("second_vs_plain_ttft", second / plain, "<=", 0.3),
+        ("admission_vs_plain_ttft", best["short_admission"].ttft_s / best["short_plain"].ttft_s, "<=", 1.05),
+    ])
     print(json.dumps({m: {"ttft_s": r.ttft_s, "target_tokens": r.target_tokens} for m, r in best.items()}))
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

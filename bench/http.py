@@ -11,10 +11,10 @@ chunk with content arrives (the same clock, one process). Ends with ``target ...
 The HTTP path includes the front door's checks (the live-model gate, the deadline).
 
     .venv/bin/python bench/http.py            # 32 requests per path
-    .venv/bin/python bench/http.py --quick    # 8 per path: seconds, same goals
+    .venv/bin/python bench/http.py --quick    # 4 per path (one per place of the rotation): seconds, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
-from benchlib import verdict  # noqa: E402
+from benchlib import report  # noqa: E402
 
 import argparse  # noqa: E402
 import http.client  # noqa: E402
@@ -211,10 +211,10 @@ def run_bench(server_url: str, conn: redis.Redis, tmp: Path, reps: int, vocab: l
     return times, delays
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests per path instead of 32")
-    reps = 8 if parser.parse_args().quick else REPS
+    parser.add_argument("--quick", action="store_true", help="4 requests per path instead of 32")
+    reps = 4 if parser.parse_args().quick else REPS
 
     from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.settings import SHIPPED_MODELS
@@ -239,13 +239,15 @@ def main() -> None:
     for path, ds in delays.items():
         ds.sort()
         print(f"| {path} | {1000 * statistics.median(ds):.2f} | {1000 * ds[-1]:.2f} |")
-    verdict("http_vs_client", medians["chat"] / medians["client"], "<=", 1.05)
-    verdict("messages_vs_client", medians["messages"] / medians["client"], "<=", 1.05)
-    verdict("responses_vs_client", medians["responses"] / medians["client"], "<=", 1.05)
-    verdict("first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/chat/completions"]), "<=", 20)
-    verdict("messages_first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/messages"]), "<=", 20)
-    verdict("responses_first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/responses"]), "<=", 20)
+    return report([], [
+        ("http_vs_client", medians["chat"] / medians["client"], "<=", 1.05),
+        ("messages_vs_client", medians["messages"] / medians["client"], "<=", 1.05),
+        ("responses_vs_client", medians["responses"] / medians["client"], "<=", 1.05),
+        ("first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/chat/completions"]), "<=", 20),
+        ("messages_first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/messages"]), "<=", 20),
+        ("responses_first_chunk_delay_ms", 1000 * statistics.median(delays["/v1/responses"]), "<=", 20),
+    ])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

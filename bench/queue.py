@@ -7,7 +7,7 @@ Also: the share of job time spent publishing progress, and the enqueue time of a
     .venv/bin/python bench/queue.py [--quick]   # --quick: 3 repeats, a 100-document batch
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import verdict  # noqa: E402
+from benchlib import report  # noqa: E402
 
 import argparse  # noqa: E402
 import os  # noqa: E402
@@ -57,15 +57,15 @@ def start_worker(args: list, env: dict, log: Path, conn: redis.Redis, name: str)
     return proc
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="seconds: 3 repeats, a 100-document batch")
     quick = parser.parse_args().quick
     reps, n_docs = (3, 100) if quick else (REPS, 1000)
-    measure(reps, n_docs)
+    return measure(reps, n_docs)
 
 
-def measure(reps: int, n_docs: int) -> None:
+def measure(reps: int, n_docs: int) -> int:
     import mlx_lm
     from rq import Queue
     from rq.serializers import JSONSerializer
@@ -197,9 +197,9 @@ def measure(reps: int, n_docs: int) -> None:
           f"(re-submit, nothing enqueued: {1000 * resubmit_s:.0f} ms)")
     print()
     ratio = med["service"] / med["direct"]
-    verdict("service/direct", ratio, "<=", 1.10, f"{ratio:.3f}")
-    verdict("progress_share", progress_share, "<=", 0.02, f"{progress_share:.4f}")
+    return report([], [("service/direct", ratio, "<=", 1.10, f"{ratio:.3f}"),
+                       ("progress_share", progress_share, "<=", 0.02, f"{progress_share:.4f}")])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

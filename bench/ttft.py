@@ -10,7 +10,7 @@ each mode reports its fastest round (other processes only ever add time).
     .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2] [--tail-tokens 512] [--quick]
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, verdict  # noqa: E402
+from benchlib import blas_in_use, report  # noqa: E402
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -70,7 +70,7 @@ def time_sparse(draft, target, tokens, keep, step, tail_tokens=512):
     return dict(ttft=ttft, scoring=scoring, target=state.seconds, kept=state.kept_tokens)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is reported")
@@ -122,8 +122,9 @@ def main() -> None:
     print(f"(largest round-to-round spread: {spread:.1%} of the best time)")
     print()
     ratio = best[("sparse", 0.2)]["ttft"] / full
-    verdict(f"ttft_sparse_keep0.2_over_full@{args.tokens}", ratio, "<=", GOAL_RATIO_AT_0_2, f"{ratio:.3f}")
+    return report([], [(f"ttft_sparse_keep0.2_over_full@{args.tokens}", ratio, "<=", GOAL_RATIO_AT_0_2,
+                        f"{ratio:.3f}")])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,14 +25,14 @@ from starlette.routing import Route
 from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from specprefill_server import completions, messages, responses
+from specprefill_server import anthropic_models, completions, messages, responses
 from specprefill_server.answering import JOB_HEADER
 from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api
 from specprefill_server.web import routes as web
 from specprefill_server.batch.store import BatchStore
 from specprefill_server.batch.machine import BatchService
-from specprefill_server.errors import EXCEPTION_HANDLERS, http_exception_handler
+from specprefill_server.errors import EXCEPTION_HANDLERS, APIError, http_exception_handler
 from specprefill_server.health import Probes
 from specprefill_server.metrics import ServerMetrics
 from specprefill_server.middleware import APIKeyMiddleware, MetricsMiddleware
@@ -44,14 +44,28 @@ log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> Response:
+    """``GET /v1/models``: OpenAI's list, or Anthropic's page with the ``anthropic-version`` header."""
     svc = state(request)
-    return JSONResponse(await svc.runner.call(models_list, svc))
+    listing = await svc.runner.call(models_list, svc)
+    if not anthropic_models.wants_anthropic(request.headers):
+        return JSONResponse(listing)
+    try:
+        return JSONResponse(anthropic_models.models_page(listing, request.query_params))
+    except APIError as exc:  # in Anthropic's error shape, as its SDK reads it
+        return JSONResponse(exc.anthropic_body(), status_code=exc.status)
 
 
 async def get_model(request: Request) -> Response:
-    """``GET /v1/models/{id}`` (ids may hold a ``/``: hub ids); 404 ``model_not_found``."""
+    """``GET /v1/models/{id}`` (ids may hold a ``/``: hub ids); 404 ``model_not_found``;
+    Anthropic's ModelInfo (and error shape) with the ``anthropic-version`` header."""
     svc = state(request)
-    return JSONResponse(await svc.runner.call(model_entry, svc, request.path_params["model_id"]))
+    if not anthropic_models.wants_anthropic(request.headers):
+        return JSONResponse(await svc.runner.call(model_entry, svc, request.path_params["model_id"]))
+    try:
+        entry = await svc.runner.call(model_entry, svc, request.path_params["model_id"])
+    except APIError as exc:
+        return JSONResponse(exc.anthropic_body(), status_code=exc.status)
+    return JSONResponse(anthropic_models.model_info(entry))
 
 
 async def metrics(request: Request) -> Response:

@@ -186,14 +186,30 @@ def validation_error(exc: ValidationError) -> APIError:
         text = str(error)
         name = text.split(":", 1)[0] if ":" in text else field or None
         return APIError(400, text, param=name, code=getattr(error, "code", "invalid_value"))
+    if kind.endswith("_type") and "input" in err:  # say what came, as JSON spells it
+        msg = f"{msg}, got {_json_type(err['input'])}"
     return APIError(400, f"{field or 'body'}: {msg}", param=field or None, code=_code(kind))
 
 
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed JSON value, as an error message names it."""
+    if value is None:
+        return "null"
+    for kinds, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+                        (list, "an array"), (dict, "an object")):
+        if isinstance(value, kinds):
+            return name
+    return type(value).__name__
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a JSON body into ``model`` or raise a 400 :class:`APIError`."""
+    """Validate a JSON body into ``model`` or raise a 400 :class:`APIError`.
+
+    Strict: a value of the wrong JSON type is refused, never converted (lax parsing took
+    ``max_tokens: true`` as 1 and ``stream: "yes"`` as true); an integer is still a number."""
     if not isinstance(body, dict):
         raise APIError(400, "body: expected a JSON object", code="invalid_type")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
         raise validation_error(exc) from None

@@ -9,6 +9,7 @@ or an exit status other than the script's own verdict fails. The scripts run two
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -22,10 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # The shared start-up, the bare RQ job of queue.py, and scale.py's two-node trace (a module of it).
 NOT_SCRIPTS = {"benchlib.py", "bare_job.py", "routing_trace.py"}
+# scale.py's --quick sizes (16 blocks, 2 repeats, 2 turns) with 2 conversations instead of 6:
+# its --quick sets the conversations after parsing, so "--quick --conversations 2" ran 6.
+SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--turns", "2"]
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
     "cache_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
-    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": ["--quick", "--conversations", "2"],
+    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": SCALE_QUICK,
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],
     "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
                    "--demo-questions", "1"],
@@ -58,6 +62,28 @@ def test_every_bench_script_has_a_quick_run():
     assert scripts == sorted(QUICK), "a new bench script needs its --quick arguments here"
 
 
+def _exits_with_main(tree: ast.Module) -> bool:
+    """Whether the module's ``__main__`` block is ``sys.exit(main())`` / ``raise SystemExit(main())``."""
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            body = ast.unparse(node.body[0]).replace(" ", "")
+            return body in ("sys.exit(main())", "raiseSystemExit(main())")
+    return False
+
+
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_every_bench_script_exits_with_its_verdict(script):
+    """A FAIL target makes the script exit 1 (its ``main`` returns the status), never 0: the
+    exit status of a full run is the run's verdict, for every script alike."""
+    tree = ast.parse((BENCH / script).read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert ast.unparse(main.returns) == "int", f"{script}: main() must return the exit status"
+    last = main.body[-1]
+    assert not (isinstance(last, ast.Return) and isinstance(last.value, ast.Constant)), \
+        f"{script}: main() ends with a fixed status, not its targets' verdict"
+    assert _exits_with_main(tree), f"{script}: its __main__ block must exit with main()'s status"
+
+
 @pytest.mark.parametrize("script", sorted(QUICK))
 def test_quick_run_prints_its_target_lines(runs, script):
     out = runs[script].result()
@@ -68,7 +94,7 @@ def test_quick_run_prints_its_target_lines(runs, script):
     bad = [line for line in lines if not TARGET_LINE.match(line)]
     assert not bad, f"malformed target lines: {bad}"
     failed = any(line.endswith(" FAIL") for line in lines)
-    assert out.returncode == 0 or (out.returncode == 1 and failed), shown
+    assert out.returncode == (1 if failed else 0), shown  # every script: 1 exactly when a target FAILs
 
 
 def test_conversation_bench_heals_recall_what_a_full_prefill_recalls(runs):

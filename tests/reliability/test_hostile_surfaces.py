@@ -200,8 +200,8 @@ def http_app():
 
 
 def check_answer(resp, url: str, field: str) -> None:
-    """A 4xx naming the field, or (a request that was valid after all, e.g. ``max_tokens:
-    true`` read as 1) the answer that no live worker serves its model, which with a worker
+    """A 4xx naming the field, or (a request that was valid after all: a drawn value can fall
+    inside every limit) the answer that no live worker serves its model, which with a worker
     is a result: never a crash (5xx)."""
     error = resp.json()["error"]
     if resp.status_code == 503 and error["code"] == "model_not_available":
@@ -226,6 +226,55 @@ def test_openai_http_bodies_are_refused_naming_the_field(http_app):
     answered()
     assert len(seen) >= BUDGET["http_bodies"] and 500 not in seen
     assert seen.count(400) > len(seen) // 2  # most are refused; the rest were valid requests
+
+
+# A value of the wrong JSON type is refused by name, never converted (lax parsing read
+# ``max_tokens: true`` as 1 and ``stream: "yes"`` as true): (url, field path, body).
+WRONG_TYPES = [
+    *[("/v1/chat/completions", f, {**CHAT, **b}) for f, b in [
+        ("max_tokens", {"max_tokens": True}), ("max_tokens", {"max_tokens": 4.0}), ("max_tokens", {"max_tokens": "4"}),
+        ("stream", {"stream": "yes"}), ("stream", {"stream": 1}), ("temperature", {"temperature": True}),
+        ("top_p", {"top_p": "0.5"}), ("seed", {"seed": True}), ("stop", {"stop": True}),
+        ("max_completion_tokens", {"max_completion_tokens": True}), ("parallel_tool_calls", {"parallel_tool_calls": 1}),
+        ("stream_options.include_usage", {"stream": True, "stream_options": {"include_usage": "yes"}})]],
+    *[("/v1/completions", f, {**COMPLETION, **b}) for f, b in [
+        ("max_tokens", {"max_tokens": True}), ("stream", {"stream": "yes"}), ("echo", {"echo": "no"}),
+        ("prompt", {"prompt": [True, 2]})]],
+    *[("/v1/messages", f, {**MESSAGES, **b}) for f, b in [
+        ("max_tokens", {"max_tokens": True}), ("max_tokens", {"max_tokens": "4"}), ("stream", {"stream": "yes"}),
+        ("temperature", {"temperature": True}), ("top_p", {"top_p": "0.5"}),
+        ("thinking.budget_tokens", {"thinking": {"type": "enabled", "budget_tokens": True}})]],
+    *[("/v1/responses", f, {**RESPONSES, **b}) for f, b in [
+        ("max_output_tokens", {"max_output_tokens": True}), ("stream", {"stream": "yes"}), ("store", {"store": "no"}),
+        ("temperature", {"temperature": True}), ("parallel_tool_calls", {"parallel_tool_calls": 1})]],
+]
+
+
+@pytest.mark.parametrize("url, field, body", WRONG_TYPES, ids=[f"{u.split('/')[-1]}-{f}-{i}" for i, (u, f, _) in
+                                                                enumerate(WRONG_TYPES)])
+def test_a_wrong_json_type_is_refused_naming_the_field(http_app, url, field, body):
+    resp = http_app.post(url, json=body)
+    assert resp.status_code == 400, (url, field, resp.status_code, resp.text)
+    error = error_of(resp)
+    named = " ".join(str(x) for x in (error.get("param"), error.get("message")))
+    assert field in named and "got " in error["message"], (url, field, error)
+    if url.endswith("/messages"):  # Anthropic's own error shape on its path
+        assert resp.json()["type"] == "error" and error["type"] == "invalid_request_error", resp.json()
+
+
+def test_a_wrong_json_type_in_a_batch_line_is_refused_naming_the_field():
+    from specprefill_server.batch.lines import plan_lines
+
+    cases = [("max_tokens", {**COMPLETION, "max_tokens": True}), ("seed", {**COMPLETION, "seed": "5"}),
+             ("echo", {**COMPLETION, "echo": 1}), ("max_tokens", {**CHAT, "max_tokens": True})]
+    lines = [json.dumps({"custom_id": f"req-{n}", "method": "POST",
+                         "url": "/v1/chat/completions" if "messages" in body else "/v1/completions", "body": body})
+             for n, (_, body) in enumerate(cases)]
+    entries, specs = plan_lines("\n".join(lines), lambda **f: build_spec(SETTINGS, kind="generate", **f), "t")
+    assert specs == [] and len(entries) == len(cases)
+    for entry, (field, _) in zip(entries, cases):
+        assert entry.error is not None and entry.error["status"] == 400, (field, entry)
+        assert field in f"{entry.error.get('param')} {entry.error.get('message')}", (field, entry.error)
 
 
 def test_http_bodies_that_are_not_json(http_app):

@@ -125,19 +125,27 @@ def test_outages_of_1_to_2_5_s_never_run_a_job_twice(private_redis, workers):
 
 def test_a_worker_whose_claim_was_taken_stops_without_a_word(redis_url, workers):
     s = fake_settings(heartbeat_interval_s=0.2, heartbeat_ttl_s=3.0)
-    first = workers.fake(redis_url, s, delay=0.1, name="taken")
+    # The first copy would run ~19 s (63 chunks of 0.3 s): far longer than starting the taker
+    # takes under load, yet it ends within a chunk of losing its claim, so no run waits on it.
+    first = workers.fake(redis_url, s, delay=0.3, name="taken")
     c = client_for(redis_url, s)
-    h = c.submit(tokens=doc(99))
-    wait_for(lambda: len(stream_events(c.connection, h.id)) >= 3, timeout=20, what="job running")
+    h = c.submit(tokens=doc(99, 1000))
+    wait_for(lambda: len(stream_events(c.connection, h.id)) >= 3, timeout=60, what="job running")
     second = workers.fake(redis_url, s, delay=0.02, name="taker")
+    job = h._job()
+    assert job.get_status().value == "started" and job.worker_name == first.name, \
+        "the first copy ended before its claim could be taken"
     # As if the beats had stopped past the claim: RQ's sweep reaps the job and retries it.
     registry = StartedJobRegistry(c.queue.name, connection=c.connection,
                                   serializer=JSONSerializer)
     registry.cleanup(timestamp=time.time() + 3600)
-    res = h.result(timeout=30)
-    assert res.total == 500
+    res = h.result(timeout=60)
+    assert res.total == 1000
     assert h._job().worker_name == second.name
-    wait_for(lambda: "lost its claim on job" in first.text(), timeout=10, what="first worker noticed")
+    # The first copy has ended (its beat or its fenced events told it first; either way it
+    # drops its run): only now can "not one late event" be checked.
+    wait_for(lambda: "its result is dropped" in first.text(), timeout=60, what="first copy stopped")
+    assert "lost its claim on job" in first.text() or "its events are refused" in first.text()
     stream = stream_events(c.connection, h.id)
     retry_at = next(e.seq for e in stream if e.kind == "retrying")
     old = {e.attempt for e in stream if e.attempt and e.seq < retry_at}
@@ -147,10 +155,12 @@ def test_a_worker_whose_claim_was_taken_stops_without_a_word(redis_url, workers)
     kinds = [e.kind for e in stream]
     assert kinds.count("done") == 1 and kinds[-1] == "done" and "stopped" not in kinds
     assert len(Result.all(h._job(), serializer=JSONSerializer)) == 1  # only the taker's
-    # The first worker is idle again and takes the next job.
-    nxt = c.submit(tokens=doc(98, 100))
-    assert nxt.result(timeout=30).total == 100
-    assert first.alive() and second.alive()
+    # The first worker is idle again and takes the next job (the taker is gone, so it must).
+    assert second.alive()
+    second.stop()
+    nxt = c.submit(tokens=doc(98, 80))
+    assert nxt.result(timeout=60).total == 80
+    assert nxt._job().worker_name == first.name and first.alive()
 
 
 @pytest.mark.parametrize("persist", [False, True], ids=["data-lost", "data-kept"])
@@ -160,10 +170,11 @@ def test_workers_are_listed_within_a_beat_after_a_restart(private_redis, workers
     interval = 2.0  # a worker beats again a quarter interval after a failed beat
     s = fake_settings(heartbeat_interval_s=interval, heartbeat_ttl_s=2 * interval)
     busy = workers.fake(url, s, delay=0.2, name="busy")
-    idle = workers.fake(url, s, delay=0.0, name="idle")
     c = client_for(url, s)
-    c.submit(tokens=doc(7))  # ~6 s: the busy worker runs it through the restart
-    wait_for(lambda: c.connection.hget("rq:worker:busy", "state") == b"busy", what="a busy worker")
+    c.submit(tokens=doc(7, 600))  # ~7.6 s: the busy worker runs it through the restart
+    wait_for(lambda: c.connection.hget("rq:worker:busy", "state") == b"busy", timeout=60, what="a busy worker")
+    # Started once the job is taken: a second listener could have taken it (and run it in no time).
+    idle = workers.fake(url, s, delay=0.0, name="idle")
     if persist:
         time.sleep(1.2)  # let `save 1 1` catch the busy state
     server.stop()

@@ -54,16 +54,24 @@ def test_jobs_survive_a_failover_and_a_lost_one_runs_once_more(sentinels, tmp_pa
         early = [client.submit(tokens=doc) for doc in DOCS[:4]]
         for h in early[:2]:
             h.result(timeout=60)
-        # Cut the replica off (it cannot log in again), so the next write is the primary's alone.
         replica, primary = redis.Redis(port=sentinels.replica.port), redis.Redis(port=sentinels.primary.port)
+        # Every job so far is on the replica before it is cut off (replication is asynchronous:
+        # under load it can trail the primary), so only the next one can be lost.
+        written = primary.info("replication")["master_repl_offset"]
+        wait_for(lambda: replica.info("replication")["slave_repl_offset"] >= written, timeout=60,
+                 what="the replica caught up")
+        # Cut the replica off (it cannot log in again), so the next write is the primary's alone.
         replica.config_set("masteruser", "nobody")
         replica.config_set("masterauth", "nothing")
         primary.client_kill_filter(_type="slave")
-        wait_for(lambda: replica.info("replication")["master_link_status"] == "down", what="replica cut off")
+        wait_for(lambda: replica.info("replication")["master_link_status"] == "down", timeout=60,
+                 what="replica cut off")
         lost = client.submit(tokens=DOCS[4])  # acknowledged by the primary alone
         assert primary.exists(f"rq:job:{lost.id}") and not replica.exists(f"rq:job:{lost.id}")
         sentinels.primary.kill()
-        wait_for(lambda: sentinels.current_primary_port() == sentinels.replica.port, timeout=30,
+        # Generous: under load a sentinel election can fail once, and the next try waits out
+        # twice the failover timeout (10 s here).
+        wait_for(lambda: sentinels.current_primary_port() == sentinels.replica.port, timeout=90,
                  what="the replica promoted")
         late = client.submit(tokens=DOCS[5])  # the client finds the new primary by itself
         handles = [*early, lost, late]

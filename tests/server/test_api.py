@@ -26,6 +26,26 @@ def test_models_lists_what_the_worker_serves(openai_client):
     assert {m.id: m for m in openai_client.models.list()}[TARGET].model_extra["specprefill"]["loaded_on"] == 1
 
 
+def test_anthropic_sdk_lists_and_pages_the_served_models(anthropic_client, openai_client):
+    """With the ``anthropic-version`` header (the SDK's), ``/v1/models`` is Anthropic's page
+    format: the same models, ``type: model`` entries, cursors the SDK follows."""
+    import anthropic
+
+    served = [m.id for m in openai_client.models.list()]
+    listed = list(anthropic_client.models.list())
+    assert [m.id for m in listed] == served and TARGET in served
+    assert all(m.type == "model" and m.display_name == m.id and m.created_at.year >= 2024 for m in listed)
+    first = anthropic_client.models.list(limit=1)
+    assert len(first.data) == 1 and first.has_more == (len(served) > 1) and first.first_id == served[0]
+    assert [m.id for m in first] == served  # the SDK pages through with after_id=last_id
+    one = anthropic_client.models.retrieve(TARGET)
+    assert one.id == TARGET and one.type == "model"
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.models.retrieve("no-such-model")
+    with pytest.raises(anthropic.BadRequestError, match="limit"):
+        anthropic_client.models.list(limit=0)
+
+
 def test_chat_completion_usage_and_specprefill(openai_client, stack):
     r = chat(openai_client, words(600, seed=1), max_tokens=6, seed=3, extra_body={"keep": 0.2})
     assert r.object == "chat.completion" and r.model == TARGET

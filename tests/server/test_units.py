@@ -423,3 +423,26 @@ def test_queue_depth_covers_node_and_heal_queues_labelled_by_kind():
     depth = {(m.labels["queue"], m.labels["kind"]): m.value for m in families["specprefill_queue_depth"].samples}
     assert depth == {("specprefill", "shared"): 1, ("specprefill@node-a", "node"): 2,
                      ("specprefill@node-b", "node"): 0, ("specprefill-heal", "heal"): 3}
+
+
+def test_anthropic_models_page_follows_both_cursors():
+    from specprefill_server.anthropic_models import models_page
+    from specprefill_server.errors import APIError
+
+    listing = {"data": [{"id": f"m{i}", "created": 1_750_000_000, "specprefill": {}} for i in range(5)]}
+    ids = lambda page: [e["id"] for e in page["data"]]  # noqa: E731
+    assert ids(models_page(listing, {})) == ["m0", "m1", "m2", "m3", "m4"]
+    page = models_page(listing, {"limit": "2", "after_id": "m1"})
+    assert ids(page) == ["m2", "m3"] and page["has_more"] and (page["first_id"], page["last_id"]) == ("m2", "m3")
+    page = models_page(listing, {"limit": "2", "before_id": "m3"})
+    assert ids(page) == ["m1", "m2"] and page["has_more"]
+    page = models_page(listing, {"limit": "2", "before_id": "m1"})
+    assert ids(page) == ["m0"] and not page["has_more"]
+    assert models_page(listing, {"after_id": "m4"}) == {"data": [], "has_more": False, "first_id": None,
+                                                        "last_id": None}
+    assert models_page(listing, {})["data"][0]["created_at"] == "2025-06-15T15:06:40Z"
+    for query, field in (({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"after_id": "nope"}, "after_id"),
+                         ({"after_id": "m1", "before_id": "m3"}, "before_id")):
+        with pytest.raises(APIError) as err:
+            models_page(listing, query)
+        assert err.value.status == 400 and err.value.param == field

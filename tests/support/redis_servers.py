@@ -73,6 +73,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
                 "--cluster-require-full-coverage", "no", "--cluster-replica-validity-factor", "0",
+                "--repl-diskless-sync-delay", "0",  # a replica's full sync at once, not after 5 s
                 *self.extra_args)
         for _ in range(self.n_primaries * (1 + self.n_replicas)):
             # The cluster bus listens on a port of its own (by default port + 10000, which
@@ -181,7 +182,8 @@ class LocalSentinels:
         return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels) + f"/{self.service}/0"
 
     def start(self) -> "LocalSentinels":
-        self.primary = EmbeddedRedis(binary=redis7()).start()
+        # Redis 7 waits 5 s (repl-diskless-sync-delay) for more replicas before a full sync.
+        self.primary = EmbeddedRedis(binary=redis7(), extra_args=("--repl-diskless-sync-delay", "0")).start()
         self.replica = EmbeddedRedis(binary=redis7(), extra_args=(
             "--replicaof", "127.0.0.1", str(self.primary.port))).start()
         _wait("the replica to sync", lambda: redis.Redis(port=self.replica.port).info("replication")
@@ -226,7 +228,8 @@ class _Sentinel:
         self.process = subprocess.Popen([redis7(), str(self.conf), "--sentinel", "--logfile",
                                          str(self.data_dir / "sentinel.log")],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait("a sentinel to answer", lambda: redis.Redis(port=self.port, socket_timeout=1).ping(), 10)
+        # No client retries: a refused connection is polled again at once, not after a backoff.
+        _wait("a sentinel to answer", lambda: redis.Redis(port=self.port, socket_timeout=1, retry=None).ping(), 30)
         return self
 
     def cleanup(self) -> None:
