@@ -7,9 +7,10 @@ worker's queues in order, so a heal starts only when no user job waits). The hea
 (:func:`run_heal`) restores what the target's prefix store holds, prefills the rest in block
 steps (the steps every job prefills its protected prefix in, so a healed block is bit for bit
 what a job would compute) and stores the blocks through the same target-prefix path, marked
-healed. Before each block it looks at its worker's user queues: when a user job waits it stores
-what it has and queues its continuation (content-addressed: the continuation restores the
-stored blocks), so a user job waits at most one block of a heal.
+healed. Before each block it looks at its worker's user queues and its node's running user jobs
+(``worker.node_busy``: workers of a node share its cores): when a user job waits or runs there
+it stores what it has and queues its continuation (content-addressed: the continuation restores
+the stored blocks), so a user job waits for, or shares its node with, at most one block of a heal.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from worker import target_prefill
 from worker.context import JobContext
 from worker.models import LoadedModel
 from worker.next_turn import next_turn
+from worker.node_busy import add_busy_read, others_busy
 from worker.prompt import check_prompt
 from worker.reporting import JobReporter
 from worker.selection_pipeline import load_model
@@ -82,8 +84,10 @@ def enqueue_heal(ctx: JobContext, heal: HealSpec) -> Any:
     return client.submit(heal, name=f"after {heal.source_job or 'a job'}")
 
 
-def user_job_waiting(ctx: JobContext) -> bool:
-    """Whether a user job waits on one of this worker's own (not heal) queues: one LLEN each."""
+def user_job_ahead(ctx: JobContext) -> str | None:
+    """Why this heal should yield now, or None: a user job waits on one of this worker's own
+    (not heal) queues, or runs on another worker of this node (``worker.node_busy``: they
+    share its cores). One round trip: an LLEN per queue and the node's busy set."""
     from rq import Queue
 
     queues = [q for q in ctx.runtime.listen_queues or ctx.settings.queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
@@ -91,7 +95,13 @@ def user_job_waiting(ctx: JobContext) -> bool:
     with conn.pipeline(transaction=False) as pipe:
         for name in queues:
             pipe.llen(Queue(name, connection=conn).key)
-        return any(int(n) > 0 for n in pipe.execute())
+        add_busy_read(pipe, ctx.settings)
+        replies = pipe.execute()
+    waiting = [q for q, n in zip(queues, replies) if int(n) > 0]
+    if waiting:
+        return f"a user job waits on {waiting[0]}"
+    running = others_busy(replies[-1], ctx.runtime.worker_name)
+    return f"a user job runs on this node (worker {running[0]})" if running else None
 
 
 def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
@@ -122,24 +132,25 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
         stored_to = restored
     result.update(restored=restored, healed=stored_to - restored, blocks_written=written, stored=stored_to)
     if yielded:
-        result.update(yielded=True, continuation=_continue(ctx, spec, stored_to))
+        result.update(yielded=True, yielded_for=yielded, continuation=_continue(ctx, spec, stored_to))
     result["timings"] = {"load_models": round(load_s, 6), **{k: round(v, 6) for k, v in prefix.timings.items()},
                          "total": round(time.perf_counter() - t0, 6)}
     return result
 
 
 def _prefill_blocks(ctx: JobContext, target: LoadedModel, tokens: list[int], cache: list | None,
-                    start: int, end: int, rec: Any = None) -> tuple[list | None, int, bool]:
+                    start: int, end: int, rec: Any = None) -> tuple[list | None, int, str | None]:
     """Prefill ``tokens[start:end]`` one block at a time on top of ``cache`` (each step handed to
-    the block recorder ``rec``, if any); stop early (True) after a block when a user job waits,
-    that block's end then kept as a checkpoint. The cache, how far it holds and whether it yielded."""
+    the block recorder ``rec``, if any); stop early after a block when a user job waits or runs
+    on this node (:func:`user_job_ahead`), that block's end then kept as a checkpoint. The cache,
+    how far it holds and why it yielded (None: it did not)."""
     block, reporter = ctx.settings.block_size, JobReporter(ctx)
     bits, group = ctx.settings.kv_quantization("target")
-    pos, waiting = start, False
+    pos, waiting = start, None
 
     def step(lo: int, hi: int, step_cache: list) -> None:
         nonlocal waiting
-        waiting = hi < end and user_job_waiting(ctx)
+        waiting = hi < end and user_job_ahead(ctx)
         if rec is not None:
             if waiting:
                 rec.keep_state = _with_checkpoint(rec.keep_state, hi)
@@ -152,10 +163,10 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, tokens: list[int], cac
         pos += block
         ctx.publisher.progress("heal", pos, end)
         if waiting:
-            log.info("heal %s: a user job waits; stored to %d of %d tokens, continuing later",
-                     ctx.job_id, pos, end)
-            return cache, pos, True
-    return cache, pos, False
+            log.info("heal %s: %s; stored to %d of %d tokens, continuing later",
+                     ctx.job_id, waiting, pos, end)
+            return cache, pos, waiting
+    return cache, pos, None
 
 
 def _with_checkpoint(keep_state: Any, at: int) -> Any:

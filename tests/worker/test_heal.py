@@ -4,6 +4,8 @@ restores it and prefills only what is new. Fake draft scoring, a real tiny rando
 the real Redis block store and RQ on fakeredis (tests/worker/test_chat_workloads.py's harness)."""
 from __future__ import annotations
 
+import time
+
 import fakeredis
 import mlx.core as mx
 import numpy as np
@@ -361,3 +363,67 @@ def test_a_tool_call_turn_heals_and_the_next_turn_restores_it(tmp_path):
     # the heal rendered the assistant message with its tool calls: turn 2 starts with its tokens
     assert second.total > len(heal["tokens"]) and t["restored"] == healed["stored"] > first.total
     assert t["healed"] == healed["healed"] and second.healed_ranges == [(healed["restored"], healed["stored"])]
+
+
+def _busy(r, settings, worker_name, node=None, expires_in=None):
+    """Put ``worker_name`` in ``node``'s busy set (default: this node) as a running worker would."""
+    from worker.node_busy import mark_busy
+
+    with r.pipeline() as pipe:
+        now = None if expires_in is None else time.time() - settings.heartbeat_ttl_s + expires_in
+        mark_busy(pipe, settings.replace(node_name=node) if node else settings, worker_name, now=now)
+        pipe.execute()
+
+
+@pytest.mark.parametrize("where", ["this node", "another node", "expired entry"])
+def test_a_heal_yields_while_a_user_job_runs_on_its_node_only(where):
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, **SPARSE)
+    rt.worker_name = "healer"
+    first = run(rt, "t1", messages=chat(0), **GREEDY)
+    _busy(r, rt.settings, "healer")  # its own entry (a stale one) never makes it yield
+    if where == "this node":
+        _busy(r, rt.settings, "user-worker")
+    elif where == "another node":
+        _busy(r, rt.settings, "user-worker", node="elsewhere")
+    else:  # a worker that died mid-job: its entry's expiry has passed
+        _busy(r, rt.settings, "user-worker", expires_in=-1)
+    part = run_heal(rt, first.heal["job_id"])
+    if where == "this node":
+        assert part["yielded"] and part["stored"] == part["restored"] + 16
+        assert part["yielded_for"] == "a user job runs on this node (worker user-worker)"
+        assert part["continuation"] in Queue(HEAL_QUEUE, connection=r).job_ids
+    else:
+        assert not part["yielded"] and part["stored"] == part["total"] // 16 * 16
+
+
+def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
+    from worker.node_busy import add_busy_read
+
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, **SPARSE)
+    worker = InProcessWorker(listen_order(rt.settings), runtime=rt, name="w-busy")
+    seen = {}
+
+    def read_busy():
+        with r.pipeline() as pipe:
+            add_busy_read(pipe, rt.settings)
+            return [n.decode() for n in pipe.execute()[0]]
+
+    from worker import tasks
+
+    real = tasks.execute
+
+    def spying(payload, ctx, **k):
+        seen.setdefault(payload.get("kind", "generate"), read_busy())
+        return real(payload, ctx, **k)
+
+    import unittest.mock as um
+
+    with um.patch.object(tasks, "execute", spying):
+        first = Client(r, rt.settings).submit(build_spec(rt.settings, kind="generate", messages=chat(0), **GREEDY))
+        worker.work(burst=True, max_jobs=1)
+        assert first.status() == "finished"
+        worker.work(burst=True, max_jobs=1)  # the heal it queued
+    assert seen.get("generate") == ["w-busy"] and seen.get("heal") == []
+    assert read_busy() == []
