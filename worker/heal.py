@@ -118,6 +118,9 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
         return {**result, "healed": 0, "restored": 0, "reason": "no target prefix store on this worker"}
     restored_cache, restored = prefix.restore(tokens)
     end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
+    if prefix.stored_all:  # every block is stored already (another heal, or a plain prefill)
+        return {**result, "restored": len(tokens), "healed": 0, "blocks_written": 0, "stored": len(tokens),
+                "reason": "already stored"}
     # A hybrid target's blocks are restorable up to a checkpoint only: the heal's end is one,
     # and so is where it yields (added when it does), or its continuation restores less.
     rec = prefix.recorder(end)

@@ -427,3 +427,29 @@ def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
         worker.work(burst=True, max_jobs=1)  # the heal it queued
     assert seen.get("generate") == ["w-busy"] and seen.get("heal") == []
     assert read_busy() == []
+
+
+def test_a_fully_stored_block_aligned_conversation_is_restored_not_healed_again(monkeypatch):
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r)
+    stored = healed["stored"]
+    tokens = heal_payload(r, first.heal["job_id"])["tokens"][:stored]  # every block of it stored
+    again = HealSpec("tiny-target", tuple(tokens), source_job="again")
+    handle = Client(r, rt.settings, queue_name=HEAL_QUEUE).submit(again)
+    out = run_heal(rt, handle.id)
+    assert out["reason"] == "already stored" and out["healed"] == 0 and out["blocks_written"] == 0
+    seen = []
+    decode = sparse.generate_tokens
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    turn = run(rt, "whole", tokens=tokens, **GREEDY)
+    t = turn.target_tokens
+    assert t["restored"] == stored - 1 and t["prefilled_full"] == 1 and t["prefilled_sparse"] == 0
+    assert not turn.heal["queued"]  # prefilled in order: no second heal of it
+    fresh, _ = runtime(**SPARSE)
+    alone = run(fresh, "cold", tokens=tokens, full_prefill=True, **GREEDY)
+    assert np.allclose(seen[0], seen[1], rtol=0, atol=1e-5) and turn.token_ids == alone.token_ids
