@@ -453,3 +453,51 @@ def test_a_fully_stored_block_aligned_conversation_is_restored_not_healed_again(
     fresh, _ = runtime(**SPARSE)
     alone = run(fresh, "cold", tokens=tokens, full_prefill=True, **GREEDY)
     assert np.allclose(seen[0], seen[1], rtol=0, atol=1e-5) and turn.token_ids == alone.token_ids
+
+
+# ---- a turn may wait for its conversation's running heal (heal_wait_ms) ----
+
+def _script_running_heal(rt, tokens, eta_s, rate):
+    """Publish, as a running heal of ``tokens`` would, its ETA and rate (scripted, not measured)."""
+    import json
+
+    from worker.heal import _healing_key
+
+    target = rt.models.get("tiny-target", "target_model")
+    prefix = TargetPrefixCache(_target_store(rt.cache_client, target, rt.settings), target)
+    _, start = prefix.restore(tokens)
+    ctx = JobContext("heal-scripted", rt, ProgressPublisher(rt.connection, "heal-scripted"))
+    key = _healing_key(ctx, prefix, tokens, start)
+    rt.connection.set(key, json.dumps({"job_id": "heal-scripted", "end": len(tokens), "rate": rate,
+                                       "eta": time.time() + eta_s}))
+
+
+@pytest.mark.parametrize("case", ["waits", "eta over the setting", "eta over its own sparse path", "off"])
+def test_a_turn_waits_for_its_running_heal_only_when_it_pays(monkeypatch, case):
+    import worker.heal as heal_mod
+
+    r = fakeredis.FakeRedis()
+    wait_ms = 0 if case == "off" else 60_000
+    rt, _ = runtime(r, heal_wait_ms=wait_ms, **SPARSE)
+    messages = chat(0)
+    first = run(rt, "t1", messages=messages, **GREEDY)
+    tokens = heal_payload(r, first.heal["job_id"])["tokens"]
+    eta_s, rate = {"eta over the setting": (120.0, 10.0), "eta over its own sparse path": (30.0, 1e9)}.get(
+        case, (1.0, 10.0))  # rate 10 tok/s: the turn's own sparse prefill would take far longer than 1 s
+    _script_running_heal(rt, tokens, eta_s, rate)
+    healed = {}
+
+    def heal_finishes(_s):  # the heal ends while the turn waits (in this thread: MLX stays on one)
+        healed.update(run_heal(rt, first.heal["job_id"]))
+
+    monkeypatch.setattr(heal_mod, "_pause", heal_finishes)
+    second = run(rt, "t2", messages=next_turn(first, messages), **GREEDY)
+    w, t = second.heal_wait, second.target_tokens
+    if case == "waits":
+        assert w["waited"] and w["stored"] and w["heal_job"] == "heal-scripted"
+        assert t["restored"] == healed["stored"] and t["prefilled_sparse"] == 0  # only the new turn
+        assert GenerateResult.from_json(second.to_json()).heal_wait == w
+    elif case == "off":
+        assert w == {} and not healed and t["prefilled_sparse"] > 0
+    else:
+        assert not w["waited"] and "ETA" in w["reason"] and not healed and t["prefilled_sparse"] > 0
