@@ -1,6 +1,6 @@
 """A 10-turn agent conversation four ways: does healing keep the next turns fast and their recall whole?
 
-The shipped tiny draft and target (8K positions) and their recall task (``tools/recall_task.py``):
+The shipped tiny draft and target and their recall task (``tools/recall_task.py``):
 a system prompt, a document in turn 1 with facts planted in it, then a tool result in every
 later turn; every turn ends with a question about a fact of its own text, except turns 3, 6
 and 10, which ask about a fact of turn 1's document. Each way runs the same trace (its own
@@ -16,8 +16,9 @@ answers go into its history) with its own namespace in one Redis, one model pool
 
 Then ``heal_user_job_delay``: a real worker process, a user job A running, B queued behind it,
 with and without a pile of heal jobs queued: B's wait (RQ's enqueued -> started) must not grow.
-The issue's trace (4K system, 8K document, 1-2K tool results) does not fit the shipped models'
-8K positions: the full run uses 1K / 2K / 384-token tool results (about 6.5K tokens by turn 10).
+The issue's trace (4K system, 8K document, 1-2K tool results) was scaled to the shipped models'
+former 8K positions (they declare 65536 since their re-base; the trace was not re-scaled): the
+full run uses 1K / 2K / 384-token tool results (about 6.5K tokens by turn 10).
 Answers are the recall task's three words (not ~100 tokens). The admission threshold (8192 by
 default) is scaled with the trace (1536: turn 1 is sparse, a tool result is prefilled plainly
 on the restored conversation, as a 1-2K tool result is under 8192). Ends with ``target ...`` lines.

@@ -168,6 +168,9 @@ class GenerateResult(JobResult):
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     # This turn's heal (worker.heal): queued (its job_id, tokens), or the reason it was not.
     heal: dict[str, Any] = field(default_factory=dict)
+    # Whether this turn waited for its conversation's running heal (setting heal_wait_ms):
+    # waited, the heal job, its ETA, and why not when it did not; empty: no heal was running.
+    heal_wait: dict[str, Any] = field(default_factory=dict)
     kind: str = "generate"
 
     @property

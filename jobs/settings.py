@@ -130,9 +130,13 @@ class Settings:
     # own off with the generate option heal). heal_min_sparse_share: the least share of the
     # prompt the target did not prefill in order that is worth a heal. heal_ttl_s: how long a
     # queued heal may wait before RQ drops it (a stale conversation is not worth it).
+    # heal_wait_ms: how long a turn that would go sparse may wait for the running heal of its
+    # conversation when that heal's ETA is under this and shorter than the turn's own sparse
+    # prefill at the heal's rate (0: never wait; it uses what is stored).
     heal: bool = True
     heal_min_sparse_share: float = 0.05
     heal_ttl_s: int = 3600
+    heal_wait_ms: int = 0
 
     # When the draft's scoring, its block store or the sparse prefill fails, a generate job
     # answers with a plain full prefill and a prefill job keeps every token, both saying

@@ -136,6 +136,7 @@ def specprefill_info(result: GenerateResult) -> dict[str, Any]:
         "keep_effect": result.keep_effect,  # why more was kept than keep asked for, if it was
         "fallback": result.fallback,
         "target_tokens": dict(result.target_tokens),
+        "heal": dict(result.heal or {}),  # this turn's heal job (queued, its id) or why none
         "ttft_s": result.ttft_s,
         "ttft_phases_s": dict(result.ttft_phases) or {p: result.timings[p] for p in TTFT_PHASES
                                                       if p in result.timings},

@@ -37,7 +37,7 @@ from worker.answer_split import AnswerSplitter, splits_answer
 from worker.context import JobContext
 from worker.detokenize import TextStream, stop_token_ids
 from worker.fallback import fallback_reason
-from worker.heal import heal_skip_reason, healed_ranges, queue_heal
+from worker.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
 from worker.models import LoadedModel
 from worker.context_window import check_context
 from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
@@ -90,6 +90,7 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     prompt = _target_prompt(spec, opts, ctx, timings)
+    heal_wait = _wait_for_heal(spec, opts, ctx, prompt, timings)
     _plan(spec, opts, ctx, prompt, timings)
     splitter = _splitter(spec, ctx, prompt)
     decoded = _prefill_and_decode(prompt, opts, ctx, timings, t0, splitter)
@@ -99,7 +100,7 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     heal = _heal(spec, ctx, prompt, decoded)
     timings["total"] = time.perf_counter() - t0
     result = _result(spec, prompt, ctx, decoded, timings)
-    result.heal = heal
+    result.heal, result.heal_wait = heal, heal_wait
     return result.to_json()
 
 
@@ -129,6 +130,23 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
         timings.update(out.prefix.timings)
         ctx.publisher.publish("target_cache_lookup", hit_tokens=out.restored, total=len(prompt.tokens))
+    return out
+
+
+def _wait_for_heal(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
+                   timings: dict[str, float]) -> dict[str, Any]:
+    """A turn that would go sparse may wait for its conversation's running heal (setting
+    ``heal_wait_ms``, :func:`worker.heal.wait_for_heal`), then restores what it stored."""
+    if ctx.settings.heal_wait_ms <= 0 or prompt.prefix is None or opts.full_prefill or two_stage_admission(
+            len(prompt.tokens), threshold=spec.selection.threshold, restored=prompt.restored,
+            protected_prefix=prompt.prompt.protected_prefix) is not None:
+        return {}
+    t = time.perf_counter()
+    sparse = int(spec.selection.keep * (len(prompt.tokens) - prompt.restored))
+    out = wait_for_heal(ctx, prompt.prefix, prompt.tokens, prompt.restored, sparse)
+    if out.get("stored"):
+        prompt.restored_cache, prompt.restored = prompt.prefix.restore(prompt.tokens)
+    timings["heal_wait"] = time.perf_counter() - t
     return out
 
 
@@ -279,7 +297,7 @@ def _target_counts(prompt: _Prompt, decoded: _Decoded) -> dict[str, int]:
 
 def _ttft_phases(timings: dict[str, float], ttft: float) -> dict[str, float]:
     """TTFT split into what ran before the first token (the rest: the first decode step)."""
-    names = ("load_models", "tokenize", "target_restore", "draft_scoring", "selection", "target_prefix",
+    names = ("load_models", "tokenize", "target_restore", "heal_wait", "draft_scoring", "selection", "target_prefix",
              "target_prefill")
     phases = {k: timings[k] for k in names if k in timings}
     phases["first_token"] = max(0.0, ttft - sum(phases.values()))

@@ -7,29 +7,34 @@ worker's queues in order, so a heal starts only when no user job waits). The hea
 (:func:`run_heal`) restores what the target's prefix store holds, prefills the rest in block
 steps (the steps every job prefills its protected prefix in, so a healed block is bit for bit
 what a job would compute) and stores the blocks through the same target-prefix path, marked
-healed. Before each block it looks at its worker's user queues: when a user job waits it stores
-what it has and queues its continuation (content-addressed: the continuation restores the
-stored blocks), so a user job waits at most one block of a heal.
+healed. Before each block it looks at its worker's user queues and its node's running user jobs
+(``worker.node_busy``: workers of a node share its cores): when a user job waits or runs there
+it stores what it has and queues its continuation (content-addressed: the continuation restores
+the stored blocks), so a user job waits for, or shares its node with, at most one block of a heal.
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Mapping
 
 from jobs.heal import HealSpec
+from jobs.keys import healing_key
 from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
 from jobs.spec import JobSpec
 from worker import target_prefill
 from worker.context import JobContext
 from worker.models import LoadedModel
 from worker.next_turn import next_turn
+from worker.node_busy import add_busy_read, others_busy
 from worker.prompt import check_prompt
 from worker.reporting import JobReporter
 from worker.selection_pipeline import load_model
 from worker.target_prefix import TargetPrefixCache, prefix_cache
 
 log = logging.getLogger(__name__)
+_pause = time.sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
 
 
 def heal_skip_reason(spec: JobSpec, ctx: JobContext, total: int, contiguous: int,
@@ -82,8 +87,10 @@ def enqueue_heal(ctx: JobContext, heal: HealSpec) -> Any:
     return client.submit(heal, name=f"after {heal.source_job or 'a job'}")
 
 
-def user_job_waiting(ctx: JobContext) -> bool:
-    """Whether a user job waits on one of this worker's own (not heal) queues: one LLEN each."""
+def user_job_ahead(ctx: JobContext) -> str | None:
+    """Why this heal should yield now, or None: a user job waits on one of this worker's own
+    (not heal) queues, or runs on another worker of this node (``worker.node_busy``: they
+    share its cores). One round trip: an LLEN per queue and the node's busy set."""
     from rq import Queue
 
     queues = [q for q in ctx.runtime.listen_queues or ctx.settings.queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
@@ -91,7 +98,13 @@ def user_job_waiting(ctx: JobContext) -> bool:
     with conn.pipeline(transaction=False) as pipe:
         for name in queues:
             pipe.llen(Queue(name, connection=conn).key)
-        return any(int(n) > 0 for n in pipe.execute())
+        add_busy_read(pipe, ctx.settings)
+        replies = pipe.execute()
+    waiting = [q for q, n in zip(queues, replies) if int(n) > 0]
+    if waiting:
+        return f"a user job waits on {waiting[0]}"
+    running = others_busy(replies[-1], ctx.runtime.worker_name)
+    return f"a user job runs on this node (worker {running[0]})" if running else None
 
 
 def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
@@ -108,11 +121,15 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
         return {**result, "healed": 0, "restored": 0, "reason": "no target prefix store on this worker"}
     restored_cache, restored = prefix.restore(tokens)
     end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
+    if prefix.stored_all:  # every block is stored already (another heal, or a plain prefill)
+        return {**result, "restored": len(tokens), "healed": 0, "blocks_written": 0, "stored": len(tokens),
+                "reason": "already stored"}
     # A hybrid target's blocks are restorable up to a checkpoint only: the heal's end is one,
     # and so is where it yields (added when it does), or its continuation restores less.
     rec = prefix.recorder(end)
-    cache, stored_to, yielded = _prefill_blocks(ctx, target, tokens, restored_cache, restored, end, rec)
+    cache, stored_to, yielded = _prefill_blocks(ctx, target, prefix, tokens, restored_cache, restored, end, rec)
     written = prefix.save(tokens, cache, stored_to, rec) if stored_to > restored else 0
+    _Board(ctx, prefix, tokens, restored, end).clear()  # stored: a waiting turn restores it now
     if rec is not None:
         stored_to = max(restored, min(stored_to, max(rec.states, default=0)))
     if written:
@@ -122,40 +139,113 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
         stored_to = restored
     result.update(restored=restored, healed=stored_to - restored, blocks_written=written, stored=stored_to)
     if yielded:
-        result.update(yielded=True, continuation=_continue(ctx, spec, stored_to))
+        result.update(yielded=True, yielded_for=yielded, continuation=_continue(ctx, spec, stored_to))
     result["timings"] = {"load_models": round(load_s, 6), **{k: round(v, 6) for k, v in prefix.timings.items()},
                          "total": round(time.perf_counter() - t0, 6)}
     return result
 
 
-def _prefill_blocks(ctx: JobContext, target: LoadedModel, tokens: list[int], cache: list | None,
-                    start: int, end: int, rec: Any = None) -> tuple[list | None, int, bool]:
+def _prefill_blocks(ctx: JobContext, target: LoadedModel, prefix: TargetPrefixCache, tokens: list[int],
+                    cache: list | None, start: int, end: int, rec: Any = None) -> tuple[list | None, int, str | None]:
     """Prefill ``tokens[start:end]`` one block at a time on top of ``cache`` (each step handed to
-    the block recorder ``rec``, if any); stop early (True) after a block when a user job waits,
-    that block's end then kept as a checkpoint. The cache, how far it holds and whether it yielded."""
+    the block recorder ``rec``, if any); stop early after a block when a user job waits or runs
+    on this node (:func:`user_job_ahead`), that block's end then kept as a checkpoint. The cache,
+    how far it holds and why it yielded (None: it did not)."""
     block, reporter = ctx.settings.block_size, JobReporter(ctx)
     bits, group = ctx.settings.kv_quantization("target")
-    pos, waiting = start, False
+    pos, waiting = start, None
 
     def step(lo: int, hi: int, step_cache: list) -> None:
         nonlocal waiting
-        waiting = hi < end and user_job_waiting(ctx)
+        waiting = hi < end and user_job_ahead(ctx)
         if rec is not None:
             if waiting:
                 rec.keep_state = _with_checkpoint(rec.keep_state, hi)
             rec(lo, hi, step_cache)
 
+    board = _Board(ctx, prefix, tokens, start, end)
     while pos < end:
+        board.announce(pos)
         cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,
                                               progress=reporter.begin(), kv_bits=bits, kv_group_size=group,
                                               on_step=step)
         pos += block
         ctx.publisher.progress("heal", pos, end)
         if waiting:
-            log.info("heal %s: a user job waits; stored to %d of %d tokens, continuing later",
-                     ctx.job_id, pos, end)
-            return cache, pos, True
-    return cache, pos, False
+            log.info("heal %s: %s; stored to %d of %d tokens, continuing later",
+                     ctx.job_id, waiting, pos, end)
+            return cache, pos, waiting
+    return cache, pos, None
+
+
+class _Board:
+    """Where a running heal stands (:func:`jobs.keys.healing_key`, under the first block it
+    prefills), for a next turn that may wait for it (:func:`wait_for_heal`). Best effort."""
+
+    def __init__(self, ctx: JobContext, prefix: TargetPrefixCache, tokens: list[int], start: int,
+                 end: int) -> None:
+        self.ctx, self.start, self.end, self.t0 = ctx, start, end, time.monotonic()
+        self.key = _healing_key(ctx, prefix, tokens, start)
+
+    def announce(self, pos: int) -> None:
+        """Publish the heal's rate so far and its ETA (none before its first block)."""
+        elapsed = time.monotonic() - self.t0
+        rate = (pos - self.start) / elapsed if pos > self.start and elapsed > 0 else None
+        eta = time.time() + (self.end - pos) / rate if rate else None
+        value = json.dumps({"job_id": self.ctx.job_id, "end": self.end, "rate": rate, "eta": eta})
+        self._call(lambda c: c.set(self.key, value, ex=max(1, int(self.ctx.settings.heartbeat_ttl_s))))
+
+    def clear(self) -> None:
+        self._call(lambda c: c.delete(self.key))
+
+    def _call(self, op: Any) -> None:
+        if self.key is None:
+            return
+        try:
+            op(self.ctx.runtime.connection)
+        except Exception as exc:  # only a waiting turn's optimisation
+            log.warning("heal %s: progress not published: %s: %s", self.ctx.job_id, type(exc).__name__, exc)
+
+
+def _healing_key(ctx: JobContext, prefix: TargetPrefixCache | None, tokens: list[int], start: int) -> str | None:
+    """The key of a heal whose first prefilled block is ``tokens[start:start + block]`` (None:
+    no such full block, or no store)."""
+    from cache_store.keys import block_digests
+
+    block = ctx.settings.block_size
+    if prefix is None or start + block > len(tokens):
+        return None
+    raw = prefix.store.raw_store
+    digest = block_digests(raw.fingerprint, list(tokens[:start + block]), block)[-1]
+    return healing_key(ctx.settings.namespace, raw.fingerprint, digest.hex())
+
+
+def wait_for_heal(ctx: JobContext, prefix: TargetPrefixCache | None, tokens: list[int], restored: int,
+                  sparse_tokens: int) -> dict[str, Any]:
+    """Wait (up to ``heal_wait_ms``) for the running heal of this turn's conversation, when its
+    ETA is within that and shorter than this turn's own ``sparse_tokens`` prefill at the heal's
+    rate (a lower bound of its sparse path: the draft's scoring comes on top). What it did:
+    empty when no heal of it is running; ``waited`` and ``stored`` (the heal ended) if it waited."""
+    wait_s, key = ctx.settings.heal_wait_ms / 1000, _healing_key(ctx, prefix, tokens, restored)
+    conn = ctx.runtime.connection
+    raw = conn.get(key) if wait_s > 0 and key is not None else None
+    if raw is None:
+        return {}
+    rec = json.loads(raw)
+    eta_s = max(0.0, rec["eta"] - time.time()) if rec.get("eta") else None
+    own_s = sparse_tokens / rec["rate"] if rec.get("rate") else None
+    out: dict[str, Any] = {"waited": False, "heal_job": rec.get("job_id"),
+                           "eta_ms": None if eta_s is None else round(1000 * eta_s, 1)}
+    if eta_s is None or own_s is None:
+        return {**out, "reason": "the heal has no ETA yet (before its first block)"}
+    if eta_s > wait_s or eta_s >= own_s:
+        return {**out, "reason": f"its ETA {1000 * eta_s:.0f} ms is over heal_wait_ms={ctx.settings.heal_wait_ms} "
+                                 f"or this turn's own sparse prefill (~{1000 * own_s:.0f} ms)"}
+    t0 = time.monotonic()
+    while conn.exists(key) and time.monotonic() - t0 < wait_s and not ctx.runtime.stop_requested():
+        _pause(min(0.02, wait_s / 10))
+    return {**out, "waited": True, "waited_ms": round(1000 * (time.monotonic() - t0), 1),
+            "stored": not conn.exists(key)}
 
 
 def _with_checkpoint(keep_state: Any, at: int) -> Any:

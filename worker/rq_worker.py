@@ -28,6 +28,7 @@ from jobs.node_queues import rescue_stranded
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
+from worker.node_busy import is_user_queue, mark_busy, mark_idle
 from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
@@ -53,6 +54,7 @@ class InProcessWorker(SimpleWorker):
         super().__init__(queues, connection=runtime.connection, **kwargs)
         self.runtime = runtime
         runtime.listen_queues = tuple(self.queue_names())
+        runtime.worker_name = self.name
         self.liveness: Liveness | None = None
         runtime_mod.install(runtime)
 
@@ -95,6 +97,9 @@ class InProcessWorker(SimpleWorker):
         if not job.timeout or job.timeout < 0:  # never run unbounded (timeout -1 breaks reaping)
             job.timeout = self.runtime.settings.job_timeout_s
         self._execution = execution
+        user = is_user_queue(queue.name)
+        if user:  # heals on this node yield while it runs (worker.node_busy)
+            self._mark_busy(True)
         try:
             with log_context(job_id=job.id):  # every line logged while it runs names it
                 log.info("job %s started", job.id, extra={"event": "job_started"})
@@ -105,10 +110,25 @@ class InProcessWorker(SimpleWorker):
         finally:
             if self.liveness is not None:
                 self.liveness.unwatch()
+            if user:
+                self._mark_busy(False)
             self.runtime.claim = None
             self.runtime.stop_event.clear()
             release_cached_buffers()
             hooks.on_job_end(self, job)
+
+    def _mark_busy(self, busy: bool) -> None:
+        """Enter or leave this node's busy set; a Redis fault only costs a heal's yield (the
+        entry expires on its own)."""
+        try:
+            if busy:
+                with self.connection.pipeline(transaction=False) as pipe:
+                    mark_busy(pipe, self.runtime.settings, self.name)
+                    pipe.execute()
+            else:
+                mark_idle(self.connection, self.runtime.settings, self.name)
+        except REDIS_DOWN as exc:
+            self._redis_down("node busy set", exc)
 
     def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
         super().prepare_job_execution(job, remove_from_intermediate_queue)

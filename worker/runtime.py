@@ -186,6 +186,8 @@ class WorkerRuntime:
     # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
     # one of them); empty: the settings' queues.
     listen_queues: tuple[str, ...] = ()
+    # The RQ worker's name (its entry in its node's busy set, worker.node_busy); None: no worker.
+    worker_name: str | None = None
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: SelectionBackend | None = None

@@ -25,6 +25,8 @@ from worker.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
+WHOLE_PROMPT_PLACEHOLDER = -1  # a token after the prompt a fetch is asked with; never looked at
+
 
 def contiguous_prefix(kept: Sequence[int]) -> int:
     """How many leading prompt tokens ``kept`` (sorted indices) holds without a gap."""
@@ -83,25 +85,41 @@ def _held(cache: list[Any], n_prompt: int) -> int | None:
         return None
 
 
+def _trim_last(cache: list[Any]) -> bool:
+    """Drop the last token of every layer of a restored ``cache`` if each can (K/V layers)."""
+    layers = [c for c in cache if c is not None]
+    if not layers or not all(c.is_trimmable() for c in layers):
+        return False
+    for c in layers:
+        c.trim(1)
+    return True
+
+
 class TargetPrefixCache:
     """Restore and store one target's prompt prefixes (``store`` is a ``DraftCache``)."""
 
     def __init__(self, store: Any, target: LoadedModel) -> None:
         self.store, self.target = store, target
         self.restored = 0
+        self.stored_all = False  # the last restore found every token stored
         self.blocks_written = 0
         self.timings: dict[str, float] = {}
 
     def restore(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
-        """The target's cache of the longest stored prefix of ``tokens`` (never all of them)."""
+        """The target's cache of the longest stored prefix of ``tokens`` (never all of them: of a
+        fully stored prompt, all but its last token; ``stored_all`` then says so)."""
         from specprefill.profile import layout_mismatch
 
         t = time.perf_counter()
-        try:
-            cache, n = self.store.fetch(list(tokens))
-        except Exception as exc:  # a store fault is a miss
-            log.warning("target prefix: fetch failed, prefilling in full: %s: %s", type(exc).__name__, exc)
-            cache, n = None, 0
+        # The store never restores the last token it is given (it must run to give logits), so
+        # a fully stored block-aligned prompt would restore one block less, or a hybrid only to
+        # its previous checkpoint; asked with one placeholder token after it, it looks at all.
+        cache, n = self._fetch([*tokens, WHOLE_PROMPT_PLACEHOLDER])
+        self.stored_all = cache is not None and n == len(tokens)
+        if self.stored_all:
+            # K/V layers drop the last token; a recurrent state cannot, so the prefix without
+            # it is fetched (to the last checkpoint it reaches).
+            cache, n = (cache, n - 1) if _trim_last(cache) else self._fetch(tokens)
         self.timings["target_restore"] = time.perf_counter() - t
         if cache is None:
             return None, 0
@@ -115,6 +133,13 @@ class TargetPrefixCache:
             return None, 0
         self.restored = n
         return cache, n
+
+    def _fetch(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
+        try:
+            return self.store.fetch(list(tokens))
+        except Exception as exc:  # a store fault is a miss
+            log.warning("target prefix: fetch failed, prefilling in full: %s: %s", type(exc).__name__, exc)
+            return None, 0
 
     def recorder(self, end: int, also: Sequence[int] = ()) -> Any:
         """The ``on_step`` hook the prefix prefill up to ``end`` must run with for a target whose

@@ -201,3 +201,35 @@ def test_answers_with_reasoning_and_tool_calls():
     assert answer_messages(r) == [{"role": "assistant", "content": None, "reasoning_content": "need it",
                                    "tool_calls": [{"id": "call_1", "type": "function",
                                                    "function": {"name": "lookup", "arguments": {"room": 7}}}]}]
+
+
+@pytest.mark.parametrize("heal", [False, True])
+def test_the_heal_field_reaches_the_job_option_on_every_generate_endpoint(heal):
+    from jobs.settings import Settings
+    from jobs.spec import build_spec
+    from specprefill_server.anthropic_convert import message_fields
+    from specprefill_server.convert import chat_fields
+    from specprefill_server.openai_types import ChatCompletionRequest
+    from specprefill_server.responses_convert import conversation as items_conversation, response_fields
+    from specprefill_server.responses_types import ResponsesRequest
+
+    user = [{"role": "user", "content": "hi"}]
+    chat = chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": user, "heal": heal}))
+    msgs = message_fields(parse(MessagesRequest, {"model": "t", "max_tokens": 4, "messages": user, "heal": heal}))
+    req = parse(ResponsesRequest, {"model": "t", "input": "hi", "heal": heal})
+    resp = response_fields(req, items_conversation(req.input))
+    for fields in (chat, msgs, resp):
+        spec = build_spec(Settings(draft_model="d"), kind="generate", **fields)
+        assert spec.generate.heal is heal
+    default = build_spec(Settings(draft_model="d"), kind="generate",
+                         **chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": user})))
+    assert default.generate.heal is True  # the worker's setting decides when the field is absent
+    from specprefill_server.convert import specprefill_info
+
+    said = {"queued": True, "job_id": "heal-abc", "tokens": 300}
+    assert specprefill_info(result(heal=said))["heal"] == said  # the reply says what became of it
+    from jobs.spec import JobSpecError
+
+    with pytest.raises(JobSpecError, match="^heal: "):  # checked once, by the spec (a 400 naming it)
+        build_spec(Settings(draft_model="d"), kind="generate", **chat_fields(
+            parse(ChatCompletionRequest, {"model": "t", "messages": user, "heal": "sometimes"})))

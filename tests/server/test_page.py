@@ -145,3 +145,37 @@ def test_overview_lists_the_worker(stack, page):
     page.wait_for_selector(f"text={stack.worker.name}")
     assert page.locator("#live.on").count() == 1  # following the live stream
     shot(page, "overview")
+
+
+def test_job_view_shows_target_tokens_and_the_heal(stack, page):
+    """A generate job's page says how its target tokens came (restored / healed / full / sparse)
+    and what became of its heal; a heal job's page says what it heals, for which job."""
+    import redis as redis_py
+
+    from jobs.client import Client
+    from jobs.heal import HealSpec
+    from jobs.settings import Settings
+
+    client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
+    r = client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2}, messages=[
+        {"role": "system", "content": words(300, seed=81)}, {"role": "user", "content": words(700, seed=82)}])
+    info = r.model_extra["specprefill"]
+    t = info["target_tokens"]
+    assert t["prefilled_sparse"] > 0 and info["heal"]["reason"].startswith("heal is off")  # the stack's worker
+    page.goto(f"{stack.server.url}/#/job/{info['job_id']}")
+    shown = page.wait_for_selector("#target-tokens", timeout=20_000)
+    assert [shown.get_attribute(f"data-{k}") for k in ("restored", "healed", "full", "sparse")] == [
+        str(t.get(k, 0)) for k in ("restored", "healed", "prefilled_full", "prefilled_sparse")]
+    assert page.locator("#heal-state").inner_text() == info["heal"]["reason"]
+    settings = Settings(redis_url=stack.redis_url)
+    heal = HealSpec(TARGET, tuple(range(5, 300)), source_job=info["job_id"])
+    handle = Client(redis_py.Redis.from_url(stack.redis_url), settings,
+                    queue_name=settings.heal_queues[0]).submit(heal, name=f"after {info['job_id']}")
+    try:
+        page.goto(f"{stack.server.url}/#/job/{handle.id}")
+        heals = page.wait_for_selector("#heal-tokens", timeout=20_000)  # queued: nobody heals on this stack
+        assert heals.get_attribute("data-tokens") == "295" and "295 tokens of" in heals.inner_text()
+        assert page.locator("#heal-tokens a").get_attribute("href") == f"#/job/{info['job_id']}"
+        shot(page, "heal-job-view")
+    finally:
+        handle.cancel(force=True)

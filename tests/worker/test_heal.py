@@ -4,6 +4,8 @@ restores it and prefills only what is new. Fake draft scoring, a real tiny rando
 the real Redis block store and RQ on fakeredis (tests/worker/test_chat_workloads.py's harness)."""
 from __future__ import annotations
 
+import time
+
 import fakeredis
 import mlx.core as mx
 import numpy as np
@@ -361,3 +363,141 @@ def test_a_tool_call_turn_heals_and_the_next_turn_restores_it(tmp_path):
     # the heal rendered the assistant message with its tool calls: turn 2 starts with its tokens
     assert second.total > len(heal["tokens"]) and t["restored"] == healed["stored"] > first.total
     assert t["healed"] == healed["healed"] and second.healed_ranges == [(healed["restored"], healed["stored"])]
+
+
+def _busy(r, settings, worker_name, node=None, expires_in=None):
+    """Put ``worker_name`` in ``node``'s busy set (default: this node) as a running worker would."""
+    from worker.node_busy import mark_busy
+
+    with r.pipeline() as pipe:
+        now = None if expires_in is None else time.time() - settings.heartbeat_ttl_s + expires_in
+        mark_busy(pipe, settings.replace(node_name=node) if node else settings, worker_name, now=now)
+        pipe.execute()
+
+
+@pytest.mark.parametrize("where", ["this node", "another node", "expired entry"])
+def test_a_heal_yields_while_a_user_job_runs_on_its_node_only(where):
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, **SPARSE)
+    rt.worker_name = "healer"
+    first = run(rt, "t1", messages=chat(0), **GREEDY)
+    _busy(r, rt.settings, "healer")  # its own entry (a stale one) never makes it yield
+    if where == "this node":
+        _busy(r, rt.settings, "user-worker")
+    elif where == "another node":
+        _busy(r, rt.settings, "user-worker", node="elsewhere")
+    else:  # a worker that died mid-job: its entry's expiry has passed
+        _busy(r, rt.settings, "user-worker", expires_in=-1)
+    part = run_heal(rt, first.heal["job_id"])
+    if where == "this node":
+        assert part["yielded"] and part["stored"] == part["restored"] + 16
+        assert part["yielded_for"] == "a user job runs on this node (worker user-worker)"
+        assert part["continuation"] in Queue(HEAL_QUEUE, connection=r).job_ids
+    else:
+        assert not part["yielded"] and part["stored"] == part["total"] // 16 * 16
+
+
+def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
+    from worker.node_busy import add_busy_read
+
+    r = fakeredis.FakeRedis()
+    rt, _ = runtime(r, **SPARSE)
+    worker = InProcessWorker(listen_order(rt.settings), runtime=rt, name="w-busy")
+    seen = {}
+
+    def read_busy():
+        with r.pipeline() as pipe:
+            add_busy_read(pipe, rt.settings)
+            return [n.decode() for n in pipe.execute()[0]]
+
+    from worker import tasks
+
+    real = tasks.execute
+
+    def spying(payload, ctx, **k):
+        seen.setdefault(payload.get("kind", "generate"), read_busy())
+        return real(payload, ctx, **k)
+
+    import unittest.mock as um
+
+    with um.patch.object(tasks, "execute", spying):
+        first = Client(r, rt.settings).submit(build_spec(rt.settings, kind="generate", messages=chat(0), **GREEDY))
+        worker.work(burst=True, max_jobs=1)
+        assert first.status() == "finished"
+        worker.work(burst=True, max_jobs=1)  # the heal it queued
+    assert seen.get("generate") == ["w-busy"] and seen.get("heal") == []
+    assert read_busy() == []
+
+
+def test_a_fully_stored_block_aligned_conversation_is_restored_not_healed_again(monkeypatch):
+    r = fakeredis.FakeRedis()
+    rt, messages, first, healed = sparse_turn_and_heal(r)
+    stored = healed["stored"]
+    tokens = heal_payload(r, first.heal["job_id"])["tokens"][:stored]  # every block of it stored
+    again = HealSpec("tiny-target", tuple(tokens), source_job="again")
+    handle = Client(r, rt.settings, queue_name=HEAL_QUEUE).submit(again)
+    out = run_heal(rt, handle.id)
+    assert out["reason"] == "already stored" and out["healed"] == 0 and out["blocks_written"] == 0
+    seen = []
+    decode = sparse.generate_tokens
+
+    def recording(model, logits, *a, **k):
+        seen.append(np.array(logits))
+        return decode(model, logits, *a, **k)
+
+    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    turn = run(rt, "whole", tokens=tokens, **GREEDY)
+    t = turn.target_tokens
+    assert t["restored"] == stored - 1 and t["prefilled_full"] == 1 and t["prefilled_sparse"] == 0
+    assert not turn.heal["queued"]  # prefilled in order: no second heal of it
+    fresh, _ = runtime(**SPARSE)
+    alone = run(fresh, "cold", tokens=tokens, full_prefill=True, **GREEDY)
+    assert np.allclose(seen[0], seen[1], rtol=0, atol=1e-5) and turn.token_ids == alone.token_ids
+
+
+# ---- a turn may wait for its conversation's running heal (heal_wait_ms) ----
+
+def _script_running_heal(rt, tokens, eta_s, rate):
+    """Publish, as a running heal of ``tokens`` would, its ETA and rate (scripted, not measured)."""
+    import json
+
+    from worker.heal import _healing_key
+
+    target = rt.models.get("tiny-target", "target_model")
+    prefix = TargetPrefixCache(_target_store(rt.cache_client, target, rt.settings), target)
+    _, start = prefix.restore(tokens)
+    ctx = JobContext("heal-scripted", rt, ProgressPublisher(rt.connection, "heal-scripted"))
+    key = _healing_key(ctx, prefix, tokens, start)
+    rt.connection.set(key, json.dumps({"job_id": "heal-scripted", "end": len(tokens), "rate": rate,
+                                       "eta": time.time() + eta_s}))
+
+
+@pytest.mark.parametrize("case", ["waits", "eta over the setting", "eta over its own sparse path", "off"])
+def test_a_turn_waits_for_its_running_heal_only_when_it_pays(monkeypatch, case):
+    import worker.heal as heal_mod
+
+    r = fakeredis.FakeRedis()
+    wait_ms = 0 if case == "off" else 60_000
+    rt, _ = runtime(r, heal_wait_ms=wait_ms, **SPARSE)
+    messages = chat(0)
+    first = run(rt, "t1", messages=messages, **GREEDY)
+    tokens = heal_payload(r, first.heal["job_id"])["tokens"]
+    eta_s, rate = {"eta over the setting": (120.0, 10.0), "eta over its own sparse path": (30.0, 1e9)}.get(
+        case, (1.0, 10.0))  # rate 10 tok/s: the turn's own sparse prefill would take far longer than 1 s
+    _script_running_heal(rt, tokens, eta_s, rate)
+    healed = {}
+
+    def heal_finishes(_s):  # the heal ends while the turn waits (in this thread: MLX stays on one)
+        healed.update(run_heal(rt, first.heal["job_id"]))
+
+    monkeypatch.setattr(heal_mod, "_pause", heal_finishes)
+    second = run(rt, "t2", messages=next_turn(first, messages), **GREEDY)
+    w, t = second.heal_wait, second.target_tokens
+    if case == "waits":
+        assert w["waited"] and w["stored"] and w["heal_job"] == "heal-scripted"
+        assert t["restored"] == healed["stored"] and t["prefilled_sparse"] == 0  # only the new turn
+        assert GenerateResult.from_json(second.to_json()).heal_wait == w
+    elif case == "off":
+        assert w == {} and not healed and t["prefilled_sparse"] > 0
+    else:
+        assert not w["waited"] and "ETA" in w["reason"] and not healed and t["prefilled_sparse"] > 0

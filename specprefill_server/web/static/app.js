@@ -180,7 +180,37 @@ function strip(view) {
                                       style: `width:${(100 * (b.end - b.start) / total).toFixed(3)}%` })));
 }
 
+// What the target did with a generate job's prompt (result.target_tokens) and its heal job.
+function targetTokens(r) {
+  const t = r.target_tokens || {}, n = (k) => t[k] || 0;
+  return el("span", { id: "target-tokens", "data-restored": n("restored"), "data-healed": n("healed"),
+    "data-full": n("prefilled_full"), "data-sparse": n("prefilled_sparse"),
+    text: `${n("restored")} restored (${n("healed")} of them healed), ${n("prefilled_full")} prefilled in full, ` +
+          `${n("prefilled_sparse")} prefilled sparse` });
+}
+function healState(r) {
+  const h = r.heal || {};
+  if (h.queued) return el("span", { id: "heal-state", "data-queued": "true" }, "queued: ", jobLink(h.job_id), ` (${h.tokens} tokens)`);
+  return el("span", { id: "heal-state", "data-queued": "false", text: h.reason || "—" });
+}
+
+function healSummary(view) {
+  const r = view.result, o = view.options;
+  const items = [["status", status(view.status)], ["kind", "heal (tokens)"],
+    ["heals", el("span", { id: "heal-tokens", "data-tokens": o.tokens },
+      `${o.tokens} tokens of `, o.source_job ? jobLink(o.source_job) : "a job", o.resume ? `, from token ${o.resume}` : "")],
+    ["target model", o.target_model], ["worker", view.worker || ""]];
+  if (o.note) items.push(["stops short", o.note]);
+  if (r) {
+    items.push(["stored", el("span", { id: "heal-result", "data-healed": r.healed, "data-restored": r.restored },
+      `${r.restored} restored, ${r.healed} healed, stored to ${r.stored}` + (r.reason ? ` (${r.reason})` : ""))]);
+    if (r.yielded) items.push(["yielded", el("span", {}, (r.yielded_for || "to a user job") + "; continues in ", jobLink(r.continuation))]);
+  }
+  return el("dl", { class: "summary" }, items.map(([k, v]) => [el("dt", { text: k }), el("dd", {}, v)]));
+}
+
 function summary(view) {
+  if (view.kind === "heal") return healSummary(view);
   const r = view.result, o = view.options;
   const pc = (x) => (100 * x).toFixed(1) + "%";
   const items = [["status", status(view.status)], ["kind", view.kind + " (" + view.input_kind + ")"],
@@ -188,7 +218,8 @@ function summary(view) {
     ["reason", r && (r.keep_effect || r.reason) ? (r.keep_effect || r.reason) : "—"]];
   if (r && view.kind === "generate") {
     items.push(["target, from the block store", el("span", { id: "restored-tokens", "data-tokens": r.restored,
-      text: `${r.restored} tokens restored (${pc(r.restored_ratio)} of the prompt)` })]);
+      text: `${r.restored} tokens restored (${pc(r.restored_ratio)} of the prompt)` })],
+      ["target tokens", targetTokens(r)], ["heal", healState(r)]);
   }
   items.push(["draft, from the block store", r ? `${r.cached_tokens} tokens` + (r.memo_hit ? " (memo hit)" : "") : ""],
     ["options", `keep ${o.keep}, chunk ${o.chunk_size}, tail ${o.tail_tokens}, threshold ${o.threshold}`],
@@ -209,6 +240,7 @@ async function renderJob(id) {
     });
     return renderJob(id);
   }
+  if (view.kind === "heal") return show(...parts);  // a heal has no answer, selection or curve
   const ex = view.explain || {};
   if (view.result.text !== undefined) parts.push(el("h2", { text: "Answer" }), el("div", { class: "answer", text: view.result.text }));
   parts.push(el("h2", { text: "What SpecPrefill kept" }),
