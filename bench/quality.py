@@ -12,7 +12,15 @@ each prompt after a full prefill and after a sparse prefill of the chunks chosen
 default setting (last query + 8 lookahead), and the same for the shipped demo's questions
 (``models/demo``).
 
+Long prompts (``--positions-only``, 16K and 32K): each document holds three needles, one in
+each third (start, middle, end), and is asked about each in turn, the document's draft and
+target KV restored for the next question; needle kept at keep 0.1/0.2 by position (default
+selection and ``follow_chunks=3``), and at 16K the target's answers after a full and a keep-0.2
+sparse prefill. These rows give the ``needle_kept_16k_keep0.1``, ``needle_kept_32k_keep0.1``
+and ``sparse_vs_full_accuracy_16k_keep0.2`` targets.
+
     .venv/bin/python bench/quality.py [--samples 40] [--lengths 1024,2048,4096]
+    .venv/bin/python bench/quality.py --positions-only [--position-prompts 4] [--keeps 0.1,0.2]
     .venv/bin/python bench/quality.py --quick      # CI-sized: fewer prompts, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
@@ -139,7 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--position-prompts", type=int, default=None, help="prompts per positioned length (4; --quick 2)")
     p.add_argument("--position-target-lengths", default="",
                    help="positioned lengths at which the target answers too (default none, --quick 2048)")
-    p.add_argument("--positions-only", action="store_true", help="only the positioned-needle rows and their targets")
+    p.add_argument("--positions-only", action="store_true",
+                   help="only the positioned-needle rows and their targets (default lengths 16384,32768)")
     p.add_argument("--draft-only", action="store_true",
                    help="only the draft's selections (needle kept): no target answers, no target goals")
     args = p.parse_args(argv)
@@ -150,6 +159,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 position_prompts=4)
     if args.quick and not args.position_target_lengths:
         args.position_target_lengths = "2048"
+    if args.positions_only and not args.quick:  # the issue's long-prompt targets
+        args.position_lengths = args.position_lengths or "16384,32768"
+        args.position_target_lengths = args.position_target_lengths or "16384"
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -429,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     if target_error is None and not (Path(args.target) / "config.json").exists():
         target_error = f"no target model at {args.target}"
     target_model = load(args.target)[0] if target_error is None else None
-    print(f"BLAS: {blas_in_use()}; {args.samples} prompts per cell; chunk {args.chunk_size}, "
+    per_cell = f"{args.position_prompts} positioned prompts" if args.positions_only else f"{args.samples} prompts per cell"
+    print(f"BLAS: {blas_in_use()}; {per_cell}; chunk {args.chunk_size}, "
           f"tail {args.tail_tokens} tokens; draft {Path(args.draft).name}, target {Path(args.target).name}")
     if args.positions_only:
         return 0 if all(run_positions(draft, target_model, sparse, task, args, keeps, set())) else 1
