@@ -293,6 +293,8 @@ def position_rows(draft, target_model, sparse, task, args, keeps: list[float]) -
                         task.end, target_cache)
                     counts[length, bucket, "full"] = counts.get((length, bucket, "full"), 0) + full_ok
                     counts[length, bucket, 0.2] = counts.get((length, bucket, 0.2), 0) + sparse_ok
+                    print(f"    {length} prompt {p + 1} {bucket}: target full {'right' if full_ok else 'wrong'}, "
+                          f"sparse keep 0.2 {'right' if sparse_ok else 'wrong'}", flush=True)
             print(f"  done positioned {length} tokens, prompt {p + 1}/{args.position_prompts} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
     return counts
