@@ -12,13 +12,22 @@ each prompt after a full prefill and after a sparse prefill of the chunks chosen
 default setting (last query + 8 lookahead), and the same for the shipped demo's questions
 (``models/demo``).
 
+Long prompts (``--positions-only``, 16K and 32K): each document holds three needles, one in
+each third (start, middle, end), and is asked about each in turn, the document's draft and
+target KV restored for the next question; needle kept at keep 0.1/0.2 by position (default
+selection and ``follow_chunks=3``), and at 16K the target's answers after a full and a keep-0.2
+sparse prefill. These rows give the ``needle_kept_16k_keep0.1``, ``needle_kept_32k_keep0.1``
+and ``sparse_vs_full_accuracy_16k_keep0.2`` targets.
+
     .venv/bin/python bench/quality.py [--samples 40] [--lengths 1024,2048,4096]
+    .venv/bin/python bench/quality.py --positions-only [--position-prompts 4] [--keeps 0.1,0.2]
     .venv/bin/python bench/quality.py --quick      # CI-sized: fewer prompts, same goals
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
 from benchlib import ROOT, blas_in_use, verdict  # noqa: E402
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
@@ -133,12 +142,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verbatim-samples", type=int, default=None, help="prompts per verbatim cell (12; --quick 3)")
     p.add_argument("--verbatim-keeps", default="0.1,0.2,0.4")
     p.add_argument("--verbatim-only", action="store_true", help="only the verbatim table (draft selections)")
+    p.add_argument("--position-lengths", default=None,
+                   help="lengths of the positioned-needle rows (start/middle/end; default none, --quick 2048)")
+    p.add_argument("--position-prompts", type=int, default=None, help="prompts per positioned length (4; --quick 2)")
+    p.add_argument("--position-target-lengths", default="",
+                   help="positioned lengths at which the target answers too (default none, --quick 2048)")
+    p.add_argument("--positions-only", action="store_true",
+                   help="only the positioned-needle rows and their targets (default lengths 16384,32768)")
     p.add_argument("--draft-only", action="store_true",
                    help="only the draft's selections (needle kept): no target answers, no target goals")
     args = p.parse_args(argv)
-    sizes = dict(samples=12, lengths="2048,4096", demo_questions=8, verbatim_lengths="2048", verbatim_samples=3) \
+    sizes = dict(samples=12, lengths="2048,4096", demo_questions=8, verbatim_lengths="2048", verbatim_samples=3,
+                 position_lengths="2048", position_prompts=2) \
         if args.quick else dict(samples=40, lengths="1024,2048,4096", demo_questions=None,
-                                verbatim_lengths="8192,16384", verbatim_samples=12)
+                                verbatim_lengths="8192,16384", verbatim_samples=12, position_lengths="",
+                                position_prompts=4)
+    if args.quick and not args.position_target_lengths:
+        args.position_target_lengths = "2048"
+    if args.positions_only and not args.quick:  # the issue's long-prompt targets
+        args.position_lengths = args.position_lengths or "16384,32768"
+        args.position_target_lengths = args.position_target_lengths or "16384"
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -167,28 +190,12 @@ def score_prompt(draft, prompt: list[int], span: tuple[int, int], keeps: list[fl
     return kept_flags, default_indices
 
 
-def follow_peaks(importance, selection: SelectionOptions, follow: int) -> np.ndarray:
-    """The default selection's budget spent on peaks and the ``follow`` chunks after each: the
-    tail first, then by rank each chunk not yet kept together with its followers (budget
-    permitting). A variant measured here for the verbatim task, not a service option."""
-    base = select_chunks(importance, selection)
-    chunk, n = selection.chunk_size, len(importance)
-    n_chunks = math.ceil(n / chunk)
-    budget = len(set(base // chunk))
-    scores = np.array([np.mean(importance[c * chunk:(c + 1) * chunk]) for c in range(n_chunks)])
-    kept = set(range(n_chunks - tail_chunk_count(n, chunk, selection.tail_tokens), n_chunks))
-    for c in sorted(range(n_chunks), key=lambda c: (-scores[c], c)):
-        if len(kept) >= budget:
-            break
-        for d in range(c, min(n_chunks, c + follow + 1)):
-            if len(kept) < budget:
-                kept.add(d)
-    return np.array(sorted(i for c in kept for i in range(c * chunk, min(n, (c + 1) * chunk))), dtype=np.int32)
+VARIANTS = {"default": 0, "follow 1": 1, "follow 3": 3}  # name -> SelectionOptions.follow_chunks
 
 
-VARIANTS = {"default": lambda imp, sel: select_chunks(imp, sel),
-            "follow 1": lambda imp, sel: follow_peaks(imp, sel, 1),
-            "follow 3": lambda imp, sel: follow_peaks(imp, sel, 3)}
+def select_variant(importance, selection: SelectionOptions, follow: int) -> np.ndarray:
+    """The service's selection with ``follow_chunks=follow`` (same keep budget)."""
+    return select_chunks(importance, dataclasses.replace(selection, follow_chunks=follow))
 
 
 def verbatim_rows(draft, task, args, keeps: list[float]) -> dict:
@@ -206,9 +213,9 @@ def verbatim_rows(draft, task, args, keeps: list[float]) -> dict:
             importance = np.array(score_tokens(draft, prompt, ScoringOptions(seed=args.seed + i)).importance)
             for keep in keeps:
                 selection = SelectionOptions(keep=keep, chunk_size=args.chunk_size, tail_tokens=args.tail_tokens)
-                for name, select in VARIANTS.items():
+                for name, follow in VARIANTS.items():
                     key = (length, name, keep, kind)
-                    counts[key] = counts.get(key, 0) + kept(select(importance, selection), span)
+                    counts[key] = counts.get(key, 0) + kept(select_variant(importance, selection, follow), span)
         print(f"  done verbatim {length} tokens", flush=True)
     return counts
 
@@ -226,6 +233,124 @@ def print_verbatim_table(counts: dict, keeps: list[float], args) -> None:
             cells = " | ".join(f"{counts[length, v, keep, 'verbatim'] / n:14.3f} {counts[length, v, keep, 'needle'] / n:6.3f}"
                                for v in VARIANTS)
             print(f"{length:>6} {keep:>5.1f} | {cells}")
+
+
+BUCKETS = ("start", "middle", "end")  # where a positioned needle sits: thirds of the document
+POSITION_FOLLOWS = (0, 3)  # follow_chunks of the positioned rows: the default and follow 3
+
+
+def _trim_to(cache: list, n_tokens: int) -> list:
+    """``cache`` (an mlx-lm KV cache list) cut back to its first ``n_tokens`` tokens."""
+    for layer in cache:
+        layer.trim(layer.offset - n_tokens)
+    return cache
+
+
+def _positioned_answers(target_model, sparse, prompt, doc_len, answer_ids, indices, end, cache):
+    """(full right, sparse right, the full prefill's cache trimmed to the document): the
+    document's target cache is shared by its questions (a restored prefix, as the service does)."""
+    logits, cache, state = sparse.full_prefill(target_model, prompt, kv_cache=cache)
+    got = list(sparse.generate_tokens(target_model, logits, cache, state, max_tokens=len(answer_ids),
+                                      stop_tokens=[end]))
+    full_ok = got == answer_ids
+    cache = _trim_to(cache, doc_len)
+    return full_ok, answer(target_model, prompt, indices, len(answer_ids), sparse, end) == answer_ids, cache
+
+
+def position_rows(draft, target_model, sparse, task, args, keeps: list[float]) -> dict:
+    """Positioned needles: per prompt one document with a needle in each third (start, middle,
+    end), asked about each in turn (the document's draft and target caches are restored for
+    the next question). Counts per (length, bucket, follow, keep): needle kept; per (length,
+    bucket, "full" | keep 0.2): the target's exact answer (target lengths only)."""
+    counts: dict[tuple, int] = {}
+    q_len = max(len(task.question(k)) for k in recall_task.KEYS)
+    target_lengths = {int(x) for x in args.position_target_lengths.split(",") if x}
+    for length in [int(x) for x in args.position_lengths.split(",") if x]:
+        rng = random.Random(args.seed * 13 + length)
+        with_target = target_model is not None and length in target_lengths
+        for p in range(args.position_prompts):
+            t0 = time.perf_counter()
+            doc = task.make_document(rng, length - q_len, len(BUCKETS), spread=True)
+            draft_cache = target_cache = None
+            for bucket, needle in zip(BUCKETS, doc.needles):
+                prompt = doc.tokens + task.question(needle.key)
+                scored = score_tokens(draft, prompt, ScoringOptions(seed=args.seed + p), kv_cache=draft_cache)
+                draft_cache = _trim_to(scored.kv_cache, len(doc.tokens))
+                importance = np.array(scored.importance)
+                del scored
+                for keep in keeps:
+                    for follow in POSITION_FOLLOWS:
+                        selection = SelectionOptions(keep=keep, chunk_size=args.chunk_size,
+                                                     tail_tokens=args.tail_tokens, follow_chunks=follow)
+                        key = (length, bucket, follow, keep)
+                        counts[key] = counts.get(key, 0) + kept(select_chunks(importance, selection), needle.span)
+                counts[length, bucket, "n"] = counts.get((length, bucket, "n"), 0) + 1
+                if with_target:
+                    indices = select_chunks(importance, SelectionOptions(
+                        keep=0.2, chunk_size=args.chunk_size, tail_tokens=args.tail_tokens))
+                    full_ok, sparse_ok, target_cache = _positioned_answers(
+                        target_model, sparse, prompt, len(doc.tokens), task.answer_ids(needle), indices,
+                        task.end, target_cache)
+                    counts[length, bucket, "full"] = counts.get((length, bucket, "full"), 0) + full_ok
+                    counts[length, bucket, 0.2] = counts.get((length, bucket, 0.2), 0) + sparse_ok
+                    print(f"    {length} prompt {p + 1} {bucket}: target full {'right' if full_ok else 'wrong'}, "
+                          f"sparse keep 0.2 {'right' if sparse_ok else 'wrong'}", flush=True)
+            print(f"  done positioned {length} tokens, prompt {p + 1}/{args.position_prompts} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return counts
+
+
+def print_position_tables(counts: dict, keeps: list[float], args) -> None:
+    print(f"\nPositioned needles: {len(BUCKETS)} needles per prompt, one per third of the document, each "
+          f"asked in turn; {args.position_prompts} prompts per length; needle kept rate (default "
+          f"selection / follow {POSITION_FOLLOWS[1]}) by position")
+    header = f"{'tokens':>6} {'keep':>5} | " + " | ".join(f"{b:>13}" for b in BUCKETS) + f" | {'all':>13}"
+    print(header)
+    print("-" * len(header))
+    lengths = sorted({k[0] for k in counts})
+    for length in lengths:
+        for keep in keeps:
+            cells = []
+            for buckets in [[b] for b in BUCKETS] + [list(BUCKETS)]:
+                n = sum(counts[length, b, "n"] for b in buckets)
+                rates = [sum(counts[length, b, f, keep] for b in buckets) / n for f in POSITION_FOLLOWS]
+                cells.append(f"{rates[0]:.3f} / {rates[1]:.3f}")
+            print(f"{length:>6} {keep:>5.1f} | " + " | ".join(f"{c:>13}" for c in cells))
+    answered = [L for L in lengths if (L, BUCKETS[0], "full") in counts]
+    if answered:
+        print("\nTarget answer accuracy on positioned needles (greedy, exact 3-word answer): full / sparse keep 0.2")
+        print(f"{'tokens':>6} | " + " | ".join(f"{b:>13}" for b in BUCKETS) + f" | {'all':>13}")
+        for length in answered:
+            cells = []
+            for buckets in [[b] for b in BUCKETS] + [list(BUCKETS)]:
+                n = sum(counts[length, b, "n"] for b in buckets)
+                cells.append(f"{sum(counts[length, b, 'full'] for b in buckets) / n:.3f} / "
+                             f"{sum(counts[length, b, 0.2] for b in buckets) / n:.3f}")
+            print(f"{length:>6} | " + " | ".join(f"{c:>13}" for c in cells))
+
+
+def position_verdicts(counts: dict, keeps: list[float]) -> list[bool]:
+    """The long-prompt targets from the positioned rows: needle kept at keep 0.1 (default
+    selection, every position) and the target's sparse / full accuracy at keep 0.2."""
+    passed = []
+    for length in sorted({k[0] for k in counts}):
+        n = sum(counts[length, b, "n"] for b in BUCKETS)
+        if length in GOAL_KEPT and 0.1 in keeps:
+            hits = sum(counts[length, b, 0, 0.1] for b in BUCKETS)
+            passed.append(verdict(f"needle_kept_{length // 1024}k_keep0.1", hits / n, ">=", GOAL_KEPT[length],
+                                  f"{hits / n:.3f} ({hits}/{n} needles)"))
+        if length in GOAL_SPARSE_RATIO_AT and (length, BUCKETS[0], "full") in counts:
+            full = sum(counts[length, b, "full"] for b in BUCKETS)
+            part = sum(counts[length, b, 0.2] for b in BUCKETS)
+            name = f"sparse_vs_full_accuracy_{length // 1024}k_keep0.2"
+            if full == 0:
+                print(f"target {name}: not measurable, the full prefill answered 0/{n} (sparse {part}/{n}) FAIL")
+                passed.append(False)
+                continue
+            passed.append(verdict(name, part / full, ">=", GOAL_SPARSE_RATIO,
+                                  f"{part / full:.3f} ({part}/{full} answers; full prefill accuracy "
+                                  f"{full / n:.3f}, {full}/{n})"))
+    return passed
 
 
 def target_answers(target_model, sparse, prompt, answer_ids, indices_by_keep, end) -> dict:
@@ -318,8 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     if target_error is None and not (Path(args.target) / "config.json").exists():
         target_error = f"no target model at {args.target}"
     target_model = load(args.target)[0] if target_error is None else None
-    print(f"BLAS: {blas_in_use()}; {args.samples} prompts per cell; chunk {args.chunk_size}, "
+    per_cell = f"{args.position_prompts} positioned prompts" if args.positions_only else f"{args.samples} prompts per cell"
+    print(f"BLAS: {blas_in_use()}; {per_cell}; chunk {args.chunk_size}, "
           f"tail {args.tail_tokens} tokens; draft {Path(args.draft).name}, target {Path(args.target).name}")
+    if args.positions_only:
+        return 0 if all(run_positions(draft, target_model, sparse, task, args, keeps, set())) else 1
 
     kept_counts: dict[tuple, int] = {}   # (L, n, keep, setting)
     random_sum: dict[tuple, float] = {}  # (L, n, keep)
@@ -366,7 +494,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndraft scoring {seconds['scoring']:.0f}s, target prefill+decode {seconds['target']:.0f}s, "
           f"total {time.perf_counter() - started:.0f}s")
     passed = verdicts(kept_counts, answers, counts, lengths, needle_counts, keeps, args.samples, target_error)
+    passed += run_positions(draft, target_model, sparse, task, args, keeps, set(lengths))
     return 0 if all(passed) else 1
+
+
+def run_positions(draft, target_model, sparse, task, args, keeps: list[float], judged: set[int]) -> list[bool]:
+    """The positioned-needle rows, their tables, and the verdicts of lengths not ``judged`` already."""
+    if not args.position_lengths:
+        return []
+    t0 = time.perf_counter()
+    counts = position_rows(draft, target_model, sparse, task, args, keeps)
+    print_position_tables(counts, keeps, args)
+    print(f"positioned rows {time.perf_counter() - t0:.0f}s")
+    return position_verdicts({k: v for k, v in counts.items() if k[0] not in judged}, keeps)
 
 
 if __name__ == "__main__":

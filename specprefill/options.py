@@ -26,6 +26,7 @@ MAX_TOKENS = 2**31 - 1  # token counts, like token ids, are int32 in the block s
 MAX_LOOKAHEAD = 256
 MAX_CHUNK_SIZE = 8192
 MAX_POOL_KERNEL = 1023
+MAX_FOLLOW_CHUNKS = 64  # chunks kept after each peak (selection.follow_chunks)
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -156,18 +157,22 @@ class SelectionOptions:
 
     ``keep`` of the ranked chunks of ``chunk_size`` tokens are kept, the chunks holding the
     last ``tail_tokens`` tokens first; prompts of at most ``threshold`` tokens are kept whole.
+    ``follow_chunks`` > 0 keeps, with each ranked chunk, the chunks that follow it (the lines
+    after a peak, which a verbatim quote needs); they count against ``keep``.
     """
 
     keep: float = 0.2
     chunk_size: int = 32
     tail_tokens: int = 512
     threshold: int = 8192
+    follow_chunks: int = 0
 
     def __post_init__(self) -> None:
         _set(self, keep=check_number("keep", self.keep, 0.0, 1.0, lo_open=True),
              chunk_size=check_integer("chunk_size", self.chunk_size, 1, MAX_CHUNK_SIZE),
              tail_tokens=check_integer("tail_tokens", self.tail_tokens, 0, MAX_TOKENS),
-             threshold=check_integer("threshold", self.threshold, 0, MAX_TOKENS))
+             threshold=check_integer("threshold", self.threshold, 0, MAX_TOKENS),
+             follow_chunks=check_integer("follow_chunks", self.follow_chunks, 0, MAX_FOLLOW_CHUNKS))
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

@@ -68,7 +68,9 @@ def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: 
     ``chunk_size`` from its start (the last one may be short). ``max(1, ceil(n_chunks *
     keep))`` chunks are kept: first every chunk holding any of the last ``tail_tokens``
     tokens (:func:`tail_chunk_count`; kept even if they alone exceed the budget), then the
-    rest by mean importance, ties going to the earlier chunk. ``keep == 1`` keeps everything.
+    rest by mean importance, ties going to the earlier chunk; with ``follow_chunks`` = F each
+    ranked chunk brings the F chunks after it (up to the tail), all within the same budget.
+    ``keep == 1`` keeps everything.
     """
     scores = _as_importance(importance)
     keep, chunk_size, tail_tokens = options.keep, options.chunk_size, options.tail_tokens
@@ -91,12 +93,29 @@ def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: 
 
     candidates = np.arange(n_chunks - n_tail)
     # lexsort: last key is primary -> highest mean first, then lowest chunk index.
-    order = np.lexsort((candidates, -chunk_means[candidates]))
-    chosen = np.concatenate([candidates[order[:n_ranked]], np.arange(n_chunks - n_tail, n_chunks)])
+    ranked = candidates[np.lexsort((candidates, -chunk_means[candidates]))]
+    if options.follow_chunks:
+        ranked = _with_followers(ranked, options.follow_chunks, n_ranked)
+    chosen = np.concatenate([ranked[:n_ranked], np.arange(n_chunks - n_tail, n_chunks)])
 
     pieces = [np.arange(start, dtype=np.int64)]
     pieces += [np.arange(chunk_starts[c], chunk_starts[c] + chunk_lengths[c]) for c in np.sort(chosen)]
     return np.concatenate(pieces).astype(np.int32)
+
+
+def _with_followers(ranked: np.ndarray, follow: int, budget: int) -> np.ndarray:
+    """The first ``budget`` distinct chunks of ``ranked`` (candidate chunks, best first) with each
+    followed by the ``follow`` chunks after it: chunk c, then c+1..c+follow that are candidates
+    (not the tail) and not yet taken, in rank order of c, until the budget is spent."""
+    limit = int(ranked.size)  # candidates are 0..limit-1, the tail starts at limit
+    taken: dict[int, None] = {}  # insertion-ordered set
+    for c in ranked.tolist():
+        if len(taken) >= budget:
+            break
+        for d in range(c, min(limit, c + follow + 1)):
+            if len(taken) < budget:
+                taken.setdefault(d)
+    return np.fromiter(taken, dtype=np.int64, count=len(taken))
 
 
 def admission_reason(n_tokens: int, *, threshold: int, protected_prefix: int = 0) -> str | None:

@@ -140,6 +140,10 @@ def add_selection_options(p: argparse.ArgumentParser, settings: Settings | None 
     p.add_argument("--tail-tokens", dest="tail_tokens", type=int,
                    help="the prompt's last tokens, always kept (they hold the chat template's "
                         f"closing tokens) (default: {sel.tail_tokens}, SPECPREFILL_TAIL_TOKENS)")
+    p.add_argument("--follow-chunks", dest="follow_chunks", type=int,
+                   help="with each chunk the draft ranks high, keep the N chunks after it (the lines "
+                        "after a marker, which a verbatim quote needs); they count against --keep "
+                        f"(default: {sel.follow_chunks}, SPECPREFILL_FOLLOW_CHUNKS)")
     p.add_argument("--threshold", type=int,
                    help="prompts of at most this many tokens are kept whole (--keep has no effect) "
                         f"(default: {sel.threshold}, SPECPREFILL_THRESHOLD)")

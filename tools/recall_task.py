@@ -155,9 +155,12 @@ class RecallTask:
         ok = self.ends_sentence[t[:-1]] & self.starts_space[t[1:]] & ~self.abbrev[before]
         return list(np.nonzero(ok)[0] + 1)
 
-    def make_document(self, rng: random.Random, n_tokens: int, n_needles: int, *, exact: bool = True) -> Document:
+    def make_document(self, rng: random.Random, n_tokens: int, n_needles: int, *, exact: bool = True,
+                      spread: bool = False) -> Document:
         """A document of ``n_tokens`` tokens (``exact=False``: at most, ending at a sentence end)
-        holding ``n_needles`` needles with distinct names and distinct value words."""
+        holding ``n_needles`` needles with distinct names and distinct value words; with
+        ``spread`` the i-th needle is planted in the i-th of ``n_needles`` equal parts of the
+        document (3 needles: one each at its start, middle and end)."""
         max_needles = min(len(KEYS), len(VALUES) // VALUE_LEN)
         if not 1 <= n_needles <= max_needles:
             raise ValueError(f"n_needles must be in [1, {max_needles}], got {n_needles}")
@@ -175,7 +178,7 @@ class RecallTask:
         hay = hay[:room]
         if len(points) < n_needles:
             points = sorted(set(points) | set(rng.sample(range(1, room), n_needles)))
-        slots = sorted(rng.sample(points, n_needles))
+        slots = sorted(rng.sample(points, n_needles)) if not spread else self._spread_slots(rng, points, room, n_needles)
         tokens: list[int] = []
         needles: list[Needle] = []
         prev = 0
@@ -186,6 +189,17 @@ class RecallTask:
             prev = slot
         tokens += hay[prev:]
         return Document(tokens, needles, self.decode(tokens))
+
+    @staticmethod
+    def _spread_slots(rng: random.Random, points: list[int], room: int, n: int) -> list[int]:
+        """One insertion point in each of ``n`` equal parts of ``[0, room)`` (the part's middle
+        when it has no sentence end)."""
+        slots = []
+        for i in range(n):
+            lo, hi = i * room // n, (i + 1) * room // n
+            inside = [p for p in points if lo <= p < hi and p > (slots[-1] if slots else 0)]
+            slots.append(rng.choice(inside) if inside else max((lo + hi) // 2, (slots[-1] + 1) if slots else 1))
+        return slots
 
     def question(self, key: str) -> list[int]:
         ids = self.encode(QUESTION.format(key))

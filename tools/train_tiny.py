@@ -237,7 +237,24 @@ Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU share
 {rows}
 {long_note}
 Reproduce: `python tools/train_tiny.py --eval <this folder>`.
-{tool_section(training)}"""
+{long_prompt_section(training)}{tool_section(training)}"""
+
+
+def long_prompt_section(training: dict) -> str:
+    """The model card's long-prompt rows (measured by bench/quality.py's positioned needles and
+    recorded in training.json's ``long_prompts``: what was measured, at which length, how often)."""
+    rows = training.get("long_prompts")
+    if not rows:
+        return ""
+    lines = "\n".join(f"| {r['tokens']} | {r['what']} | {r['value']} | {r['n']} |" for r in rows)
+    return f"""
+## Long prompts (`bench/quality.py --positions-only`: one needle in each third of a document)
+| tokens | measured | value | needles |
+|---|---|---|---|
+{lines}
+
+{training.get('long_prompts_note', '')}
+"""
 
 
 def tool_section(training: dict) -> str:

@@ -156,6 +156,8 @@ def test_submit_and_generate_read_the_prompt_the_same_way(tmp_path):
         assert prompt_fields(p.parse_args([cmd, "--tokens", "[1, 2]"])) == {"tokens": [1, 2]}
         args = p.parse_args([cmd, "--text", "x", "--keep", "0.3", "--model", "m"])
         assert selection_fields(args) == {"keep": 0.3, "draft_model": "m"}
+        args = p.parse_args([cmd, "--text", "x", "--keep", "0.1", "--follow-chunks", "3"])
+        assert selection_fields(args) == {"keep": 0.1, "follow_chunks": 3}
         with pytest.raises(ValueError, match="exactly one"):
             prompt_fields(p.parse_args([cmd, "--text", "x", "--tokens", "[1]"]))
         with pytest.raises(ValueError, match="--tokens: not valid JSON"):

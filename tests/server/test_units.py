@@ -327,7 +327,18 @@ def test_every_error_has_a_code():
 BAD_OPTIONS = [("keep", 0), ("keep", 1.5), ("threshold", -1), ("tail_tokens", -1), ("chunk_size", 0),
                ("n_lookahead", 300), ("pool_kernel", -1), ("pool_kernel", 5000), ("include_last_query", 5),
                ("full_prefill", 5), ("greedy", 5), ("draft_model", ""), ("draft_model", "x" * 2000),
-               ("draft_model", "a\nb")]
+               ("draft_model", "a\nb"), ("follow_chunks", -1), ("follow_chunks", 65), ("follow_chunks", 1.5)]
+
+
+def test_follow_chunks_is_an_extra_body_field_of_the_job():
+    import fakeredis
+
+    from jobs.client import Client
+
+    body = {"model": "target", "messages": [{"role": "user", "content": "a"}], "follow_chunks": 3, "keep": 0.1}
+    spec = Client(fakeredis.FakeRedis(), Settings()).generate_spec(**chat_fields(parse(ChatCompletionRequest, body)))
+    assert (spec.selection.follow_chunks, spec.selection.keep) == (3, 0.1)
+    assert spec.to_payload()["selection"]["follow_chunks"] == 3
 
 
 @pytest.mark.parametrize("name,bad", BAD_OPTIONS)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specprefill.options import SelectionOptions
+from tests.support.selection_reference import reference_selection
 from specprefill.selection import (
     Selection,
     admission_reason,
@@ -168,6 +169,10 @@ def test_ranges_round_trip():
         (dict(threshold=-1), "threshold"),
         (dict(threshold=1.5), "threshold"),
         (dict(protected_prefix=-1), "protected_prefix"),
+        (dict(follow_chunks=-1), "follow_chunks"),
+        (dict(follow_chunks=65), "follow_chunks"),
+        (dict(follow_chunks=1.5), "follow_chunks"),
+        (dict(follow_chunks=True), "follow_chunks"),
     ],
 )
 def test_bad_selection_input_names_the_field(kwargs, field):
@@ -215,3 +220,38 @@ def test_keep_effect_says_why_more_was_kept_than_keep_asked():
     sparse = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=64, threshold=0)
     assert keep_effect(3006, 608, sparse) is None
     assert "protected system prefix (1500 tokens)" in keep_effect(3006, 1600, sparse, protected_prefix=1500)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(1, 600),
+    keep=st.sampled_from([0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.9]),
+    chunk_size=st.integers(1, 40),
+    tail_tokens=st.integers(0, 120),
+    follow=st.integers(0, 5),
+    prefix=st.integers(0, 200),
+    seed=st.integers(0, 2**16),
+)
+def test_selection_equals_the_reference_with_and_without_followers(total, keep, chunk_size, tail_tokens, follow,
+                                                                   prefix, seed):
+    # Small integer scores: exact sums and many ties, so the tie rule is checked too.
+    scores = np.random.default_rng(seed).integers(0, 6, total).astype(np.float64)
+    options = SelectionOptions(keep=keep, chunk_size=chunk_size, tail_tokens=tail_tokens, follow_chunks=follow)
+    got = select_chunks(scores, options, protected_prefix=prefix).tolist()
+    assert got == reference_selection(scores, keep, chunk_size, tail_tokens, follow, prefix)
+
+
+def test_followers_keep_the_chunks_after_a_peak_within_the_same_budget():
+    scores = np.zeros(32 * 40)
+    scores[10 * 32:11 * 32] = 5.0   # the peak: chunk 10 (a marker line)
+    scores[20 * 32:21 * 32] = 1.0   # a weaker one: chunk 20
+    default = SelectionOptions(keep=0.1, chunk_size=32, tail_tokens=32)  # 4 chunks, the tail first
+    follow = SelectionOptions(keep=0.1, chunk_size=32, tail_tokens=32, follow_chunks=2)
+    assert chunks_of(select_chunks(scores, default), 0, 32) == [0, 10, 20, 39]
+    # Followers count against keep: the peak and its 2 followers take the whole ranked budget.
+    assert chunks_of(select_chunks(scores, follow), 0, 32) == [10, 11, 12, 39]
+    assert select_chunks(scores, follow).size == select_chunks(scores, default).size
+    # Followers stop at the tail: a peak just before it keeps no tail chunk twice.
+    near_tail = np.zeros(32 * 40)
+    near_tail[38 * 32:39 * 32] = 5.0
+    assert chunks_of(select_chunks(near_tail, follow), 0, 32) == [0, 1, 38, 39]
