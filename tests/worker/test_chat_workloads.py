@@ -18,7 +18,7 @@ from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
-from specprefill import sparse
+from tests.support.first_logits import record_decode_logits
 from specprefill.profile import profile_model
 from specprefill.sparse import full_prefill
 import tests.support.families as F
@@ -423,14 +423,7 @@ def test_a_target_store_that_cannot_be_made_is_a_miss():
 def test_restored_job_logits_are_bit_equal_to_a_job_that_prefilled_the_prefix(monkeypatch, keep):
     """Every job prefills its system prefix in block steps, so a restored block holds exactly
     what the restoring job would have computed: the first logits agree bit for bit."""
-    seen = []
-    decode = sparse.generate_tokens
-
-    def recording(model, logits, *a, **k):
-        seen.append(np.array(logits))
-        return decode(model, logits, *a, **k)
-
-    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    seen = record_decode_logits(monkeypatch)
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, keep=keep)
     run(rt, "a", messages=chat(0), **GREEDY)
@@ -488,14 +481,7 @@ def test_a_hybrid_target_restores_to_a_checkpoint_and_equals_a_cold_job(monkeypa
     prefix's end, the prompt's last full block): the next turn, and a job sharing only the
     system prompt, restore up to the last checkpoint they reach, and their first logits are a
     cold job's bit for bit (the same block steps), plain and sparse."""
-    seen = []
-    decode = sparse.generate_tokens
-
-    def recording(model, logits, *a, **k):
-        seen.append(np.array(logits))
-        return decode(model, logits, *a, **k)
-
-    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    seen = record_decode_logits(monkeypatch)
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, family=family, keep=1.0)
     plain = dict(GREEDY, full_prefill=True)

@@ -20,7 +20,7 @@ from jobs.layout import regions
 from jobs.results import GenerateResult
 from jobs.progress import ProgressPublisher
 from jobs.spec import JobSpecError, build_spec, payload_kind
-from specprefill import sparse
+from tests.support.first_logits import record_decode_logits
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
 from worker import target_prefill
 from worker.context import JobContext
@@ -77,16 +77,9 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
 
 
 def test_a_healed_turn_equals_a_full_prefill(monkeypatch):
-    seen = []
-    decode = sparse.generate_tokens
-
-    def recording(model, logits, *a, **k):
-        seen.append(np.array(logits))
-        return decode(model, logits, *a, **k)
-
     r = fakeredis.FakeRedis()
     rt, messages, first, healed = sparse_turn_and_heal(r)
-    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    seen = record_decode_logits(monkeypatch)
     turn2 = next_turn(first, messages)
     second = run(rt, "t2", messages=turn2, **GREEDY)
     fresh, _ = runtime(**SPARSE)
@@ -263,18 +256,11 @@ def test_a_hybrid_target_heals_and_the_next_turn_equals_a_cold_job(monkeypatch, 
     """A hybrid target's heal records its recurrent state at its end (a checkpoint): the next
     turn restores the healed prefix, and its first logits are a cold job's bit for bit (both
     prefill up to the prompt's last full block in the same block steps)."""
-    seen = []
-    decode = sparse.generate_tokens
-
-    def recording(model, logits, *a, **k):
-        seen.append(np.array(logits))
-        return decode(model, logits, *a, **k)
-
     r = fakeredis.FakeRedis()
     rt, messages, first, healed = sparse_turn_and_heal(r, family=family)
     assert "reason" not in healed and healed["healed"] > 0 and healed["blocks_written"] > 0
     assert healed["stored"] == healed["total"] // 16 * 16 > healed["restored"]
-    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    seen = record_decode_logits(monkeypatch)
     turn2 = next_turn(first, messages)
     second = run(rt, "t2", messages=turn2, **GREEDY)
     fresh, _ = runtime(family=family, **SPARSE)
@@ -438,14 +424,7 @@ def test_a_fully_stored_block_aligned_conversation_is_restored_not_healed_again(
     handle = Client(r, rt.settings, queue_name=HEAL_QUEUE).submit(again)
     out = run_heal(rt, handle.id)
     assert out["reason"] == "already stored" and out["healed"] == 0 and out["blocks_written"] == 0
-    seen = []
-    decode = sparse.generate_tokens
-
-    def recording(model, logits, *a, **k):
-        seen.append(np.array(logits))
-        return decode(model, logits, *a, **k)
-
-    monkeypatch.setattr(sparse, "generate_tokens", recording)
+    seen = record_decode_logits(monkeypatch)
     turn = run(rt, "whole", tokens=tokens, **GREEDY)
     t = turn.target_tokens
     assert t["restored"] == stored - 1 and t["prefilled_full"] == 1 and t["prefilled_sparse"] == 0
