@@ -92,6 +92,11 @@ class Chain:
         assert n == self.n_tokens, n
         mx.eval([c.state[:2] for c in cache])
 
+    def measure(self, store: BlockDraftCache, client) -> None:
+        """The chain's stored size (its first block's value length × blocks), for the GB/s rows."""
+        key = store.raw_store.block_keys(self.tokens[:1 + BLOCK])[0]
+        self.n_bytes = client.strlen(key) * (self.n_tokens // BLOCK)
+
     def write(self, store: BlockDraftCache) -> None:
         written = store.store(self.tokens, self.cache)
         assert written == self.n_tokens // BLOCK, written
@@ -145,8 +150,7 @@ def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
                 store_times[name] = min(store_times[name], best_of(lambda s=store: chain.write(s), 1, flushes[name]))
         fetches = paired_rounds({name: (lambda s=store: chain.fetch(s)) for name, store in stores.items()},
                                 opts.fetch_rounds)
-        key = stores["one Redis"].raw_store.block_keys(chain.tokens[:1 + BLOCK])[0]
-        chain.n_bytes = clients["one Redis"].strlen(key) * (chain.n_tokens // BLOCK)
+        chain.measure(stores["one Redis"], clients["one Redis"])
         BOOKKEEPING.flush()  # the fetches' counters, before the servers go
         for c in clients.values():
             c.close()
@@ -198,6 +202,7 @@ def bench_local_tier(chain: Chain, opts: argparse.Namespace) -> tuple[list, list
             client = cache_connection(Settings(redis_url=server.url, cache_redis_url=server.unix_url))
             shared = chain.store(client)
             chain.write(shared)
+            chain.measure(shared, client)
             tiers = {"plain files": LocalTier(folder / "files", 8 << 30)}
             if importlib.util.find_spec("diskcache") is not None:
                 tiers["diskcache"] = DiskcacheTier(folder / "diskcache", 8 << 30)
