@@ -81,11 +81,6 @@ def queue_stats(connection: redis.Redis, settings: Settings) -> list[QueueStats]
     return out
 
 
-def queue_depth(connection: redis.Redis, queue_name: str) -> int:
-    """Jobs waiting in one queue (one LLEN)."""
-    return int(connection.llen(Queue(queue_name, connection=connection).key))
-
-
 @dataclass
 class WorkerInfo:
     """One registered RQ worker and the models it advertises."""
