@@ -59,7 +59,7 @@ def test_job_view_shows_what_the_job_kept_without_running_the_model(stack, page)
     store" figure is the restored band's length."""
     client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
     system, text = words(300, seed=91), words(700, seed=90)
-    ask = lambda doc: client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2}, messages=[  # noqa: E731
+    ask = lambda doc: client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2, "follow_chunks": 2}, messages=[  # noqa: E731
         {"role": "system", "content": system}, {"role": "user", "content": doc}])
     ask(words(700, seed=92))  # stores the system prefix
     r = ask(text)
@@ -149,7 +149,8 @@ def test_overview_lists_the_worker(stack, page):
 
 def test_job_view_shows_target_tokens_and_the_heal(stack, page):
     """A generate job's page says how its target tokens came (restored / healed / full / sparse)
-    and what became of its heal; a heal job's page says what it heals, for which job."""
+    and what became of its heal (and the options it ran with, follow_chunks among them); a heal
+    job's page says what it heals, for which job."""
     import redis as redis_py
 
     from jobs.client import Client
@@ -157,7 +158,7 @@ def test_job_view_shows_target_tokens_and_the_heal(stack, page):
     from jobs.settings import Settings
 
     client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
-    r = client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2}, messages=[
+    r = client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2, "follow_chunks": 2}, messages=[
         {"role": "system", "content": words(300, seed=81)}, {"role": "user", "content": words(700, seed=82)}])
     info = r.model_extra["specprefill"]
     t = info["target_tokens"]
@@ -167,6 +168,7 @@ def test_job_view_shows_target_tokens_and_the_heal(stack, page):
     assert [shown.get_attribute(f"data-{k}") for k in ("restored", "healed", "full", "sparse")] == [
         str(t.get(k, 0)) for k in ("restored", "healed", "prefilled_full", "prefilled_sparse")]
     assert page.locator("#heal-state").inner_text() == info["heal"]["reason"]
+    assert "keep 0.2, chunk 32, follow 2," in page.locator("#job-options").inner_text()  # the option it ran with
     settings = Settings(redis_url=stack.redis_url)
     heal = HealSpec(TARGET, tuple(range(5, 300)), source_job=info["job_id"])
     handle = Client(redis_py.Redis.from_url(stack.redis_url), settings,

@@ -222,7 +222,8 @@ function summary(view) {
       ["target tokens", targetTokens(r)], ["heal", healState(r)]);
   }
   items.push(["draft, from the block store", r ? `${r.cached_tokens} tokens` + (r.memo_hit ? " (memo hit)" : "") : ""],
-    ["options", `keep ${o.keep}, chunk ${o.chunk_size}, tail ${o.tail_tokens}, threshold ${o.threshold}`],
+    ["options", el("span", { id: "job-options", text: `keep ${o.keep}, chunk ${o.chunk_size}` +
+      (o.follow_chunks ? `, follow ${o.follow_chunks}` : "") + `, tail ${o.tail_tokens}, threshold ${o.threshold}` })],
     ["draft model", o.draft_model], ["worker", view.worker || ""]);
   if (r && r.ttft_s !== undefined) items.push(["TTFT", r.ttft_s.toFixed(3) + " s"], ["target model", o.target_model]);
   return el("dl", { class: "summary" }, items.map(([k, v]) => [el("dt", { text: k }), el("dd", {}, v)]));
