@@ -205,13 +205,21 @@ def job_record(connection: redis.Redis, job_id: str, settings: Settings) -> JobR
 def recent_jobs(connection: redis.Redis, settings: Settings, limit: int = 20) -> list[str]:
     """Ids of the most recently finished and failed jobs (of the node queues routing sends jobs
     to, and heal jobs, too), newest first."""
-    out: list[tuple[float, str]] = []
+    candidates: list[tuple[float, str]] = []
     for name in (*settings.queues, *node_queues_of(connection, settings.queues), *settings.heal_queues):
         q = Queue(name, connection=connection, serializer=JSONSerializer)
         for reg in (q.finished_job_registry, q.failed_job_registry):
             for jid, score in connection.zrevrange(reg.key, 0, limit - 1, withscores=True):
-                out.append((score, as_text(jid)))
-    return [jid for _, jid in sorted(out, reverse=True)[:limit]]
+                candidates.append((score, as_text(jid)))
+    # A registry's score is its entry's expiry in whole seconds (end + result or failure TTL): two
+    # jobs ending in one second tie, and a failed job's longer TTL ranks it newer. RQ's ended_at
+    # (microseconds, one format) orders them; the score only where a job hash is gone.
+    with connection.pipeline(transaction=False) as pipe:
+        for _, jid in candidates:
+            pipe.hget(Job.key_for(jid), "ended_at")
+        ended = [as_text(e) if e else "" for e in pipe.execute()]
+    ranked = sorted(zip(ended, candidates), key=lambda item: (item[0], item[1][0]), reverse=True)
+    return [jid for _, (_, jid) in ranked[:limit]]
 
 
 LABEL_WORDS = 8  # the recent-jobs list names a job by its input's first words

@@ -40,3 +40,23 @@ def test_a_chat_job_is_named_by_its_last_user_message():
     assert input_label(spec) == "look up the fox"
     assert input_label(build_spec(S, messages=[{"role": "system", "content": "only a system prompt"},
                                                {"role": "assistant", "content": "hi"}])) == "hi"
+
+
+def test_recent_jobs_are_ordered_by_when_they_ended_not_by_registry_expiry():
+    """RQ's registries score an entry by its expiry in whole seconds: two jobs ending within one
+    second tie (and then sorted by id), and a failed job's longer TTL made it look newest."""
+    from rq import Queue
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    from jobs.inspect import recent_jobs
+
+    r = fakeredis.FakeRedis()
+    q = Queue(S.queues[0], connection=r, serializer=JSONSerializer)
+    ended = {"zz-first": "2026-12-02T06:10:22.100000Z", "aa-second": "2026-12-02T06:10:22.900000Z",
+             "mm-failed-earlier": "2026-12-02T06:10:20.000000Z"}
+    for jid, at in ended.items():
+        r.hset(Job.key_for(jid), mapping={"ended_at": at})
+    r.zadd(q.finished_job_registry.key, {"zz-first": 1_800_000_000, "aa-second": 1_800_000_000})  # one second
+    r.zadd(q.failed_job_registry.key, {"mm-failed-earlier": 1_900_000_000})  # a longer failure TTL
+    assert recent_jobs(r, S) == ["aa-second", "zz-first", "mm-failed-earlier"]

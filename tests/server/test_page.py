@@ -91,7 +91,7 @@ def test_job_view_shows_what_the_job_kept_without_running_the_model(stack, page)
 def test_recent_jobs_list_names_each_job_newest_first(stack, page):
     client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)
     firsts = []
-    for seed in (80, 81):
+    for seed in (180, 181):  # seeds no other test uses: labels are a text's first words
         text = words(400, seed=seed)
         firsts.append(" ".join(text.split()[:8]))
         client.chat.completions.create(model=TARGET, max_tokens=2, messages=[{"role": "user", "content": text}])
