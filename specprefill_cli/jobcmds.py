@@ -137,22 +137,29 @@ def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_list(args: argparse.Namespace, settings: Settings) -> int:
     from jobs.inspect import jobs_by_state, listening_workers
+    from jobs.node_queues import node_queues_of
 
     client = _client(args, settings)
     queue = args.queue or client.queue.name
     if args.target:
         return run_status(args, settings)
-    by_state = jobs_by_state(client.connection, queue, limit=args.limit)
-    workers = listening_workers(client.connection, queue)
-    heal = heal_queue_name(queue)  # the heal jobs behind it (worker.heal), listed with it
-    heals = jobs_by_state(client.connection, heal, limit=args.limit) if heal != queue else None
+    conn = client.connection
+    by_state = jobs_by_state(conn, queue, limit=args.limit)
+    workers = listening_workers(conn, queue)
+    # routed jobs wait and run in the node queues of it (jobs.routing), heals behind it (worker.heal)
+    nodes = {name: jobs_by_state(conn, name, limit=args.limit) for name in sorted(node_queues_of(conn, [queue]))}
+    heal = heal_queue_name(queue)
+    heals = jobs_by_state(conn, heal, limit=args.limit) if heal != queue else None
     if args.json:
-        shown = {"queue": queue, "workers": workers, "jobs": by_state}
+        shown = {"queue": queue, "workers": workers, "jobs": by_state,
+                 "node_queues": {name: {"workers": listening_workers(conn, name), "jobs": jobs}
+                                 for name, jobs in nodes.items()}}
         print(json.dumps({**shown, "heal": {"queue": heal, "jobs": heals}} if heals is not None else shown))
         return DONE
     _print_queue(queue, workers, by_state, args.limit)
-    if heals is not None and any(heals.values()):
-        _print_queue(heal, listening_workers(client.connection, heal), heals, args.limit)
+    for name, jobs in [*nodes.items(), *([(heal, heals)] if heals is not None else [])]:
+        if any(jobs.values()):
+            _print_queue(name, listening_workers(conn, name), jobs, args.limit)
     return DONE
 
 

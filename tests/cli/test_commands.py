@@ -138,3 +138,21 @@ def test_cancel_by_id_releases_this_users_hold_and_spares_another_submitters(red
     assert other.status() == "queued"
     res = cli("cancel", job_id, "--force", "--redis-url", redis_url)
     assert res.returncode == 0 and "was queued, now canceled" in res.stdout, res
+
+
+def test_list_shows_the_jobs_routed_to_node_queues(redis_url):
+    """Routing puts a job in ``<queue>@<node>``: ``list`` shows it there (it listed the shared
+    queue and its heal queue only, so a routed job was in no list)."""
+    import redis
+
+    from jobs.client import Client
+    from jobs.settings import Settings
+
+    conn = redis.Redis.from_url(redis_url)
+    settings = Settings(redis_url=redis_url, routing="off")
+    routed = Client(conn, settings, queue_name="specprefill@node-a").submit(text=" ".join(WORDS * 40))
+    listed = json.loads(cli("list", "--json", "--redis-url", redis_url).stdout)
+    assert listed["jobs"]["queued"] == []
+    assert listed["node_queues"]["specprefill@node-a"]["jobs"]["queued"] == [routed.id]
+    text = cli("list", "--redis-url", redis_url).stdout
+    assert "queue specprefill@node-a: 0 workers" in text and routed.id in text
