@@ -1,6 +1,6 @@
 """``GET /v1/models`` and ``/v1/models/{id}`` in Anthropic's format, for a request that carries
-the ``anthropic-version`` header (every Anthropic SDK sends it): a page ``{"data",
-"has_more", "first_id", "last_id"}`` of ``{"type": "model", "id", "display_name",
+the ``anthropic-version`` header (``errors.speaks_anthropic``; every Anthropic SDK sends it): a
+page ``{"data", "has_more", "first_id", "last_id"}`` of ``{"type": "model", "id", "display_name",
 "created_at", ...}`` entries, with Anthropic's cursors (``after_id``, ``before_id``) and
 ``limit`` (1-1000, 20 by default). The entries are the OpenAI listing's (the models a live
 worker serves), in its order.
@@ -12,13 +12,7 @@ from typing import Any, Mapping
 
 from specprefill_server.errors import APIError
 
-VERSION_HEADER = "anthropic-version"
 LIMIT_DEFAULT, LIMIT_MAX = 20, 1000  # Anthropic's
-
-
-def wants_anthropic(headers: Mapping[str, str]) -> bool:
-    """Whether a models request asks for Anthropic's format."""
-    return VERSION_HEADER in headers
 
 
 def model_info(entry: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from specprefill_server.batch import api as batch_api
 from specprefill_server.web import routes as web
 from specprefill_server.batch.store import BatchStore
 from specprefill_server.batch.machine import BatchService
-from specprefill_server.errors import EXCEPTION_HANDLERS, APIError, http_exception_handler
+from specprefill_server.errors import EXCEPTION_HANDLERS, http_exception_handler, speaks_anthropic
 from specprefill_server.health import Probes
 from specprefill_server.metrics import ServerMetrics
 from specprefill_server.middleware import APIKeyMiddleware, MetricsMiddleware
@@ -44,28 +44,22 @@ log = logging.getLogger(__name__)
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models``: OpenAI's list, or Anthropic's page with the ``anthropic-version`` header."""
+    """``GET /v1/models``: OpenAI's list, or Anthropic's page with the ``anthropic-version`` header
+    (its errors then in Anthropic's shape too: ``errors.speaks_anthropic``)."""
     svc = state(request)
     listing = await svc.runner.call(models_list, svc)
-    if not anthropic_models.wants_anthropic(request.headers):
-        return JSONResponse(listing)
-    try:
-        return JSONResponse(anthropic_models.models_page(listing, request.query_params))
-    except APIError as exc:  # in Anthropic's error shape, as its SDK reads it
-        return JSONResponse(exc.anthropic_body(), status_code=exc.status)
+    if speaks_anthropic(request.url.path, request.headers):
+        listing = anthropic_models.models_page(listing, request.query_params)
+    return JSONResponse(listing)
 
 
 async def get_model(request: Request) -> Response:
     """``GET /v1/models/{id}`` (ids may hold a ``/``: hub ids); 404 ``model_not_found``;
     Anthropic's ModelInfo (and error shape) with the ``anthropic-version`` header."""
     svc = state(request)
-    if not anthropic_models.wants_anthropic(request.headers):
-        return JSONResponse(await svc.runner.call(model_entry, svc, request.path_params["model_id"]))
-    try:
-        entry = await svc.runner.call(model_entry, svc, request.path_params["model_id"])
-    except APIError as exc:
-        return JSONResponse(exc.anthropic_body(), status_code=exc.status)
-    return JSONResponse(anthropic_models.model_info(entry))
+    entry = await svc.runner.call(model_entry, svc, request.path_params["model_id"])
+    anthropic = speaks_anthropic(request.url.path, request.headers)
+    return JSONResponse(anthropic_models.model_info(entry) if anthropic else entry)
 
 
 async def metrics(request: Request) -> Response:

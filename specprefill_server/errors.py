@@ -9,7 +9,7 @@ Every error carries a ``code`` (the table in docs/http.md); one not given is the
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Mapping
 
 import redis
 from starlette.requests import Request
@@ -32,6 +32,8 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 ANTHROPIC_PATHS = ("/v1/messages",)
+# Shared paths answered in Anthropic's format when a request carries its SDK's version header.
+ANTHROPIC_VERSION_HEADER, ANTHROPIC_WHEN_ASKED_PATHS = "anthropic-version", ("/v1/models",)
 # The context guard: a prompt (plus max_tokens) longer than the draft's or the target's window.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -56,10 +58,19 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message, "code": self.code,
                                            "param": self.param}}
 
-    def response(self, path: str = "") -> JSONResponse:
-        """The error as a response, in Anthropic's shape on its paths."""
-        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+    def response(self, path: str = "", headers: Mapping[str, str] | None = None) -> JSONResponse:
+        """The error as a response, in Anthropic's shape where the request speaks it
+        (:func:`speaks_anthropic`)."""
+        body = self.anthropic_body() if speaks_anthropic(path, headers or {}) else self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def speaks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether a request to ``path`` gets Anthropic's shapes: on Anthropic's paths, and on the
+    shared models paths when it carries the ``anthropic-version`` header (every Anthropic SDK
+    sends it)."""
+    return path.startswith(ANTHROPIC_PATHS) or (path.startswith(ANTHROPIC_WHEN_ASKED_PATHS)
+                                                and ANTHROPIC_VERSION_HEADER in headers)
 
 
 def field_of(message: str) -> str | None:
@@ -139,15 +150,15 @@ def from_job_failure(status: str, error: str) -> APIError:
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response(request.url.path)
+    return exc.response(request.url.path, request.headers)
 
 
 async def spec_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return from_spec_error(exc, request.url.path).response(request.url.path)  # type: ignore[arg-type]
+    return from_spec_error(exc, request.url.path).response(request.url.path, request.headers)  # type: ignore[arg-type]
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    return redis_down(exc).response(request.url.path)
+    return redis_down(exc).response(request.url.path, request.headers)
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -156,7 +167,8 @@ async def http_exception_handler(request: Request, exc: Exception) -> JSONRespon
     message = {404: f"no route {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(
         status, str(getattr(exc, "detail", "")) or "error")
-    return APIError(status, message, code="unknown_url" if status == 404 else None).response(request.url.path)
+    return APIError(status, message, code="unknown_url" if status == 404 else None).response(
+        request.url.path, request.headers)
 
 
 EXCEPTION_HANDLERS = {

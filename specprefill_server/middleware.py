@@ -5,6 +5,7 @@ import hmac
 import time
 from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specprefill_server.errors import APIError
@@ -46,7 +47,7 @@ class APIKeyMiddleware:
                 and not self._allowed(_bearer(scope))):
             err = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY, or "
                            "x-api-key: KEY)", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await err.response(scope["path"])(scope, receive, send)
+            await err.response(scope["path"], Headers(scope=scope))(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
