@@ -21,7 +21,7 @@ from rq.utils import utcparse
 
 from cache_store.replies import as_text
 from jobs.client import described_name
-from jobs.settings import HEAL_QUEUE_SUFFIX, Settings
+from jobs.settings import Settings, is_heal_queue
 from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.node_queues import node_queues_of
 from jobs.spec import JobSpec, spec_from_payload
@@ -58,7 +58,7 @@ class QueueStats:
 def queue_kind(name: str) -> str:
     """What a queue of the deployment is: ``heal`` (behind a user queue), ``node`` (one node's
     routed jobs, ``<queue>@<node>``) or ``shared``."""
-    if name.endswith(HEAL_QUEUE_SUFFIX):
+    if is_heal_queue(name):
         return "heal"
     return "node" if "@" in name else "shared"
 

@@ -296,11 +296,16 @@ class Settings:
 HEAL_QUEUE_SUFFIX = "-heal"
 
 
+def is_heal_queue(queue: str | None) -> bool:
+    """Whether ``queue`` is a heal queue (its jobs are heals, not a user's)."""
+    return (queue or "").endswith(HEAL_QUEUE_SUFFIX)
+
+
 def heal_queue_name(queue: str) -> str:
     """The heal queue behind user queue ``queue``. A node queue's (``<queue>@<node>``, jobs.routing)
     is its shared queue's: any node may heal, the blocks go to the shared store, and a heal
     queue of a node nobody listens on would strand its heals."""
-    if queue.endswith(HEAL_QUEUE_SUFFIX):
+    if is_heal_queue(queue):
         return queue
     return queue.partition("@")[0] + HEAL_QUEUE_SUFFIX
 

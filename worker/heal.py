@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from jobs.heal import HealSpec
 from jobs.keys import healing_key
-from jobs.settings import HEAL_QUEUE_SUFFIX, heal_queue_name
+from jobs.settings import heal_queue_name, is_heal_queue
 from jobs.spec import JobSpec
 from worker import target_prefill
 from worker.context import JobContext
@@ -93,7 +93,7 @@ def user_job_ahead(ctx: JobContext) -> str | None:
     share its cores). One round trip: an LLEN per queue and the node's busy set."""
     from rq import Queue
 
-    queues = [q for q in ctx.runtime.listen_queues or ctx.settings.queues if not q.endswith(HEAL_QUEUE_SUFFIX)]
+    queues = [q for q in ctx.runtime.listen_queues or ctx.settings.queues if not is_heal_queue(q)]
     conn = ctx.runtime.connection
     with conn.pipeline(transaction=False) as pipe:
         for name in queues:
@@ -126,10 +126,10 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
                 "reason": "already stored"}
     # A hybrid target's blocks are restorable up to a checkpoint only: the heal's end is one,
     # and so is where it yields (added when it does), or its continuation restores less.
-    rec = prefix.recorder(end)
-    cache, stored_to, yielded = _prefill_blocks(ctx, target, prefix, tokens, restored_cache, restored, end, rec)
+    rec, board = prefix.recorder(end), _Board(ctx, prefix, tokens, restored, end)
+    cache, stored_to, yielded = _prefill_blocks(ctx, target, board, tokens, restored_cache, restored, end, rec)
     written = prefix.save(tokens, cache, stored_to, rec) if stored_to > restored else 0
-    _Board(ctx, prefix, tokens, restored, end).clear()  # stored: a waiting turn restores it now
+    board.clear()  # stored: a waiting turn restores it now
     if rec is not None:
         stored_to = max(restored, min(stored_to, max(rec.states, default=0)))
     if written:
@@ -145,10 +145,10 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
     return result
 
 
-def _prefill_blocks(ctx: JobContext, target: LoadedModel, prefix: TargetPrefixCache, tokens: list[int],
+def _prefill_blocks(ctx: JobContext, target: LoadedModel, board: "_Board", tokens: list[int],
                     cache: list | None, start: int, end: int, rec: Any = None) -> tuple[list | None, int, str | None]:
     """Prefill ``tokens[start:end]`` one block at a time on top of ``cache`` (each step handed to
-    the block recorder ``rec``, if any); stop early after a block when a user job waits or runs
+    the block recorder ``rec``, if any; where it stands published on ``board``); stop early after a block when a user job waits or runs
     on this node (:func:`user_job_ahead`), that block's end then kept as a checkpoint. The cache,
     how far it holds and why it yielded (None: it did not)."""
     block, reporter = ctx.settings.block_size, JobReporter(ctx)
@@ -163,7 +163,6 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, prefix: TargetPrefixCa
                 rec.keep_state = _with_checkpoint(rec.keep_state, hi)
             rec(lo, hi, step_cache)
 
-    board = _Board(ctx, prefix, tokens, start, end)
     while pos < end:
         board.announce(pos)
         cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,

@@ -22,7 +22,8 @@ from rq.utils import now, utcformat
 
 from jobs.connection import REDIS_DOWN, side_connection
 from jobs.epoch import EPOCH_REPLIES, add_epoch_reads, epoch_of
-from worker.node_busy import is_user_queue, mark_busy
+from jobs.settings import is_heal_queue
+from worker.node_busy import mark_busy
 from worker.runtime import Claim
 
 
@@ -128,7 +129,7 @@ class Liveness(threading.Thread):
                 claim_ttl = int(w.get_heartbeat_ttl(job))
                 execution.heartbeat(job.started_job_registry, claim_ttl, pipeline=pipe)
                 job.heartbeat(now(), claim_ttl, pipeline=pipe, xx=True)
-                if is_user_queue(job.origin):  # its node's heals keep yielding to it
+                if not is_heal_queue(job.origin):  # its node's heals keep yielding to it
                     mark_busy(pipe, w.runtime.settings, w.name)
             pipe.execute()
         if register:

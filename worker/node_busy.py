@@ -13,14 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from cache_store.replies import as_text
 from jobs.keys import node_busy_key
 from jobs.routing import node_of
-from jobs.settings import HEAL_QUEUE_SUFFIX, Settings
-
-
-def is_user_queue(queue_name: str | None) -> bool:
-    """Whether a job from ``queue_name`` is a user job (a heal queue's are not)."""
-    return not (queue_name or "").endswith(HEAL_QUEUE_SUFFIX)
+from jobs.settings import Settings
 
 
 def mark_busy(pipe: Any, settings: Settings, worker_name: str, now: float | None = None) -> None:
@@ -44,5 +40,5 @@ def add_busy_read(pipe: Any, settings: Settings, now: float | None = None) -> No
 
 def others_busy(reply: Any, worker_name: str | None) -> list[str]:
     """The workers of the read's ``reply`` that run a user job, other than ``worker_name``."""
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in reply or ()]
+    names = [as_text(n) for n in reply or ()]
     return [n for n in names if n != worker_name]

@@ -5,7 +5,7 @@ from typing import Sequence
 
 from jobs.keys import node_queue_name
 from jobs.routing import node_of
-from jobs.settings import HEAL_QUEUE_SUFFIX, Settings, heal_queue_name
+from jobs.settings import Settings, heal_queue_name, is_heal_queue
 
 
 def listen_order(settings: Settings, queues: Sequence[str] | None = None) -> list[str]:
@@ -15,8 +15,8 @@ def listen_order(settings: Settings, queues: Sequence[str] | None = None) -> lis
     only when no user job waits (a heal queue named outright is kept, last). The node queues
     are listened on whatever ``routing`` says, so a submitter may turn it on."""
     given = list(queues or settings.queues)
-    shared = [q for q in given if not q.endswith(HEAL_QUEUE_SUFFIX)]
-    named_heal = [q for q in given if q.endswith(HEAL_QUEUE_SUFFIX)]
+    shared = [q for q in given if not is_heal_queue(q)]
+    named_heal = [q for q in given if is_heal_queue(q)]
     node = node_of(settings)
     behind = [heal_queue_name(q) for q in shared] if settings.heal else []
     return [node_queue_name(q, node) for q in shared] + shared + list(dict.fromkeys(behind + named_heal))

@@ -25,10 +25,11 @@ from rq.utils import now
 from jobs.connection import REDIS_DOWN
 from jobs.log_format import log_context, set_worker
 from jobs.node_queues import rescue_stranded
+from jobs.settings import is_heal_queue
 from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
-from worker.node_busy import is_user_queue, mark_busy, mark_idle
+from worker.node_busy import mark_busy, mark_idle
 from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
@@ -97,7 +98,7 @@ class InProcessWorker(SimpleWorker):
         if not job.timeout or job.timeout < 0:  # never run unbounded (timeout -1 breaks reaping)
             job.timeout = self.runtime.settings.job_timeout_s
         self._execution = execution
-        user = is_user_queue(queue.name)
+        user = not is_heal_queue(queue.name)
         if user:  # heals on this node yield while it runs (worker.node_busy)
             self._mark_busy(True)
         try:
