@@ -156,6 +156,20 @@ def checkpoint_key(namespace: str, fingerprint: str, digest: bytes) -> str:
     return f"{namespace}:kvstate:{fingerprint[:16]}:{checkpoint_digest(digest).hex()}"
 
 
+def tail_digest(fingerprint: str, block_digest: bytes | None, tail_tokens) -> bytes:
+    """The digest naming a partial last block (a *tail*) of fewer than ``block_size`` tokens:
+    ``SHA-256("tail\\0" || the chain digest of the full blocks before it (the fingerprint when
+    there are none) || int32le(tail tokens))``, so it names the whole prefix it ends, its length
+    included, and a tail under a block's key (or a block under a tail's) fails the key check."""
+    parent = bytes.fromhex(fingerprint) if block_digest is None else block_digest
+    return hashlib.sha256(b"tail\0" + parent + token_bytes(tail_tokens)).digest()
+
+
+def tail_key(namespace: str, fingerprint: str, digest: bytes) -> str:
+    """``{namespace}:kvtail:{fingerprint[:16]}:{tail digest}``: the K/V of a prefix's partial last block."""
+    return f"{namespace}:kvtail:{fingerprint[:16]}:{digest.hex()}"
+
+
 def stats_key(namespace: str, fingerprint: str) -> str:
     """The hash holding one model's store and memo counters."""
     return f"{namespace}:kvstats:{fingerprint}"
@@ -179,9 +193,10 @@ def healed_key(namespace: str, fingerprint: str, digest: bytes) -> str:
 
 def key_patterns(namespace: str) -> dict[str, str]:
     """SCAN patterns of what this package writes under ``namespace``: blocks, counters, memo
-    entries, the model names, the layout records, the state checkpoints and the heal marks (every
+    entries, the model names, the layout records, the state checkpoints, the tails and the heal marks (every
     key of the store matches exactly one)."""
-    return {"blocks": f"{namespace}:kv:*", "checkpoints": f"{namespace}:kvstate:*", "stats": stats_key(namespace, "*"),
+    return {"blocks": f"{namespace}:kv:*", "checkpoints": f"{namespace}:kvstate:*", "tails": f"{namespace}:kvtail:*",
+            "stats": stats_key(namespace, "*"),
             "memo": f"{namespace}:memo:*", "models": models_key(namespace),
             "layouts": layout_key(namespace, "*"), "healed": f"{namespace}:healed:*"}
 

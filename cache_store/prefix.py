@@ -3,7 +3,8 @@
 Each block's token arrays are read once, straight into their place in destinations sized
 for the whole chain (:meth:`PrefixAssembler.place`, then :meth:`commit` once the block passed
 its checks); a hybrid model's recurrent state comes from one checkpoint value, the latest the
-chain reaches (:meth:`PrefixAssembler.take_checkpoint`: the prefix then ends there). The destinations come from ``allocate``, so a caller that wants the prefix in
+chain reaches (:meth:`PrefixAssembler.take_checkpoint`: the prefix then ends there); a K/V
+model's prefix may end with a *tail*, a partial last block (:meth:`PrefixAssembler.place_tail`). The destinations come from ``allocate``, so a caller that wants the prefix in
 another library's memory (``specprefill.kv_arrays.MlxDestinations``: mlx arrays) gets it
 there with no copy at all beyond the read.
 """
@@ -30,15 +31,20 @@ class PrefixAssembler:
     """Joins consecutive valid blocks of one chain (placed and committed in prompt order) into one
     prefix, with the recurrent state of a checkpoint it reaches (:meth:`take_checkpoint`)."""
 
-    def __init__(self, block_size: int, n_blocks: int, allocate: Allocate | None = None) -> None:
+    def __init__(self, block_size: int, n_blocks: int, allocate: Allocate | None = None, tail: int = 0) -> None:
+        if not 0 <= tail < block_size:
+            raise ValueError(f"tail: {tail!r} tokens; allowed 0 to {block_size - 1}")
         self.block_size = block_size
         self.capacity = n_blocks  # blocks the destinations are sized for
+        self.tail = tail  # tokens of a partial last block after them the destinations hold room for
         self.n_blocks = 0  # committed (or, after a checkpoint, the blocks it ends)
+        self.tail_committed = False
         self._placed = 0
         self._allocate = allocate or numpy_empty
         self._token_arrays: list[dict[str, np.ndarray]] | None = None
         self._first_layout: BlockLayout | None = None
         self._state: DecodedBlock | None = None  # the checkpoint's state arrays, if read
+        self._tail_layout: BlockLayout | None = None  # the tail's, when no block came before it
 
     @property
     def first_layout(self) -> BlockLayout | None:
@@ -52,7 +58,8 @@ class PrefixAssembler:
             raise ValueError(f"prefix: more than the {self.capacity} blocks it was sized for")
         if self._token_arrays is None:
             self._first_layout = layout
-            self._token_arrays = [{name: self._new(dtype, _joined_shape(shape, self.capacity * self.block_size))
+            room = self.capacity * self.block_size + self.tail
+            self._token_arrays = [{name: self._new(dtype, _joined_shape(shape, room))
                                    for name, dtype, shape in layer if is_token_array(name)} for layer in layout]
         span = slice(self._placed * self.block_size, (self._placed + 1) * self.block_size)
         self._placed += 1
@@ -61,6 +68,33 @@ class PrefixAssembler:
         if state:  # a value holding state arrays too (another writer's): they go to new arrays
             places.update(self.place_checkpoint(layout))
         return places
+
+    def place_tail(self, layout: BlockLayout, state: bool = False) -> Places:
+        """Where the tail's token arrays go (right after the last block, once every block it
+        was sized for is committed); a tail holds no state arrays (``state`` is only whether the
+        reader reads a value's state section: a tail's is empty)."""
+        if not self.tail or self.tail_committed or self.n_blocks != self.capacity:
+            raise ValueError("prefix: a tail follows all the blocks it was sized for, once")
+        if any(not is_token_array(name) for layer in layout for name, _, _ in layer):
+            raise ValueError("prefix: a tail holds token arrays only")
+        if self._token_arrays is None:  # a tail with no block before it
+            self._token_arrays = [{name: self._new(dtype, _joined_shape(shape, self.tail))
+                                   for name, dtype, shape in layer if is_token_array(name)} for layer in layout]
+            self._tail_layout = layout
+        span = slice(self.capacity * self.block_size, self.capacity * self.block_size + self.tail)
+        return {(i, name): destinations[name][:, :, span]
+                for i, destinations in enumerate(self._token_arrays) for name in destinations}
+
+    def commit_tail(self, block: DecodedBlock) -> None:
+        """The tail passed its checks: the prefix ends ``tail`` tokens after its last block."""
+        if self.n_blocks != self.capacity or self.has_state:
+            raise ValueError("prefix: a tail commits after every block, and never after a checkpoint")
+        self.tail_committed = True
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the prefix committed so far (blocks, and the tail if it was committed)."""
+        return self.n_blocks * self.block_size + (self.tail if self.tail_committed else 0)
 
     def place_checkpoint(self, layout: BlockLayout, state: bool = True) -> Places:
         """Where a checkpoint value's arrays go: each state array to a new array of its own."""
@@ -90,10 +124,11 @@ class PrefixAssembler:
     def result(self) -> list[dict[str, RawArray]] | None:
         """Per layer its named arrays: token arrays of the blocks committed, state arrays of the
         checkpoint taken (if any); None if no block was committed."""
-        if not self.n_blocks:
+        n_tokens = self.n_tokens
+        if not n_tokens:
             return None
-        n_tokens = self.n_blocks * self.block_size
-        dtypes = {(i, name): dtype for i, layer in enumerate(self._first_layout) for name, dtype, _ in layer}
+        layout = self._first_layout if self._first_layout is not None else self._tail_layout
+        dtypes = {(i, name): dtype for i, layer in enumerate(layout) for name, dtype, _ in layer}
         out = []
         for i, destinations in enumerate(self._token_arrays):
             arrays = {name: RawArray(dtypes[(i, name)], self._trimmed(dtypes[(i, name)], a, n_tokens))

@@ -27,7 +27,7 @@ from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArra
                     is_token_array, split_layout)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, checkpoint_digest, checkpoint_key, layout_key, models_key,
-                   stats_key)
+                   stats_key, tail_digest, tail_key)
 from .local_tier import LocalTier
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
@@ -51,6 +51,8 @@ REDIS_COUNTERS = (
     "stores",          # store calls that had blocks to write
     "blocks_written",  # blocks written by store (SET NX won)
     "checkpoints_written",  # recurrent-state checkpoints written by store (SET NX won)
+    "tail_hits",       # fetches whose prefix ended with a stored tail (a partial last block)
+    "tails_written",   # tails written by store_tail (SET NX won)
     "bytes_written",
     *MEMO_COUNTERS,    # SelectionMemo lookups, hits, writes and bad entries deleted
 )
@@ -71,6 +73,7 @@ class _FetchTally:
     vanished: int = 0
     holes: int = 0
     corrupt: list[str] = field(default_factory=list)
+    tail: tuple[str, int] | None = None  # the tail restored: its key and tokens
 
 
 class _PlaceFailed(RuntimeError):
@@ -120,12 +123,16 @@ class RedisBlockStore:
     is compared once. ``client`` may be a ``RedisCluster`` (:mod:`cache_store.cluster`).
     ``local``: this node's :class:`cache_store.local_tier.LocalTier`, read first and filled by
     fetches; stores write it at once and Redis behind the job (:class:`cache_store.tiers.TieredValues`).
+    ``tails`` (K/V models only): a fetch also restores a stored *tail*, the partial last block of
+    a prefix :meth:`store_tail` wrote, so a conversation's next turn restores every token of the
+    previous one, not only its full blocks.
     """
 
     def __init__(self, client: redis.Redis, fingerprint: str, *, namespace: str = "specprefill",
                  block_size: int = 256, ttl_s: int = 86400,
                  layout: Sequence[Mapping[str, Any]] | None = None,
-                 model: Mapping[str, str] | None = None, local: LocalTier | None = None) -> None:
+                 model: Mapping[str, str] | None = None, local: LocalTier | None = None,
+                 tails: bool = False) -> None:
         self.client = client
         self._values = SharedValues(client) if local is None else TieredValues(client, local)
         # How results name this model ({"model": identity, "name": ...}): recorded next to
@@ -141,6 +148,8 @@ class RedisBlockStore:
         # recurrent state arrays (None: the model has none, or no layout was given).
         self._layout = None if layout is None else _block_layout(layout, self.block_size)
         self._expected, self._state_expected = split_layout(self._layout) if layout is not None else (None, None)
+        self._layout_entries = layout
+        self.tails = bool(tails) and self._state_expected is None  # a recurrent state has no tail
         # A block's header size, known from the layout: the first read takes exactly the header.
         self._head_bytes = (None if self._expected is None
                             else header_end(self.fingerprint, self.block_size, self._expected))
@@ -181,21 +190,26 @@ class RedisBlockStore:
         # With recurrent state, the prefix can end only at a checkpoint: K/V past the last one
         # reached would be recomputed anyway, so they are not read.
         reach = n_stored if self._state_expected is None else max(checkpoints, default=0)
-        prefix = PrefixAssembler(self.block_size, reach, allocate)
+        tail = self._stored_tail(tokens, digests, reach) if self.tails else None
+        prefix = PrefixAssembler(self.block_size, reach, allocate, tail=tail[0] if tail else 0)
         self._stream_into(prefix, keys[:reach], digests, tally)
+        if tail is not None and prefix.n_blocks == reach:
+            self._read_tail(prefix, *tail, tally)
         if self._state_expected is not None and prefix.n_blocks:
             self._checkpoint_state(prefix, [c for c in checkpoints if c <= prefix.n_blocks], digests, tally)
         # Without a checkpoint's state there is no prefix (never a state of another block).
         usable = self._state_expected is None or prefix.has_state
         layers = self._result(prefix) if usable else None
         n_blocks = prefix.n_blocks if layers is not None else 0
-        tally.hit_keys = keys[:n_blocks] + tally.hit_keys  # the blocks, then the checkpoints read
+        if layers is None:
+            tally.tail = None
+        tally.hit_keys = keys[:n_blocks] + tally.hit_keys  # the blocks, then the checkpoints (or tail) read
         tally.local_hits = self._values.served_locally(keys[:n_blocks])
         tally.missed = len(keys) - n_blocks
         if tally.corrupt:  # rare: deleted now, so no other reader meets them
             self._delete_corrupt(tally.corrupt)
         BOOKKEEPING.submit(lambda: self._record_fetch(tally, n_blocks))
-        return layers, n_blocks * self.block_size
+        return layers, n_blocks * self.block_size + (tally.tail[1] if tally.tail else 0)
 
     def _stored_run(self, keys: list[str], digests: list[bytes], tally: "_FetchTally") -> tuple[int, list[int]]:
         """How many leading ``keys`` are stored and, for a model with recurrent state, after which
@@ -260,9 +274,54 @@ class RedisBlockStore:
                 log.warning("block store: could not read the checkpoint %s: %s", key, exc)
                 return
 
+    def _stored_tail(self, tokens: Sequence[int], digests: list[bytes], n_blocks: int
+                     ) -> tuple[int, str, bytes] | None:
+        """``(tokens, key, digest)`` of the longest stored tail after the first ``n_blocks``
+        blocks of ``tokens`` (never holding its last token), or None; one pipelined round trip
+        over every length that fits (a tail is named by its tokens, so only the right one exists)."""
+        start = n_blocks * self.block_size
+        longest = min(self.block_size - 1, len(tokens) - 1 - start)
+        if longest < 1:
+            return None
+        parent, window = digests[n_blocks - 1] if n_blocks else None, np.asarray(tokens)[start:start + longest]
+        lengths = range(longest, 0, -1)
+        named = [tail_digest(self.fingerprint, parent, window[:m]) for m in lengths]
+        candidates = [(m, tail_key(self.namespace, self.fingerprint, d), d) for m, d in zip(lengths, named)]
+        try:
+            answers = self._values.stored([key for _, key, _ in candidates])
+        except redis.RedisError as exc:
+            log.warning("block store: tail lookup failed, the prefix ends at its blocks: %s", exc)
+            return None
+        return next((c for c, present in zip(candidates, answers) if _yes(present)), None)
+
+    def _read_tail(self, prefix: PrefixAssembler, n_tokens: int, key: str, digest: bytes,
+                   tally: "_FetchTally") -> None:
+        """Read the tail ``key`` after the prefix's blocks; a missing or bad one leaves the prefix at them."""
+        expected = self._tail_layout(prefix, n_tokens)
+        try:
+            with closing(self._values.stream([("GET", key)])) as values:
+                read = self._read(key, digest, next(values), prefix, tally, state=True, place=prefix.place_tail,
+                                  expected=expected, n_tokens=n_tokens)
+                if read is not None and self._commit(key, read, prefix.commit_tail, tally):
+                    tally.tail = (key, n_tokens)
+                    tally.hit_keys.append(key)
+        except redis.RedisError as exc:
+            self.local_counters["fetch_errors"] += 1
+            log.warning("block store: could not read the tail %s: %s", key, exc)
+
+    def _tail_layout(self, prefix: PrefixAssembler, n_tokens: int) -> BlockLayout | None:
+        """What a tail of ``n_tokens`` must hold: this model's layout (or the chain's first block's)
+        with ``n_tokens`` on the token axis; None when neither is known (no layout, no block)."""
+        if self._layout_entries is not None:
+            return split_layout(_block_layout(self._layout_entries, n_tokens))[0]
+        first = prefix.first_layout
+        return None if first is None else tuple(
+            tuple((name, dtype, (*shape[:2], n_tokens, *shape[3:])) for name, dtype, shape in layer)
+            for layer in first)
+
     def _read(self, key: str, digest: bytes, source: Any, prefix: PrefixAssembler, tally: "_FetchTally",
-              state: bool, place: Callable | None = None, expected: BlockLayout | None = None
-              ) -> PendingBlock | None:
+              state: bool, place: Callable | None = None, expected: BlockLayout | None = None,
+              n_tokens: int | None = None) -> PendingBlock | None:
         """The block in ``source`` read into ``prefix``'s places (``place``, default the next
         slot), its checksums pending; None ends the prefix there (gone, failed or corrupt)."""
         if source is None or (not state and source.length == 0):  # gone since the probe (TTL, eviction)
@@ -274,7 +333,7 @@ class RedisBlockStore:
             return None
         tally.bytes_read += source.length
         try:
-            return read_block(source, fingerprint=self.fingerprint, n_tokens=self.block_size, digest=digest,
+            return read_block(source, fingerprint=self.fingerprint, n_tokens=n_tokens or self.block_size, digest=digest,
                               state=state, head_bytes=None if expected is not None else self._head_bytes,
                               place=lambda layout, st: self._place(prefix, layout, st, place or prefix.place,
                                                                    expected))
@@ -344,8 +403,10 @@ class RedisBlockStore:
         bookkeeping thread)."""
         try:
             pipe = self.client.pipeline(transaction=False)
+            tail_tokens = tally.tail[1] if tally.tail else 0
             for field, amount in (("lookups", 1), ("hit_blocks", n_blocks),
-                                  ("hit_tokens", n_blocks * self.block_size),
+                                  ("hit_tokens", n_blocks * self.block_size + tail_tokens),
+                                  ("tail_hits", int(bool(tail_tokens))),
                                   ("local_tier_hit_blocks", tally.local_hits),
                                   ("missed_blocks", tally.missed), ("bytes_read", tally.bytes_read),
                                   ("corrupt_blocks", len(tally.corrupt)), ("vanished_blocks", tally.vanished),
@@ -402,6 +463,37 @@ class RedisBlockStore:
         self._record_store(written, checkpoints, n_bytes)
         return written
 
+    def store_tail(self, tokens: Sequence[int], layers: Sequence[Layer]) -> int:
+        """Write the tail of ``tokens`` (its last ``len(tokens) % block_size`` tokens, after its full
+        blocks) if it is not stored yet: ``layers`` per layer its token arrays holding exactly
+        those tokens. Returns 1 if written, else 0 (stored already, no tail, tails off, or a fault:
+        logged and counted, as every store)."""
+        n = len(np.asarray(tokens))
+        m = n % self.block_size
+        if not self.tails or not m:
+            return 0
+        if any(not is_token_array(name) for layer in layers for name in layer):
+            raise ValueError("tail: token arrays only (a recurrent state has no tail)")
+        digests = block_digests(self.fingerprint, np.asarray(tokens), self.block_size)
+        digest = tail_digest(self.fingerprint, digests[-1] if digests else None, np.asarray(tokens)[n - m:])
+        key = tail_key(self.namespace, self.fingerprint, digest)
+        try:
+            if self._values.present([key], self.ttl_s)[0]:
+                return 0
+            value = encode_block(self.fingerprint, m, layers, digest=digest)
+            result = self._values.write([(key, value)], self.ttl_s)[0]
+        except redis.RedisError as exc:
+            self.local_counters["store_errors"] += 1
+            log.warning("block store: tail store failed: %s", exc)
+            return 0
+        if isinstance(result, Exception) or not result:
+            if isinstance(result, Exception):
+                self.local_counters["store_errors"] += 1
+                log.warning("block store: tail SET failed: %s", result)
+            return 0
+        self._record_store(0, 0, len(value), tails=1)
+        return 1
+
     def _values_of(self, index: int, digest: bytes, layers: Sequence[Layer]) -> list[tuple[str, bytes, list, bool]]:
         """``(key, digest, layers, is a checkpoint)`` of the values one block is stored as: the block (its token
         arrays) and, when its layers hold state arrays, its checkpoint (those)."""
@@ -413,15 +505,16 @@ class RedisBlockStore:
                         True))
         return out
 
-    def _record_store(self, written: int, checkpoints: int, n_bytes: int) -> None:
+    def _record_store(self, written: int, checkpoints: int, n_bytes: int, tails: int = 0) -> None:
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.hincrby(self._stats_key, "stores", 1)
+            if not tails:  # a tail goes with its prefix's blocks: one store
+                pipe.hincrby(self._stats_key, "stores", 1)
             for field, amount in (("blocks_written", written), ("checkpoints_written", checkpoints),
-                                  ("bytes_written", n_bytes)):
+                                  ("tails_written", tails), ("bytes_written", n_bytes)):
                 if amount:
                     pipe.hincrby(self._stats_key, field, amount)
-            if (written or checkpoints) and self._layout is not None:
+            if (written or checkpoints or tails) and self._layout is not None:
                 # what `cache verify` checks this model's blocks and checkpoints against
                 pipe.set(layout_key(self.namespace, self.fingerprint), json.dumps(self._layout), ex=self.ttl_s)
             self._count_stats_failures(pipe.execute(raise_on_error=False))

@@ -30,7 +30,7 @@ from .keys import key_patterns, layout_key, stats_key
 from .memo import decode_entry
 from .replies import as_text
 
-BLOCK_KEY = re.compile(r".*:(?P<kind>kv|kvstate):(?P<fp>[0-9a-f]{16}):(?P<digest>[0-9a-f]{64})")
+BLOCK_KEY = re.compile(r".*:(?P<kind>kv|kvstate|kvtail):(?P<fp>[0-9a-f]{16}):(?P<digest>[0-9a-f]{64})")
 DEFAULT_BATCH = 100
 
 # Delete KEYS[1] only if it still holds ARGV[1] (or is not a string at all).
@@ -94,6 +94,9 @@ def block_problem(key: str, value: Any, layouts: dict[str, Any]) -> tuple[str | 
     recorded = layouts.get(fingerprint)
     if recorded is not None:  # a block holds the token arrays of the model's layout, a checkpoint the rest
         blocks, states = split_layout(recorded)
+        if match["kind"] == "kvtail":  # a tail holds the blocks' arrays for fewer tokens
+            blocks = tuple(tuple((n, d, (*shape[:2], block.n_tokens, *shape[3:])) for n, d, shape in layer)
+                           for layer in blocks)
         if block.layout != (states if match["kind"] == "kvstate" else blocks):
             return "layout", fingerprint
     return None, fingerprint
@@ -125,7 +128,7 @@ def verify_namespace(client: redis.Redis, namespace: str, *, batch: int = DEFAUL
     layouts = _model_layouts(client, namespace)
     for node in primaries(client):
         settle = _Settler(node, client, namespace, fingerprints, report, remove)
-        for keys in (k for kind in ("blocks", "checkpoints") for k in _scan(node, patterns[kind], batch)):
+        for keys in (k for kind in ("blocks", "checkpoints", "tails") for k in _scan(node, patterns[kind], batch)):
             bad = []
             for key, value in zip(keys, _get_many(node, keys)):
                 reason, _ = block_problem(as_text(key), value, layouts)

@@ -70,7 +70,8 @@ class DraftCache(Protocol):
         """Store the full blocks of ``kv_cache`` (which describes ``tokens``) not yet stored;
         ``recorder`` is the ``on_step`` hook the prefill ran with, if any.
 
-        Returns the number of blocks written. Never raises for storage faults.
+        Returns the number of blocks written (the partial last block counts as one, for a raw
+        store that keeps tails). Never raises for storage faults.
         """
         ...
 
@@ -164,6 +165,12 @@ class BlockDraftCache:
         self._metas = layer_metas(fresh) if self._unstorable is None else []
         self._needs_recorder = needs_recorder(self._metas)
 
+    @property
+    def keeps_tails(self) -> bool:
+        """Whether a store also writes (and a fetch restores) the prefix's partial last block: a
+        raw store that keeps tails, and a cache of K/V layers only (sliced from the final cache)."""
+        return bool(getattr(self.raw_store, "tails", False)) and self._unstorable is None and not self._needs_recorder
+
     def recorder(self, tokens: Sequence[int] | None = None, checkpoints: Sequence[int] | None = None) -> Any:
         """The ``on_step`` hook scoring must run with for :meth:`store` to store this model's
         blocks, or None when none is needed (K/V only) or the cache cannot be stored.
@@ -232,6 +239,8 @@ class BlockDraftCache:
         return cache
 
     def store(self, tokens: Sequence[int], kv_cache: list[Any], recorder: Any = None) -> int:
+        """Store the blocks of ``tokens`` the cache holds (and, for a raw store that keeps tails,
+        their partial last block); values written (blocks, and the tail)."""
         started, refused = time.perf_counter(), self.local_counters["unsupported_stores"]
         written = self._store(tokens, kv_cache, recorder)
         if self.on_store is not None:
@@ -256,10 +265,28 @@ class BlockDraftCache:
                 blocks = _checkpointed(blocks, checkpoint_ends(n_tokens, self.block_size, self.checkpoint_blocks))
         else:  # K/V only: the blocks are slices of the cache, as far as it holds the tokens
             held = min((int(c.offset) for c in kv_cache if hasattr(c, "offset")), default=n_tokens)
-            blocks = sliced_blocks(kv_cache, min(n_tokens, held), self.block_size)
+            n_tokens = min(n_tokens, held)
+            blocks = sliced_blocks(kv_cache, n_tokens, self.block_size)
+            written = self.raw_store.store_blocks(tokens, _raw_blocks(blocks)) if blocks else 0
+            return written + self._store_tail(tokens[:n_tokens], kv_cache)
         if not blocks:
             return 0
         return self.raw_store.store_blocks(tokens, _raw_blocks(blocks))
+
+    def _store_tail(self, tokens: Sequence[int], kv_cache: list[Any]) -> int:
+        """The partial last block of ``tokens`` (K/V layers), for a raw store that keeps tails: 1 if written."""
+        from specprefill.attention.caches import sliced_tail
+
+        if not self.keeps_tails or not len(tokens) % self.block_size:
+            return 0
+        try:
+            (_, layers), = _raw_blocks([(len(tokens), sliced_tail(kv_cache, len(tokens), self.block_size))])
+            return self.raw_store.store_tail(list(tokens), layers)
+        except Exception as exc:  # storage is best effort; the full blocks are stored apart
+            self.local_counters["stream_errors"] += 1
+            log.warning("draft cache: could not store the tail of %d tokens: %s: %s", len(tokens),
+                        type(exc).__name__, exc)
+            return 0
 
     def _unsupported(self, reason: str) -> int:
         if not self.local_counters["unsupported_stores"]:

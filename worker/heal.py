@@ -120,7 +120,8 @@ def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
     if prefix is None:
         return {**result, "healed": 0, "restored": 0, "reason": "no target prefix store on this worker"}
     restored_cache, restored = prefix.restore(tokens)
-    end = len(tokens) // ctx.settings.block_size * ctx.settings.block_size
+    # Every token when the store keeps tails (K/V targets), else up to the last full block.
+    end = len(tokens) if prefix.keeps_tails else len(tokens) // ctx.settings.block_size * ctx.settings.block_size
     if prefix.stored_all:  # every block is stored already (another heal, or a plain prefill)
         return {**result, "restored": len(tokens), "healed": 0, "blocks_written": 0, "stored": len(tokens),
                 "reason": "already stored"}
@@ -165,10 +166,11 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, board: "_Board", token
 
     while pos < end:
         board.announce(pos)
-        cache = target_prefill.prefill_prefix(target.model, tokens, cache, pos + block, block_size=block,
+        stop = min(end, (pos // block + 1) * block)  # block ends (a restored tail, the heal's own: partial)
+        cache = target_prefill.prefill_prefix(target.model, tokens, cache, stop, block_size=block,
                                               progress=reporter.begin(), kv_bits=bits, kv_group_size=group,
                                               on_step=step)
-        pos += block
+        pos = stop
         ctx.publisher.progress("heal", pos, end)
         if waiting:
             log.info("heal %s: %s; stored to %d of %d tokens, continuing later",

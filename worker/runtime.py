@@ -68,24 +68,29 @@ def _block_store(client: redis.Redis, loaded: LoadedModel, s: Settings, role: st
                    else _target_fingerprint(loaded, fresh, kv, s.block_size))
     return wire_block_store(client, model, fresh, fingerprint, namespace=s.namespace, block_size=s.block_size,
                             ttl_s=s.block_ttl_s, label={"model": loaded.identity, "name": loaded.name, "role": role},
-                            local=local_tier(s), checkpoint_blocks=s.state_checkpoint_blocks, **callbacks)
+                            local=local_tier(s), checkpoint_blocks=s.state_checkpoint_blocks,
+                            tails=role == "target", **callbacks)
 
 
 def wire_block_store(client: redis.Redis, model: Any, fresh: Callable[[], list], fingerprint: str, *,
                      namespace: str, block_size: int, ttl_s: int, label: dict[str, str] | None = None,
                      local: Any = None, on_fetch: Callable[..., None] | None = None,
-                     on_store: Callable[..., None] | None = None, checkpoint_blocks: int | None = None) -> Any:
+                     on_store: Callable[..., None] | None = None, checkpoint_blocks: int | None = None,
+                     tails: bool = False) -> Any:
     """The one wiring of a block store (the worker's, and every test's and benchmark's): the Redis
     block store under ``fingerprint``, which rejects blocks of another layout than ``model``'s
     as corrupt, with this node's local tier (``local``, None: none) in front, behind the cache <->
     raw-arrays adapter for the caches ``fresh()`` makes. ``label``: how results name the model
     (``cache stats`` shows it, metrics label by name and role). ``checkpoint_blocks``: blocks
-    between recurrent-state checkpoints (None: ``BlockDraftCache``'s default)."""
+    between recurrent-state checkpoints (None: ``BlockDraftCache``'s default). ``tails``: the store
+    also keeps each stored prefix's partial last block (the target's: a conversation's next turn
+    restores every token of the last one; a draft's prompts are scored whole, so it keeps none)."""
     from cache_store import RedisBlockStore
     from specprefill.draft_cache import BlockDraftCache
 
     raw_store = RedisBlockStore(client, fingerprint, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
-                                layout=_block_layout(fingerprint, model, fresh), model=label, local=local)
+                                layout=_block_layout(fingerprint, model, fresh), model=label, local=local,
+                                tails=tails)
     every = {} if checkpoint_blocks is None else {"checkpoint_blocks": checkpoint_blocks}
     return BlockDraftCache(raw_store, fresh, on_fetch=on_fetch, on_store=on_store, **every)
 

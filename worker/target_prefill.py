@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the worker imports no mlx until a job needs it
 def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end: int, *,
                    block_size: int, progress: Progress, kv_bits: int | None = None,
                    kv_group_size: int = 64, on_step: Any = None) -> list | None:
-    """``kv_cache`` (a restored prefix of whole blocks, or None) extended to the first ``end``
+    """``kv_cache`` (a restored prefix: whole blocks and maybe a tail, or None) extended to the first ``end``
     tokens in steps that end at block boundaries; None when there is nothing to prefill.
 
     Every job computes its prompt's prefix in the same steps, so the KV of a restored block is
@@ -34,8 +34,15 @@ def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end
         return kv_cache
     quant = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     if on_step is None:
-        _, cache, _ = full_prefill(model, tokens[:end], kv_cache=kv_cache, prefill_step=block_size,
-                                   progress=progress, **quant)
+        cache, done = kv_cache, start
+        if start % block_size:  # a restored tail: first to the next block end, so later steps end on them
+            done = min(end, (start // block_size + 1) * block_size)
+            _, cache, _ = full_prefill(model, tokens[:done], kv_cache=cache, prefill_step=block_size,
+                                       progress=lambda d, t, phase: progress(d, end - start, phase), **quant)
+        if done < end:
+            _, cache, _ = full_prefill(model, tokens[:end], kv_cache=cache, prefill_step=block_size,
+                                       progress=lambda d, t, phase: progress(done - start + d, end - start, phase),
+                                       **quant)
         return cache
     cache, done = kv_cache, start
     while done < end:  # one block step at a time, each handed to on_step

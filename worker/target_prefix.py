@@ -172,23 +172,35 @@ class TargetPrefixCache:
         self.timings["target_store"] = self.timings.get("target_store", 0.0) + time.perf_counter() - t
         return self.blocks_written
 
+    @property
+    def keeps_tails(self) -> bool:
+        """Whether a stored prefix keeps its partial last block (a K/V target's store does: a
+        heal then prefills and stores every token, not only its full blocks)."""
+        return bool(getattr(self.store, "keeps_tails", False))
+
     # ---- heal marks: which stored blocks a heal job prefilled (worker.heal) ----
 
-    def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[str]:
-        from cache_store.keys import block_digests, healed_key
+    def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[tuple[str, int, int]]:
+        """``(mark key, first token, end)`` of each block (and the tail) of ``tokens[:end]`` from
+        the one holding token ``start``."""
+        from cache_store.keys import block_digests, healed_key, tail_digest
 
-        raw = self.store.raw_store
-        digests = block_digests(raw.fingerprint, list(tokens[:end]), raw.block_size)
-        return [healed_key(raw.namespace, raw.fingerprint, d) for d in digests[start // raw.block_size:]]
+        raw, bs = self.store.raw_store, self.store.raw_store.block_size
+        digests = block_digests(raw.fingerprint, list(tokens[:end]), bs)
+        out = [(healed_key(raw.namespace, raw.fingerprint, d), i * bs, (i + 1) * bs) for i, d in enumerate(digests)]
+        if end % bs and self.keeps_tails:
+            tail = tail_digest(raw.fingerprint, digests[-1] if digests else None, list(tokens[end // bs * bs:end]))
+            out.append((healed_key(raw.namespace, raw.fingerprint, tail), end // bs * bs, end))
+        return [k for k in out if k[2] > start]
 
     def mark_healed(self, tokens: Sequence[int], start: int, end: int) -> None:
-        """Record that the blocks of ``tokens[start:end]`` (whole blocks) came from a heal, for
-        as long as the blocks live (best effort: a mark is only what results report)."""
+        """Record that ``tokens[start:end]`` came from a heal, per block (and tail) from where in it
+        the heal began, for as long as the blocks live (best effort: a mark is only what results report)."""
         try:
             keys, raw = self._heal_keys(tokens, start, end), self.store.raw_store
             with raw.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.set(key, b"1", ex=raw.ttl_s)
+                for key, lo, _ in keys:
+                    pipe.set(key, b"1" if start <= lo else b"@%d" % (start - lo), ex=raw.ttl_s)
                 pipe.execute()
         except Exception as exc:
             log.warning("target prefix: heal marks not written: %s: %s", type(exc).__name__, exc)
@@ -205,19 +217,21 @@ class TargetPrefixCache:
         try:
             keys, raw = self._heal_keys(tokens, 0, n_tokens), self.store.raw_store
             with raw.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(key)
+                for key, _, _ in keys:
+                    pipe.get(key)
                 marked = pipe.execute()
         except Exception as exc:
             log.warning("target prefix: heal marks not read: %s: %s", type(exc).__name__, exc)
             return []
         out: list[tuple[int, int]] = []
-        for i, mark in enumerate(marked):
-            s, e = i * raw.block_size, (i + 1) * raw.block_size
-            if mark and out and out[-1][1] == s:
-                out[-1] = (out[-1][0], e)
-            elif mark:
-                out.append((s, e))
+        for (_, lo, hi), mark in zip(keys, marked):
+            if mark is None:
+                continue
+            s = lo + (int(mark[1:]) if mark.startswith(b"@") else 0)  # b"@k": healed from token k of it
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((s, hi))
         return out
 
 

@@ -326,6 +326,13 @@ def sliced_blocks(cache: list, n_tokens: int, block_size: int) -> list[tuple[int
             for end in range(block_size, n_tokens + 1, block_size)]
 
 
+def sliced_tail(cache: list, n_tokens: int, block_size: int) -> list[dict[str, mx.array]]:
+    """Per layer the arrays of the partial last block of the first ``n_tokens`` (its tokens after
+    the last full block), sliced from a cache of K/V layers only, as :func:`sliced_blocks` slices blocks."""
+    start = n_tokens // block_size * block_size
+    return [block_arrays(meta, arrays, start, n_tokens) for meta, arrays in (layer_arrays(e) for e in cache)]
+
+
 def restore(metas: Sequence[dict[str, Any]], layers: Sequence[dict[str, mx.array]], n_tokens: int) -> list:
     """The cache of a prefix of ``n_tokens`` from its stored arrays: per layer the blocks' K/V joined
     and the last block's state (as a block store's fetch returns them: new arrays, each for one

@@ -69,9 +69,10 @@ def fingerprint(model, identity: str, *, block_size: int, kv_bits=None, kv_group
 
 def draft_store(client, model, *, block_size: int, identity: str = "tiny", kv_bits=None, kv_group_size: int = 64,
                 namespace: str = "specprefill", ttl_s: int = 86400, local=None, on_fetch=None, on_store=None,
-                checkpoint_blocks=None):
+                checkpoint_blocks=None, tails: bool = False):
     """The worker's block store for a draft ``model`` (``worker.runtime.wire_block_store``: a
-    ``RedisBlockStore`` with the model's layout behind ``BlockDraftCache`` over its fresh cache)."""
+    ``RedisBlockStore`` with the model's layout behind ``BlockDraftCache`` over its fresh cache);
+    ``tails``: keeping partial last blocks, as the target's prefix store does."""
     from specprefill.attention.probe import make_cache
     from worker.runtime import wire_block_store
 
@@ -81,7 +82,7 @@ def draft_store(client, model, *, block_size: int, identity: str = "tiny", kv_bi
     fp = fingerprint(model, identity, block_size=block_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
     return wire_block_store(client, model, fresh, fp, namespace=namespace, block_size=block_size, ttl_s=ttl_s,
                             label={"model": identity, "name": "draft"}, local=local, on_fetch=on_fetch,
-                            on_store=on_store, checkpoint_blocks=checkpoint_blocks)
+                            on_store=on_store, checkpoint_blocks=checkpoint_blocks, tails=tails)
 
 
 def worker_store(client, model, *, block_size: int, namespace: str = "specprefill", local=None, identity="tiny"):

@@ -7,16 +7,22 @@ the rule whose ``when`` text's tokens occur latest in what the model was fed win
 without ``when`` is the fallback), so each turn of an agent loop gets its own answer. The
 answer is the rule's ``say`` encoded by the model's own tokenizer, then EOS, so what the worker detokenizes and parses (markers, tool calls) is real generated token text.
 
-The model tracks what it was fed since its cache was fresh (offset 0) and forces the token
-after the longest tail of that which is a prefix of the answer, so it is right whatever the
-prefill's chunking. Only the tokens it is fed count, so a test keeps the
-``when`` text in the part of the prompt the target prefills (the tail, or a plain prefill).
+The model tracks what its cache holds and forces the token after the longest tail of that
+which is a prefix of the answer, so it is right whatever the prefill's chunking. A restored
+cache (the target's prefix store: another job's blocks and tail) holds tokens this call never
+sees; the loader has the worker's prompt tokenization tell the model each job's prompt
+(:func:`_see_prompts`), so what a restore put before the fed tokens is read from the prompt.
+A sparse prefill still feeds only the kept tokens: a test keeps the ``when`` text in the part
+of the prompt the target prefills (the tail, or a plain prefill).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+
+_PROMPT: list[list[int]] = [[]]  # the prompt of the job this process runs (set by _see_prompts)
 
 
 def _ends_with(seq: list[int], tail: list[int]) -> bool:
@@ -66,7 +72,13 @@ def scripted(model: Any, script: Script) -> Any:
             offsets = [int(c.offset) for c in cache or () if hasattr(c, "offset")]
             fed = inputs.reshape(-1).tolist()
             fresh = not offsets or min(offsets) <= len(fed)  # this call filled the cache from 0
-            self._seen = fed if fresh else getattr(self, "_seen", []) + fed
+            before, prompt, seen = (min(offsets) - len(fed) if offsets else 0), _PROMPT[0], getattr(self, "_seen", [])
+            if fresh:
+                self._seen = fed
+            elif len(seen) != before and prompt[before:before + len(fed)] == fed:
+                self._seen = prompt[:before] + fed  # a restored cache: it holds the prompt's start
+            else:  # the next step of what it saw (a prefill's, a decode's, a sparse prefill's kept tokens)
+                self._seen = seen + fed
             forced = script.next_token(self._seen)
             if forced is None:
                 return logits
@@ -84,5 +96,24 @@ def scripted_loader(name: str) -> tuple[Any, Any]:
     model, tokenizer = mlx_lm.load(name)
     path = Path(name) / "script.json"
     if path.is_file():
+        _see_prompts()
         model = scripted(model, Script(json.loads(path.read_text())["rules"], tokenizer))
     return model, tokenizer
+
+
+def _see_prompts() -> None:
+    """Have the worker's prompt tokenization (``worker.generate_pipeline.tokenize_prompt``) tell
+    :data:`_PROMPT` each job's prompt (once per process)."""
+    import worker.generate_pipeline as pipeline
+
+    tokenize = pipeline.tokenize_prompt
+    if getattr(tokenize, "tells_script", False):
+        return
+
+    def telling(spec, tokenizer):
+        prompt = tokenize(spec, tokenizer)
+        _PROMPT[0] = [int(t) for t in prompt.tokens]
+        return prompt
+
+    telling.tells_script = True
+    pipeline.tokenize_prompt = telling

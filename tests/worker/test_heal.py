@@ -62,7 +62,8 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
     rt, messages, first, healed = sparse_turn_and_heal(r)
     assert first.heal["job_id"] in Queue(HEAL_QUEUE, connection=r).job_ids  # RQ's own registry
     assert healed["kind"] == "heal" and not healed["yielded"] and healed["healed"] > 0
-    assert healed["stored"] == healed["total"] // 16 * 16 and healed["restored"] < healed["stored"]
+    # every token stored, its partial last block as a tail (a K/V target)
+    assert healed["stored"] == healed["total"] and healed["total"] % 16 and healed["restored"] < healed["stored"]
     second = run(rt, "t2", messages=next_turn(first, messages), **GREEDY)
     t = second.target_tokens
     assert t["restored"] == healed["stored"] and t["healed"] == healed["healed"]
@@ -92,8 +93,11 @@ def test_a_healed_turn_equals_a_full_prefill(monkeypatch):
     target = rt.models.get("tiny-target", "target_model")
     tokens = heal_payload(r, first.heal["job_id"])["tokens"]
     restored, n = TargetPrefixCache(_target_store(rt.cache_client, target, rt.settings), target).restore(tokens)
-    own = target_prefill.prefill_prefix(target.model, tokens, None, n, block_size=16, progress=lambda *a: None)
-    assert n == healed["stored"]
+    # The heal's steps: turn 1 stored its system prefix (to a tail), the heal went on from there.
+    own = target_prefill.prefill_prefix(target.model, tokens, None, healed["restored"], block_size=16,
+                                        progress=lambda *a: None)
+    own = target_prefill.prefill_prefix(target.model, tokens, own, n, block_size=16, progress=lambda *a: None)
+    assert n == healed["stored"] - 1  # a fully stored prompt restores all but its last token
     for a, b in zip(restored, own):
         assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
         assert mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
@@ -106,9 +110,10 @@ def test_a_corrupt_or_evicted_healed_block_is_a_miss(damage):
     target = rt.models.get("tiny-target", "target_model")
     fingerprint = _target_store(rt.cache_client, target, rt.settings).raw_store.fingerprint
     marks = [k.decode().rsplit(":", 1)[1] for k in r.scan_iter(f"specprefill:healed:{fingerprint[:16]}:*")]
-    assert len(marks) == healed["healed"] // 16
+    # one per block the heal prefilled (from the one holding its first token) and one for its tail
+    assert len(marks) == -(-healed["stored"] // 16) - healed["restored"] // 16
     for digest in marks:
-        key = f"specprefill:kv:{fingerprint[:16]}:{digest}"
+        key = next(k for kind in ("kv", "kvtail") if r.exists(k := f"specprefill:{kind}:{fingerprint[:16]}:{digest}"))
         if damage == "evicted":
             r.delete(key)
         else:
@@ -117,7 +122,11 @@ def test_a_corrupt_or_evicted_healed_block_is_a_miss(damage):
             r.set(key, bytes(value))
     turn2 = next_turn(first, messages)
     second = run(rt, "t2", messages=turn2, **GREEDY)
-    assert second.target_tokens["restored"] == healed["restored"] and second.target_tokens["healed"] == 0
+    # An evicted block ends the chain before it, where turn 1's tail is found; a corrupt one is
+    # found only when read (the tail looked for was the heal's, after the last block): blocks only.
+    restored = healed["restored"] if damage == "evicted" else healed["restored"] // 16 * 16
+    assert healed["restored"] % 16 and second.target_tokens["restored"] == restored
+    assert second.target_tokens["healed"] == 0
     fresh, _ = runtime(**SPARSE)
     assert second.token_ids == run(fresh, "c", messages=turn2, **GREEDY).token_ids
 
@@ -137,12 +146,12 @@ def test_a_heal_yields_to_a_waiting_user_job_and_its_continuation_finishes():
     first = run(rt, "t1", messages=chat(0), **GREEDY)
     user = Client(r, rt.settings).submit(build_spec(rt.settings, text="a user job waits"))
     part = run_heal(rt, first.heal["job_id"])
-    assert part["yielded"] and part["stored"] == part["restored"] + 16  # one block, then it yields
+    assert part["yielded"] and part["stored"] == (part["restored"] // 16 + 1) * 16  # one block, then it yields
     assert part["continuation"] in Queue(HEAL_QUEUE, connection=r).job_ids
     Queue("specprefill", connection=r).remove(user.id)  # the user job ran
     rest = run_heal(rt, part["continuation"])
     assert not rest["yielded"] and rest["restored"] == part["stored"]
-    assert rest["stored"] == rest["total"] // 16 * 16
+    assert rest["stored"] == rest["total"]
     assert part["healed"] + rest["healed"] == rest["stored"] - part["restored"]
 
 
@@ -226,7 +235,7 @@ def test_a_long_new_turn_on_a_healed_conversation_is_sparse_and_healed_after():
     assert second.kept_ranges[0][0] == 0 and second.kept_ranges[0][1] >= t["restored"]  # restored: protected
     assert second.heal["queued"] and second.heal["job_id"] != first.heal["job_id"]
     again = run_heal(rt, second.heal["job_id"])
-    assert again["restored"] >= healed["stored"] and again["stored"] == again["total"] // 16 * 16
+    assert again["restored"] >= healed["stored"] and again["stored"] == again["total"]
 
 
 def test_the_page_and_the_queue_stats_show_heal_jobs():
@@ -376,11 +385,11 @@ def test_a_heal_yields_while_a_user_job_runs_on_its_node_only(where):
         _busy(r, rt.settings, "user-worker", expires_in=-1)
     part = run_heal(rt, first.heal["job_id"])
     if where == "this node":
-        assert part["yielded"] and part["stored"] == part["restored"] + 16
+        assert part["yielded"] and part["stored"] == (part["restored"] // 16 + 1) * 16
         assert part["yielded_for"] == "a user job runs on this node (worker user-worker)"
         assert part["continuation"] in Queue(HEAL_QUEUE, connection=r).job_ids
     else:
-        assert not part["yielded"] and part["stored"] == part["total"] // 16 * 16
+        assert not part["yielded"] and part["stored"] == part["total"]
 
 
 def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
