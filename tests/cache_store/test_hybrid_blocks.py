@@ -74,6 +74,32 @@ def test_hybrid_warm_equals_cold_through_redis(redis_url, name):
     assert stats["corrupt_blocks"] == 0 and stats["unsupported_stores"] == 0
 
 
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_restored_hybrid_draft_scores_as_one_with_no_store(redis_url, name):
+    """Warm (K/V blocks and the last checkpoint's state from Redis) is a draft scored with no
+    store at all in block steps, bit for bit. In larger steps (no store: no block boundaries)
+    the Mamba-2 families' chunked scan sums across a step's end in another order, so importance
+    agrees to float rounding only; the selection is the same."""
+    model = F.build(name, seed=5)
+    profile = profile_model(model)
+    store = draft_cache(redis.Redis.from_url(redis_url), model)
+    score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    warm = score_with_cache(profile, PROMPT, store, OPTIONS, prefill_step=SCORE["prefill_step"])
+    assert warm.cached_tokens == 64
+    assert_warm_is_cold(warm, score_with_cache(profile, PROMPT, None, OPTIONS, prefill_step=BLOCK))
+    stepped = score_with_cache(profile, PROMPT, None, OPTIONS, prefill_step=SCORE["prefill_step"])
+    np.testing.assert_allclose(np.array(warm.importance), np.array(stepped.importance), rtol=1e-6, atol=0)
+    assert selected(warm) == selected(stepped)
+
+
+def selected(score):
+    from specprefill.options import SelectionOptions
+    from specprefill.selection import plan_selection
+
+    options = SelectionOptions(keep=0.3, chunk_size=8, tail_tokens=8, threshold=0)
+    return plan_selection(score.importance, options=options).indices.tolist()
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_5", "falcon_h1"])
 def test_quantized_kv_warm_equals_cold_and_blocks_are_about_a_quarter(redis_url, name):
     model = F.build(name, seed=3, **F.for_kv_quantization(name))

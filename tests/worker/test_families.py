@@ -36,14 +36,14 @@ def runtime(models: dict, **settings) -> WorkerRuntime:
     return WorkerRuntime(s, client, client, pool)
 
 
-def run(rt: WorkerRuntime, kind: str, job_id: str = "j", **fields):
-    spec = build_spec(rt.settings, kind=kind, text=TEXT, **fields)
+def run(rt: WorkerRuntime, kind: str, job_id: str = "j", text: str = TEXT, **fields):
+    spec = build_spec(rt.settings, kind=kind, text=text, **fields)
     result = execute(spec.to_payload(), JobContext(job_id, rt, ProgressPublisher(rt.connection, job_id)))
     return (GenerateResult if kind == "generate" else PrefillResult).from_json(result)
 
 
-SERVED = ["gemma2", "gpt_oss", "ministral3", "gemma4_text", "deepseek_v3", "llama4_text", "qwen3_5", "lfm2",
-          "falcon_h1", "nemotron_h", "gpt2", "hunyuan"]
+HYBRIDS = F.names("hybrid")
+SERVED = ["gemma2", "gpt_oss", "ministral3", "gemma4_text", "deepseek_v3", "llama4_text", *HYBRIDS, "gpt2", "hunyuan"]
 OVERRIDES = {"gpt2": dict(n_positions=512)}  # the 151-token prompt and its answer fit its table
 # The tiny ministral3 declares 64 positions (yarn 4 x 16, so its far probe has a threshold to find):
 # the 151-token prompt runs past that window by the documented opt-in.
@@ -67,6 +67,23 @@ def test_family_as_draft_and_target_through_the_worker(name):
     assert sparse.kept == sparse.total and sparse.token_ids == full.token_ids
     dropped = run(rt, "generate", "g3", **gen)
     assert dropped.kept < dropped.total and dropped.kept == sum(e - s for s, e in dropped.kept_ranges)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_draft_restored_from_its_blocks_selects_as_a_cold_worker(name):
+    """A second prompt sharing the first's start restores the draft's K/V blocks and the recurrent
+    state of the first prompt's last checkpoint (its last full block); its importance and selection
+    are a fresh worker's (nothing stored) bit for bit: both prefill in steps ending at block ends."""
+    draft = {"draft": lambda: F.build(name, seed=3)}
+    longer = TEXT + "".join(chr(40 + (i * 3 + i * i) % 80) for i in range(40))  # 191 tokens with BOS
+    rt = runtime(draft)
+    first = run(rt, "prefill", "p1")
+    warm = run(rt, "prefill", "p2", text=longer, return_importance=True)
+    cold = run(runtime(draft), "prefill", "c", text=longer, return_importance=True)
+    assert first.cached_tokens == 0 and cold.cached_tokens == 0 and not warm.memo_hit
+    assert warm.cached_tokens == len(TEXT) // 32 * 32 > 0  # 4 blocks of 32 (BOS + 150 tokens)
+    assert np.array_equal(warm.importance, cold.importance) and warm.kept_ranges == cold.kept_ranges
+    assert 0 < warm.kept < warm.total
 
 
 def test_pure_ssm_is_refused_as_draft_and_served_as_target():

@@ -20,6 +20,7 @@ from jobs.layout import regions
 from jobs.results import GenerateResult
 from jobs.progress import ProgressPublisher
 from jobs.spec import JobSpecError, build_spec, payload_kind
+import tests.support.families as F
 from tests.support.first_logits import record_decode_logits
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
 from worker import target_prefill
@@ -257,7 +258,7 @@ def test_the_page_and_the_queue_stats_show_heal_jobs():
 
 # ---- hybrid targets: the heal stores through the checkpoint path ----
 
-HYBRID_HEAL_TARGETS = ["qwen3_5", "lfm2"]
+HYBRID_HEAL_TARGETS = F.names("hybrid")
 
 
 @pytest.mark.parametrize("family", HYBRID_HEAL_TARGETS)
