@@ -16,15 +16,21 @@ answers go into its history) with its own namespace in one Redis, one model pool
 
 Then ``heal_user_job_delay``: a real worker process, a user job A running, B queued behind it,
 with and without a pile of heal jobs queued: B's wait (RQ's enqueued -> started) must not grow.
-The issue's trace (4K system, 8K document, 1-2K tool results) was scaled to the shipped models'
-former 8K positions (they declare 65536 since their re-base; the trace was not re-scaled): the
-full run uses 1K / 2K / 384-token tool results (about 6.5K tokens by turn 10).
-Answers are the recall task's three words (not ~100 tokens). The admission threshold (8192 by
-default) is scaled with the trace (1536: turn 1 is sparse, a tool result is prefilled plainly
-on the restored conversation, as a 1-2K tool result is under 8192). Ends with ``target ...`` lines.
+The issue's trace, on the shipped models (65536 positions, measured to read 16K-32K): a
+4096-token system text with the ``lookup`` tool offered (the agent CLI's definition, rendered in
+the system block: about 250 tokens more), an 8192-token document in turn 1, tool results of
+1024-2048 tokens (drawn per turn, uniformly), answers of up to 100 tokens (the tiny target stops
+at its end of turn after the three words; the answer goes into the history as generated); about
+26K tokens by turn 10. The admission threshold and block size are the settings' (8192, 256):
+turn 1 (12K) is sparse, a tool result on the restored conversation is prefilled plainly (heal),
+and in sparse mode every later turn is sparse (its whole prompt is over 8192). The tool results
+are user turns (their question follows them). The summary prints the median target tokens
+prefilled per turn beside the TTFT ratio (the rest of that ratio is attention over the longer
+context). Ends with ``target ...`` lines.
 
     .venv/bin/python bench/conversation.py [--traces 3]
     .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
+                                                      # (sizes given with it are kept)
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import ROOT, report  # noqa: E402
@@ -43,11 +49,13 @@ from pathlib import Path  # noqa: E402
 import redis  # noqa: E402
 
 from jobs.settings import SHIPPED_MODELS, Settings  # noqa: E402
+from specprefill_cli.agent import LOOKUP_TOOL  # noqa: E402 - the tool the agent CLI offers
 from tools import recall_task  # noqa: E402
 
 MODES = ("full", "plain", "sparse", "heal")
 RECALL_TURNS = (3, 6, 10)
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
+TOOLS = [LOOKUP_TOOL]  # offered in every turn, so rendered in the protected system block
 
 
 @dataclass
@@ -67,7 +75,7 @@ def make_trace(rng: random.Random, args) -> tuple[str, list[Turn]]:
     turns = [Turn(doc.text + recall_task.QUESTION.format(first.key), first.value, False)]
     for i in range(2, args.turns + 1):
         while True:  # a tool result whose fact's name is new to the conversation
-            tool = task.make_document(rng, args.tool_tokens, 1)
+            tool = task.make_document(rng, rng.randint(*args.tool_tokens), 1)
             if tool.needles[0].key not in used:
                 break
         used.add(tool.needles[0].key)
@@ -108,8 +116,8 @@ class Runner:
 
         if self.mode == "plain":
             self._keep_system_blocks(messages)
-        spec = build_spec(self.rt.settings, kind="generate", messages=messages, max_tokens=4, greedy=True,
-                          full_prefill=self.mode in ("full", "plain"))
+        spec = build_spec(self.rt.settings, kind="generate", messages=messages, tools=TOOLS,
+                          max_tokens=self.args.answer_tokens, greedy=True, full_prefill=self.mode in ("full", "plain"))
         self.seq += 1
         result = self._execute(spec.to_payload(), f"{self.mode}-{self.seq}")
         heal_s = 0.0
@@ -139,7 +147,7 @@ class Runner:
         s = self.rt.settings
         target = self.rt.models.get(TARGET, "target_model")
         fingerprint = _target_store(self.rt.cache_client, target, s).raw_store.fingerprint
-        prompt = tokenize_prompt(build_spec(s, kind="generate", messages=messages), target.tokenizer)
+        prompt = tokenize_prompt(build_spec(s, kind="generate", messages=messages, tools=TOOLS), target.tokenizer)
         keep = {d.hex() for d in block_digests(fingerprint, prompt.tokens[:prompt.protected_prefix], s.block_size)}
         conn = self.rt.cache_client
         doomed = [k for k in conn.scan_iter(f"{s.namespace}:kv:{fingerprint[:16]}:*", count=1000)
@@ -195,10 +203,18 @@ def conversation_targets(traces: list, trace_turns: list) -> list[tuple]:
         names = sorted({k for r in rows for k in r})
         return ", ".join(f"{k} {1000 * statistics.median(r.get(k, 0.0) for r in rows):.0f}" for k in names)
 
+    def prefilled(mode):  # the target's own work of a turn; the rest of its TTFT is attention's context
+        return statistics.median(res["target_tokens"].get("prefilled_full", 0) +
+                                 res["target_tokens"].get("prefilled_sparse", 0)
+                                 for tr in traces for res, _, _ in tr[mode][1:])
+
     print()
     for mode in MODES:
-        print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms; recall of the turn-1 fact at turns "
-              f"3/6/10 {recall(mode, RECALL_TURNS):.2f}, at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
+        print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms, target tokens prefilled "
+              f"{prefilled(mode):.0f}; recall of the turn-1 fact at turns 3/6/10 {recall(mode, RECALL_TURNS):.2f}, "
+              f"at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
+    print(f"heal/plain, turns 2+: TTFT ratio {ttft('heal') / ttft('plain'):.3f}, tokens prefilled ratio "
+          f"{prefilled('heal') / max(prefilled('plain'), 1):.3f}")
     full = recall("full")
     return [("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15),
             ("heal_late_recall", recall("heal"), ">=", full,
@@ -283,26 +299,34 @@ def user_job_delay(url: str, args, tmp: Path) -> tuple[float, float]:
     return statistics.median(waits[0]), statistics.median(waits[args.delay_heals])
 
 
-def parse_args() -> argparse.Namespace:
+# --quick's sizes: defaults only, so a size given with --quick is kept.
+QUICK = dict(traces=1, system_tokens=32, doc_tokens=384, tool_tokens=[40, 56], answer_tokens=16, tail_tokens=64,
+             threshold=96, block_size=32, delay_reps=1, delay_heals=2, delay_tokens=256)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="seconds: a small trace, one of each")
     p.add_argument("--traces", type=int, default=3, help="conversations (different seeds)")
     p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--system-tokens", type=int, default=1024)
-    p.add_argument("--doc-tokens", type=int, default=2048)
-    p.add_argument("--tool-tokens", type=int, default=384)
-    p.add_argument("--threshold", type=int, default=1536,
-                   help="admission (the default 8192 scaled as the trace is): turn 1 is sparse, a tool result not")
+    p.add_argument("--system-tokens", type=int, default=4096, help="the system text (the tool's definition adds to it)")
+    p.add_argument("--doc-tokens", type=int, default=8192, help="turn 1's document")
+    p.add_argument("--tool-tokens", type=int, nargs=2, default=[1024, 2048], metavar=("MIN", "MAX"),
+                   help="each later turn's tool result: drawn uniformly in [MIN, MAX]")
+    p.add_argument("--answer-tokens", type=int, default=100, help="max_tokens of every answer")
+    p.add_argument("--threshold", type=int, default=None, help="admission (default: the settings')")
     p.add_argument("--keep", type=float, default=0.2)
     p.add_argument("--tail-tokens", type=int, default=0, help="the selection's kept tail (0: the default)")
-    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="default: the settings'")
     p.add_argument("--delay-reps", type=int, default=5)
     p.add_argument("--delay-heals", type=int, default=4)
     p.add_argument("--delay-tokens", type=int, default=2048)
-    args = p.parse_args()
-    if args.quick:
-        args.traces, args.system_tokens, args.doc_tokens, args.tool_tokens, args.tail_tokens = 1, 128, 512, 48, 64
-        args.threshold, args.block_size, args.delay_reps, args.delay_heals, args.delay_tokens = 96, 32, 1, 2, 256
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    defaults = Settings()
+    args.threshold = defaults.selection.threshold if args.threshold is None else args.threshold
+    args.block_size = defaults.block_size if args.block_size is None else args.block_size
     return args
 
 
@@ -324,8 +348,9 @@ def main() -> int:
             traces.append(run_trace(runners, system, turns))
             trace_turns.append(turns)
         no_heals, with_heals = user_job_delay(server.url, args, tmp)
-    print(f"conversation: {args.turns} turns, {args.system_tokens}-token system prompt, {args.doc_tokens}-token "
-          f"document, {args.tool_tokens}-token tool results, threshold {args.threshold}, keep {args.keep}, "
+    print(f"conversation: {args.turns} turns, {args.system_tokens}-token system prompt with tools, "
+          f"{args.doc_tokens}-token document, {args.tool_tokens[0]}-{args.tool_tokens[1]}-token tool results, "
+          f"answers of up to {args.answer_tokens} tokens, threshold {args.threshold}, keep {args.keep}, "
           f"block {args.block_size}; shipped tiny draft/target; {args.traces} trace(s); trace 1:")
     print_turns(traces[0], trace_turns[0])
     targets = conversation_targets(traces, trace_turns)
