@@ -138,8 +138,8 @@ class Runner:
         Queue(self.rt.settings.heal_queues[0], connection=conn, serializer=JSONSerializer).remove(job_id)
 
     def _keep_system_blocks(self, messages: list) -> None:
-        """Drop every target block but the system prefix's (plain: only the system is cached)."""
-        from cache_store.keys import block_digests
+        """Drop every target block and tail but the system prefix's (plain: only the system is cached)."""
+        from cache_store.keys import block_digests, tail_digest
         from jobs.spec import build_spec
         from worker.prompt import tokenize_prompt
         from worker.runtime import _target_store
@@ -148,9 +148,13 @@ class Runner:
         target = self.rt.models.get(TARGET, "target_model")
         fingerprint = _target_store(self.rt.cache_client, target, s).raw_store.fingerprint
         prompt = tokenize_prompt(build_spec(s, kind="generate", messages=messages, tools=TOOLS), target.tokenizer)
-        keep = {d.hex() for d in block_digests(fingerprint, prompt.tokens[:prompt.protected_prefix], s.block_size)}
+        system = prompt.tokens[:prompt.protected_prefix]
+        blocks = block_digests(fingerprint, system, s.block_size)
+        tail = system[len(blocks) * s.block_size:]
+        keep = {d.hex() for d in blocks} | {tail_digest(fingerprint, blocks[-1] if blocks else None, tail).hex()}
         conn = self.rt.cache_client
-        doomed = [k for k in conn.scan_iter(f"{s.namespace}:kv:{fingerprint[:16]}:*", count=1000)
+        doomed = [k for kind in ("kv", "kvtail")
+                  for k in conn.scan_iter(f"{s.namespace}:{kind}:{fingerprint[:16]}:*", count=1000)
                   if k.decode().rsplit(":", 1)[1] not in keep]
         if doomed:
             conn.delete(*doomed)

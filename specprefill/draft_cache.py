@@ -268,13 +268,14 @@ class BlockDraftCache:
             n_tokens = min(n_tokens, held)
             blocks = sliced_blocks(kv_cache, n_tokens, self.block_size)
             written = self.raw_store.store_blocks(tokens, _raw_blocks(blocks)) if blocks else 0
-            return written + self._store_tail(tokens[:n_tokens], kv_cache)
+            return written + self.store_tail(tokens[:n_tokens], kv_cache)
         if not blocks:
             return 0
         return self.raw_store.store_blocks(tokens, _raw_blocks(blocks))
 
-    def _store_tail(self, tokens: Sequence[int], kv_cache: list[Any]) -> int:
-        """The partial last block of ``tokens`` (K/V layers), for a raw store that keeps tails: 1 if written."""
+    def store_tail(self, tokens: Sequence[int], kv_cache: list[Any]) -> int:
+        """Store the partial last block of ``tokens`` (which ``kv_cache``, K/V layers, holds from
+        their start), for a raw store that keeps tails: 1 if written. Never raises."""
         from specprefill.attention.caches import sliced_tail
 
         if not self.keeps_tails or not len(tokens) % self.block_size:

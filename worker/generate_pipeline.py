@@ -281,7 +281,8 @@ def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int
                   timings: dict[str, float]) -> None:
     if prompt.prefix is None:
         return
-    written = prompt.prefix.save(prompt.tokens, cache, contiguous, prompt.recorder)
+    written = prompt.prefix.save(prompt.tokens, cache, contiguous, prompt.recorder,
+                                 also=(prompt.prompt.protected_prefix,))
     timings["target_store"] = prompt.prefix.timings.get("target_store", 0.0)
     ctx.publisher.publish("target_cache_store", blocks=written)
 

@@ -152,10 +152,13 @@ class TargetPrefixCache:
         ends = checkpoint_ends(end, self.store.block_size, every, also)
         return self.store.recorder(checkpoints=tuple(sorted(ends)))
 
-    def save(self, tokens: Sequence[int], kv_cache: list[Any], n_tokens: int, recorder: Any = None) -> int:
-        """Store the full blocks of the first ``n_tokens`` tokens ``kv_cache`` holds; blocks written.
-        With the prefix prefill's ``recorder``, only the blocks up to its checkpoint (a hybrid
-        prefix is restored up to a checkpoint only), with the state recorded there."""
+    def save(self, tokens: Sequence[int], kv_cache: list[Any], n_tokens: int, recorder: Any = None,
+             also: Sequence[int] = ()) -> int:
+        """Store the blocks of the first ``n_tokens`` tokens ``kv_cache`` holds (and their tail, when
+        the store keeps tails); values written. With the prefix prefill's ``recorder``, only the
+        blocks up to its checkpoint (a hybrid prefix is restored up to a checkpoint only), with
+        the state recorded there. ``also``: earlier prefix ends whose tails are stored too (the
+        system prefix's: the next conversation with that system prompt restores all of it)."""
         if recorder is not None:
             n_tokens = min(n_tokens, max(recorder.states, default=0))
         if n_tokens < 1:
@@ -167,6 +170,9 @@ class TargetPrefixCache:
         t = time.perf_counter()
         try:
             self.blocks_written += self.store.store(list(tokens[:n_tokens]), view, recorder)
+            if self.keeps_tails:
+                for end in sorted({e for e in also if 0 < e < n_tokens and e % self.store.block_size}):
+                    self.blocks_written += self.store.store_tail(list(tokens[:end]), view)
         except Exception as exc:  # storing is best effort: the job's answer is already made
             log.warning("target prefix: store failed: %s: %s", type(exc).__name__, exc)
         self.timings["target_store"] = self.timings.get("target_store", 0.0) + time.perf_counter() - t
