@@ -1,25 +1,13 @@
 """Tails: a stored prefix's partial last block (the target's prefix store keeps them, so a
 conversation's next turn restores every token of the previous one, not only its full blocks)."""
 import fakeredis
-import numpy as np
 import pytest
 
 from cache_store import verify_namespace
 from cache_store.inventory import clear
 from cache_store.trailing import BOOKKEEPING, flush_all
+from tests.cache_store.test_store import BS, llama, prompt  # noqa: F401 - llama: a fixture
 from tests.support.kv_blocks import draft_store, prefilled, same_bits
-from tests.support.tiny_models import make_model
-
-BS = 16
-
-
-def prompt(n, seed=0):
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 256, size=n)]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return make_model("llama", seed=0)
 
 
 @pytest.fixture
