@@ -165,6 +165,16 @@ def tail_digest(fingerprint: str, block_digest: bytes | None, tail_tokens) -> by
     return hashlib.sha256(b"tail\0" + parent + token_bytes(tail_tokens)).digest()
 
 
+def tail_digests(fingerprint: str, block_digest: bytes | None, tokens) -> list[bytes]:
+    """:func:`tail_digest` of every leading part of ``tokens`` (lengths 1, 2, ...), in one pass."""
+    parent = bytes.fromhex(fingerprint) if block_digest is None else block_digest
+    running, data, out = hashlib.sha256(b"tail\0" + parent), token_bytes(tokens), []
+    for start in range(0, len(data), 4):
+        running.update(data[start:start + 4])
+        out.append(running.copy().digest())
+    return out
+
+
 def tail_key(namespace: str, fingerprint: str, digest: bytes) -> str:
     """``{namespace}:kvtail:{fingerprint[:16]}:{tail digest}``: the K/V of a prefix's partial last block."""
     return f"{namespace}:kvtail:{fingerprint[:16]}:{digest.hex()}"

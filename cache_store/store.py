@@ -27,7 +27,7 @@ from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArra
                     is_token_array, split_layout)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, checkpoint_digest, checkpoint_key, layout_key, models_key,
-                   stats_key, tail_digest, tail_key)
+                   stats_key, tail_digest, tail_digests, tail_key)
 from .local_tier import LocalTier
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
@@ -283,10 +283,10 @@ class RedisBlockStore:
         longest = min(self.block_size - 1, len(tokens) - 1 - start)
         if longest < 1:
             return None
-        parent, window = digests[n_blocks - 1] if n_blocks else None, np.asarray(tokens)[start:start + longest]
-        lengths = range(longest, 0, -1)
-        named = [tail_digest(self.fingerprint, parent, window[:m]) for m in lengths]
-        candidates = [(m, tail_key(self.namespace, self.fingerprint, d), d) for m, d in zip(lengths, named)]
+        parent = digests[n_blocks - 1] if n_blocks else None
+        named = tail_digests(self.fingerprint, parent, np.asarray(tokens)[start:start + longest])
+        candidates = [(m, tail_key(self.namespace, self.fingerprint, named[m - 1]), named[m - 1])
+                      for m in range(longest, 0, -1)]
         try:
             answers = self._values.stored([key for _, key, _ in candidates])
         except redis.RedisError as exc:

@@ -169,3 +169,12 @@ def test_prompt_digest_includes_length():
 def test_canonical_json_is_sorted_and_compact():
     assert canonical_json({"b": 1, "a": [1.5, None, True]}) == '{"a":[1.5,null,true],"b":1}'
     assert json.loads(canonical_json({"x": (1, 2)})) == {"x": [1, 2]}
+
+
+def test_tail_digests_name_every_leading_part_as_tail_digest_does():
+    from cache_store.keys import tail_digest, tail_digests
+
+    fp, tokens = "cd" * 32, [5, 70000, 3, 9]
+    for parent in (None, b"\x01" * 32):
+        assert tail_digests(fp, parent, tokens) == [tail_digest(fp, parent, tokens[:m]) for m in range(1, 5)]
+    assert tail_digest(fp, None, [5]) != tail_digest(fp, b"\x01" * 32, [5])  # the prefix before it counts
