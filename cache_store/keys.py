@@ -161,8 +161,18 @@ def tail_digest(fingerprint: str, block_digest: bytes | None, tail_tokens) -> by
     ``SHA-256("tail\\0" || the chain digest of the full blocks before it (the fingerprint when
     there are none) || int32le(tail tokens))``, so it names the whole prefix it ends, its length
     included, and a tail under a block's key (or a block under a tail's) fails the key check."""
-    parent = bytes.fromhex(fingerprint) if block_digest is None else block_digest
-    return hashlib.sha256(b"tail\0" + parent + token_bytes(tail_tokens)).digest()
+    return tail_digests(fingerprint, block_digest, tail_tokens)[-1]
+
+
+def prefix_tail_digest(fingerprint: str, tokens, block_size: int) -> bytes | None:
+    """:func:`tail_digest` of the tail of ``tokens`` (its tokens after its full blocks), None
+    when they end on a block boundary."""
+    data = np.asarray(tokens)
+    full = len(data) // block_size * block_size
+    if full == len(data):
+        return None
+    digests = block_digests(fingerprint, data[:full], block_size)
+    return tail_digest(fingerprint, digests[-1] if digests else None, data[full:])
 
 
 def tail_digests(fingerprint: str, block_digest: bytes | None, tokens) -> list[bytes]:

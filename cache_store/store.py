@@ -27,7 +27,7 @@ from .codec import (BlockLayout, CorruptBlockError, DecodedBlock, Layer, RawArra
                     is_token_array, split_layout)
 from .keys import (block_digests, block_key, canonical_json, check_block_size, check_fingerprint,
                    check_namespace, check_ttl, checkpoint_digest, checkpoint_key, layout_key, models_key,
-                   stats_key, tail_digest, tail_digests, tail_key)
+                   prefix_tail_digest, stats_key, tail_digests, tail_key)
 from .local_tier import LocalTier
 from .memo import MEMO_COUNTERS
 from .prefix import Allocate, PrefixAssembler
@@ -474,8 +474,7 @@ class RedisBlockStore:
             return 0
         if any(not is_token_array(name) for layer in layers for name in layer):
             raise ValueError("tail: token arrays only (a recurrent state has no tail)")
-        digests = block_digests(self.fingerprint, np.asarray(tokens), self.block_size)
-        digest = tail_digest(self.fingerprint, digests[-1] if digests else None, np.asarray(tokens)[n - m:])
+        digest = prefix_tail_digest(self.fingerprint, tokens, self.block_size)
         key = tail_key(self.namespace, self.fingerprint, digest)
         try:
             if self._values.present([key], self.ttl_s)[0]:

@@ -35,14 +35,13 @@ def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end
     quant = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     if on_step is None:
         cache, done = kv_cache, start
-        if start % block_size:  # a restored tail: first to the next block end, so later steps end on them
-            done = min(end, (start // block_size + 1) * block_size)
-            _, cache, _ = full_prefill(model, tokens[:done], kv_cache=cache, prefill_step=block_size,
-                                       progress=lambda d, t, phase: progress(d, end - start, phase), **quant)
-        if done < end:
-            _, cache, _ = full_prefill(model, tokens[:end], kv_cache=cache, prefill_step=block_size,
-                                       progress=lambda d, t, phase: progress(done - start + d, end - start, phase),
-                                       **quant)
+        # After a restored tail, first to the next block end, so the later steps end on block ends.
+        for stop in sorted({min(end, -(-start // block_size) * block_size), end}):
+            if stop > done:
+                _, cache, _ = full_prefill(model, tokens[:stop], kv_cache=cache, prefill_step=block_size,
+                                           progress=lambda d, t, phase, at=done: progress(at - start + d, end - start,
+                                                                                          phase), **quant)
+                done = stop
         return cache
     cache, done = kv_cache, start
     while done < end:  # one block step at a time, each handed to on_step

@@ -189,13 +189,13 @@ class TargetPrefixCache:
     def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[tuple[str, int, int]]:
         """``(mark key, first token, end)`` of each block (and the tail) of ``tokens[:end]`` from
         the one holding token ``start``."""
-        from cache_store.keys import block_digests, healed_key, tail_digest
+        from cache_store.keys import block_digests, healed_key, prefix_tail_digest
 
         raw, bs = self.store.raw_store, self.store.raw_store.block_size
         digests = block_digests(raw.fingerprint, list(tokens[:end]), bs)
         out = [(healed_key(raw.namespace, raw.fingerprint, d), i * bs, (i + 1) * bs) for i, d in enumerate(digests)]
-        if end % bs and self.keeps_tails:
-            tail = tail_digest(raw.fingerprint, digests[-1] if digests else None, list(tokens[end // bs * bs:end]))
+        tail = prefix_tail_digest(raw.fingerprint, list(tokens[:end]), bs) if self.keeps_tails else None
+        if tail is not None:
             out.append((healed_key(raw.namespace, raw.fingerprint, tail), end // bs * bs, end))
         return [k for k in out if k[2] > start]
 
@@ -218,6 +218,8 @@ class TargetPrefixCache:
     def healed_ranges(self, tokens: Sequence[int], n_tokens: int) -> list[tuple[int, int]]:
         """The ``(start, end)`` token ranges of the first ``n_tokens`` (a restored prefix) whose
         blocks a heal job prefilled, adjacent blocks merged."""
+        from cache_store.replies import as_text
+
         if n_tokens <= 0:
             return []
         try:
@@ -233,7 +235,8 @@ class TargetPrefixCache:
         for (_, lo, hi), mark in zip(keys, marked):
             if mark is None:
                 continue
-            s = lo + (int(mark[1:]) if mark.startswith(b"@") else 0)  # b"@k": healed from token k of it
+            text = as_text(mark)
+            s = lo + (int(text[1:]) if text.startswith("@") else 0)  # "@k": healed from token k of it
             if out and out[-1][1] == s:
                 out[-1] = (out[-1][0], hi)
             else:
