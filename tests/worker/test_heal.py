@@ -282,9 +282,10 @@ def test_a_hybrid_target_heals_and_the_next_turn_equals_a_cold_job(monkeypatch, 
     assert np.array_equal(seen[0], seen[1]) and second.token_ids == cold.token_ids
 
 
-def test_a_yielded_hybrid_heal_stores_a_checkpoint_its_continuation_restores():
+@pytest.mark.parametrize("family", HYBRID_HEAL_TARGETS)
+def test_a_yielded_hybrid_heal_stores_a_checkpoint_its_continuation_restores(family):
     r = fakeredis.FakeRedis()
-    rt, _ = runtime(r, family="qwen3_5", **SPARSE)
+    rt, _ = runtime(r, family=family, **SPARSE)
     first = run(rt, "t1", messages=chat(0), **GREEDY)
     user = Client(r, rt.settings).submit(build_spec(rt.settings, text="a user job waits"))
     part = run_heal(rt, first.heal["job_id"])
