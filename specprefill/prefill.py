@@ -41,29 +41,37 @@ class PrefillState:
 
 
 def run_prefill(model, inputs: mx.array, kv_cache: list, *, first_stop: int, step: int,
-                progress: Optional[Progress]) -> mx.array:
-    """Feed ``inputs`` through ``model`` in steps (the first ends at ``first_stop`` if > 0); last-token logits."""
+                progress: Optional[Progress], logits: bool = True) -> mx.array | None:
+    """Feed ``inputs`` through ``model`` in steps (the first ends at ``first_stop`` if > 0).
+    With ``logits``, the last token goes alone, as in mlx-lm's ``generate_step``, and its
+    logits are returned; without, every step only extends the cache and None is returned.
+
+    Only the cache is evaluated after a step, so the last layer's attention and MLP of a
+    step's tokens are never computed; a last step of n tokens with logits would compute them
+    for all n (a quarter of a 4-layer model's work on that step) to use one row."""
     if step < 1:
         raise ValueError(f"prefill_step: must be >= 1, got {step}")
     total = len(inputs)
     if total == 0:
         raise ValueError("tokens: nothing left to prefill (the cache already holds the whole prompt)")
+    last = total - 1 if logits else total
     done = 0
-    while done < total:
-        end = min(done + step, total)
+    while done < last:
+        end = min(done + step, last)
         if done < first_stop < end:
             end = first_stop
-        logits = model(inputs[None, done:end], cache=kv_cache)
-        if end < total:
-            # Only the cache is needed here: the lazy logits of the chunk are never computed.
-            mx.eval([c.state for c in kv_cache])
-        else:
-            logits = logits[:, -1, :]
-            mx.eval(logits, [c.state for c in kv_cache])
+        model(inputs[None, done:end], cache=kv_cache)
+        mx.eval([c.state for c in kv_cache])
         done = end
         if progress is not None:
             progress(done, total, "target_prefill")
-    return logits
+    if not logits:
+        return None
+    out = model(inputs[None, last:], cache=kv_cache)[:, -1, :]
+    mx.eval(out, [c.state for c in kv_cache])
+    if progress is not None:
+        progress(total, total, "target_prefill")
+    return out
 
 
 def as_tokens(tokens) -> mx.array:

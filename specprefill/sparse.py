@@ -64,20 +64,22 @@ def full_prefill(
     progress: Optional[Progress] = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-) -> tuple[mx.array, list, PrefillState]:
+    logits: bool = True,
+) -> tuple[mx.array | None, list, PrefillState]:
     """Plain mlx-lm prefill of every token; same interface and results as ``session.prefill``.
 
     ``kv_cache`` may already hold the prompt's first ``c`` tokens; those are not run again.
-    A fresh cache is quantized to ``kv_bits`` when set.
+    A fresh cache is quantized to ``kv_bits`` when set. ``logits=False`` only extends the
+    cache (a prefix other steps follow) and returns None for the logits.
     """
     prompt = as_tokens(tokens)
     T = len(prompt)
     kv_cache = make_cache(model, kv_bits, kv_group_size) if kv_cache is None else kv_cache
     cached = _check_cached_prefix(kv_cache, T)
     start = time.perf_counter()
-    logits = run_prefill(model, prompt[cached:], kv_cache, first_stop=0, step=prefill_step,
-                          progress=progress)
-    return logits, kv_cache, PrefillState(T, T, cached, time.perf_counter() - start)
+    out = run_prefill(model, prompt[cached:], kv_cache, first_stop=0, step=prefill_step,
+                      progress=progress, logits=logits)
+    return out, kv_cache, PrefillState(T, T, cached, time.perf_counter() - start)
 
 
 def generate_tokens(

@@ -32,7 +32,8 @@ def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end
     start = cached_length(kv_cache, len(tokens) + 1) if kv_cache else 0
     if end <= start:
         return kv_cache
-    quant = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
+    # The cache is all a prefix step yields: no logits, so the last token is not run alone.
+    steps = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, logits=False)
     if on_step is None:
         cache, done = kv_cache, start
         # After a restored tail, first to the next block end, so the later steps end on block ends.
@@ -40,7 +41,7 @@ def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end
             if stop > done:
                 _, cache, _ = full_prefill(model, tokens[:stop], kv_cache=cache, prefill_step=block_size,
                                            progress=lambda d, t, phase, at=done: progress(at - start + d, end - start,
-                                                                                          phase), **quant)
+                                                                                          phase), **steps)
                 done = stop
         return cache
     cache, done = kv_cache, start
@@ -48,7 +49,7 @@ def prefill_prefix(model: Any, tokens: Sequence[int], kv_cache: list | None, end
         stop = min(end, (done // block_size + 1) * block_size)
         _, cache, _ = full_prefill(model, tokens[:stop], kv_cache=cache, prefill_step=block_size,
                                    progress=lambda d, t, phase, at=done: progress(at - start + d, end - start, phase),
-                                   **quant)
+                                   **steps)
         on_step(done, stop, cache)
         done = stop
     return cache

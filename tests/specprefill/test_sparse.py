@@ -305,8 +305,9 @@ def test_progress_reports_protected_prefix_step_first():
     with target_session(model) as session:
         session.prefill(prompt(100), np.arange(50, 100), protected_prefix=10, prefill_step=32,
                         progress=lambda *a: seen.append(a))
+    # The protected prefix, a step, the rest but the last token, then the last token alone.
     assert seen == [(10, 60, "target_prefill"), (42, 60, "target_prefill"),
-                    (60, 60, "target_prefill")]
+                    (59, 60, "target_prefill"), (60, 60, "target_prefill")]
 
 
 @pytest.mark.parametrize("keep, match", [
