@@ -31,15 +31,6 @@ context). Ends with ``target ...`` lines.
     .venv/bin/python bench/conversation.py [--traces 3]
     .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
                                                       # (sizes given with it are kept)
-    .venv/bin/python bench/conversation.py --traces 1 --target-shape llama3.1-8b-layer
-
-``--target-shape llama3.1-8b-layer`` measures TTFT only, plain against heal: the target is one
-decoder layer of Llama-3.1-8B's shape (4096 wide, 32 heads / 8 KV heads of 128, a 14336 MLP;
-random weights, the shipped tokenizer) instead of the shipped 256-wide target, whose attention
-passes its MLPs' cost at ~1.2K tokens of context (an 8B layer's at ~27K). Each of an 8B's 32
-layers does this layer's work, so the TTFT ratio is the whole model's (its embedding and head,
-at this vocabulary, are a rounding error). Its answers are noise; every way's history carries
-its own, as on the shipped models. No recall and no user-job delay are measured in this mode.
 """
 import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
 from benchlib import ROOT, report  # noqa: E402
@@ -64,12 +55,6 @@ from tools import recall_task  # noqa: E402
 MODES = ("full", "plain", "sparse", "heal")
 RECALL_TURNS = (3, 6, 10)
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
-# One decoder layer of Llama-3.1-8B (its config.json), at the shipped tokenizer's vocabulary.
-LLAMA31_8B_LAYER = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
-                        num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
-                        max_position_embeddings=131072, tie_word_embeddings=False, vocab_size=2048,
-                        eos_token_id=1, torch_dtype="float32")
-SHAPES = {"llama3.1-8b-layer": LLAMA31_8B_LAYER}
 TOOLS = [LOOKUP_TOOL]  # offered in every turn, so rendered in the protected system block
 
 
@@ -99,30 +84,9 @@ def make_trace(rng: random.Random, args) -> tuple[str, list[Turn]]:
     return system, turns
 
 
-def shaped_target(shape: dict, folder: Path) -> str:
-    """A model folder ``mlx_lm.load`` reads: ``shape`` with mlx's random initial weights and the
-    shipped target's tokenizer and chat template (the shipped draft stays its draft)."""
-    import importlib
-    import json
-    import shutil
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    module = importlib.import_module(f"mlx_lm.models.{shape['model_type']}")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(dict(shape)))
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(TARGET) / name, folder / name)
-    (folder / "config.json").write_text(json.dumps(shape, indent=2))
-    return str(folder)
-
-
 def mode_settings(mode: str, url: str, args) -> Settings:
     return Settings.from_env(
-        redis_url=url, namespace=f"conv-{mode}", draft_model=DRAFT, target_model=args.target,
+        redis_url=url, namespace=f"conv-{mode}", draft_model=DRAFT, target_model=TARGET,
         block_size=args.block_size, threshold=args.threshold, keep=args.keep,
         **({"tail_tokens": args.tail_tokens} if args.tail_tokens else {}),
         target_prefix_cache=mode != "full", heal=mode == "heal")
@@ -181,7 +145,7 @@ class Runner:
         from worker.runtime import _target_store
 
         s = self.rt.settings
-        target = self.rt.models.get(self.args.target, "target_model")
+        target = self.rt.models.get(TARGET, "target_model")
         fingerprint = _target_store(self.rt.cache_client, target, s).raw_store.fingerprint
         prompt = tokenize_prompt(build_spec(s, kind="generate", messages=messages, tools=TOOLS), target.tokenizer)
         system = prompt.tokens[:prompt.protected_prefix]
@@ -216,12 +180,11 @@ def run_trace(runners: dict, system: str, turns: list[Turn]) -> dict:
 
 
 def print_turns(trace: dict, turns: list[Turn]) -> None:
-    modes = [m for m in MODES if m in trace]
     print("| turn | mode | prompt | TTFT ms | restored | healed | prefilled full | prefilled sparse | "
           "heal after (ms, off path) | answer | reason |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for i, t in enumerate(turns):
-        for mode in modes:
+        for mode in MODES:
             res, heal_s, ok = trace[mode][i]
             tt = res["target_tokens"]
             mark = ("recall " if t.recall else "") + ("ok" if ok else "wrong")
@@ -230,9 +193,8 @@ def print_turns(trace: dict, turns: list[Turn]) -> None:
                   f"{1000 * heal_s:.0f} | {mark} | {(res.get('fallback') or res.get('reason') or '')[:60]} |")
 
 
-def conversation_targets(traces: list, trace_turns: list, shape: str | None = None) -> list[tuple]:
-    """Print the per-mode summary; return the trace's targets (for benchlib.report): with a
-    ``shape`` (TTFT only), the heal/plain TTFT ratio named by it."""
+def conversation_targets(traces: list, trace_turns: list) -> list[tuple]:
+    """Print the per-mode summary; return the trace's targets (for benchlib.report)."""
     def ttft(mode):
         return statistics.median(res["ttft_s"] for tr in traces for res, _, _ in tr[mode][1:])
 
@@ -251,14 +213,12 @@ def conversation_targets(traces: list, trace_turns: list, shape: str | None = No
                                  for tr in traces for res, _, _ in tr[mode][1:])
 
     print()
-    for mode in [m for m in MODES if m in traces[0]]:
+    for mode in MODES:
         print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms, target tokens prefilled "
               f"{prefilled(mode):.0f}; recall of the turn-1 fact at turns 3/6/10 {recall(mode, RECALL_TURNS):.2f}, "
               f"at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
     print(f"heal/plain, turns 2+: TTFT ratio {ttft('heal') / ttft('plain'):.3f}, tokens prefilled ratio "
           f"{prefilled('heal') / max(prefilled('plain'), 1):.3f}")
-    if shape:
-        return [(f"heal_turn_ttft_vs_plain_{shape}", ttft("heal") / ttft("plain"), "<=", 0.15)]
     full = recall("full")
     return [("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15),
             ("heal_late_recall", recall("heal"), ">=", full,
@@ -365,8 +325,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--delay-reps", type=int, default=5)
     p.add_argument("--delay-heals", type=int, default=4)
     p.add_argument("--delay-tokens", type=int, default=2048)
-    p.add_argument("--target-shape", choices=sorted(SHAPES), default=None,
-                   help="TTFT only, plain vs heal, on a random-weight target of this shape (see above)")
     if p.parse_known_args(argv)[0].quick:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
@@ -382,13 +340,10 @@ def main() -> int:
 
     args = parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-conversation-"))
-    shape = args.target_shape
-    args.target = shaped_target(SHAPES[shape], tmp / shape) if shape else TARGET
-    modes = ("plain", "heal") if shape else MODES
     with EmbeddedRedis() as server:
         models = ModelPool(2, block_size=args.block_size, profile=draft_profiler(None, 64),
                            target_profile=target_profiler(None, 64))
-        runners = {m: Runner(m, server.url, models, args) for m in modes}
+        runners = {m: Runner(m, server.url, models, args) for m in MODES}
         warm = make_trace(random.Random(99), args)
         run_trace({"heal": Runner("heal", server.url, models, args)}, warm[0], warm[1][:2])  # load, compile
         traces, trace_turns = [], []
@@ -396,17 +351,13 @@ def main() -> int:
             system, turns = make_trace(random.Random(seed), args)
             traces.append(run_trace(runners, system, turns))
             trace_turns.append(turns)
-        no_heals, with_heals = (None, None) if shape else user_job_delay(server.url, args, tmp)
+        no_heals, with_heals = user_job_delay(server.url, args, tmp)
     print(f"conversation: {args.turns} turns, {args.system_tokens}-token system prompt with tools, "
           f"{args.doc_tokens}-token document, {args.tool_tokens[0]}-{args.tool_tokens[1]}-token tool results, "
           f"answers of up to {args.answer_tokens} tokens, threshold {args.threshold}, keep {args.keep}, "
-          f"block {args.block_size}; shipped tiny draft, target "
-          f"{shape + ' (random weights: answers are noise)' if shape else 'shipped tiny'}; {args.traces} trace(s); "
-          "trace 1:")
+          f"block {args.block_size}; shipped tiny draft/target; {args.traces} trace(s); trace 1:")
     print_turns(traces[0], trace_turns[0])
-    targets = conversation_targets(traces, trace_turns, shape)
-    if shape:
-        return report([], targets)
+    targets = conversation_targets(traces, trace_turns)
     print(f"user job behind a running one: median wait {1000 * no_heals:.0f} ms with no heals queued, "
           f"{1000 * with_heals:.0f} ms with {args.delay_heals} heals queued ({args.delay_reps} rounds each)")
     return report([], [*targets, ("heal_user_job_delay", with_heals / no_heals, "<=", 1.1)])
