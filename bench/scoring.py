@@ -22,9 +22,12 @@ each way: scoring / plain prefill in time and in MLX peak memory, and millisecon
 at each length. The dtype section prefills the Qwen2.5-0.5B shape in bfloat16, in float32 and
 from 4-bit weights dequantized to float32 (``specprefill.compute_dtype``, what a Linux worker's
 ``SPECPREFILL_COMPUTE_DTYPE=auto`` does), tokens/s side by side. ``--long-layers N`` builds N of
-the Qwen shape's 24 layers: every layer prefills and votes alike, so its time ratios are the
-whole model's in about N/24 of the time (64K in under an hour here, not nine), and its peak
-ratio is stricter (weights and cache, which both runs hold, are a smaller part of the peak).
+the Qwen shape's 24 layers, in about N/24 of the time (its 32K in minutes, not hours). Its
+ratios are upper bounds of the whole model's: a prefill evaluates only the cache, so the last
+layer's attention and MLP over the prompt are never computed, in a plain prefill and in
+scoring alike, while the lookahead's capture runs on every layer (with 2 layers the capture
+weighs about twice what it does against 23 computed layers), and weights and cache, which
+both runs hold, are a smaller part of the peak.
 
     .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
         [--hybrid-warm-lengths 4096] [--long-lengths 16384 32768 65536] [--long-models shipped qwen0.5b]
