@@ -36,6 +36,15 @@ def start_worker(deployment, settings, name, tmp_path):
     return WorkerProcess(argv, env_for(settings), name, deployment.primary.url, tmp_path / f"{name}.log", 30)
 
 
+def results_or_logs(handles, workers, timeout):
+    """Every handle's result; a job that does not end fails the test with the workers' logs."""
+    try:
+        return [h.result(timeout=timeout) for h in handles]
+    except TimeoutError as exc:
+        logs = "\n".join(f"--- worker {w.name} (alive: {w.alive()})\n{w.text()[-6000:]}" for w in workers)
+        raise AssertionError(f"{exc}\n{logs}") from exc
+
+
 def test_a_sentinel_url_names_the_current_primary(sentinels):
     s = Settings(redis_url=sentinels.url)
     client = queue_connection(sentinels.url, s)
@@ -75,7 +84,7 @@ def test_jobs_survive_a_failover_and_a_lost_one_runs_once_more(sentinels, tmp_pa
                  what="the replica promoted")
         late = client.submit(tokens=DOCS[5])  # the client finds the new primary by itself
         handles = [*early, lost, late]
-        results = [h.result(timeout=90) for h in handles]
+        results = results_or_logs(handles, workers, timeout=90)
         assert [r.total for r in results] == [len(d) for d in DOCS]
         assert lost.resubmitted  # JobLost: known in the old primary's epoch, missing in the new one
         assert not any(h.resubmitted for h in [*early, late])  # the others were on the replica
