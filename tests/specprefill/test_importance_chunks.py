@@ -51,7 +51,10 @@ def test_chunks_hold_at_most_the_budget_and_cover_every_head_in_order(monkeypatc
     monkeypatch.setattr(importance, "CHUNK_ELEMENTS", 64)  # one head's row
     chunks = list(importance.layer_probabilities([call], 64))
     assert [p.shape for p in chunks] == [(1, 1, 64)] * 4
-    assert mx.array_equal(mx.concatenate(chunks), mx.concatenate(whole)).item()
+    # The same math head by head; a BLAS may pick another kernel for one row than for two (OpenBLAS
+    # on an AVX-512 CPU differs in the last bit), so equal to float rounding, as the test above.
+    np.testing.assert_allclose(np.array(mx.concatenate(chunks)), np.array(mx.concatenate(whole)),
+                               rtol=1e-6, atol=0)
 
 
 def test_the_capture_keeps_a_view_of_a_kv_caches_keys_not_a_copy():
