@@ -30,6 +30,7 @@ from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
 from worker.node_busy import mark_busy, mark_idle
+from worker.orphans import return_orphan
 from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
@@ -155,6 +156,9 @@ class InProcessWorker(SimpleWorker):
             execution.delete(job=job, pipeline=pipe)
             pipe.execute()
         self.executions.pop(execution.id, None)
+        # A failover between its dequeue and its claim leaves it queued in no queue.
+        settle_s = min(1.0, self.runtime.settings.heartbeat_interval_s)
+        return_orphan(self.connection, job.id, job.origin, settle_s)
 
     def _finalize_success(self, job: Any, queue: Queue, execution: Any, return_value: Any) -> None:
         if self._claim_gone():
