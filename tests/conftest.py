@@ -3,7 +3,14 @@ from specprefill.blas import preload_openblas
 
 preload_openblas()
 
+import signal
+
 import pytest
+
+# A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and every
+# command it starts would too: the Ctrl-C tests need their commands to get it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from specprefill_cli.embedded_redis import EmbeddedRedis
 
