@@ -19,6 +19,7 @@ from jobs.connection import REDIS_DOWN, wait_for_redis
 from jobs.deadline import Deadline
 from jobs.keys import channel_name, stream_key
 from jobs.progress.events import ProgressEvent
+from jobs.progress.pubsub import close_pubsub, open_pubsub
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def iter_events(client: redis.Redis, job_id: str, *, namespace: str = Settings.n
     """
     watch = _Watch(client, job_id, namespace, after_seq, Deadline(timeout), poll_s, idle_check)
     while not watch.ended:
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        pubsub = open_pubsub(client)
         try:
             pubsub.subscribe(watch.channel)
             yield from watch.follow(pubsub)
@@ -141,7 +142,4 @@ def iter_events(client: redis.Redis, job_id: str, *, namespace: str = Settings.n
             if not wait_for_redis(client, watch.deadline, pause_s=min(poll_s, 1.0)):
                 raise watch.timeout() from exc
         finally:
-            try:
-                pubsub.close()
-            except Exception:  # closing a dead connection must not mask the real error
-                pass
+            close_pubsub(pubsub)
