@@ -29,7 +29,8 @@ SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--tu
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
     "cache_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
-    "far_probe.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"], "scale.py": SCALE_QUICK,
+    "far_probe.py": ["--quick"], "heal_shapes.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"],
+    "scale.py": SCALE_QUICK,
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],
     "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
                    "--demo-questions", "1"],
