@@ -1,4 +1,4 @@
-"""A 10-turn agent conversation four ways: does healing keep the next turns fast and their recall whole?
+"""A 10-turn agent conversation five ways: does healing keep the next turns fast and their recall whole?
 
 The shipped tiny draft and target and their recall task (``tools/recall_task.py``):
 a system prompt, a document in turn 1 with facts planted in it, then a tool result in every
@@ -11,8 +11,18 @@ answers go into its history) with its own namespace in one Redis, one model pool
   kept between turns: the target's other blocks are dropped before each turn);
 - ``sparse``: SpecPrefill every turn, as the service runs without heals (the target restores
   what was prefilled in order: the system prefix, the plain turns);
-- ``heal``: SpecPrefill, and after each turn its heal job runs before the next turn (a worker
-  idle between turns): the next turn restores the conversation and prefills only what is new.
+- ``heal``: sparse + heal. SpecPrefill, and after each turn its heal job runs before the next
+  turn (a worker idle between turns): the next turn restores the conversation, and admission and
+  SpecPrefill run on what is new: a tool result longer than the threshold is scored and sparsely
+  prefilled over the restored conversation, then healed;
+- ``heal-plain``: the same with ``--plain-threshold`` (default the settings' 8192) as admission,
+  so every tool result is prefilled in full on the restored conversation (only admission differs
+  from ``heal``: its turn 1 selects the same tokens).
+
+The SpecPrefill ways share an agent's selection options: ``--threshold`` 1024 (a tool result of
+over 1K tokens is scored) and ``--tail-tokens`` 128 (the mandatory tail, paid from the keep budget
+first, holds the turn's question and the template's closers; the default 512 would take a 1-2K
+tool result's whole budget at keep 0.2, so nothing would be ranked).
 
 Then ``heal_user_job_delay``: a real worker process, a user job A running, B queued behind it,
 with and without a pile of heal jobs queued: B's wait (RQ's enqueued -> started) must not grow.
@@ -21,12 +31,13 @@ The issue's trace, on the shipped models (65536 positions, measured to read 16K-
 the system block: about 250 tokens more), an 8192-token document in turn 1, tool results of
 1024-2048 tokens (drawn per turn, uniformly), answers of up to 100 tokens (the tiny target stops
 at its end of turn after the three words; the answer goes into the history as generated); about
-26K tokens by turn 10. The admission threshold and block size are the settings' (8192, 256):
-turn 1 (12K) is sparse, a tool result on the restored conversation is prefilled plainly (heal),
-and in sparse mode every later turn is sparse (its whole prompt is over 8192). The tool results
-are user turns (their question follows them). The summary prints the median target tokens
-prefilled per turn beside the TTFT ratio (the rest of that ratio is attention over the longer
-context). Ends with ``target ...`` lines.
+26K tokens by turn 10; block size the settings' (256). Turn 1 (12K) is sparse in the three
+SpecPrefill ways, and in sparse mode every later turn is sparse over its whole unrestored
+conversation. The tool results are user turns (their question follows them). The summary prints
+the median target tokens prefilled per turn and the query-key pairs their prefill attends over
+beside the TTFT ratio: where attention over the context outweighs a layer's per-token work (the
+shipped 256-wide target, at any context this trace reaches), a turn whose new part is prefilled
+in full costs its pairs' share of a plain turn, whatever the hardware. Ends with ``target ...`` lines.
 
     .venv/bin/python bench/conversation.py [--traces 3]
     .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
@@ -52,7 +63,8 @@ from jobs.settings import SHIPPED_MODELS, Settings  # noqa: E402
 from specprefill_cli.agent import LOOKUP_TOOL  # noqa: E402 - the tool the agent CLI offers
 from tools import recall_task  # noqa: E402
 
-MODES = ("full", "plain", "sparse", "heal")
+MODES = ("full", "plain", "sparse", "heal", "heal-plain")
+HEALING = ("heal", "heal-plain")
 RECALL_TURNS = (3, 6, 10)
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
 TOOLS = [LOOKUP_TOOL]  # offered in every turn, so rendered in the protected system block
@@ -87,9 +99,9 @@ def make_trace(rng: random.Random, args) -> tuple[str, list[Turn]]:
 def mode_settings(mode: str, url: str, args) -> Settings:
     return Settings.from_env(
         redis_url=url, namespace=f"conv-{mode}", draft_model=DRAFT, target_model=TARGET,
-        block_size=args.block_size, threshold=args.threshold, keep=args.keep,
-        **({"tail_tokens": args.tail_tokens} if args.tail_tokens else {}),
-        target_prefix_cache=mode != "full", heal=mode == "heal")
+        block_size=args.block_size, keep=args.keep, tail_tokens=args.tail_tokens,
+        threshold=args.plain_threshold if mode == "heal-plain" else args.threshold,
+        target_prefix_cache=mode != "full", heal=mode in HEALING)
 
 
 class Runner:
@@ -121,7 +133,7 @@ class Runner:
         self.seq += 1
         result = self._execute(spec.to_payload(), f"{self.mode}-{self.seq}")
         heal_s = 0.0
-        if self.mode == "heal" and result["heal"].get("queued"):
+        if self.mode in HEALING and result["heal"].get("queued"):
             t = time.perf_counter()
             self._run_heal(result["heal"]["job_id"])
             heal_s = time.perf_counter() - t
@@ -218,15 +230,20 @@ def conversation_targets(traces: list, trace_turns: list) -> list[tuple]:
             return new * tokens.get("restored", 0) + new * (new + 1) // 2
         return statistics.median(pairs(res["target_tokens"]) for tr in traces for res, _, _ in tr[mode][1:])
 
+    def answered(mode):  # every turn's question, right / asked
+        hits = [ok for tr in traces for _, _, ok in tr[mode]]
+        return f"{sum(hits)}/{len(hits)}"
+
     print()
     for mode in MODES:
         print(f"{mode}: median TTFT turns 2+ {1000 * ttft(mode):.0f} ms, target tokens prefilled "
-              f"{prefilled(mode):.0f}; recall of the turn-1 fact at turns 3/6/10 {recall(mode, RECALL_TURNS):.2f}, "
-              f"at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
-    print(f"heal/plain, turns 2+: TTFT ratio {ttft('heal') / ttft('plain'):.3f}, tokens prefilled ratio "
-          f"{prefilled('heal') / max(prefilled('plain'), 1):.3f}, attention pairs ratio "
-          f"{attention_pairs('heal') / max(attention_pairs('plain'), 1):.3f} (the TTFT ratio's floor where "
-          "attention over the context outweighs the layers' per-token work, as in the shipped tiny target)")
+              f"{prefilled(mode):.0f}; answers right {answered(mode)}; recall of the turn-1 fact at turns "
+              f"3/6/10 {recall(mode, RECALL_TURNS):.2f}, at 6/10 {recall(mode):.2f}; median phases ms: {phases(mode)}")
+    for mode in HEALING:
+        print(f"{mode}/plain, turns 2+: TTFT ratio {ttft(mode) / ttft('plain'):.3f}, tokens prefilled ratio "
+              f"{prefilled(mode) / max(prefilled('plain'), 1):.3f}, attention pairs ratio "
+              f"{attention_pairs(mode) / max(attention_pairs('plain'), 1):.3f} (where attention over the context "
+              "outweighs the layers' per-token work, as in the shipped tiny target, a prefill's time follows its pairs)")
     full = recall("full")
     return [("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15),
             ("heal_late_recall", recall("heal"), ">=", full,
@@ -312,8 +329,8 @@ def user_job_delay(url: str, args, tmp: Path) -> tuple[float, float]:
 
 
 # --quick's sizes: defaults only, so a size given with --quick is kept.
-QUICK = dict(traces=1, system_tokens=32, doc_tokens=384, tool_tokens=[40, 56], answer_tokens=16, tail_tokens=64,
-             threshold=96, block_size=32, delay_reps=1, delay_heals=2, delay_tokens=256)
+QUICK = dict(traces=1, system_tokens=32, doc_tokens=384, tool_tokens=[80, 112], answer_tokens=16, tail_tokens=32,
+             threshold=64, plain_threshold=192, block_size=32, delay_reps=1, delay_heals=2, delay_tokens=256)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -326,9 +343,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-tokens", type=int, nargs=2, default=[1024, 2048], metavar=("MIN", "MAX"),
                    help="each later turn's tool result: drawn uniformly in [MIN, MAX]")
     p.add_argument("--answer-tokens", type=int, default=100, help="max_tokens of every answer")
-    p.add_argument("--threshold", type=int, default=None, help="admission (default: the settings')")
+    p.add_argument("--threshold", type=int, default=1024,
+                   help="admission of the SpecPrefill ways (an agent's: a tool result over it is scored)")
+    p.add_argument("--plain-threshold", type=int, default=None,
+                   help="heal-plain's admission (default: the settings'), over every tool result")
     p.add_argument("--keep", type=float, default=0.2)
-    p.add_argument("--tail-tokens", type=int, default=0, help="the selection's kept tail (0: the default)")
+    p.add_argument("--tail-tokens", type=int, default=128, help="the selection's mandatory tail")
     p.add_argument("--block-size", type=int, default=None, help="default: the settings'")
     p.add_argument("--delay-reps", type=int, default=5)
     p.add_argument("--delay-heals", type=int, default=4)
@@ -337,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     defaults = Settings()
-    args.threshold = defaults.selection.threshold if args.threshold is None else args.threshold
+    args.plain_threshold = defaults.selection.threshold if args.plain_threshold is None else args.plain_threshold
     args.block_size = defaults.block_size if args.block_size is None else args.block_size
     return args
 
@@ -362,7 +382,8 @@ def main() -> int:
         no_heals, with_heals = user_job_delay(server.url, args, tmp)
     print(f"conversation: {args.turns} turns, {args.system_tokens}-token system prompt with tools, "
           f"{args.doc_tokens}-token document, {args.tool_tokens[0]}-{args.tool_tokens[1]}-token tool results, "
-          f"answers of up to {args.answer_tokens} tokens, threshold {args.threshold}, keep {args.keep}, "
+          f"answers of up to {args.answer_tokens} tokens, threshold {args.threshold} (heal-plain "
+          f"{args.plain_threshold}), tail {args.tail_tokens}, keep {args.keep}, "
           f"block {args.block_size}; shipped tiny draft/target; {args.traces} trace(s); trace 1:")
     print_turns(traces[0], trace_turns[0])
     targets = conversation_targets(traces, trace_turns)

@@ -18,7 +18,12 @@ prefix, a heal turn 1697 tokens on 18496 restored), through the service's own pr
   layer does all the work, as each of a 32-layer model's does.
 
 The restored cache holds random K/V of the right shape (restoring is not what is timed). TTFT
-only: no answers, no recall (those are ``bench/conversation.py``'s, on the shipped pair).
+only: no answers, no recall (those are ``bench/conversation.py``'s, on the shipped pair). This is
+the ``heal-plain`` way of that bench (a tool result prefilled in full on the healed conversation);
+its ``heal`` way scores and sparsely prefills the tool result instead. The target per model: a
+heal turn's prefill costs no more than its exact share of the plain turn's work, the larger of its
+tokens ratio (per-token work) and its attention pairs ratio (attention), within 10%: the heal
+path adds nothing to the prefill of what is new.
 
     .venv/bin/python bench/heal_shapes.py [--models shipped 7b] [--layers 2]
     .venv/bin/python bench/heal_shapes.py --quick     # seconds: small shapes
@@ -90,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     (pr, pn), (hr, hn) = args.plain, args.heal
+    share = max(hn / pn, pairs(hr, hn) / pairs(pr, pn))  # the heal's exact share of the plain turn's work
     print(f"plain turn: {pn} tokens prefilled on {pr} restored; heal turn: {hn} on {hr}; step {args.step}; "
           f"tokens ratio {hn / pn:.3f}, attention pairs ratio {pairs(hr, hn) / pairs(pr, pn):.3f}")
     print("| target | plain s | heal s | heal / plain |")
@@ -101,7 +107,7 @@ def main() -> int:
         plain, heal = timed_prefill(model, pr, pn, args.step), timed_prefill(model, hr, hn, args.step)
         label = "shipped tiny target" if name == "shipped" else f"7B-shaped llama, {args.layers} layer(s)"
         print(f"| {label} | {plain:.2f} | {heal:.2f} | {heal / plain:.3f} |")
-        verdicts.append((f"heal_over_plain_prefill_{name}", heal / plain, "<=", 0.15))
+        verdicts.append((f"heal_prefill_over_exact_share_{name}", heal / plain / share, "<=", 1.1))
         del model
         mx.clear_cache()
     return report([], verdicts)
