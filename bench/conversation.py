@@ -243,7 +243,8 @@ def conversation_targets(traces: list, trace_turns: list) -> list[tuple]:
         print(f"{mode}/plain, turns 2+: TTFT ratio {ttft(mode) / ttft('plain'):.3f}, tokens prefilled ratio "
               f"{prefilled(mode) / max(prefilled('plain'), 1):.3f}, attention pairs ratio "
               f"{attention_pairs(mode) / max(attention_pairs('plain'), 1):.3f} (where attention over the context "
-              "outweighs the layers' per-token work, as in the shipped tiny target, a prefill's time follows its pairs)")
+              "outweighs the layers' per-token work, as in the shipped tiny target, a prefill's time "
+              "follows its pairs)")
     full = recall("full")
     return [("heal_turn_ttft_vs_plain", ttft("heal") / ttft("plain"), "<=", 0.15),
             ("heal_late_recall", recall("heal"), ">=", full,
