@@ -1,4 +1,4 @@
-"""A job this worker lost its claim on, put back in line when nobody else holds it.
+"""A failover between a job's pop and its claim, repaired by the worker that popped it.
 
 A worker that dequeues from several queues pops the job id with BLPOP and writes the job's
 ``started`` state in a second call. If Redis fails over between the two (Sentinel promotes
@@ -8,6 +8,11 @@ waits forever. The worker whose claim vanished is the only one that knows; it re
 job to the front of its queue, once, if after a settling pause the job is still queued
 nowhere (a pop by another worker is followed within milliseconds by that worker's claim,
 and a watched transaction refuses the push if anything touched the job meanwhile).
+
+The mirror case: the pop reached the old primary alone and the claim, retried, reached the
+new one, which holds the job as ours *and* still queued; left there it runs a second time
+after this run ends. Right after its claim the worker takes the job out of its queue, if
+the claim it reads is still its own.
 """
 from __future__ import annotations
 
@@ -50,3 +55,24 @@ def return_orphan(conn: redis.Redis, job_id: str, origin: str, settle_s: float,
     log.warning("job %s was queued in no queue after a lost claim (a failover between its "
                 "dequeue and its claim): returned to the front of %s", job_id, origin)
     return True
+
+
+def drop_queued_copy(conn: redis.Redis, job_id: str, origin: str, worker_name: str) -> bool:
+    """Remove ``job_id`` from queue ``origin`` if it is there while ``worker_name``'s claim is
+    on it (``started``, its name); returns whether a copy was removed."""
+    job_key, queue_key = job_key_of(job_id), Queue(origin, connection=conn).key
+    with conn.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(job_key)
+            status, owner = pipe.hmget(job_key, "status", "worker_name")
+            if status != b"started" or owner != worker_name.encode():
+                return False  # another failover took the claim: the liveness beat handles it
+            pipe.multi()
+            pipe.lrem(queue_key, 0, job_id)
+            removed = pipe.execute()[0]
+        except redis.WatchError:
+            return False
+    if removed:
+        log.warning("job %s was still in %s after its claim (a failover between its dequeue "
+                    "and its claim): removed, so it runs once", job_id, origin)
+    return bool(removed)

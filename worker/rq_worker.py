@@ -30,7 +30,7 @@ from worker import hooks, runtime as runtime_mod
 from worker.liveness import Liveness
 from worker.models import release_cached_buffers
 from worker.node_busy import mark_busy, mark_idle
-from worker.orphans import return_orphan
+from worker.orphans import drop_queued_copy, return_orphan
 from worker.queues import listen_order
 from worker.runtime import WorkerRuntime
 
@@ -134,6 +134,10 @@ class InProcessWorker(SimpleWorker):
 
     def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
         super().prepare_job_execution(job, remove_from_intermediate_queue)
+        try:
+            drop_queued_copy(self.connection, job.id, job.origin, self.name)
+        except REDIS_DOWN as exc:  # the claim just landed; a fault now only risks a rerun
+            self._redis_down("queued copy check", exc)
         # Claimed now (status started, our name on it): from here the beats keep the claim.
         if self.liveness is not None:
             self.runtime.claim = self.liveness.watch(job, self._execution)
