@@ -57,21 +57,20 @@ def return_orphan(conn: redis.Redis, job_id: str, origin: str, settle_s: float,
     return True
 
 
+# Atomic, one round trip on every job's start: the claim read and the removal together.
+_DROP_IF_OURS = """
+local status, owner = unpack(redis.call('HMGET', KEYS[1], 'status', 'worker_name'))
+if status ~= 'started' or owner ~= ARGV[2] then return 0 end
+return redis.call('LREM', KEYS[2], 0, ARGV[1])
+"""
+
+
 def drop_queued_copy(conn: redis.Redis, job_id: str, origin: str, worker_name: str) -> bool:
     """Remove ``job_id`` from queue ``origin`` if it is there while ``worker_name``'s claim is
-    on it (``started``, its name); returns whether a copy was removed."""
-    job_key, queue_key = job_key_of(job_id), Queue(origin, connection=conn).key
-    with conn.pipeline(transaction=True) as pipe:
-        try:
-            pipe.watch(job_key)
-            status, owner = pipe.hmget(job_key, "status", "worker_name")
-            if status != b"started" or owner != worker_name.encode():
-                return False  # another failover took the claim: the liveness beat handles it
-            pipe.multi()
-            pipe.lrem(queue_key, 0, job_id)
-            removed = pipe.execute()[0]
-        except redis.WatchError:
-            return False
+    on it (``started``, its name; else another failover took the claim and the liveness beat
+    handles it); returns whether a copy was removed."""
+    queue_key = Queue(origin, connection=conn).key
+    removed = int(conn.eval(_DROP_IF_OURS, 2, job_key_of(job_id), queue_key, job_id, worker_name))
     if removed:
         log.warning("job %s was still in %s after its claim (a failover between its dequeue "
                     "and its claim): removed, so it runs once", job_id, origin)
