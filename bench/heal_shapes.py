@@ -95,9 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     (pr, pn), (hr, hn) = args.plain, args.heal
-    share = max(hn / pn, pairs(hr, hn) / pairs(pr, pn))  # the heal's exact share of the plain turn's work
+    tokens_ratio, pairs_ratio = hn / pn, pairs(hr, hn) / pairs(pr, pn)
+    share = max(tokens_ratio, pairs_ratio)  # the heal's exact share of the plain turn's work
     print(f"plain turn: {pn} tokens prefilled on {pr} restored; heal turn: {hn} on {hr}; step {args.step}; "
-          f"tokens ratio {hn / pn:.3f}, attention pairs ratio {pairs(hr, hn) / pairs(pr, pn):.3f}")
+          f"tokens ratio {tokens_ratio:.3f}, attention pairs ratio {pairs_ratio:.3f}")
     print("| target | plain s | heal s | heal / plain |")
     print("|---|---:|---:|---:|")
     verdicts = []
