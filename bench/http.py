@@ -130,10 +130,12 @@ def stream_bodies(text: str, seed: int) -> dict:
 
 def spec_of(client, path: str, body: dict):
     """The job spec the server makes of ``body`` (for its job id, so its progress channel)."""
-    from specprefill_server import anthropic_convert, convert, responses_convert
-    from specprefill_server.anthropic_types import MessagesRequest
-    from specprefill_server.openai_types import ChatCompletionRequest
-    from specprefill_server.responses_types import ResponsesRequest
+    from specprefill_server.apis.anthropic import convert as anthropic_convert
+    from specprefill_server.apis.openai import convert
+    from specprefill_server.apis.responses import convert as responses_convert
+    from specprefill_server.apis.anthropic.types import MessagesRequest
+    from specprefill_server.apis.openai.types import ChatCompletionRequest
+    from specprefill_server.apis.responses.types import ResponsesRequest
 
     if path == "/v1/chat/completions":
         return client.generate_spec(**convert.chat_fields(ChatCompletionRequest.model_validate(body)))

@@ -1,4 +1,4 @@
-"""``specprefill serve``: the OpenAI-compatible HTTP server, metrics and web page (package ``server``)."""
+"""``specprefill serve``: the OpenAI-compatible HTTP server, metrics and web page (package ``specprefill_server``)."""
 from __future__ import annotations
 
 from typing import Any

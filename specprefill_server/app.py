@@ -4,7 +4,7 @@ Starlette (not FastAPI) because the service's own validators are the source of t
 every field (a spec error names its field; OpenAI's error shape wraps it), so FastAPI's
 dependency injection and generated schemas would add a layer on the hot path and a
 second set of validation errors to translate; the OpenAI request bodies are still
-pydantic models (``server.openai_types``).
+pydantic models (``specprefill_server.apis.<api>.types``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from starlette.routing import Route
 from jobs.client import Client
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
-from specprefill_server import anthropic_models, completions, messages, responses
+from specprefill_server.apis.anthropic import models as anthropic_models, routes as messages
+from specprefill_server.apis.openai import routes as completions
+from specprefill_server.apis.responses import routes as responses
 from specprefill_server.answering import JOB_HEADER
 from specprefill_server.availability import ModelGate
 from specprefill_server.batch import api as batch_api

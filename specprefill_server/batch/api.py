@@ -6,7 +6,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from specprefill_server.errors import APIError, not_found
-from specprefill_server.openai_types import BatchCreateRequest, parse
+from specprefill_server.apis.openai.types import BatchCreateRequest
+from specprefill_server.parse import parse
 from specprefill_server.runner import JobRunner
 from specprefill_server.state import read_json, state
 

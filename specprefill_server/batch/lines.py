@@ -16,9 +16,9 @@ from typing import Any, Callable, Mapping
 
 from jobs.results import GenerateResult
 from jobs.spec import JobSpec, JobSpecError
-from specprefill_server.convert import endpoint
+from specprefill_server.apis.openai.convert import endpoint
 from specprefill_server.errors import APIError, bad_request, from_job_failure, from_spec_error
-from specprefill_server.openai_types import parse
+from specprefill_server.parse import parse
 
 
 @dataclass

@@ -5,7 +5,10 @@ specprefill_cli -> specprefill_server, worker, jobs, cache_store, specprefill's 
 cache_store; jobs -> cache_store's reply and key rules, specprefill's option objects;
 specprefill (MLX) and cache_store (storage) know neither each other nor anything above them;
 specprefill_server speaks to the queue (jobs, cache_store), never to the model; nothing imports
-specprefill_cli.
+specprefill_cli. Inside specprefill_server, each API (``apis/<api>/``) has the same files and
+imports no other API, and the machinery they share (the package's top-level modules) and the
+web page import no API: only ``app`` (which routes to them) and ``batch`` (OpenAI's Batch API
+runs chat completions and completions) do.
 """
 from __future__ import annotations
 
@@ -34,6 +37,24 @@ ONLY = {"jobs": {"cache_store": {"cache_store.replies", "cache_store.keys"},
                  "specprefill": {"specprefill.options"}},
         # the command line's option flags are the option objects' fields (pure Python)
         "specprefill_cli": {"specprefill": {"specprefill.options"}}}
+
+SERVER = "specprefill_server"
+APIS = ("openai", "anthropic", "responses")
+# The files every API package has (request types, conversion to the job spec, the reply and
+# its stream, the endpoints), and the few one API has besides.
+API_FILES = {"__init__.py", "types.py", "convert.py", "reply.py", "routes.py"}
+API_EXTRA_FILES = {"anthropic": {"models.py"}}  # Anthropic's own /v1/models page
+
+
+def server_forbidden(module: str) -> set[str]:
+    """What a module of specprefill_server may not import (module prefixes)."""
+    parts = module.split(".")
+    if parts[:2] == [SERVER, "apis"] and len(parts) > 2:
+        return {f"{SERVER}.apis.{other}" for other in APIS if other != parts[2]} | {
+            f"{SERVER}.app", f"{SERVER}.batch", f"{SERVER}.web"}
+    if len(parts) == 2 and parts[1] not in ("app", "cli", "__main__", "apis") or parts[1:2] == ["web"]:
+        return {f"{SERVER}.apis"}
+    return set()
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -71,6 +92,10 @@ def violations(root: Path, packages=PACKAGES) -> dict[str, list[str]]:
                     wrong.append(target)
                 elif allowed is not None and not any(target == a or target.startswith(a + ".") for a in allowed):
                     wrong.append(target)
+            if package == SERVER:
+                inner = server_forbidden(module_name(path, root))
+                wrong += [t for t in sorted(imports_of(path, root))
+                          if any(t == f or t.startswith(f + ".") for f in inner)]
             if wrong:
                 bad[str(path.relative_to(root))] = wrong
     return bad
@@ -80,10 +105,17 @@ def test_no_package_imports_what_its_layer_may_not():
     assert violations(ROOT) == {}
 
 
+def test_every_api_has_the_same_files():
+    for api in APIS:
+        files = {p.name for p in (ROOT / SERVER / "apis" / api).glob("*.py")}
+        assert files == API_FILES | API_EXTRA_FILES.get(api, set()), api
+
+
 def _plant(root: Path, package: str, module: str, source: str) -> None:
     folder = root / package
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "__init__.py").touch()
+    for parent in [*reversed((root / package).relative_to(root).parents[:-1]), Path(package)]:
+        (root / parent).mkdir(parents=True, exist_ok=True)
+        (root / parent / "__init__.py").touch()
     (folder / module).write_text(source)
 
 
@@ -96,10 +128,20 @@ def _plant(root: Path, package: str, module: str, source: str) -> None:
     ("specprefill", "def f():\n    from .. import worker\n", ["worker"]),
     ("cache_store", "try:\n    import mlx.core as mx\nexcept ImportError:\n    pass\n", ["mlx.core"]),
     ("worker", "def f():\n    import specprefill_cli.main\n", ["specprefill_cli.main"]),
-], ids=["function-level", "method-level", "allowed", "nested-block", "relative", "try-block", "cli"])
+    ("specprefill_server/apis/anthropic", "from ..openai.convert import chat_fields\n",
+     ["specprefill_server.apis.openai.convert.chat_fields"]),
+    ("specprefill_server/apis/responses", "from specprefill_server.app import create_app\n",
+     ["specprefill_server.app.create_app"]),
+    ("specprefill_server/apis/openai", "from specprefill_server.parse import parse\n", []),
+    ("specprefill_server", "def f():\n    from .apis.openai import reply\n", ["specprefill_server.apis.openai.reply"]),
+    ("specprefill_server/web", "from specprefill_server.apis.anthropic import models\n",
+     ["specprefill_server.apis.anthropic.models"]),
+    ("specprefill_server/batch", "from specprefill_server.apis.openai.types import BatchCreateRequest\n", []),
+], ids=["function-level", "method-level", "allowed", "nested-block", "relative", "try-block", "cli",
+        "api-to-api", "api-to-app", "api-to-shared", "shared-to-api", "web-to-api", "batch-to-openai"])
 def test_a_planted_upward_import_at_any_depth_fails(tmp_path, package, source, expected):
     _plant(tmp_path, package, "planted.py", source)
-    found = violations(tmp_path, packages=(package,))
+    found = violations(tmp_path, packages=(package.split("/")[0],))
     assert found == ({f"{package}/planted.py": expected} if expected else {})
 
 

@@ -11,7 +11,7 @@ from cache_store import SelectionMemo
 from jobs.settings import OPTION_SETTINGS, Settings
 from jobs.spec import OPTION_GROUPS, build_spec, option_names, spelled_option
 from specprefill_cli.documents import SPEC_FIELDS
-from specprefill_server.openai_types import OPENAI_OPTIONS, SPECPREFILL_FIELDS
+from specprefill_server.extension import OPENAI_OPTIONS, SPECPREFILL_FIELDS
 
 
 def test_every_option_field_is_everywhere():

@@ -69,6 +69,9 @@ def test_wheel_holds_the_shipped_models_and_demo_documents(installed):
         assert {f"specprefill_models/{folder}/config.json",
                 f"specprefill_models/{folder}/model.safetensors"} <= names
     assert "specprefill_models/demo/documents.jsonl" in names
+    # the server's subpackages (find_packages takes them by the "specprefill*" pattern)
+    assert {f"specprefill_server/apis/{api}/{f}.py" for api in ("openai", "anthropic", "responses")
+            for f in ("types", "convert", "reply", "routes")} <= names
 
 
 def test_wheel_installs_no_module_another_project_may_own(installed):

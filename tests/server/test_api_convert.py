@@ -9,12 +9,12 @@ import pytest
 
 from jobs.answer_stream import Usage
 from jobs.results import GenerateResult
-from specprefill_server.anthropic_convert import conversation, tools_of
-from specprefill_server.anthropic_reply import MessageFrames, message
-from specprefill_server.anthropic_types import MessagesRequest
+from specprefill_server.apis.anthropic.convert import conversation, tools_of
+from specprefill_server.apis.anthropic.reply import MessageFrames, message
+from specprefill_server.apis.anthropic.types import MessagesRequest
 from specprefill_server.conversation import spec_messages
 from specprefill_server.errors import APIError
-from specprefill_server.openai_types import parse
+from specprefill_server.parse import parse
 from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
 
@@ -124,7 +124,7 @@ def test_anthropic_message_body():
 
 
 def test_responses_items_become_the_agreed_format():
-    from specprefill_server.responses_convert import conversation as items_conversation, tools_of as flat_tools
+    from specprefill_server.apis.responses.convert import conversation as items_conversation, tools_of as flat_tools
 
     prefix = [{"role": "user", "content": "what is the code of room 7?"}]
     conv = items_conversation([
@@ -154,8 +154,8 @@ def test_responses_items_become_the_agreed_format():
 
 
 def test_responses_stream_of_text_then_a_tool_call():
-    from specprefill_server.responses_reply import ResponseFrames, ResponseShape
-    from specprefill_server.responses_types import ResponsesRequest
+    from specprefill_server.apis.responses.reply import ResponseFrames, ResponseShape
+    from specprefill_server.apis.responses.types import ResponsesRequest
 
     shape = ResponseShape("resp_abc123", 1, parse(ResponsesRequest, {"model": "target", "input": "x"}))
     frames = ResponseFrames(shape)
@@ -184,8 +184,8 @@ def test_responses_stream_of_text_then_a_tool_call():
 def test_answers_with_reasoning_and_tool_calls():
     """What a chat job's result holds once the worker separates reasoning and parses tool
     calls (the conversation work): each API's body, and the conversation a stored Response leaves."""
-    from specprefill_server.responses_reply import ResponseShape, answer_messages
-    from specprefill_server.responses_types import ResponsesRequest
+    from specprefill_server.apis.responses.reply import ResponseShape, answer_messages
+    from specprefill_server.apis.responses.types import ResponsesRequest
 
     r = result(text="", finish_reason="tool_calls", reasoning="need it",
                tool_calls=[{"id": "call_1", "name": "lookup", "arguments": {"room": 7}}])
@@ -207,11 +207,11 @@ def test_answers_with_reasoning_and_tool_calls():
 def test_the_heal_field_reaches_the_job_option_on_every_generate_endpoint(heal):
     from jobs.settings import Settings
     from jobs.spec import build_spec
-    from specprefill_server.anthropic_convert import message_fields
-    from specprefill_server.convert import chat_fields
-    from specprefill_server.openai_types import ChatCompletionRequest
-    from specprefill_server.responses_convert import conversation as items_conversation, response_fields
-    from specprefill_server.responses_types import ResponsesRequest
+    from specprefill_server.apis.anthropic.convert import message_fields
+    from specprefill_server.apis.openai.convert import chat_fields
+    from specprefill_server.apis.openai.types import ChatCompletionRequest
+    from specprefill_server.apis.responses.convert import conversation as items_conversation, response_fields
+    from specprefill_server.apis.responses.types import ResponsesRequest
 
     user = [{"role": "user", "content": "hi"}]
     chat = chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": user, "heal": heal}))
@@ -224,7 +224,7 @@ def test_the_heal_field_reaches_the_job_option_on_every_generate_endpoint(heal):
     default = build_spec(Settings(draft_model="d"), kind="generate",
                          **chat_fields(parse(ChatCompletionRequest, {"model": "t", "messages": user})))
     assert default.generate.heal is True  # the worker's setting decides when the field is absent
-    from specprefill_server.convert import specprefill_info
+    from specprefill_server.extension import specprefill_info
 
     said = {"queued": True, "job_id": "heal-abc", "tokens": 300}
     assert specprefill_info(result(heal=said))["heal"] == said  # the reply says what became of it

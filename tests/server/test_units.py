@@ -10,12 +10,14 @@ from jobs.results import GenerateResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
 from specprefill_server.batch.lines import plan_lines, result_lines
-from specprefill_server.convert import ChunkMaker, chat_fields, chat_messages, completion_fields
+from specprefill_server.apis.openai.convert import chat_fields, chat_messages, completion_fields
+from specprefill_server.apis.openai.reply import ChunkMaker
 from specprefill_server.errors import APIError, from_job_failure, from_spec_error
 from jobs.layout import Region, layout, regions
 from jobs.results import ImportanceCurve, PrefillResult
 from specprefill_server.web.jobview import segments
-from specprefill_server.openai_types import ChatCompletionRequest, CompletionRequest, parse
+from specprefill_server.apis.openai.types import ChatCompletionRequest, CompletionRequest
+from specprefill_server.parse import parse
 from specprefill_server.web.svg import importance_svg
 
 
@@ -51,7 +53,7 @@ def test_chat_request_maps_to_generate_fields():
 
 def test_every_job_option_is_a_request_field():
     from jobs.spec import option_names
-    from specprefill_server.openai_types import OPENAI_OPTIONS, SPECPREFILL_FIELDS
+    from specprefill_server.extension import OPENAI_OPTIONS, SPECPREFILL_FIELDS
 
     assert set(option_names("generate")) <= set(SPECPREFILL_FIELDS) | OPENAI_OPTIONS
     req = parse(ChatCompletionRequest, {"model": "t", "messages": [{"role": "user", "content": "a"}],
@@ -103,7 +105,7 @@ def test_openai_tool_conversations_convert_to_the_conversation_format():
 
 def test_tool_call_results_and_chunks_in_openai_form():
     from jobs.answer_stream import Finish, ReasoningDelta, ToolCallArguments, ToolCallStart, Usage
-    from specprefill_server.convert import chat_completion
+    from specprefill_server.apis.openai.reply import chat_completion
 
     res = result(text="", reasoning="hmm", finish_reason="tool_calls",
                  tool_calls=[{"id": "abc123def", "name": "lookup", "arguments": {"key": "alpha"}}])
@@ -437,7 +439,7 @@ def test_queue_depth_covers_node_and_heal_queues_labelled_by_kind():
 
 
 def test_anthropic_models_page_follows_both_cursors():
-    from specprefill_server.anthropic_models import models_page
+    from specprefill_server.apis.anthropic.models import models_page
     from specprefill_server.errors import APIError
 
     listing = {"data": [{"id": f"m{i}", "created": 1_750_000_000, "specprefill": {}} for i in range(5)]}

@@ -1,6 +1,6 @@
 """The Anthropic Messages request bodies this server accepts (``POST /v1/messages`` and
 ``/v1/messages/count_tokens``), as pydantic models; a validation error is a 400 naming the
-field (:func:`specprefill_server.openai_types.parse`, in Anthropic's error shape on these paths).
+field (:func:`specprefill_server.parse.parse`, in Anthropic's error shape on these paths).
 
 Fields that change nothing here (``metadata``, ``service_tier``, ``cache_control`` on any
 block: the block store reuses every shared prefix by itself) are accepted and ignored;
@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specprefill_server.openai_types import SpecPrefillOptions, Unsupported
+from specprefill_server.extension import SpecPrefillOptions
+from specprefill_server.parse import Unsupported
 
 
 class ThinkingConfig(BaseModel):

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specprefill_server.openai_types import SpecPrefillOptions, Unsupported
+from specprefill_server.extension import SpecPrefillOptions
+from specprefill_server.parse import Unsupported
 
 
 class TextConfig(BaseModel):

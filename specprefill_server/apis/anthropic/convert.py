@@ -1,17 +1,17 @@
 """Pure conversions between Anthropic's Messages API and this service's jobs and results:
 a request's ``system``, content blocks, ``tool_use`` / ``tool_result`` and tools into the
 internal conversation (:mod:`specprefill_server.conversation`) and the job's fields. The
-answer's side is :mod:`specprefill_server.anthropic_reply`.
+answer's side is :mod:`.reply`.
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from jobs.settings import Settings
-from specprefill_server.anthropic_types import CountTokensRequest, MessagesRequest, ThinkingConfig
+from specprefill_server.apis.anthropic.types import CountTokensRequest, MessagesRequest, ThinkingConfig
 from specprefill_server.conversation import Conversation, function_tool, refuse_unknown, spec_messages, tool_call
 from specprefill_server.errors import bad_request
-from specprefill_server.convert import job_fields
+from specprefill_server.extension import job_fields
 # Keys a block may carry that change nothing here: the block store reuses shared prefixes on
 # its own (cache_control); citations are a past turn's references.
 IGNORED_KEYS = {"cache_control", "citations"}

@@ -10,11 +10,11 @@ from starlette.responses import JSONResponse, Response
 
 from jobs.spec import JobSpecError
 from specprefill_server import answering
-from specprefill_server.anthropic_convert import count_fields, message_fields
-from specprefill_server.anthropic_reply import MessageFrames, message
-from specprefill_server.anthropic_types import CountTokensRequest, MessagesRequest
+from specprefill_server.apis.anthropic.convert import count_fields, message_fields
+from specprefill_server.apis.anthropic.reply import MessageFrames, message
+from specprefill_server.apis.anthropic.types import CountTokensRequest, MessagesRequest
 from specprefill_server.errors import APIError, from_spec_error
-from specprefill_server.openai_types import parse
+from specprefill_server.parse import parse
 from specprefill_server.state import read_json, state
 
 ENDPOINT = "/v1/messages"

@@ -20,10 +20,10 @@ from jobs.keys import response_key
 from jobs.results import GenerateResult
 from specprefill_server import answering
 from specprefill_server.errors import APIError, not_found
-from specprefill_server.openai_types import parse
-from specprefill_server.responses_convert import conversation, response_fields
-from specprefill_server.responses_reply import ResponseFrames, ResponseShape, answer_messages, response_id
-from specprefill_server.responses_types import ResponsesRequest
+from specprefill_server.parse import parse
+from specprefill_server.apis.responses.convert import conversation, response_fields
+from specprefill_server.apis.responses.reply import ResponseFrames, ResponseShape, answer_messages, response_id
+from specprefill_server.apis.responses.types import ResponsesRequest
 from specprefill_server.state import ServerState, read_json, state
 
 ENDPOINT = "/v1/responses"

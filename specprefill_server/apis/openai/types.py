@@ -1,5 +1,5 @@
-"""The OpenAI request bodies this server accepts (pydantic models), and how a validation
-error becomes a 400 naming the field.
+"""The OpenAI request bodies this server accepts (chat completions, completions, batches), as
+pydantic models (parsed by :func:`specprefill_server.parse.parse`).
 
 Standard fields keep OpenAI's names and types. Fields OpenAI has but this service cannot
 honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties), so a
@@ -13,33 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jobs.spec import option_names
-from specprefill_server.errors import APIError
-
-
-class Unsupported(ValueError):
-    """A field whose value this service cannot honour (code ``unsupported_value``)."""
-
-    code = "unsupported_value"
+from specprefill_server.extension import SpecPrefillOptions
+from specprefill_server.parse import Unsupported
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     include_obfuscation: bool | None = None  # padding against length side channels: none sent
-
-
-# Fields of OpenAI's own that carry a generate job's options (mapped in convert.py).
-OPENAI_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop"})
-# The SpecPrefill knobs a request may set as extra body fields (unset: the deployment's
-# settings): the draft model and every option of a generate job (jobs.spec.option_names)
-# OpenAI has no name for. Typed Any: the job spec checks each (its error names the field).
-SPECPREFILL_FIELDS = ("draft_model", *(n for n in option_names("generate") if n not in OPENAI_OPTIONS))
-SpecPrefillOptions = create_model(
-    "SpecPrefillOptions", __config__=ConfigDict(extra="forbid"),
-    **{name: (Any, None) for name in SPECPREFILL_FIELDS})
 
 
 class _Sampling(SpecPrefillOptions):
@@ -147,69 +130,3 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-# Names pydantic puts in an error's location for the member of a union it tried.
-_UNION_TAGS = ("str", "int", "float", "bool", "none")
-_UNION_TAG_PREFIXES = ("list[", "dict[", "tuple[", "function-")
-
-
-def _loc(loc: tuple) -> str:
-    """A field path as a request names it: ``messages[0].content``."""
-    out = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif i == 0 or not (part in _UNION_TAGS or str(part).startswith(_UNION_TAG_PREFIXES)):
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _code(kind: str) -> str:
-    """OpenAI's error code for a pydantic error type."""
-    if kind == "extra_forbidden":
-        return "unknown_parameter"
-    if kind == "missing":
-        return "missing_required_parameter"
-    if kind.endswith(("_type", "_parsing")):
-        return "invalid_type"
-    return "invalid_value"
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    """The first problem of a pydantic error as a 400 naming its field."""
-    err = exc.errors()[0]
-    field = _loc(tuple(err.get("loc", ())))
-    msg, kind = err.get("msg", "invalid"), err.get("type", "")
-    if kind == "extra_forbidden":
-        return APIError(400, f"{field}: unknown field", param=field, code=_code(kind))
-    if kind == "value_error":  # our own checks say "field: reason"
-        error = err.get("ctx", {}).get("error", msg)
-        text = str(error)
-        name = text.split(":", 1)[0] if ":" in text else field or None
-        return APIError(400, text, param=name, code=getattr(error, "code", "invalid_value"))
-    if kind.endswith("_type") and "input" in err:  # say what came, as JSON spells it
-        msg = f"{msg}, got {_json_type(err['input'])}"
-    return APIError(400, f"{field or 'body'}: {msg}", param=field or None, code=_code(kind))
-
-
-def _json_type(value: Any) -> str:
-    """The JSON type of a parsed JSON value, as an error message names it."""
-    if value is None:
-        return "null"
-    for kinds, name in ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
-                        (list, "an array"), (dict, "an object")):
-        if isinstance(value, kinds):
-            return name
-    return type(value).__name__
-
-
-def parse(model: type[BaseModel], body: Any) -> Any:
-    """Validate a JSON body into ``model`` or raise a 400 :class:`APIError`.
-
-    Strict: a value of the wrong JSON type is refused, never converted (lax parsing took
-    ``max_tokens: true`` as 1 and ``stream: "yes"`` as true); an integer is still a number."""
-    if not isinstance(body, dict):
-        raise APIError(400, "body: expected a JSON object", code="invalid_type")
-    try:
-        return model.model_validate(body, strict=True)
-    except ValidationError as exc:
-        raise validation_error(exc) from None

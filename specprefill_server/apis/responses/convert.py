@@ -2,7 +2,7 @@
 (messages, ``function_call``, ``function_call_output``, ``reasoning``) and ``instructions``
 into the internal conversation (:mod:`specprefill_server.conversation`), function tools into
 chat-template tools, and the request into the job's fields. The answer's side is
-:mod:`specprefill_server.responses_reply`.
+:mod:`.reply`.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 from specprefill_server.conversation import Conversation, function_tool, refuse_unknown, spec_messages, tool_call
 from specprefill_server.errors import bad_request
-from specprefill_server.convert import job_fields
-from specprefill_server.responses_types import ResponsesRequest
+from specprefill_server.extension import job_fields
+from specprefill_server.apis.responses.types import ResponsesRequest
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
