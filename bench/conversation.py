@@ -116,8 +116,8 @@ class Runner:
 
     def _execute(self, payload: dict, job_id: str) -> dict:
         from jobs.progress import ProgressPublisher
-        from worker.context import JobContext
-        from worker.tasks import execute
+        from worker.job.context import JobContext
+        from worker.job.tasks import execute
 
         pub = ProgressPublisher(self.rt.connection, job_id, min_interval_s=1.0)
         return execute(payload, JobContext(job_id, self.rt, pub, queue=self.rt.settings.queues[0]))
@@ -153,7 +153,7 @@ class Runner:
         """Drop every target block and tail but the system prefix's (plain: only the system is cached)."""
         from cache_store.keys import block_digests, tail_digest
         from jobs.spec import build_spec
-        from worker.prompt import tokenize_prompt
+        from worker.job.prompt import tokenize_prompt
         from worker.runtime import _target_store
 
         s = self.rt.settings

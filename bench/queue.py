@@ -77,10 +77,10 @@ def measure(reps: int, n_docs: int) -> int:
     from jobs.spec import build_spec
     from specprefill.profile import profile_model
     from specprefill.reuse import score_with_cache
-    from worker.context import JobContext
+    from worker.job.context import JobContext
     from worker.models import ModelPool
     from worker.runtime import WorkerRuntime
-    from worker.tasks import execute
+    from worker.job.tasks import execute
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     model_dir = model_folder(tmp)

@@ -2,7 +2,7 @@
 
 A generate job that answered from a sparse prefill leaves the target's KV of its prompt with
 holes; the next turn of the conversation would score and sparsely prefill it all again. A
-heal job (run by ``worker.heal``) prefills the conversation as the next turn will render it
+heal job (run by ``worker.job.heal``) prefills the conversation as the next turn will render it
 (the prompt, the answer, the template's end of turn) in full and stores it as target blocks,
 so the next turn restores it and prefills only what is new.
 

@@ -30,7 +30,7 @@ REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "cancele
 
 
 def advertised_models_key(namespace: str, worker_name: str) -> str:
-    """Where a worker lists the model names it serves (written by ``worker.advertise``)."""
+    """Where a worker lists the model names it serves (written by ``worker.process.advertise``)."""
     return f"{namespace}:worker-models:{worker_name}"
 
 
@@ -129,7 +129,7 @@ def workers(connection: redis.Redis, settings: Settings) -> list[WorkerInfo]:
 
 
 def encode_advert(models: list[dict[str, Any]], accepts_unlisted: bool) -> str:
-    """What a worker writes under :func:`advertised_models_key` (``worker.advertise``)."""
+    """What a worker writes under :func:`advertised_models_key` (``worker.process.advertise``)."""
     return json.dumps({"models": models, "accepts_unlisted": accepts_unlisted, "ts": time.time()})
 
 

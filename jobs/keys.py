@@ -63,12 +63,12 @@ def route_index_key(namespace: str, digest: str) -> str:
 def node_busy_key(namespace: str, node: str) -> str:
     """The user jobs running on one node now (a sorted set: worker name -> unix second its
     entry expires, renewed by the worker's beats), read by heals on that node
-    (:mod:`worker.node_busy`): a heal yields while a user job shares its node's cores."""
+    (:mod:`worker.process.node_busy`): a heal yields while a user job shares its node's cores."""
     return f"{namespace}:node-busy:{node}"
 
 
 def healing_key(namespace: str, fingerprint: str, digest: str) -> str:
     """A running heal's progress (JSON: job id, end, rate, ETA; expiring), under the digest of the
     first block it prefills: a turn whose restore stops just before that block is the next turn
-    of the conversation it heals, and may wait for it (``heal_wait_ms``, :mod:`worker.heal`)."""
+    of the conversation it heals, and may wait for it (``heal_wait_ms``, :mod:`worker.job.heal`)."""
     return f"{namespace}:healing:{fingerprint[:16]}:{digest}"

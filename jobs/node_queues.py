@@ -1,7 +1,7 @@
 """Node queues (``<queue>@<node>``): who listens on them, and moving a dead node's jobs away.
 
 A node's workers listen on its node queue first and on the shared queue second
-(:func:`worker.queues.listen_order`). Whether a node queue has a live listener is read from
+(:func:`worker.process.queues.listen_order`). Whether a node queue has a live listener is read from
 RQ's own worker registry (``rq:workers:<queue>``) and each worker's ``last_heartbeat``,
 which the worker's heartbeat thread renews every ``heartbeat_interval_s``: a listener whose
 last beat is older than ``heartbeat_ttl_s`` is dead (the same rule that makes its started

@@ -166,7 +166,7 @@ class GenerateResult(JobResult):
     ttft_phases: dict[str, float] = field(default_factory=dict)  # seconds before the first token
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    # This turn's heal (worker.heal): queued (its job_id, tokens), or the reason it was not.
+    # This turn's heal (worker.job.heal): queued (its job_id, tokens), or the reason it was not.
     heal: dict[str, Any] = field(default_factory=dict)
     # Whether this turn waited for its conversation's running heal (setting heal_wait_ms):
     # waited, the heal job, its ETA, and why not when it did not; empty: no heal was running.

@@ -123,7 +123,7 @@ class Settings:
     # Store the target's KV of fully prefilled prompt prefixes (system prompt, tools, short
     # earlier turns) as blocks under its fingerprint, and restore them for the next job.
     target_prefix_cache: bool = True
-    # Heal jobs (worker.heal): after a generate job answered from a sparse prefill, a full
+    # Heal jobs (worker.job.heal): after a generate job answered from a sparse prefill, a full
     # target prefill of the conversation as the next turn renders it, stored as target blocks,
     # queued on "<queue>-heal" (workers listen there after their own queues, so a heal runs
     # only when no user job waits). heal: this worker enqueues and runs them (a job turns its

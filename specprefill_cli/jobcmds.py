@@ -146,7 +146,7 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
     conn = client.connection
     by_state = jobs_by_state(conn, queue, limit=args.limit)
     workers = listening_workers(conn, queue)
-    # routed jobs wait and run in the node queues of it (jobs.routing), heals behind it (worker.heal)
+    # routed jobs wait and run in the node queues of it (jobs.routing), heals behind it (worker.job.heal)
     nodes = {name: jobs_by_state(conn, name, limit=args.limit) for name in sorted(node_queues_of(conn, [queue]))}
     heal = heal_queue_name(queue)
     heals = jobs_by_state(conn, heal, limit=args.limit) if heal != queue else None

@@ -6,7 +6,7 @@ from typing import Any
 
 from specprefill_cli.options import SharedOptions
 from jobs.settings import Settings
-from worker.launcher import add_worker_options, launch
+from worker.process.launcher import add_worker_options, launch
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:

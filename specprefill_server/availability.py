@@ -5,7 +5,7 @@ the queue until its deadline. It is answered at once instead: 503 ``model_not_av
 when nothing serves the model now (no worker is running, or the workers that listed it
 are gone), and ``model_not_found`` (404 for ``model``, 400 for ``draft_model``) when the
 live workers take only the models they list and no worker has listed it. Workers advertise
-their names (``worker.advertise``); RQ's registrations say which workers are alive. The
+their names (``worker.process.advertise``); RQ's registrations say which workers are alive. The
 view is read at most every ``http_workers_refresh_s``, and again before a refusal, so a
 worker that has just started is never refused.
 """

@@ -1,10 +1,16 @@
-"""The worker process: RQ glue, the job pipelines, and what they share (imports downward only).
+"""The worker process, in three parts (imports run downward only):
 
-- :mod:`worker.launcher` / ``python -m worker``: start a worker; :mod:`worker.boot`: BLAS first.
-- :mod:`worker.rq_worker`: the in-process RQ worker; :mod:`worker.tasks`: the job functions.
-- :mod:`worker.selection_pipeline` (prefill jobs, and the draft half of generate jobs) and
-  :mod:`worker.generate_pipeline`; :mod:`worker.prompt` (tokens, protected prefix),
-  :mod:`worker.reporting` (the progress reporter), :mod:`worker.detokenize`,
-  :mod:`worker.tokenizer_pair`.
-- :mod:`worker.context` (one job), :mod:`worker.runtime` (the process), :mod:`worker.models`.
+- :mod:`worker.process`: the process around the jobs: start (``python -m worker``,
+  :mod:`worker.process.launcher`, :mod:`worker.process.boot`), the in-process RQ worker
+  (:mod:`worker.process.rq_worker`), its heartbeats and claims (:mod:`worker.process.liveness`,
+  :mod:`worker.process.claims`), orphans, the node's busy set, the queues it listens on, model
+  advertisement and metrics.
+- :mod:`worker.engine`: the step loop that runs every job the worker holds (the batch, the
+  scheduler).
+- :mod:`worker.job`: what one job does: the dispatch (:mod:`worker.job.tasks`), the selection,
+  generate and heal pipelines, prompt, admission, progress reporting, the target's prefill and
+  prefix store, detokenizing.
+- Shared by all three: :mod:`worker.runtime` (per-process state), :mod:`worker.models` (loading
+  each model once) and :mod:`worker.context_window`. :mod:`worker.tasks` holds the names jobs
+  carry on the queue.
 """

@@ -1,6 +1,6 @@
-"""``python -m worker``: run a worker (see :mod:`worker.launcher`)."""
+"""``python -m worker``: run a worker (see :mod:`worker.process.launcher`)."""
 import sys
 
-from worker.launcher import main
+from worker.process.launcher import main
 
 raise SystemExit(main(sys.argv[1:]))

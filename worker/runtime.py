@@ -16,6 +16,7 @@ from jobs.model_names import ModelCatalog
 from jobs.connection import cache_connection, queue_connection
 from jobs.settings import Settings
 from worker.models import LoadedModel, ModelPool, draft_profiler, target_profiler
+from worker.process.claims import Claim
 
 
 @dataclass
@@ -146,36 +147,6 @@ def _target_fingerprint(loaded: LoadedModel, fresh: Callable[[], list], kv: tupl
 
 
 @dataclass
-class Claim:
-    """The running job's hold on its RQ claim (its execution in the started registry).
-
-    The worker's heartbeat thread keeps it and sets ``lost`` when the job's claim was taken
-    (RQ's sweep found it expired and retried the job) or the record is gone (Redis lost its
-    data); the job then stops without a word. ``check`` is a fresh read (True while the claim
-    is still ours) for the last moment before a result is published.
-    """
-
-    job_id: str
-    attempt: str  # the RQ execution id: tags the job's progress events
-    fence: tuple[str, str] | None = None  # (started registry, member): publishing needs it
-    check: Callable[[], bool] = lambda: True
-    lost: bool = False
-    publisher: Any = None  # the job's publisher, silenced when the claim is lost
-
-    def held(self) -> bool:
-        """Whether the claim is still ours, read now. A Redis error propagates: the job's
-        end could not be recorded either (the worker's outage handling takes over)."""
-        if not self.lost and not self.check():
-            self.lose()
-        return not self.lost
-
-    def lose(self) -> None:
-        self.lost = True
-        if self.publisher is not None:
-            self.publisher.close()
-
-
-@dataclass
 class WorkerRuntime:
     """Per-process state shared by the worker loop and the jobs it runs."""
 
@@ -191,7 +162,7 @@ class WorkerRuntime:
     # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
     # one of them); empty: the settings' queues.
     listen_queues: tuple[str, ...] = ()
-    # The RQ worker's name (its entry in its node's busy set, worker.node_busy); None: no worker.
+    # The RQ worker's name (its entry in its node's busy set, worker.process.node_busy); None: no worker.
     worker_name: str | None = None
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)

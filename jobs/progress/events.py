@@ -19,7 +19,7 @@ EVENT_KINDS = (
     # admission kept the prompt whole (reason); the draft's part failed and was skipped
     # (stage, reason); the target's prefix KV looked up and stored in the block store
     "admission", "fallback", "target_cache_lookup", "target_cache_store",
-    "heal_queued", "heal",  # a generate job queued its heal; a heal job's blocks (worker.heal)
+    "heal_queued", "heal",  # a generate job queued its heal; a heal job's blocks (worker.job.heal)
 )
 TERMINAL_KINDS = frozenset({"done", "failed", "stopped"})
 STREAM_FIELD = "e"  # the one field of a stream entry: the event's JSON

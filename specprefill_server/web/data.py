@@ -114,7 +114,7 @@ def curve_note(result: PrefillResult | GenerateResult) -> str | None:
 
 
 def _heal_view(svc: ServerState, rec: JobRecord) -> dict[str, Any]:
-    """A heal job (worker.heal) on the page: what it heals for which job, and what it stored."""
+    """A heal job (worker.job.heal) on the page: what it heals for which job, and what it stored."""
     spec = rec.spec
     result = svc.client.handle(rec.job_id).result(timeout=0) if rec.status == "finished" else None
     return {"job_id": rec.job_id, "status": rec.status, "kind": "heal", "input_kind": "tokens",

@@ -294,7 +294,7 @@ def test_a_cache_the_store_cannot_hold_says_why_in_the_progress_event(redis_url)
 
     from mlx_lm.models.cache import RotatingKVCache
 
-    from worker.reporting import JobReporter
+    from worker.job.reporting import JobReporter
     from worker.runtime import wire_block_store
 
     events = []

@@ -81,8 +81,8 @@ def test_batch_errors_name_the_file_or_document(redis_url, capsys, tmp_path):
 def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
     import fakeredis
 
-    import worker.launcher as launcher
-    import worker.rq_worker as rq_worker
+    import worker.process.launcher as launcher
+    import worker.process.rq_worker as rq_worker
     from jobs.spec import Limits
 
     seen = {}

@@ -111,11 +111,59 @@ def test_every_api_has_the_same_files():
         assert files == API_FILES | API_EXTRA_FILES.get(api, set()), api
 
 
+# The worker's parts (worker/__init__.py): module prefix -> the prefixes it may not import.
+WORKER_PARTS = {
+    # the step loop runs tasks it is given: it knows no queue, no claim and no job kind
+    "worker.engine": ("worker.process", "worker.job", "rq"),
+    # a job knows its context, never the RQ worker, heartbeat thread or launcher that runs it
+    "worker.job": ("worker.process.rq_worker", "worker.process.liveness", "worker.process.launcher",
+                   "worker.process.hooks"),
+    # what all parts share sits below them
+    "worker.runtime": ("worker.job", "worker.engine", "worker.process.rq_worker"),
+    "worker.models": ("worker.job", "worker.engine", "worker.process"),
+    "worker.context_window": ("worker.job", "worker.engine", "worker.process"),
+}
+
+
+def worker_part_violations(root: Path) -> dict[str, list[str]]:
+    """Module path -> the imports it makes across the worker's parts that WORKER_PARTS forbids."""
+    bad: dict[str, list[str]] = {}
+    for path in sorted((root / "worker").rglob("*.py")):
+        module = module_name(path, root)
+        rules = [no for part, no in WORKER_PARTS.items() if module == part or module.startswith(part + ".")]
+        wrong = sorted(t for t in imports_of(path, root) for no in rules for n in no
+                       if t == n or t.startswith(n + "."))
+        if wrong:
+            bad[str(path.relative_to(root))] = wrong
+    return bad
+
+
+def test_the_worker_folders_show_its_parts():
+    for part in ("process", "job"):
+        assert (ROOT / "worker" / part / "__init__.py").is_file(), part
+    loose = sorted(p.stem for p in (ROOT / "worker").glob("*.py"))
+    assert loose == ["__init__", "__main__", "context_window", "models", "runtime", "tasks"]
+    assert worker_part_violations(ROOT) == {}
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("engine/loop.py", "def f():\n    from worker.process import liveness\n", ["worker.process.liveness"]),
+    ("engine/loop.py", "import rq\n", ["rq"]),
+    ("job/pipe.py", "from worker.process.rq_worker import InProcessWorker\n", ["worker.process.rq_worker.InProcessWorker"]),
+    ("job/pipe.py", "from worker.process.node_busy import mark_busy\n", []),
+    ("models.py", "def f():\n    from worker.job import tasks\n", ["worker.job.tasks"]),
+], ids=["engine-process", "engine-rq", "job-rq-worker", "job-node-busy", "models-job"])
+def test_a_planted_import_across_the_worker_parts_fails(tmp_path, module, source, expected):
+    _plant(tmp_path, "worker", module, source)
+    assert worker_part_violations(tmp_path) == ({f"worker/{module}": expected} if expected else {})
+
+
 def _plant(root: Path, package: str, module: str, source: str) -> None:
     folder = root / package
     for parent in [*reversed((root / package).relative_to(root).parents[:-1]), Path(package)]:
         (root / parent).mkdir(parents=True, exist_ok=True)
         (root / parent / "__init__.py").touch()
+    (folder / module).parent.mkdir(parents=True, exist_ok=True)
     (folder / module).write_text(source)
 
 

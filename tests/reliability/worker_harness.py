@@ -51,7 +51,7 @@ def main() -> None:
     from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
     from tests.support.model_folders import model_identity
     from worker.models import ModelPool
-    from worker.rq_worker import run_worker
+    from worker.process.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
     url, name, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -238,7 +238,7 @@ def test_importance_curve_keeps_peaks_and_the_svg_draws_its_bins():
 def test_worker_metrics_count_what_results_report():
     from prometheus_client import CollectorRegistry
 
-    from worker.metrics import WorkerMetrics
+    from worker.process.metrics import WorkerMetrics
 
     registry = CollectorRegistry()
     m = WorkerMetrics(registry)
@@ -270,7 +270,7 @@ def test_worker_metrics_count_what_results_report():
 def test_served_models_lists_defaults_preloads_and_loaded():
     from types import SimpleNamespace
 
-    from worker.advertise import served_models
+    from worker.process.advertise import served_models
 
     settings = Settings(draft_model="d", target_model="t", preload_models=("p",), allowed_models=("a",))
     runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"]))

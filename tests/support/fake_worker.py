@@ -15,10 +15,10 @@ from jobs.keys import stream_key
 from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.settings import Settings
 from specprefill.selection import admission_reason, plan_selection, to_ranges
-from worker.context import JobContext
+from worker.job.context import JobContext
 from worker.models import ModelPool
 from worker.runtime import SelectionBackend, WorkerRuntime
-from worker.tasks import execute
+from worker.job.tasks import execute
 
 class FakeTokenizer:
     chat_template = "fake"

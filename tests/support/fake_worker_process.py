@@ -30,7 +30,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from tests.support.fake_worker import fake_runtime
 
-    from worker.rq_worker import run_worker
+    from worker.process.rq_worker import run_worker
 
     url, delay, name = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}

@@ -1,5 +1,5 @@
 """A live worker that takes no jobs: registered with RQ on a queue and advertising model
-names the way ``worker.advertise`` does, which is how a worker busy with a long job looks
+names the way ``worker.process.advertise`` does, which is how a worker busy with a long job looks
 to the front door. A request's job then waits in the queue (deadline, disconnect and
 queue-depth tests) instead of being refused for want of a worker."""
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Test-only views of ``worker.prompt``: a spec's tokens and protected prefix as a pair, and
+"""Test-only views of ``worker.job.prompt``: a spec's tokens and protected prefix as a pair, and
 the protected prefix alone (the worker itself uses ``tokenize_prompt`` / ``system_boundary``)."""
 from __future__ import annotations
 
 from typing import Any
 
 from jobs.spec import JobSpec
-from worker.prompt import Template, system_boundary, tokenize_prompt
+from worker.job.prompt import Template, system_boundary, tokenize_prompt
 
 
 def tokenize(spec: JobSpec, tokenizer: Any) -> tuple[list[int], int]:

@@ -102,9 +102,9 @@ def scripted_loader(name: str) -> tuple[Any, Any]:
 
 
 def _see_prompts() -> None:
-    """Have the worker's prompt tokenization (``worker.generate_pipeline.tokenize_prompt``) tell
+    """Have the worker's prompt tokenization (``worker.job.generate_pipeline.tokenize_prompt``) tell
     :data:`_PROMPT` each job's prompt (once per process)."""
-    import worker.generate_pipeline as pipeline
+    import worker.job.generate_pipeline as pipeline
 
     tokenize = pipeline.tokenize_prompt
     if getattr(tokenize, "tells_script", False):

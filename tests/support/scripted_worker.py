@@ -19,7 +19,7 @@ def main(url: str, name: str) -> None:
     from jobs.settings import Settings
     from tests.support.scripted_target import scripted_loader
     from worker.models import ModelPool, draft_profiler, target_profiler
-    from worker.rq_worker import run_worker
+    from worker.process.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
     settings = Settings.from_env()

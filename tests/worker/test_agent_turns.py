@@ -17,10 +17,10 @@ from jobs.results import GenerateResult
 from jobs.settings import SHIPPED_MODELS, Settings
 from jobs.spec import build_spec
 from tools import recall_task
-from worker.context import JobContext
+from worker.job.context import JobContext
 from worker.models import ModelPool
 from worker.runtime import WorkerRuntime
-from worker.tasks import execute
+from worker.job.tasks import execute
 
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
 BLOCK = 32

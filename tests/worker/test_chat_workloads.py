@@ -24,14 +24,14 @@ from specprefill.sparse import full_prefill
 import tests.support.families as F
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
-from worker import target_prefill
-from worker.admission import two_stage_admission
-from worker.context import JobContext
+from worker.job import target_prefill
+from worker.job.admission import two_stage_admission
+from worker.job.context import JobContext
 from worker.models import ModelPool
-from worker.prompt import system_boundary, tokenize_prompt
+from worker.job.prompt import system_boundary, tokenize_prompt
 from worker.runtime import WorkerRuntime, _target_store
-from worker.target_prefix import TargetPrefixCache, contiguous_prefix
-from worker.tasks import execute
+from worker.job.target_prefix import TargetPrefixCache, contiguous_prefix
+from worker.job.tasks import execute
 
 EOS = 250
 
@@ -348,7 +348,7 @@ def test_contiguous_prefix():
 def test_a_timeout_or_a_stop_is_never_a_fallback():
     from rq.timeouts import JobTimeoutException
 
-    from worker.context import JobStopped
+    from worker.job.context import JobStopped
 
     for exc in (JobTimeoutException("Task exceeded maximum timeout value (1 seconds)"), JobStopped("stop")):
         be = fake_backend()

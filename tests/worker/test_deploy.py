@@ -19,8 +19,8 @@ from jobs.connection import cache_connection, safe_url
 from jobs.results import PrefillResult
 from jobs.settings import Settings
 from jobs.spec import build_spec
-from worker.prompt import unknown_token_warning
-from worker.rq_worker import default_worker_name
+from worker.job.prompt import unknown_token_warning
+from worker.process.rq_worker import default_worker_name
 from tests.support.worker_procs import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_worker_warns_on_a_prompt_of_unknown_tokens(caplog):
     r = fakeredis.FakeRedis()
     rt = fake_runtime(r)
     rt.models._loader = lambda name: (__import__("tests.support.fake_worker", fromlist=["FakeModel"]).FakeModel(), UnkTokenizer())
-    with caplog.at_level(logging.WARNING, logger="worker.selection_pipeline"):
+    with caplog.at_level(logging.WARNING, logger="worker.job.selection_pipeline"):
         out = PrefillResult.from_json(_run(rt, build_spec(rt.settings, text="????" * 40 + "ab" * 60)
                                           .to_payload()))
     assert out.total == 281 and len(out.warnings) == 1

@@ -17,10 +17,10 @@ from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens
 from tests.support.fake_worker import FakeTokenizer
-from worker.context import JobContext
+from worker.job.context import JobContext
 from worker.models import ModelPool, draft_profiler, target_profiler
 from worker.runtime import WorkerRuntime
-from worker.tasks import execute
+from worker.job.tasks import execute
 
 TEXT = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(150))
 

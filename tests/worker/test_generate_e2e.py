@@ -28,7 +28,7 @@ if __name__ == "__main__":
 
     from jobs.settings import Settings
     from worker.models import ModelPool
-    from worker.rq_worker import run_worker
+    from worker.process.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
     url, name, delay, slow_target = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]

@@ -15,12 +15,12 @@ from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from specprefill.wrapping import Wrapper
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.tiny_models import make_model
-from worker.detokenize import TextStream
+from worker.job.detokenize import TextStream
 from worker.models import ModelPool
 from worker.runtime import WorkerRuntime
-from worker.context import JobContext, JobStopped
-from worker.tasks import execute
-from worker.tokenizer_pair import check_shared_tokenizer
+from worker.job.context import JobContext, JobStopped
+from worker.job.tasks import execute
+from worker.job.tokenizer_pair import check_shared_tokenizer
 
 EOS = 250  # outside FakeTokenizer's 2..201 text ids
 

@@ -23,14 +23,14 @@ from jobs.spec import JobSpecError, build_spec, payload_kind
 import tests.support.families as F
 from tests.support.first_logits import record_decode_logits
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
-from worker import target_prefill
-from worker.context import JobContext
+from worker.job import target_prefill
+from worker.job.context import JobContext
 from jobs.routing import node_of
-from worker.queues import listen_order
-from worker.rq_worker import InProcessWorker
+from worker.process.queues import listen_order
+from worker.process.rq_worker import InProcessWorker
 from worker.runtime import _target_store
-from worker.target_prefix import TargetPrefixCache
-from worker.tasks import execute
+from worker.job.target_prefix import TargetPrefixCache
+from worker.job.tasks import execute
 
 HEAL_QUEUE = "specprefill-heal"
 SPARSE = dict(keep=0.25)
@@ -364,7 +364,7 @@ def test_a_tool_call_turn_heals_and_the_next_turn_restores_it(tmp_path):
 
 def _busy(r, settings, worker_name, node=None, expires_in=None):
     """Put ``worker_name`` in ``node``'s busy set (default: this node) as a running worker would."""
-    from worker.node_busy import mark_busy
+    from worker.process.node_busy import mark_busy
 
     with r.pipeline() as pipe:
         now = None if expires_in is None else time.time() - settings.heartbeat_ttl_s + expires_in
@@ -395,7 +395,7 @@ def test_a_heal_yields_while_a_user_job_runs_on_its_node_only(where):
 
 
 def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
-    from worker.node_busy import add_busy_read
+    from worker.process.node_busy import add_busy_read
 
     r = fakeredis.FakeRedis()
     rt, _ = runtime(r, **SPARSE)
@@ -407,7 +407,7 @@ def test_the_worker_keeps_its_node_busy_set_while_a_user_job_runs():
             add_busy_read(pipe, rt.settings)
             return [n.decode() for n in pipe.execute()[0]]
 
-    from worker import tasks
+    from worker.job import tasks
 
     real = tasks.execute
 
@@ -451,7 +451,7 @@ def _script_running_heal(rt, tokens, eta_s, rate):
     """Publish, as a running heal of ``tokens`` would, its ETA and rate (scripted, not measured)."""
     import json
 
-    from worker.heal import _healing_key
+    from worker.job.heal import _healing_key
 
     target = rt.models.get("tiny-target", "target_model")
     prefix = TargetPrefixCache(_target_store(rt.cache_client, target, rt.settings), target)
@@ -464,7 +464,7 @@ def _script_running_heal(rt, tokens, eta_s, rate):
 
 @pytest.mark.parametrize("case", ["waits", "eta over the setting", "eta over its own sparse path", "off"])
 def test_a_turn_waits_for_its_running_heal_only_when_it_pays(monkeypatch, case):
-    import worker.heal as heal_mod
+    import worker.job.heal as heal_mod
 
     r = fakeredis.FakeRedis()
     wait_ms = 0 if case == "off" else 60_000

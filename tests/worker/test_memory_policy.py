@@ -5,7 +5,7 @@ import logging
 import redis
 
 from specprefill_cli.embedded_redis import EmbeddedRedis
-from worker.memory_policy import eviction_warnings, warn_about_eviction
+from worker.process.memory_policy import eviction_warnings, warn_about_eviction
 
 
 def test_an_evicting_queue_and_a_non_evicting_cache_are_named(caplog):
@@ -17,6 +17,6 @@ def test_an_evicting_queue_and_a_non_evicting_cache_are_named(caplog):
         assert "noeviction" in warnings[1] and "refuses every new block" in warnings[1]
         assert eviction_warnings(cache, queue, separate_cache=True) == []  # the right way round
         assert eviction_warnings(cache, cache, separate_cache=False) == []  # one Redis: the queue's rule
-        with caplog.at_level(logging.WARNING, logger="worker.memory_policy"):
+        with caplog.at_level(logging.WARNING, logger="worker.process.memory_policy"):
             warn_about_eviction(queue, cache, separate_cache=True)
         assert len(caplog.records) == 2

@@ -9,8 +9,8 @@ import jinja2
 from jobs.spec import build_spec
 from jobs.settings import Settings
 from tests.support.fake_worker import FakeTokenizer
-from worker.next_turn import next_turn
-from worker.prompt import chat_messages, render_tokens, tokenize_prompt
+from worker.job.next_turn import next_turn
+from worker.job.prompt import chat_messages, render_tokens, tokenize_prompt
 
 # Qwen3's rule: an assistant turn before the last user query loses its <think> block (Qwen3
 # keeps it before a tool result: QUERY_ROLES ("user",); a variant drops it there too).

@@ -7,7 +7,7 @@ import fakeredis
 import pytest
 from rq import Queue
 
-from worker.orphans import drop_queued_copy, return_orphan
+from worker.process.orphans import drop_queued_copy, return_orphan
 
 JOB = "prefill-abc"
 
@@ -80,7 +80,7 @@ def test_a_job_whose_pop_was_lost_runs_once():
 
     from jobs.client import Client
     from tests.support.fake_worker import fake_runtime
-    from worker.rq_worker import InProcessWorker
+    from worker.process.rq_worker import InProcessWorker
 
     class PopLostWorker(InProcessWorker):
         lost = 1  # the first pop only

@@ -169,7 +169,7 @@ def test_transient_redis_error_is_retried_in_process(redis_url):
 
     from tests.support.fake_worker import FakeMemo, fake_runtime
 
-    from worker.rq_worker import run_worker
+    from worker.process.rq_worker import run_worker
 
     class FlakyMemo(FakeMemo):
         failures = [redis.exceptions.ConnectionError("connection reset by peer")]

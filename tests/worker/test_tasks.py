@@ -12,7 +12,7 @@ from jobs.results import PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
 from worker.models import ModelPool
-from worker.context import JobStopped
+from worker.job.context import JobStopped
 from tests.support.prompts import protected_prefix_length, tokenize
 from tests.support.fake_worker import (FakeMemo, FakeModel, FakeScore, FakeStore, FakeTokenizer,  # noqa: F401
                                        _events, _run, fake_backend, fake_pool, fake_runtime, make_fake_score)

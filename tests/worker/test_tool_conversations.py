@@ -19,12 +19,12 @@ from jobs.spec import build_spec
 from tests.support.chat_folders import load_tokenizer, save_chat_model
 from tests.support.fake_worker import fake_backend
 from tests.support.scripted_target import scripted_loader
-from worker.answer_split import AnswerSplitter
-from worker.context import JobContext
+from worker.job.answer_split import AnswerSplitter
+from worker.job.context import JobContext
 from worker.models import ModelPool
-from worker.prompt import tokenize_prompt
+from worker.job.prompt import tokenize_prompt
 from worker.runtime import WorkerRuntime
-from worker.tasks import execute
+from worker.job.tasks import execute
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look a key up.",

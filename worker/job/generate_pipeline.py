@@ -3,21 +3,21 @@ the target, decode, stream, store the target's prefix.
 
 1. The target is loaded and tokenizes the prompt with its own chat template (tools and
    template arguments included); the protected prefix is the rendered system block.
-2. The target's prefix KV is restored from the block store (``worker.target_prefix``).
-3. Admission (``worker.admission``), before any draft work: a prompt whose unrestored part,
+2. The target's prefix KV is restored from the block store (``worker.job.target_prefix``).
+3. Admission (``worker.job.admission``), before any draft work: a prompt whose unrestored part,
    or whose conversation after the system block, is not longer than the threshold is
    prefilled plainly, without loading the draft.
 4. Otherwise the draft selects (a prefill job's work, :func:`select_prompt`) with everything
    the target restored protected, and the target prefills the kept tokens at their original
    positions on top of the restored prefix; a failure of the draft or of the sparse prefill
-   falls back to a plain prefill (``worker.fallback``).
+   falls back to a plain prefill (``worker.job.fallback``).
 5. The target decodes; then the full blocks of the prompt's contiguously prefilled prefix
    are stored for the next job (after the answer, so they cost no TTFT), and a prompt the
-   target did not prefill in order queues a heal of the conversation (``worker.heal``).
+   target did not prefill in order queues a heal of the conversation (``worker.job.heal``).
 
 The reporter's stop check runs after every target prefill chunk and before every generated
 token; the sparse session restores the model on any exit. The target's prefix and sparse
-prefills are ``worker.target_prefill``'s; the plain prefill and the decode ``specprefill.sparse``'s.
+prefills are ``worker.job.target_prefill``'s; the plain prefill and the decode ``specprefill.sparse``'s.
 """
 from __future__ import annotations
 
@@ -31,20 +31,20 @@ from jobs.results import GenerateResult, PrefillResult, rates
 from jobs.spec import JobSpec
 from specprefill.options import GenerateOptions
 from specprefill.selection import to_ranges
-from worker import target_prefill
-from worker.admission import two_stage_admission
-from worker.answer_split import AnswerSplitter, splits_answer
-from worker.context import JobContext
-from worker.detokenize import TextStream, stop_token_ids
-from worker.fallback import fallback_reason
-from worker.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
+from worker.job import target_prefill
+from worker.job.admission import two_stage_admission
+from worker.job.answer_split import AnswerSplitter, splits_answer
+from worker.job.context import JobContext
+from worker.job.detokenize import TextStream, stop_token_ids
+from worker.job.fallback import fallback_reason
+from worker.job.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
 from worker.models import LoadedModel
 from worker.context_window import check_context
-from worker.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
-from worker.reporting import JobReporter
-from worker.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
-from worker.target_prefix import TargetPrefixCache, contiguous_prefix, prefix_cache
-from worker.tokenizer_pair import check_pair_once
+from worker.job.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
+from worker.job.reporting import JobReporter
+from worker.job.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
+from worker.job.target_prefix import TargetPrefixCache, contiguous_prefix, prefix_cache
+from worker.job.tokenizer_pair import check_pair_once
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
 
 
 def _heal(spec: JobSpec, ctx: JobContext, prompt: _Prompt, decoded: _Decoded) -> dict[str, Any]:
-    """Queue the heal of this turn (``worker.heal``), or say why not."""
+    """Queue the heal of this turn (``worker.job.heal``), or say why not."""
     reason = heal_skip_reason(spec, ctx, len(prompt.tokens), decoded.contiguous, prompt.prefix is not None)
     if reason is not None:
         return {"queued": False, "reason": reason}
@@ -136,7 +136,7 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
 def _wait_for_heal(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
                    timings: dict[str, float]) -> dict[str, Any]:
     """A turn that would go sparse may wait for its conversation's running heal (setting
-    ``heal_wait_ms``, :func:`worker.heal.wait_for_heal`), then restores what it stored."""
+    ``heal_wait_ms``, :func:`worker.job.heal.wait_for_heal`), then restores what it stored."""
     if ctx.settings.heal_wait_ms <= 0 or prompt.prefix is None or opts.full_prefill or two_stage_admission(
             len(prompt.tokens), threshold=spec.selection.threshold, restored=prompt.restored,
             protected_prefix=prompt.prompt.protected_prefix) is not None:

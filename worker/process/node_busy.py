@@ -5,7 +5,7 @@ worker slows a user job running on another of the same node, even when no user j
 a queue. Each worker records itself in its node's busy set (:func:`jobs.keys.node_busy_key`)
 while it runs a user job (not a heal), with an expiry its beats renew (``heartbeat_ttl_s``),
 so a worker that died mid-job stops counting when its entry expires. A heal reads the set at
-each block boundary (:func:`worker.heal.user_job_ahead`) and yields while another worker of
+each block boundary (:func:`worker.job.heal.user_job_ahead`) and yields while another worker of
 its node is in it.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ It is the whole of a prefill job and the first half of a generate job: load the 
 tokenize, look the selection up in the memo, else score with the block store (restore the
 prefix it holds, store the new blocks) and select, then remember the selection. A prefill
 job checks admission first (a short prompt keeps every token without loading the draft)
-and keeps every token, saying why, when the draft fails (``worker.fallback``).
+and keeps every token, saying why, when the draft fails (``worker.job.fallback``).
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from typing import Any
 
 from jobs.results import ImportanceCurve, KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
-from worker.admission import two_stage_admission
-from worker.context import JobContext
+from worker.job.admission import two_stage_admission
+from worker.job.context import JobContext
 from worker.context_window import check_context
-from worker.fallback import fallback_reason
+from worker.job.fallback import fallback_reason
 from worker.models import LoadedModel
-from worker.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
-from worker.reporting import JobReporter
+from worker.job.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
+from worker.job.reporting import JobReporter
 
 log = logging.getLogger(__name__)
 

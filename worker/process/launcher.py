@@ -9,7 +9,7 @@ from typing import Sequence
 from jobs.connection import RedisUnreachable, checked_connection
 from jobs.log_format import LOG_FORMATS, configure_logging
 from jobs.settings import Settings
-from worker.boot import preload_blas
+from worker.process.boot import preload_blas
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -44,8 +44,8 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
     """Connect, preload models and work the queues until stopped (exit status 0).
 
     Raises ``ValueError`` (no URL, bad settings) and :class:`RedisUnreachable`."""
-    from worker.memory_policy import warn_about_eviction
-    from worker.rq_worker import run_worker
+    from worker.process.memory_policy import warn_about_eviction
+    from worker.process.rq_worker import run_worker
     from worker.runtime import WorkerRuntime
 
     configure_logging(args.log_level, args.log_format or settings.log_format)

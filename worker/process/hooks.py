@@ -1,10 +1,10 @@
-"""What the worker does besides running jobs, called from two places in ``worker.rq_worker``:
+"""What the worker does besides running jobs, called from two places in ``worker.process.rq_worker``:
 when it starts working and when a job ends (metrics, model advertisement)."""
 from __future__ import annotations
 
 from typing import Any
 
-from worker import advertise, metrics
+from worker.process import advertise, metrics
 
 
 def on_start(worker: Any) -> None:

@@ -2,13 +2,13 @@
 
 A generate job whose target did not prefill its prompt in order (a sparse prefill, or a fallback
 that prefilled only part) queues a heal (:func:`queue_heal`): the tokens the next turn will
-start with (``worker.next_turn``), on ``<queue>-heal``, behind every user queue (RQ takes a
+start with (``worker.job.next_turn``), on ``<queue>-heal``, behind every user queue (RQ takes a
 worker's queues in order, so a heal starts only when no user job waits). The heal job
 (:func:`run_heal`) restores what the target's prefix store holds, prefills the rest in block
 steps (the steps every job prefills its protected prefix in, so a healed block is bit for bit
 what a job would compute) and stores the blocks through the same target-prefix path, marked
 healed. Before each block it looks at its worker's user queues and its node's running user jobs
-(``worker.node_busy``: workers of a node share its cores): when a user job waits or runs there
+(``worker.process.node_busy``: workers of a node share its cores): when a user job waits or runs there
 it stores what it has and queues its continuation (content-addressed: the continuation restores
 the stored blocks), so a user job waits for, or shares its node with, at most one block of a heal.
 """
@@ -23,15 +23,15 @@ from jobs.heal import HealSpec
 from jobs.keys import healing_key
 from jobs.settings import heal_queue_name, is_heal_queue
 from jobs.spec import JobSpec
-from worker import target_prefill
-from worker.context import JobContext
+from worker.job import target_prefill
+from worker.job.context import JobContext
 from worker.models import LoadedModel
-from worker.next_turn import next_turn
-from worker.node_busy import add_busy_read, others_busy
-from worker.prompt import check_prompt
-from worker.reporting import JobReporter
-from worker.selection_pipeline import load_model
-from worker.target_prefix import TargetPrefixCache, prefix_cache
+from worker.job.next_turn import next_turn
+from worker.process.node_busy import add_busy_read, others_busy
+from worker.job.prompt import check_prompt
+from worker.job.reporting import JobReporter
+from worker.job.selection_pipeline import load_model
+from worker.job.target_prefix import TargetPrefixCache, prefix_cache
 
 log = logging.getLogger(__name__)
 _pause = time.sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
@@ -89,7 +89,7 @@ def enqueue_heal(ctx: JobContext, heal: HealSpec) -> Any:
 
 def user_job_ahead(ctx: JobContext) -> str | None:
     """Why this heal should yield now, or None: a user job waits on one of this worker's own
-    (not heal) queues, or runs on another worker of this node (``worker.node_busy``: they
+    (not heal) queues, or runs on another worker of this node (``worker.process.node_busy``: they
     share its cores). One round trip: an LLEN per queue and the node's busy set."""
     from rq import Queue
 

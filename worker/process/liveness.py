@@ -23,8 +23,8 @@ from rq.utils import now, utcformat
 from jobs.connection import REDIS_DOWN, side_connection
 from jobs.epoch import EPOCH_REPLIES, add_epoch_reads, epoch_of
 from jobs.settings import is_heal_queue
-from worker.node_busy import mark_busy
-from worker.runtime import Claim
+from worker.process.node_busy import mark_busy
+from worker.process.claims import Claim
 
 
 class Liveness(threading.Thread):

@@ -9,7 +9,7 @@ The next job with the same prefix, on any worker, restores it and prefills only 
 
 A causal model's KV of token ``i`` depends only on tokens ``0..i``, so the KV of a prefix
 prefilled contiguously is a full prefill's, whatever was kept after it. Every job prefills its
-system prefix in steps that end at block boundaries (``worker.target_prefill.prefill_prefix``),
+system prefix in steps that end at block boundaries (``worker.job.target_prefill.prefill_prefix``),
 so a restored block holds, bit for bit, what the restoring job would have computed itself (a
 block beyond the system prefix, from a plain prefill's larger steps, agrees to float rounding:
 the same sums in another order). A restore that does not fit the target (length, layout) or a
@@ -184,7 +184,7 @@ class TargetPrefixCache:
         heal then prefills and stores every token, not only its full blocks)."""
         return bool(getattr(self.store, "keeps_tails", False))
 
-    # ---- heal marks: which stored blocks a heal job prefilled (worker.heal) ----
+    # ---- heal marks: which stored blocks a heal job prefilled (worker.job.heal) ----
 
     def _heal_keys(self, tokens: Sequence[int], start: int, end: int) -> list[tuple[str, int, int]]:
         """``(mark key, first token, end)`` of each block (and the tail) of ``tokens[:end]`` from

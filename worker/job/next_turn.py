@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from jobs.spec import JobSpec
-from worker.prompt import Template, _common_prefix_len, chat_messages, render_tokens
+from worker.job.prompt import Template, _common_prefix_len, chat_messages, render_tokens
 
 # Throwaway next turns: different roles, lengths and first characters, so their renders share
 # only what every next turn starts with.

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.context import JobContext
-from worker.answer_split import AnswerSplitter
-from worker.detokenize import TextStream
+from worker.job.context import JobContext
+from worker.job.answer_split import AnswerSplitter
+from worker.job.detokenize import TextStream
 
 PHASE_EVENTS = ("lookahead", "importance")  # one event when the phase starts
 DRAFT_PHASES = ("prefill", *PHASE_EVENTS)  # the draft's scoring phases (its time budget)

@@ -2,7 +2,7 @@
 
 RQ's forking ``Worker`` cannot hold a loaded model across jobs and forking after Metal
 starts crashes on macOS, so this is a ``SimpleWorker`` that adds what SimpleWorker lacks:
-heartbeats from a side thread on a connection of its own (:mod:`worker.liveness`; else RQ
+heartbeats from a side thread on a connection of its own (:mod:`worker.process.liveness`; else RQ
 reaps a long job as abandoned and runs it twice, and a short Redis outage delays the beats
 past the claim), a job that stops without a word when its claim was nevertheless taken, a
 registration that survives Redis restarts, a cooperative stop (RQ's stop-job command and
@@ -26,12 +26,13 @@ from jobs.connection import REDIS_DOWN
 from jobs.log_format import log_context, set_worker
 from jobs.node_queues import rescue_stranded
 from jobs.settings import is_heal_queue
-from worker import hooks, runtime as runtime_mod
-from worker.liveness import Liveness
+from worker import runtime as runtime_mod
+from worker.process import hooks
+from worker.process.liveness import Liveness
 from worker.models import release_cached_buffers
-from worker.node_busy import mark_busy, mark_idle
-from worker.orphans import drop_queued_copy, return_orphan
-from worker.queues import listen_order
+from worker.process.node_busy import mark_busy, mark_idle
+from worker.process.orphans import drop_queued_copy, return_orphan
+from worker.process.queues import listen_order
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class InProcessWorker(SimpleWorker):
             job.timeout = self.runtime.settings.job_timeout_s
         self._execution = execution
         user = not is_heal_queue(queue.name)
-        if user:  # heals on this node yield while it runs (worker.node_busy)
+        if user:  # heals on this node yield while it runs (worker.process.node_busy)
             self._mark_busy(True)
         try:
             with log_context(job_id=job.id):  # every line logged while it runs names it
@@ -243,7 +244,7 @@ class InProcessWorker(SimpleWorker):
 
     @property
     def shared_queues(self) -> list[str]:
-        """The queues of this worker that are no node's (see :func:`worker.queues.listen_order`)."""
+        """The queues of this worker that are no node's (see :func:`worker.process.queues.listen_order`)."""
         return [q for q in self.queue_names() if "@" not in q]
 
     def check_for_suspension(self, burst: bool) -> None:

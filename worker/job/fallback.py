@@ -19,7 +19,7 @@ from rq.timeouts import BaseTimeoutException
 from jobs.connection import REDIS_DOWN
 from jobs.model_names import UnknownModelError
 from jobs.spec import ContextLengthError
-from worker.context import JobContext, JobStopped
+from worker.job.context import JobContext, JobStopped
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,139 @@
+"""The RQ job functions: ``run_job`` (every job names it on the queue) and the failure callback.
+
+``run_job`` validates the payload again (anything read off a queue may be stale,
+hand-written or hostile), dispatches on the spec's ``kind`` to a runner (``RUNNERS``; a new
+kind adds a function and an entry), publishes exactly one terminal progress event and
+returns the JSON result. Transient Redis errors keep RQ's retries; anything else is final.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import redis
+
+from cache_store.trailing import BOOKKEEPING
+from jobs.connection import REDIS_DOWN
+from jobs.holders import cancel_requested
+from jobs.progress import publisher_for
+from jobs.heal import heal_spec_from_payload, is_heal_payload
+from jobs.routing import node_of, record_served, route_key_of, routing_text
+from jobs.spec import JobSpec, spec_from_payload
+from worker import runtime as runtime_mod
+from worker.job.context import ClaimLost, JobContext, JobStopped
+from worker.job.generate_pipeline import run_generate
+from worker.job.heal import run_heal
+from worker.job.job_meta import mirror_progress
+from worker.process.metrics import queue_wait_s
+from worker.job.selection_pipeline import run_prefill
+
+log = logging.getLogger(__name__)
+
+# A job kind names the function that runs it; both take (spec, ctx) and return JSON.
+RUNNERS: dict[str, Callable[[Any, JobContext], dict[str, Any]]] = {
+    "prefill": run_prefill, "generate": run_generate, "heal": run_heal}
+
+
+def _done_summary(result: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    keys = ("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
+            "generated_tokens", "ttft_s", "finish_reason")
+    return {**{k: result.get(k) for k in keys if k in result}, "elapsed_s": round(elapsed, 4)}
+
+
+def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str, Any]:
+    """Validate and run one payload, publishing exactly one terminal event (or
+    ``retrying`` when a transient error leaves RQ retries). Raises on failure."""
+    t0 = time.perf_counter()
+    try:
+        if cancel_requested(ctx.runtime.connection, ctx.settings.namespace, ctx.job_id):
+            raise JobStopped(f"job {ctx.job_id} canceled before it started")
+        spec = (heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload)(payload, ctx.settings)
+        result = RUNNERS[spec.kind](spec, ctx)
+    except ClaimLost:  # another worker (or a resubmission) owns the job now: not a word
+        ctx.publisher.close()
+        raise
+    except JobStopped:
+        ctx.publisher.publish("stopped")
+        raise
+    except REDIS_DOWN as exc:
+        kind = "retrying" if retries_left > 0 else "failed"
+        ctx.publisher.publish(kind, error=f"{type(exc).__name__}: {exc}", retries_left=retries_left)
+        raise
+    except BaseException as exc:  # timeouts, SystemExit on cold shutdown, bad input, bugs
+        ctx.publisher.publish("failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        ctx.publisher.flush()  # a non-terminal last event (retrying) must not stay buffered
+    # The block store's counters trail its fetches: written before the job is seen done.
+    BOOKKEEPING.flush(timeout=2.0)
+    ctx.check_claim()  # the last moment: a copy that lost its claim publishes no "done"
+    ctx.publisher.publish("done", **_done_summary(result, time.perf_counter() - t0))
+    return result
+
+
+def run_job(payload: dict[str, Any]) -> dict[str, Any]:
+    """The RQ job function (named on the queue as ``worker.tasks.run_job``, :mod:`worker.tasks`)."""
+    from rq import get_current_job
+
+    job = get_current_job()
+    rt = runtime_mod.current(job.connection if job else None)
+    job_id = job.id if job else "direct"
+    claim = rt.claim if rt.claim is not None and rt.claim.job_id == job_id else None
+    ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings,
+                                               attempt=claim.attempt if claim else "",
+                                               fence=claim.fence if claim else None),
+                     queue=(job.origin or "") if job else "")
+    if claim is not None:
+        claim.publisher = ctx.publisher
+    if job is not None:
+        mirror_progress(ctx.publisher, job_id)  # RQ's tools (rq info, rq-dashboard) see it
+    retries_left = (job.retries_left or 0) if job else 0
+    try:
+        result = execute(payload, ctx, retries_left=retries_left)
+        note_served(rt, payload, job)
+        wait = queue_wait_s(job)
+        if wait is not None and isinstance(result.get("timings"), dict):
+            result["timings"]["queue_wait"] = round(wait, 6)  # what the front door's metrics read
+        return result
+    except REDIS_DOWN:
+        raise  # RQ retries while retries_left > 0
+    except BaseException as exc:
+        if isinstance(exc, JobStopped) and not isinstance(exc, ClaimLost):
+            rt.stopped_job_id = job_id  # recorded as stopped, not failed (see InProcessWorker)
+        if job is not None:
+            job.retries_left = 0  # bad input, timeouts and stops are never retried
+        raise
+
+
+def note_served(rt: Any, payload: Any, job: Any) -> None:
+    """With ``routing=prefix``: index this node as holding the finished job's prompt prefixes
+    (:mod:`jobs.routing`). Routing is a hint: a failure here is logged, the result stands."""
+    if rt.settings.routing != "prefix" or is_heal_payload(payload):  # a heal is no prompt a client routes
+        return
+    try:
+        spec = spec_from_payload(payload, rt.settings)
+        record_served(rt.connection, rt.settings, node_of(rt.settings), routing_text(spec),
+                      route_key_of(job.meta if job is not None else None))
+    except (REDIS_DOWN, redis.RedisError) as exc:
+        log.warning("could not index the prefix of job %s for routing: %s", getattr(job, "id", "?"), exc)
+
+
+def on_job_failure(job: Any, connection: redis.Redis, exc_type: Any, exc: Any, tb: Any) -> None:
+    """RQ failure callback: reports jobs RQ's cleanup found abandoned (dead worker).
+
+    Failures inside a running job already published their own event; this only covers the
+    worker that died without a word.
+    """
+    from rq.exceptions import AbandonedJobError
+
+    if exc_type is not AbandonedJobError:
+        return
+    try:
+        pub = publisher_for(connection, job.id, runtime_mod.current_settings())
+        if job.retries_left:
+            pub.publish("retrying", error="worker died (abandoned job)", retries_left=job.retries_left)
+        else:
+            pub.publish("failed", error="AbandonedJobError: the worker running this job died")
+    except Exception:  # a raising callback would replace the job's own failure
+        log.exception("could not report abandoned job %s", getattr(job, "id", "?"))
