@@ -19,12 +19,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python bench/scoring.py
-	$(BIN)/python bench/cache_store.py
-	$(BIN)/python bench/queue.py
-	$(BIN)/python bench/quality.py
-	$(BIN)/python bench/ttft.py
-	$(BIN)/python bench/http.py
+	$(BIN)/python -m bench.scoring
+	$(BIN)/python -m bench.block_store
+	$(BIN)/python -m bench.jobqueue
+	$(BIN)/python -m bench.quality
+	$(BIN)/python -m bench.ttft
+	$(BIN)/python -m bench.http_api
 
 clean:
 	rm -rf $(VENV) build *.egg-info

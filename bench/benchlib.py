@@ -1,28 +1,13 @@
-"""Shared start-up and verdict lines for the benchmark scripts.
-
-Run a benchmark as a script (``python bench/ttft.py``): this folder is then first on
-``sys.path``, so each script's first import is ``import benchlib``. Importing it moves
-this folder off the path (``bench/queue.py`` would otherwise shadow the standard
-library's ``queue``), puts the repository root on it (the tiny model builders are
-``tests.support``), and loads the system OpenBLAS before anything imports mlx.
-"""
+"""Shared verdict lines and the settings the benchmarks run under (the package's ``__init__``
+has loaded the OpenBLAS the service uses before any benchmark imports mlx)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:] = [str(ROOT)] + [
-    p for p in sys.path if Path(p or ".").resolve() != HERE
-]
-sys.modules.pop("queue", None)  # in case anything imported the shadowing module already
+from bench import SETTINGS
+from specprefill.blas import blas_in_use
 
-from jobs.settings import Settings  # noqa: E402 - imports no mlx
-from specprefill.blas import blas_in_use, preload_openblas  # noqa: E402
-
-SETTINGS = Settings.from_env()
-preload_openblas(SETTINGS.openblas, SETTINGS.openblas_path or None)
+ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["ROOT", "SETTINGS", "blas_in_use", "report", "verdict"]
 

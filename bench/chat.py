@@ -17,24 +17,24 @@ new ~4K-token system prompt plus tools, so nothing of it is stored when the roun
 TTFT is the worker's (``GenerateResult.ttft_s``: from the job's start to its first token);
 each mode reports its fastest round. Ends with ``target ...`` lines.
 
-    .venv/bin/python bench/chat.py [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2] [--quick]
+    .venv/bin/python -m bench.chat [--system-tokens 4096] [--doc-tokens 4096] [--threshold 2048] [--rounds 2] [--quick]
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import redis
 
-import redis  # noqa: E402
+from bench import benchlib
+from bench.benchlib import ROOT
 
-ROOT = benchlib.ROOT
 GEN = {"max_tokens": 4, "greedy": True}
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": f"{name} over the workspace",

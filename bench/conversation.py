@@ -39,29 +39,28 @@ beside the TTFT ratio: where attention over the context outweighs a layer's per-
 shipped 256-wide target, at any context this trace reaches), a turn whose new part is prefilled
 in full costs its pairs' share of a plain turn, whatever the hardware. Ends with ``target ...`` lines.
 
-    .venv/bin/python bench/conversation.py [--traces 3]
-    .venv/bin/python bench/conversation.py --quick     # seconds: smaller trace, one of each
+    .venv/bin/python -m bench.conversation [--traces 3]
+    .venv/bin/python -m bench.conversation --quick     # seconds: smaller trace, one of each
                                                       # (sizes given with it are kept)
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
-from benchlib import ROOT, report  # noqa: E402
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import redis
 
-import redis  # noqa: E402
+from bench.benchlib import ROOT, report
+from jobs.settings import SHIPPED_MODELS, Settings
+from specprefill_cli.agent import LOOKUP_TOOL  # the tool the agent CLI offers
+from tools import recall_task
 
-from jobs.settings import SHIPPED_MODELS, Settings  # noqa: E402
-from specprefill_cli.agent import LOOKUP_TOOL  # noqa: E402 - the tool the agent CLI offers
-from tools import recall_task  # noqa: E402
 
 MODES = ("full", "plain", "sparse", "heal", "heal-plain")
 HEALING = ("heal", "heal-plain")
@@ -206,7 +205,7 @@ def print_turns(trace: dict, turns: list[Turn]) -> None:
 
 
 def conversation_targets(traces: list, trace_turns: list) -> list[tuple]:
-    """Print the per-mode summary; return the trace's targets (for benchlib.report)."""
+    """Print the per-mode summary; return the trace's targets (for report)."""
     def ttft(mode):
         return statistics.median(res["ttft_s"] for tr in traces for res, _, _ in tr[mode][1:])
 

@@ -1,7 +1,7 @@
 """Family coverage table of the serving path: what the worker does with each mlx-lm family.
 
-For a tiny random instance of every family in ``tests/support/families.py`` (its own mlx-lm ``ModelArgs``),
-one row per family and dtype, with the checks of ``tests/support/family_coverage.py`` (the ones the
+For a tiny random instance of every family in ``specprefill_testkit/families.py`` (its own mlx-lm ``ModelArgs``),
+one row per family and dtype, with the checks of ``specprefill_testkit/family_coverage.py`` (the ones the
 worker runs: ``worker.models.draft_profiler`` / ``target_profiler``, ``specprefill.scoring``,
 the worker's block store, the generate pipeline's sparse session):
 
@@ -18,20 +18,19 @@ the worker's block store, the generate pipeline's sparse session):
 * ``claimed``: whether every cell the project claims for the family (``family_coverage.claims``,
   enforced by ``tests/specprefill/test_family_coverage.py``) is ``ok``.
 
-    .venv/bin/python bench/families.py [--dtypes float32 bfloat16] [--only gemma2 ministral3] [--quick]
+    .venv/bin/python -m bench.families [--dtypes float32 bfloat16] [--only gemma2 ministral3] [--quick]
 """
 from __future__ import annotations
 
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import verdict  # noqa: E402
+import argparse
+import logging
+import time
+from typing import Callable
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from bench.benchlib import verdict
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
 
-import tests.support.families as F  # noqa: E402
-import tests.support.family_coverage as C  # noqa: E402
 
 COLUMNS = ["draft", "kv4", "store", "target"]
 # --quick: one family of each way a family is served or refused (rope, learned positions, windows,

@@ -4,22 +4,20 @@ A ministral3-shaped draft (yarn rope with ``original_max_position_embeddings``, 
 past it, a sliding layer) is probed the way a worker verifies a draft at load
 (``worker.models.draft_profiler`` runs ``specprefill.profile.profile_model``, whose kernel probe
 runs at positions 0-7 and again just past the threshold). Before, the far probe prefilled every position up to the threshold
-(``tests/support/far_prefix.py``, kept as the reference); now its caches are filled with
+(``specprefill_testkit/far_prefix.py``, kept as the reference); now its caches are filled with
 random keys through their own updates (``specprefill.attention.probe.synthetic_prefix``). Both
 run side by side in one process, alternating; the profiles must be equal.
 
-    .venv/bin/python bench/far_probe.py [--threshold 16384] [--hidden 256] [--repeats 2] [--quick]
+    .venv/bin/python -m bench.far_probe [--threshold 16384] [--hidden 256] [--repeats 2] [--quick]
 """
 from __future__ import annotations
 
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import verdict  # noqa: E402
+import argparse
+import time
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-import tests.support.families as F  # noqa: E402
-from tests.support.far_prefix import prefill_prefix  # noqa: E402
+from bench.benchlib import verdict
+import specprefill_testkit.families as F
+from specprefill_testkit.far_prefix import prefill_prefix
 
 
 def ministral3_draft(threshold: int, hidden: int):

@@ -25,22 +25,21 @@ heal turn's prefill costs no more than its exact share of the plain turn's work,
 tokens ratio (per-token work) and its attention pairs ratio (attention), within 10%: the heal
 path adds nothing to the prefill of what is new.
 
-    .venv/bin/python bench/heal_shapes.py [--models shipped 7b] [--layers 2]
-    .venv/bin/python bench/heal_shapes.py --quick     # seconds: small shapes
+    .venv/bin/python -m bench.heal_shapes [--models shipped 7b] [--layers 2]
+    .venv/bin/python -m bench.heal_shapes --quick     # seconds: small shapes
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
-from benchlib import SETTINGS, report  # noqa: E402
+import argparse
+import sys
+import time
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from bench.benchlib import SETTINGS, report
+from jobs.settings import SHIPPED_MODELS
+from specprefill.prefill import run_prefill
+from specprefill_testkit.tiny_models import make_model
 
-from jobs.settings import SHIPPED_MODELS  # noqa: E402
-from specprefill.prefill import run_prefill  # noqa: E402
-from tests.support.tiny_models import make_model  # noqa: E402
 
 SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8,
                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,

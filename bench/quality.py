@@ -19,32 +19,31 @@ selection and ``follow_chunks=3``), and at 16K the target's answers after a full
 sparse prefill. These rows give the ``needle_kept_16k_keep0.1``, ``needle_kept_32k_keep0.1``
 and ``sparse_vs_full_accuracy_16k_keep0.2`` targets.
 
-    .venv/bin/python bench/quality.py [--samples 40] [--lengths 1024,2048,4096]
-    .venv/bin/python bench/quality.py --positions-only [--position-prompts 4] [--keeps 0.1,0.2]
-    .venv/bin/python bench/quality.py --quick      # CI-sized: fewer prompts, same goals
+    .venv/bin/python -m bench.quality [--samples 40] [--lengths 1024,2048,4096]
+    .venv/bin/python -m bench.quality --positions-only [--position-prompts 4] [--keeps 0.1,0.2]
+    .venv/bin/python -m bench.quality --quick      # CI-sized: fewer prompts, same goals
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import ROOT, blas_in_use, verdict  # noqa: E402
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import random  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import numpy as np
+from mlx_lm import load
 
-import numpy as np  # noqa: E402
-from mlx_lm import load  # noqa: E402
+from bench.benchlib import ROOT, blas_in_use, verdict
+from specprefill.attention.target import target_session
+from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.profile import profile_model
+from specprefill.scoring import score_tokens
+from specprefill.selection import select_chunks, tail_chunk_count
+from tools import recall_task
+from tools.make_demo import SEPARATOR
 
-from specprefill.attention.target import target_session  # noqa: E402
-from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
-from specprefill.profile import profile_model  # noqa: E402
-from specprefill.scoring import score_tokens  # noqa: E402
-from specprefill.selection import select_chunks, tail_chunk_count  # noqa: E402
-from tools import recall_task  # noqa: E402
-from tools.make_demo import SEPARATOR  # noqa: E402
 
 # (include_last_query, n_lookahead); the first is the default the targets are judged on.
 SETTINGS = ((True, 8), (True, 4), (True, 0), (False, 8), (False, 4))

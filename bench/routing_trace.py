@@ -22,11 +22,11 @@ import redis
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from bench.benchlib import ROOT
 from cache_store.inventory import counters_by_model
 from jobs.client import Client
 from jobs.settings import SHIPPED_MODELS, Settings
 
-ROOT = Path(__file__).resolve().parents[1]
 NODES = ("node-a", "node-b")
 CLIENTS = 4
 # One 256-token block of system prompt, two blocks per turn: what each conversation restores is

@@ -24,38 +24,38 @@
 Sections are in ``SECTIONS``, each a function of the shared chain and the options that returns
 rows and verdicts.
 
-    .venv/bin/python bench/scale.py [--blocks 64] [--repeats 7] [--fetch-rounds 25]
+    .venv/bin/python -m bench.scale [--blocks 64] [--repeats 7] [--fetch-rounds 25]
                                    [--conversations 40] [--quick]
 """
 from __future__ import annotations
 
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import report  # noqa: E402
+import argparse
+import hashlib
+import importlib.util
+import io
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import importlib.util  # noqa: E402
-import io  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import mlx.core as mx
+import numpy as np
+import redis
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
+from bench import block_store, routing_trace, scoring
+from bench.benchlib import report
+from cache_store.local_tier import FileValue, LocalTier
+from cache_store.trailing import BOOKKEEPING, SHARED_WRITES
+from jobs.connection import cache_connection
+from jobs.settings import Settings
+from specprefill.attention.probe import make_cache
+from specprefill.draft_cache import BlockDraftCache
+from specprefill_cli.embedded_redis import EmbeddedRedis
+from specprefill_testkit.redis_servers import LocalCluster, redis7
+from worker.runtime import wire_block_store
 
-from cache_store.local_tier import FileValue, LocalTier  # noqa: E402
-from cache_store.trailing import BOOKKEEPING, SHARED_WRITES  # noqa: E402
-from jobs.connection import cache_connection  # noqa: E402
-from jobs.settings import Settings  # noqa: E402
-from specprefill.attention.probe import make_cache  # noqa: E402
-from specprefill.draft_cache import BlockDraftCache  # noqa: E402
-from specprefill_cli.embedded_redis import EmbeddedRedis  # noqa: E402
-from tests.support.redis_servers import LocalCluster, redis7  # noqa: E402
-from worker.runtime import wire_block_store  # noqa: E402
 
 GB = 1e9
 BLOCK = 256
@@ -63,24 +63,15 @@ FP = hashlib.sha256(b"bench/scale").hexdigest()
 GOALS = {"cluster": 0.9, "local": 0.5, "routed_local_share": 0.8}
 
 
-def _cache_store_bench():
-    """``bench/cache_store.py`` as a module: its random draft cache and chain layout."""
-    spec = importlib.util.spec_from_file_location("bench_cache_store", benchlib.HERE / "cache_store.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class Chain:
     """One chain of ``n_blocks`` blocks: its tokens, its draft cache (random values in the shape of
     the scoring benchmark's draft), stored through the worker's own wiring of a block store."""
 
     def __init__(self, n_blocks: int) -> None:
-        cs = _cache_store_bench()
         self.n_tokens = n_blocks * BLOCK
         self.tokens = [int(t) for t in np.random.default_rng(1).integers(0, 32000, self.n_tokens + 1)]
-        self.cache = cs.random_cache(self.n_tokens + 1, seed=1)
-        self.model = cs._scoring_bench().draft_model()  # its cache is random_cache's shape
+        self.cache = block_store.random_cache(self.n_tokens + 1, seed=1)
+        self.model = scoring.draft_model()  # its cache is random_cache's shape
         self.n_bytes = 0
 
     def store(self, client, local=None, namespace="scale") -> BlockDraftCache:
@@ -230,9 +221,8 @@ def bench_local_tier(chain: Chain, opts: argparse.Namespace) -> tuple[list, list
 
 def bench_trace(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
     """The conversation trace over two nodes, with routing and without (see the module's 3.)."""
-    trace = _trace_bench()
     with EmbeddedRedis(binary=redis7()) as server:
-        runs = {mode: trace.run(server.url, mode, opts.conversations, opts.turns) for mode in ("prefix", "off")}
+        runs = {mode: routing_trace.run(server.url, mode, opts.conversations, opts.turns) for mode in ("prefix", "off")}
     rows = []
     for mode, run in runs.items():
         rows.append((f"trace routing={mode}: restored blocks read from the node's own tier",
@@ -247,14 +237,6 @@ def bench_trace(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
     print(f"trace: {opts.conversations} conversations x {opts.turns} turns, 2 nodes (1 worker each), "
           f"4 clients; routed_local_share without routing: {off['local_share']:.3f}")
     return rows, [("routed_local_share", on["local_share"], ">=", GOALS["routed_local_share"])]
-
-
-def _trace_bench():
-    """``bench/routing_trace.py`` as a module (this folder is off ``sys.path``; see benchlib)."""
-    spec = importlib.util.spec_from_file_location("bench_routing_trace", benchlib.HERE / "routing_trace.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 SECTIONS = (bench_cluster, bench_local_tier, bench_trace)

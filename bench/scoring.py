@@ -29,7 +29,7 @@ scoring alike, while the lookahead's capture runs on every layer (with 2 layers 
 weighs about twice what it does against 23 computed layers), and weights and cache, which
 both runs hold, are a smaller part of the peak.
 
-    .venv/bin/python bench/scoring.py [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
+    .venv/bin/python -m bench.scoring [--lengths 2048 4096 8192] [--repeats 2] [--hybrid-lengths 4096]
         [--hybrid-warm-lengths 4096] [--long-lengths 16384 32768 65536] [--long-models shipped qwen0.5b]
         [--long-layers 0]
         [--dtype-length 512] [--quick]
@@ -39,26 +39,24 @@ a hidden-128 stand-in for the dtype comparison); its figures are not the targets
 """
 from __future__ import annotations
 
+import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
+import time
 
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, verdict  # noqa: E402
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models import qwen2
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+from bench.benchlib import ROOT, blas_in_use, verdict
+from specprefill.profile import profile_model
+from specprefill.scoring import score_tokens
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx.utils import tree_map  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models import qwen2  # noqa: E402
-
-from specprefill.profile import profile_model  # noqa: E402
-from specprefill.scoring import score_tokens  # noqa: E402
 
 RATIO_GOAL = 1.15
 RATIO_TARGET_LENGTHS = (4096, 8192)
@@ -66,7 +64,7 @@ LONG_RATIO_LENGTH, LONG_RATIO_GOAL = 32768, 1.15
 PEAK_LENGTH, PEAK_GOAL = 65536, 1.1
 DTYPE_GOAL = 4.0
 MB = 1024 * 1024
-SHIPPED_DRAFT = str(benchlib.ROOT / "models" / "draft-tiny")
+SHIPPED_DRAFT = str(ROOT / "models" / "draft-tiny")
 # Qwen2.5-0.5B's shape (config.json of Qwen/Qwen2.5-0.5B), random weights.
 QWEN_05B = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=4864,
                 num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=151936,
@@ -373,8 +371,8 @@ def blas_comparison(length: int, repeats: int) -> None:
     with_blas = min(prefill_seconds(length) for _ in range(repeats))
     env = dict(os.environ, SPECPREFILL_OPENBLAS="0")
     child = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--prefill-only", str(length)],
-        env=env, capture_output=True, text=True, check=True,
+        [sys.executable, "-m", "bench.scoring", "--prefill-only", str(length)],
+        env=env, cwd=ROOT, capture_output=True, text=True, check=True,
     )
     stock = json.loads(child.stdout.strip().splitlines()[-1])
     print(f"\nprefill of {length} tokens: {with_blas:.3f} s with OpenBLAS, "

@@ -7,25 +7,24 @@ qwen2 builds (timing does not depend on the weights): the target has 4x the draf
 layers x hidden. All modes run side by side in one process, interleaved over rounds;
 each mode reports its fastest round (other processes only ever add time).
 
-    .venv/bin/python bench/ttft.py [--tokens 8192] [--rounds 2] [--tail-tokens 512] [--quick]
+    .venv/bin/python -m bench.ttft [--tokens 8192] [--rounds 2] [--tail-tokens 512] [--quick]
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, report  # noqa: E402
+import argparse
+import statistics
+import time
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import qwen2
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from mlx_lm.models import qwen2  # noqa: E402
+from bench.benchlib import blas_in_use, report
+from specprefill.attention.target import target_session
+from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.profile import profile_model
+from specprefill.scoring import score_tokens
+from specprefill.selection import select_chunks
+from specprefill.sparse import full_prefill
 
-from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
-from specprefill.profile import profile_model  # noqa: E402
-from specprefill.scoring import score_tokens  # noqa: E402
-from specprefill.selection import select_chunks  # noqa: E402
-from specprefill.attention.target import target_session  # noqa: E402
-from specprefill.sparse import full_prefill  # noqa: E402
 
 VOCAB = 4096
 DRAFT = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -27,7 +27,7 @@ _TRAILER = 9  # the state checksum: a msgpack uint64
 _UINT64 = 0xCF
 _CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-checksums")
 # Checking on the helper thread pays when a core is free for it; on two cores or fewer the
-# hand-over costs more than the overlap gains (bench/cache_store.py), so checks run inline there.
+# hand-over costs more than the overlap gains (bench/block_store.py), so checks run inline there.
 OVERLAP = (os.cpu_count() or 1) > 2
 
 # (the block's layout, whether its state arrays are read) -> per (layer index, array name)

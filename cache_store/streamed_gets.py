@@ -6,7 +6,7 @@ sides, in memory that is new each time). Keeping only ``window`` requests in fli
 the values instead (:func:`cache_store.wire.streamed_values`, which the block store reads
 with, straight into its arrays); this is the same stream with every reply parsed into
 ``bytes`` by redis-py (hiredis when installed): the raw-GET baseline of
-``bench/cache_store.py`` and a plain reader for callers that want the bytes.
+``bench/block_store.py`` and a plain reader for callers that want the bytes.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ it once more into the arrays the model uses. Here the replies of a streamed read
 this module off the connection's socket instead (``recv_into``): a bulk reply's header is
 parsed from a small buffer, and its payload goes from the kernel straight into memory the
 caller names (:meth:`BulkValue.readinto`), e.g. a block's place in MLX-owned arrays: one
-copy in all. Measured in ``bench/cache_store.py`` against raw GETs read by hiredis.
+copy in all. Measured in ``bench/block_store.py`` against raw GETs read by hiredis.
 
 Keeping ``window`` requests in flight per connection streams the values: Redis writes the
 next replies while the caller works on the one it has, and each side holds a few values.
@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import redis
 
 # Requests in flight per connection: enough that Redis always has a reply to write while
-# the caller works on one (more gained nothing in bench/cache_store.py), few enough that a
+# the caller works on one (more gained nothing in bench/block_store.py), few enough that a
 # chain of 20 MiB hybrid blocks keeps under 100 MiB in Redis's output buffer.
 WINDOW = 4
 _BUFFER = 1 << 16  # bytes read at a time for reply headers (payloads bypass it)

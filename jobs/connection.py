@@ -5,7 +5,7 @@ a failed command ``settings.redis_retries`` times with jittered backoff, the blo
 client never retries (every block-store error is already a miss). AUTH (an ACL user and
 password), TLS (``rediss://``) and unix sockets (``unix://``) come from the URL; replies
 are parsed by hiredis when it is installed (a dependency: ~1.7x redis-py's own parser on
-1 MiB values, see bench/cache_store.py).
+1 MiB values, see bench/block_store.py).
 
 Two more URL forms name a deployment of several servers (:func:`parse_url`):
 

@@ -19,7 +19,7 @@ PREFILL_STEP = 2048  # tokens per forward pass while prefilling (draft and targe
 # last full block, and after every this many blocks (0: only those two). 16 blocks (4K tokens
 # at 256) keeps a Qwen3.5-0.8B-shaped draft's bytes at 8K tokens within 1.4x its K/V alone
 # (one checkpoint is 6.2 blocks of its K/V) and bounds what a restore may have to recompute
-# (bench/cache_store.py measures both).
+# (bench/block_store.py measures both).
 STATE_CHECKPOINT_BLOCKS = 16
 MAX_SEED = 2**32 - 1
 MAX_TOKENS = 2**31 - 1  # token counts, like token ids, are int32 in the block store

@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def redis_cluster():
     """A local Redis Cluster (3 primaries, a replica each; redis-server 7 from PATH), started once."""
-    from tests.support.redis_servers import LocalCluster
+    from specprefill_testkit.redis_servers import LocalCluster
 
     with LocalCluster() as cluster:
         yield cluster

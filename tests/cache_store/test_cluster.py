@@ -12,8 +12,8 @@ from cache_store.trailing import BOOKKEEPING
 from jobs.connection import cache_connection, parse_url
 from jobs.settings import Settings
 from specprefill_cli.cache import cache_stats
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import assert_restored_prefix, prefilled, stored_chain, worker_store
-from tests.support.tiny_models import make_model
 
 BS = 16
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 256, 16 * BS + 5)]

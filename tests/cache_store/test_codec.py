@@ -355,11 +355,11 @@ def test_both_sides_name_token_arrays_by_one_rule():
     here they agree on every array name any cache type gives (quantized K/V, CacheList members,
     recurrent state) and on edge names, and the rule is what the arrays really are: a token
     array grows along axis 2 with the prompt, a state array does not."""
-    import tests.support.families as F
     from cache_store.codec import is_token_array as codec_rule
     from specprefill.attention.caches import is_token_array as caches_rule
     from specprefill.attention.caches import layer_arrays
     from specprefill.attention.probe import make_cache
+    import specprefill_testkit.families as F
 
     def named_shapes(model, kv_bits, n_tokens):
         cache = make_cache(model, kv_bits, 32)

@@ -7,8 +7,8 @@ import redis
 
 from cache_store import SelectionMemo
 from specprefill_cli.embedded_redis import EmbeddedRedis
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import assert_restored_prefix, prefilled, stored_chain, worker_store
-from tests.support.tiny_models import make_model
 
 BS = 64
 PROMPT = [int(t) for t in np.random.default_rng(9).integers(0, 256, 12 * BS + 1)]

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 import redis
 
-import tests.support.families as F
-from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
-from tests.support.kv_blocks import draft_store
 from cache_store import RedisBlockStore, model_fingerprint, verify_namespace
 from specprefill.attention.caches import BlockRecorder, layer_arrays
-from specprefill.attention.probe import make_cache
 from specprefill.attention.lookahead import score_prompt
+from specprefill.attention.probe import make_cache
 from specprefill.draft_cache import BlockDraftCache, block_description
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
+import specprefill_testkit.families as F
+from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
+from tests.support.kv_blocks import draft_store
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 BLOCK = 16

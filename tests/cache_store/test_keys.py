@@ -13,8 +13,8 @@ import pytest
 
 from cache_store.keys import (block_digests, block_key, canonical_json, check_namespace, memo_key,
                               model_fingerprint, prompt_digest, token_bytes)
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import fingerprint
-from tests.support.tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[2]
 FP = "00" * 32
@@ -112,10 +112,10 @@ def test_good_namespaces_pass():
 CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from specprefill.blas import preload_openblas; preload_openblas()
 from cache_store.keys import block_digests, block_key, memo_key, prompt_digest
+from specprefill.blas import preload_openblas; preload_openblas()
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import fingerprint
-from tests.support.tiny_models import make_model
 fp = fingerprint(make_model("llama", seed=3), "repo@rev", block_size=16)
 tokens = list(range(7, 7 + 50))
 print(json.dumps({{

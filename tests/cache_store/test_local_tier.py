@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import redis
 
-import tests.support.families as F
 from cache_store.local_tier import LocalTier
 from cache_store.trailing import SHARED_WRITES
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
+import specprefill_testkit.families as F
+from specprefill_testkit.tiny_models import make_model
 from tests.support.hybrid_blocks import assert_warm_is_cold
 from tests.support.kv_blocks import assert_restored_prefix, prefilled, worker_store
-from tests.support.tiny_models import make_model
 
 BS = 16
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 256, 8 * BS + 3)]

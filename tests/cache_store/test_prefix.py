@@ -7,16 +7,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import specprefill.draft_cache as draft_cache_mod
-import specprefill.kv_arrays as kv_arrays_mod
-import tests.support.families as F
 from cache_store import RedisBlockStore
 from cache_store.codec import DTYPES
-from tests.support.kv_blocks import draft_store, prefilled, raw_bits, same_bits
 from specprefill.attention.lookahead import score_prompt
+import specprefill.draft_cache as draft_cache_mod
+import specprefill.kv_arrays as kv_arrays_mod
 from specprefill.kv_arrays import MlxDestinations
 from specprefill.profile import profile_model
-from tests.support.tiny_models import make_model
+import specprefill_testkit.families as F
+from specprefill_testkit.tiny_models import make_model
+from tests.support.kv_blocks import draft_store, prefilled, raw_bits, same_bits
 
 BS = 16
 

@@ -10,8 +10,8 @@ from mlx_lm.models.cache import KVCache
 from cache_store import RedisBlockStore
 from cache_store.codec import encode_block
 from cache_store.trailing import BOOKKEEPING
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import continue_prefill, draft_store, fingerprint, kv_layer, prefilled, same_bits
-from tests.support.tiny_models import make_model
 
 BS = 16
 

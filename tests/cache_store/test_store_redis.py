@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from specprefill_cli.embedded_redis import EmbeddedRedis
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import draft_store, prefilled, same_bits
-from tests.support.tiny_models import make_model
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 16
@@ -60,8 +60,8 @@ sys.path.insert(0, {tests!r})
 from specprefill.blas import preload_openblas; preload_openblas()
 import redis
 from cache_store.codec import encode_block
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import draft_store, kv_layer, prefilled
-from tests.support.tiny_models import make_model
 model = make_model("llama", seed=5, hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
 tokens = {tokens!r}
 cache, _ = prefilled(model, tokens)

@@ -90,7 +90,7 @@ def test_stores_without_tails_write_and_read_none(client, llama):
 
 
 def test_a_recurrent_model_keeps_no_tails(client):
-    import tests.support.families as F
+    import specprefill_testkit.families as F
 
     model = F.build("qwen3_5", seed=0)
     store = draft_store(client, model, block_size=BS, tails=True)

@@ -11,8 +11,8 @@ from cache_store import SelectionMemo, verify_namespace
 from cache_store import verify as verify_mod
 from cache_store.codec import encode_block
 from specprefill_cli.main import main
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import draft_store, kv_layer, prefilled
-from tests.support.tiny_models import make_model
 
 BS = 16
 SETTINGS = {"keep": 0.2, "protected_prefix": 0}

@@ -8,7 +8,7 @@ import json
 import redis
 
 from jobs.client import Client
-from tests.support.model_folders import doc_text
+from specprefill_testkit.model_folders import doc_text
 from tests.support.real_worker import model_dir, run_cli, settings_for, worker_proc  # noqa: F401
 
 

@@ -31,8 +31,8 @@ def test_cache_stats_shows_restored_blocks_read_from_a_local_tier(redis_url, tmp
 
     from cache_store.local_tier import LocalTier
     from cache_store.trailing import BOOKKEEPING
+    from specprefill_testkit.tiny_models import make_model
     from tests.support.kv_blocks import prefilled, worker_store
-    from tests.support.tiny_models import make_model
 
     client, model, bs = redis.Redis.from_url(redis_url), make_model("llama", seed=2), 16
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 8 * bs + 3)]

@@ -1,4 +1,4 @@
-"""The bare RQ job of bench/queue.py is importable the way a plain `rq worker` imports it."""
+"""The bare RQ job of bench/jobqueue.py is importable the way a plain `rq worker` imports it."""
 import os
 import subprocess
 import sys

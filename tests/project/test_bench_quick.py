@@ -21,15 +21,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-# The shared start-up, the bare RQ job of queue.py, and scale.py's two-node trace (a module of it).
-NOT_SCRIPTS = {"benchlib.py", "bare_job.py", "routing_trace.py"}
+# The package's start-up, the shared verdict lines, the bare RQ job of jobqueue.py, and scale.py's
+# two-node trace (a module of it).
+NOT_SCRIPTS = {"__init__.py", "benchlib.py", "bare_job.py", "routing_trace.py"}
 # scale.py's --quick sizes (16 blocks, 2 repeats, 2 turns) with 2 conversations instead of 6:
 # its --quick sets the conversations after parsing, so "--quick --conversations 2" ran 6.
 SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--turns", "2"]
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
-    "cache_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
-    "far_probe.py": ["--quick"], "heal_shapes.py": ["--quick"], "http.py": ["--quick"], "queue.py": ["--quick"],
+    "block_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
+    "far_probe.py": ["--quick"], "heal_shapes.py": ["--quick"], "http_api.py": ["--quick"], "jobqueue.py": ["--quick"],
     "scale.py": SCALE_QUICK,
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],
     "quality.py": ["--quick", "--samples", "1", "--lengths", "1024", "--needles", "4", "--keeps", "0.1,0.2",
@@ -48,7 +49,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *QUICK[script]], cwd=ROOT, env=_env(),
+    module = f"bench.{script.removesuffix('.py')}"
+    return subprocess.run([sys.executable, "-m", module, *QUICK[script]], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
@@ -114,7 +116,7 @@ def test_chat_bench_compares_admission_and_plain_on_prompts_of_one_length():
     sized by an average tokens-per-word: 262 against 254 tokens, and only the longer one reached
     a full block to look up), not from admission (issue 28 item 15): each text of a pair has
     exactly the asked length, and texts differ."""
-    code = ("import sys; sys.path.insert(0, 'bench'); import chat\n"
+    code = ("from bench import chat\n"
             "from mlx_lm.tokenizer_utils import load\n"
             "from jobs.settings import SHIPPED_MODELS\n"
             "t = chat.Texts(load(SHIPPED_MODELS / 'target-tiny'))\n"

@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scoring_bench_quick_mode_prints_its_tables_and_target_lines():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "scoring.py"), "--quick"],
+    out = subprocess.run([sys.executable, "-m", "bench.scoring", "--quick"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode in (0, 1), out.stderr  # 1: a target failed at quick sizes, not a crash
     text = out.stdout

@@ -4,15 +4,19 @@ import counts as much as one at the top of a module).
 specprefill_cli -> specprefill_server, worker, jobs, cache_store, specprefill's option objects; worker -> jobs, specprefill,
 cache_store; jobs -> cache_store's reply and key rules, specprefill's option objects;
 specprefill (MLX) and cache_store (storage) know neither each other nor anything above them;
-specprefill_server speaks to the queue (jobs, cache_store), never to the model; nothing imports
+specprefill_server speaks to the queue (jobs, cache_store), never to the model; nothing shipped imports
 specprefill_cli. Inside specprefill_server, each API (``apis/<api>/``) has the same files and
 imports no other API, and the machinery they share (the package's top-level modules) and the
 web page import no API: only ``app`` (which routes to them) and ``batch`` (OpenAI's Batch API
-runs chat completions and completions) do.
+runs chat completions and completions) do. Beside the shipped packages, the source checkout's
+``bench`` (run as ``python -m bench.<name>``) and ``specprefill_testkit`` (what tests and
+benchmarks share): no shipped package imports them or ``tests``; neither imports ``tests``;
+bench edits no import path.
 """
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("specprefill_cli", "specprefill_server", "jobs", "worker", "specprefill", "cache_store")
+SHIPPED = ("specprefill_cli", "specprefill_server", "jobs", "worker", "specprefill", "cache_store")
+CHECKOUT_ONLY = ("bench", "specprefill_testkit")  # not in the wheel (setup.py), never imported by it
+PACKAGES = SHIPPED + CHECKOUT_ONLY
 
 # package -> what none of its modules may import (a top-level name: the package and all below it)
 FORBIDDEN = {
@@ -30,7 +36,11 @@ FORBIDDEN = {
     "cache_store": {"jobs", "worker", "specprefill_server", "specprefill", "mlx", "mlx_lm", "rq"},
     "specprefill_server": {"worker", "specprefill", "mlx", "mlx_lm"},
     "specprefill_cli": {"mlx", "mlx_lm"},  # the model runs in the worker
+    "specprefill_testkit": {"tests", "bench"},
+    "bench": {"tests"},
 }
+for _package in SHIPPED:
+    FORBIDDEN[_package] = FORBIDDEN.get(_package, set()) | {"tests", *CHECKOUT_ONLY}
 NOBODY_IMPORTS = "specprefill_cli"  # the top of the stack
 # package -> {another package: the only modules of it it may import}
 ONLY = {"jobs": {"cache_store": {"cache_store.replies", "cache_store.keys"},
@@ -88,7 +98,7 @@ def violations(root: Path, packages=PACKAGES) -> dict[str, list[str]]:
             for target in sorted(imports_of(path, root)):
                 top = target.split(".")[0]
                 allowed = ONLY.get(package, {}).get(top)
-                if top in FORBIDDEN.get(package, ()) or (top == NOBODY_IMPORTS != package):
+                if top in FORBIDDEN.get(package, ()) or (top == NOBODY_IMPORTS != package and package in SHIPPED):
                     wrong.append(target)
                 elif allowed is not None and not any(target == a or target.startswith(a + ".") for a in allowed):
                     wrong.append(target)
@@ -185,12 +195,58 @@ def _plant(root: Path, package: str, module: str, source: str) -> None:
     ("specprefill_server/web", "from specprefill_server.apis.anthropic import models\n",
      ["specprefill_server.apis.anthropic.models"]),
     ("specprefill_server/batch", "from specprefill_server.apis.openai.types import BatchCreateRequest\n", []),
+    ("worker", "def f():\n    from specprefill_testkit.tiny_models import make_model\n",
+     ["specprefill_testkit.tiny_models.make_model"]),
+    ("bench", "from tests.support.fake_worker import FakeBackend\n", ["tests.support.fake_worker.FakeBackend"]),
+    ("specprefill_testkit", "import tests.support.prompts\n", ["tests.support.prompts"]),
+    ("bench", "from specprefill_cli.embedded_redis import EmbeddedRedis\n", []),
 ], ids=["function-level", "method-level", "allowed", "nested-block", "relative", "try-block", "cli",
-        "api-to-api", "api-to-app", "api-to-shared", "shared-to-api", "web-to-api", "batch-to-openai"])
+        "api-to-api", "api-to-app", "api-to-shared", "shared-to-api", "web-to-api", "batch-to-openai",
+        "shipped-imports-testkit", "bench-imports-tests", "testkit-imports-tests", "bench-uses-cli"])
 def test_a_planted_upward_import_at_any_depth_fails(tmp_path, package, source, expected):
     _plant(tmp_path, package, "planted.py", source)
     found = violations(tmp_path, packages=(package.split("/")[0],))
     assert found == ({f"{package}/planted.py": expected} if expected else {})
+
+
+def _edits_import_path(tree: ast.Module) -> list[str]:
+    """Every ``sys.path`` / ``sys.modules`` use in ``tree`` (a path trick, whatever it does)."""
+    return [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "sys" and node.attr in ("path", "modules")]
+
+
+def bench_problems(root: Path) -> list[str]:
+    """What keeps a benchmark from being a plain module of the ``bench`` package: a module named like
+    a standard-library or project package (it would shadow it for its neighbours), a path trick, or
+    an import that had to wait for one (``noqa: E402``)."""
+    ours = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    problems = [] if (root / "bench" / "__init__.py").is_file() else ["bench/__init__.py missing"]
+    for path in sorted((root / "bench").glob("*.py")):
+        text, name = path.read_text(), path.stem
+        if name in sys.stdlib_module_names or name in ours:
+            problems.append(f"{path.name} shadows {name}")
+        problems += [f"{path.name}: {use}" for use in _edits_import_path(ast.parse(text))]
+        problems += [f"{path.name}:{n}: noqa E402" for n, line in enumerate(text.splitlines(), 1)
+                     if re.search(r"noqa:.*E402", line)]
+    return problems
+
+
+def test_bench_is_a_package_of_plain_modules():
+    assert bench_problems(ROOT) == []
+
+
+@pytest.mark.parametrize("name, source, expected", [
+    ("queue", "import time\n", ["queue.py shadows queue"]),
+    ("cache_store", "import time\n", ["cache_store.py shadows cache_store"]),
+    ("ok", "import sys\nsys.path.insert(0, 'x')\n", ["ok.py: sys.path"]),
+    ("ok", "import sys\nsys.modules.pop('queue')\n", ["ok.py: sys.modules"]),
+    ("ok", "x = 1\nimport time  # noqa: E402\n", ["ok.py:2: noqa E402"]),
+    ("ok", "import time\n", []),
+], ids=["stdlib-name", "project-name", "sys.path", "sys.modules", "noqa", "plain"])
+def test_a_planted_bench_path_trick_fails(tmp_path, name, source, expected):
+    _plant(tmp_path, "bench", f"{name}.py", source)
+    _plant(tmp_path, "cache_store", "store.py", "")
+    assert bench_problems(tmp_path) == expected
 
 
 def test_python_m_worker_has_its_own_small_parser():

@@ -234,7 +234,7 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path):
     (repo / "refs" / "main").write_text(revision)
     code = (
         "from mlx_lm import load\n"
-        "from tests.support.model_folders import model_identity\n"
+        "from specprefill_testkit.model_folders import model_identity\n"
         "model, tok = load('local/draft-tiny')\n"
         "print(type(model).__module__, model_identity('local/draft-tiny'))\n"
     )
@@ -244,7 +244,7 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path):
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["mlx_lm.models.llama", f"hub:local/draft-tiny@{revision}"]
-    missing = subprocess.run([sys.executable, "-c", "from tests.support.model_folders import model_identity\n"
+    missing = subprocess.run([sys.executable, "-c", "from specprefill_testkit.model_folders import model_identity\n"
                               "model_identity('local/absent')"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert "is a hub model not downloaded on this worker: pre-download it there with " \

@@ -108,7 +108,7 @@ def private_redis(tmp_path):
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
     """A tiny random-weight llama folder (vocabulary 512, word-level tokenizer)."""
-    from tests.support.model_folders import save_random_model
+    from specprefill_testkit.model_folders import save_random_model
 
     return str(save_random_model(tmp_path_factory.mktemp("reliability-models") / "draft"))
 

@@ -15,8 +15,8 @@ from rq.serializers import JSONSerializer
 from jobs.client import Client
 from jobs.connection import queue_connection, side_connection
 from jobs.settings import Settings
+from specprefill_testkit.redis_servers import LocalSentinels
 from tests.reliability.conftest import HERE, env_for, fake_settings
-from tests.support.redis_servers import LocalSentinels
 from tests.support.worker_procs import WorkerProcess, wait_for
 
 pytestmark = pytest.mark.timeout(240)

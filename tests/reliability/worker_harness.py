@@ -4,7 +4,7 @@
 settings in the environment. The fake scorer sleeps ``CHUNK_DELAY_S`` per 16-token chunk
 (so kill/timeout/restart timing is controllable) and gives deterministic importance. The
 model pool accepts only ``Settings.draft_model``; any other name goes through the real
-``model_identity`` of tests/support/model_folders.py, so unknown models fail as they would in
+``model_identity`` of specprefill_testkit/model_folders.py, so unknown models fail as they would in
 production.
 
 With ``SPECPREFILL_HARNESS_FORBID_PICKLE=1`` every pickle loader in the process raises, so a
@@ -48,8 +48,8 @@ def main() -> None:
 
     from jobs.connection import parse_url, queue_connection
     from jobs.settings import Settings
+    from specprefill_testkit.model_folders import model_identity
     from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend
-    from tests.support.model_folders import model_identity
     from worker.models import ModelPool
     from worker.process.rq_worker import run_worker
     from worker.runtime import WorkerRuntime

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
-import tests.support.families as F
-import tests.support.family_coverage as C
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
 from tests.support.hybrid_blocks import assert_warm_is_cold, same_arrays
 from tests.support.kv_blocks import draft_store
 from specprefill.attention.caches import (

@@ -10,11 +10,6 @@ import numpy as np
 import pytest
 from mlx_lm.models import base, llama
 
-import tests.support.families as F
-import tests.support.family_coverage as C
-from tests.support.attention_oracle import oracle
-from tests.support.far_prefix import prefill_prefix
-from tests.support.model_state import model_state
 from specprefill.attention.kernel import kernel_capture
 from specprefill.attention.lookahead import prefill_ends, score_prompt
 from specprefill.attention.probe import PROBE_TOKENS, probe_attention
@@ -22,7 +17,12 @@ from specprefill.errors import UnsupportedModelError
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens
-from tests.support.tiny_models import FAMILIES as TINY_FAMILIES, make_model
+from specprefill_testkit.attention_oracle import oracle
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
+from specprefill_testkit.far_prefix import prefill_prefix
+from specprefill_testkit.tiny_models import FAMILIES as TINY_FAMILIES, make_model
+from tests.support.model_state import model_state
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
 SHORT_PROMPT = list(range(1, 41))

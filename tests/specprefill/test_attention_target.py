@@ -7,14 +7,14 @@ import pytest
 from mlx_lm.models import ministral3
 from mlx_lm.models.cache import make_prompt_cache
 
-import tests.support.families as F
-import tests.support.family_coverage as C
 from specprefill.attention import target
 from specprefill.attention.probe import make_cache
 from specprefill.attention.target import required_tail, target_profile, target_session
 from specprefill.errors import UnsupportedModelError
 from specprefill.sparse import PrefillState, generate_tokens
-from tests.support.true_positions import true_position_logits
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
+from specprefill_testkit.true_positions import true_position_logits
 
 T = 96
 TOKENS = [int(t) for t in np.random.default_rng(3).integers(0, F.VOCAB, T)]

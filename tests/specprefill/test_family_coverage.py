@@ -1,12 +1,12 @@
-"""Every family the project claims (tests/support/family_coverage.py ``claims``, the table in
+"""Every family the project claims (specprefill_testkit/family_coverage.py ``claims``, the table in
 docs/families.md) is still served exactly by the serving path, and every other one is refused by
 its real cause; a regression fails here."""
 import mlx.core as mx
 import pytest
 
-import tests.support.families as F
-import tests.support.family_coverage as C
 from specprefill.errors import UnsupportedModelError
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
 
 NAMES = list(F.FAMILIES)
 

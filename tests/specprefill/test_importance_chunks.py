@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import specprefill.attention.importance as importance
-import tests.support.families as F
 from specprefill.attention.kernel import kernel_capture
 from specprefill.attention.lookahead import score_prompt
 from specprefill.attention.probe import make_cache, probe_attention
-from tests.support.attention_oracle import oracle
+from specprefill_testkit.attention_oracle import oracle
+import specprefill_testkit.families as F
 
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, F.VOCAB, 70)]
 

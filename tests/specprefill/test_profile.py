@@ -10,10 +10,10 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from cache_store.keys import canonical_json
-from tests.support.kv_blocks import prefilled
 from specprefill.errors import UnsupportedModelError
 from specprefill.profile import describe_kv_cache, layout_mismatch, profile_model
-from tests.support.tiny_models import FAMILIES, make_model
+from specprefill_testkit.tiny_models import FAMILIES, make_model
+from tests.support.kv_blocks import prefilled
 from worker.models import ModelPool
 
 
@@ -84,7 +84,7 @@ def test_unsupported_model_is_refused_when_profiled():
 
 
 def test_a_model_without_attention_is_refused_as_a_draft():
-    import tests.support.families as F
+    import specprefill_testkit.families as F
 
     with pytest.raises(UnsupportedModelError, match="no full-attention layer"):
         profile_model(F.build("mamba2"))

@@ -13,8 +13,8 @@ from specprefill.profile import profile_model
 from specprefill.reuse import score_with_cache
 from specprefill.scoring import score_tokens
 from specprefill.selection import plan_selection
+from specprefill_testkit.tiny_models import make_model
 from tests.support.kv_blocks import draft_store
-from tests.support.tiny_models import make_model
 
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(0, 256, 70)]
 

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from tests.support.model_state import model_state
 from specprefill.attention.importance import fold
-from specprefill.pooling import average_pool
 from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.pooling import average_pool
 from specprefill.profile import profile_model
 from specprefill.scoring import ScoreResult, score_tokens
 from specprefill.selection import plan_selection
-from tests.support.tiny_models import FAMILIES, make_model
+from specprefill_testkit.tiny_models import FAMILIES, make_model
+from tests.support.model_state import model_state
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 256, 70)]
 

@@ -11,11 +11,11 @@ from specprefill.positions import (
     rope_at_positions,
     rope_owners,
 )
-from specprefill.errors import UnsupportedModelError
 from specprefill.attention.target import target_session
+from specprefill.errors import UnsupportedModelError
 from specprefill.sparse import Sampling, full_prefill, generate_tokens
 from specprefill.wrapping import unwrap_rope
-from tests.support.tiny_models import FAMILIES, make_model
+from specprefill_testkit.tiny_models import FAMILIES, make_model
 
 # Every rope variant the supported families build in mlx-lm 0.32, by (family, overrides).
 VARIANTS = {

@@ -2,14 +2,14 @@
 a position-mapped rope of a target session) never hides or doubles the other."""
 import mlx.core as mx
 
-from tests.support.model_state import model_state
 from specprefill.attention.kernel import decoder_layers, kernel_capture
+from specprefill.attention.target import target_session
 from specprefill.positions import PositionedRoPE, PositionMap, rope_owners
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens
-from specprefill.attention.target import target_session
 from specprefill.wrapping import unwrap_rope
-from tests.support.tiny_models import make_model
+from specprefill_testkit.tiny_models import make_model
+from tests.support.model_state import model_state
 
 
 def test_unwrap_peels_nested_wrappers_down_to_the_genuine_rope():

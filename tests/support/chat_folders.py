@@ -53,7 +53,7 @@ def save_chat_model(folder: Path, style: str, script: dict | None = None) -> Pat
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from tests.support.tiny_models import make_model
+    from specprefill_testkit.tiny_models import make_model
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(style)

@@ -1,4 +1,4 @@
-"""A real worker (``python -m worker``) on a random model folder (tests/support/model_folders.py),
+"""A real worker (``python -m worker``) on a random model folder (specprefill_testkit/model_folders.py),
 the settings its jobs use, and the CLI as a subprocess."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from jobs.settings import Settings
-from tests.support.model_folders import save_random_model
+from specprefill_testkit.model_folders import save_random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

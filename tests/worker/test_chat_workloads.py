@@ -18,20 +18,20 @@ from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec
-from tests.support.first_logits import record_decode_logits
 from specprefill.profile import profile_model
 from specprefill.sparse import full_prefill
-import tests.support.families as F
+import specprefill_testkit.families as F
+from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
-from tests.support.tiny_models import make_model
+from tests.support.first_logits import record_decode_logits
 from worker.job import target_prefill
 from worker.job.admission import two_stage_admission
 from worker.job.context import JobContext
-from worker.models import ModelPool
 from worker.job.prompt import system_boundary, tokenize_prompt
-from worker.runtime import WorkerRuntime, _target_store
 from worker.job.target_prefix import TargetPrefixCache, contiguous_prefix
 from worker.job.tasks import execute
+from worker.models import ModelPool
+from worker.runtime import WorkerRuntime, _target_store
 
 EOS = 250
 
@@ -472,7 +472,7 @@ def test_a_job_without_a_restore_reports_kept_over_total():
     assert [(s.start, s.end) for s in res.spans] == res.kept_ranges
 
 
-HYBRID_TARGETS = F.names("hybrid")  # every hybrid tests/support/families.py builds
+HYBRID_TARGETS = F.names("hybrid")  # every hybrid specprefill_testkit/families.py builds
 
 
 @pytest.mark.parametrize("family", HYBRID_TARGETS)

@@ -12,7 +12,7 @@ import pytest
 from jobs.settings import Settings, SettingsError
 from specprefill.compute_dtype import cast, parameter_dtypes, resolve
 from specprefill.reuse import score_with_cache
-from tests.support.tiny_models import make_model
+from specprefill_testkit.tiny_models import make_model
 from worker.models import ModelPool
 from worker.runtime import _block_store, _target_store
 

@@ -10,12 +10,12 @@ from jobs.progress import ProgressPublisher
 from jobs.settings import Settings
 from jobs.spec import ContextLengthError, build_spec
 from specprefill_server.errors import from_job_failure
+from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, _events, fake_backend
-from tests.support.tiny_models import make_model
 from worker.job.context import JobContext
+from worker.job.tasks import execute
 from worker.models import ModelPool
 from worker.runtime import WorkerRuntime
-from worker.job.tasks import execute
 
 DRAFT_WINDOW, TARGET_WINDOW = 100, 160
 

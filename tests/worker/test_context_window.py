@@ -1,5 +1,5 @@
 """The context window a config declares (worker/context_window.py): each RoPE scaling type,
-each family config of tests/support/families.py that declares a length, and the guard's message."""
+each family config of specprefill_testkit/families.py that declares a length, and the guard's message."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs.spec import ContextLengthError, JobSpecError
-from tests.support.families import FAMILIES
+from specprefill_testkit.families import FAMILIES
 from worker.context_window import ContextWindow, check_context, context_window, model_config
 
 # Real configs' fields (abridged from their config.json files).
@@ -49,7 +49,7 @@ def test_a_config_that_declares_no_length_has_no_window():
     assert context_window(dict(hidden_size=64, sliding_window=16)) is None
 
 
-# Every family of tests/support/families.py whose config declares a length, with the window
+# Every family of specprefill_testkit/families.py whose config declares a length, with the window
 # the guard reads from it (the rest declare none: hunyuan's dynamic NTK-alpha scaling has no
 # max_position_embeddings to scale, gemma3_text / gpt_oss / cohere2 only windows).
 FAMILY_WINDOWS = {

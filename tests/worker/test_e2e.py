@@ -7,7 +7,7 @@ import json
 import redis
 
 from jobs.client import Client
-from tests.support.model_folders import WORDS, doc_text, save_random_model  # noqa: F401
+from specprefill_testkit.model_folders import WORDS, doc_text, save_random_model  # noqa: F401
 from tests.support.real_worker import ROOT, model_dir, run_cli, settings_for, worker_proc  # noqa: F401
 
 

@@ -8,7 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tests.support.families as F
 from jobs.progress import ProgressPublisher
 from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
@@ -16,11 +15,12 @@ from jobs.spec import build_spec
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens
+import specprefill_testkit.families as F
 from tests.support.fake_worker import FakeTokenizer
 from worker.job.context import JobContext
+from worker.job.tasks import execute
 from worker.models import ModelPool, draft_profiler, target_profiler
 from worker.runtime import WorkerRuntime
-from worker.job.tasks import execute
 
 TEXT = "".join(chr(40 + (i * 7 + i * i) % 80) for i in range(150))
 

@@ -60,7 +60,7 @@ import redis  # noqa: E402
 
 from jobs.client import Client, JobFailed  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from tests.support.model_folders import WORDS, doc_text, save_random_model  # noqa: E402
+from specprefill_testkit.model_folders import WORDS, doc_text, save_random_model  # noqa: E402
 from tests.support.worker_procs import WorkerProcess  # noqa: E402
 
 TOKENIZER_WORDS = 6 + len(WORDS)  # specials + words: every id the target emits decodes to text
@@ -71,7 +71,7 @@ def save_target(draft: Path, folder: Path) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from tests.support.tiny_models import make_model
+    from specprefill_testkit.tiny_models import make_model
 
     folder.mkdir(parents=True, exist_ok=True)
     for f in draft.iterdir():

@@ -13,14 +13,14 @@ from jobs.results import GenerateResult
 from jobs.settings import Settings
 from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from specprefill.wrapping import Wrapper
+from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
-from tests.support.tiny_models import make_model
-from worker.job.detokenize import TextStream
-from worker.models import ModelPool
-from worker.runtime import WorkerRuntime
 from worker.job.context import JobContext, JobStopped
+from worker.job.detokenize import TextStream
 from worker.job.tasks import execute
 from worker.job.tokenizer_pair import check_shared_tokenizer
+from worker.models import ModelPool
+from worker.runtime import WorkerRuntime
 
 EOS = 250  # outside FakeTokenizer's 2..201 text ids
 

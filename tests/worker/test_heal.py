@@ -17,20 +17,20 @@ from rq.serializers import JSONSerializer
 from jobs.client import Client
 from jobs.heal import HealSpec, heal_spec_from_payload
 from jobs.layout import regions
-from jobs.results import GenerateResult
 from jobs.progress import ProgressPublisher
+from jobs.results import GenerateResult
+from jobs.routing import node_of
 from jobs.spec import JobSpecError, build_spec, payload_kind
-import tests.support.families as F
+import specprefill_testkit.families as F
 from tests.support.first_logits import record_decode_logits
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
 from worker.job import target_prefill
 from worker.job.context import JobContext
-from jobs.routing import node_of
+from worker.job.target_prefix import TargetPrefixCache
+from worker.job.tasks import execute
 from worker.process.queues import listen_order
 from worker.process.rq_worker import InProcessWorker
 from worker.runtime import _target_store
-from worker.job.target_prefix import TargetPrefixCache
-from worker.job.tasks import execute
 
 HEAL_QUEUE = "specprefill-heal"
 SPARSE = dict(keep=0.25)

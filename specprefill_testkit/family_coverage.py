@@ -20,9 +20,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-import tests.support.families as F
-from tests.support.attention_oracle import oracle
-from tests.support.true_positions import true_position_logits
+from specprefill_testkit.attention_oracle import oracle
+import specprefill_testkit.families as F
+from specprefill_testkit.true_positions import true_position_logits
 
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, F.VOCAB, 70)]
 T = 96

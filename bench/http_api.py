@@ -10,29 +10,27 @@ channel notes when the first ``text`` event is published, the HTTP reader when t
 chunk with content arrives (the same clock, one process). Ends with ``target ...`` lines.
 The HTTP path includes the front door's checks (the live-model gate, the deadline).
 
-    .venv/bin/python bench/http.py            # 32 requests per path
-    .venv/bin/python bench/http.py --quick    # 4 per path (one per place of the rotation): seconds, same goals
+    .venv/bin/python -m bench.http_api            # 32 requests per path
+    .venv/bin/python -m bench.http_api --quick    # 4 per path (one per place of the rotation): seconds, same goals
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload
-from benchlib import report  # noqa: E402
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
 
-import argparse  # noqa: E402
-import http.client  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from pathlib import Path  # noqa: E402
+import redis
 
-import redis  # noqa: E402
+from bench.benchlib import ROOT, report
 
-ROOT = benchlib.ROOT
 REPS = 32  # a multiple of the four paths: each runs as often in each place of the rotation
 PROMPT_WORDS, MAX_TOKENS = 200, 6  # about 100 ms of work on the tiny models here
 STREAM_WORDS, STREAM_TOKENS = 600, 64

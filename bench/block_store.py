@@ -31,41 +31,40 @@
    a dense Qwen2.5-0.5B-shaped draft (bfloat16 and 4-bit KV); a Qwen3.6-35B-A3B-shaped target;
    and from the measured block and checkpoint sizes, a 64K-token conversation's bytes.
 
-    .venv/bin/python bench/cache_store.py [--lengths 4096 8192] [--repeats 3] [--no-sizes] [--quick]
+    .venv/bin/python -m bench.block_store [--lengths 4096 8192] [--repeats 3] [--no-sizes] [--quick]
 """
 from __future__ import annotations
 
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import blas_in_use, report  # noqa: E402
+import argparse
+import hashlib
+import statistics
+import sys
+import time
+import zlib
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import hashlib  # noqa: E402
-import importlib.util  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import zlib  # noqa: E402
+import mlx.core as mx
+import numpy as np
+import redis
+from mlx_lm.models.cache import KVCache
+from redis._parsers import _HiredisParser, _RESP2Parser
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-from redis._parsers import _HiredisParser, _RESP2Parser  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from bench import scoring  # its draft model and prompts are the reference
+from bench.benchlib import blas_in_use, report
+from cache_store import SelectionMemo, is_token_array, model_fingerprint
+from cache_store.block_reader import OVERLAP
+from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum
+from cache_store.streamed_gets import streamed_gets
+from cache_store.trailing import BOOKKEEPING
+from specprefill.attention.caches import sliced_blocks
+from specprefill.attention.probe import make_cache
+from specprefill.kv_arrays import raw_bits_many, to_mlx_many
+from specprefill.options import ScoringOptions, SelectionOptions
+from specprefill.profile import ModelProfile, profile_model
+from specprefill.reuse import score_with_cache
+from specprefill.selection import plan_selection, to_ranges
+from specprefill_cli.embedded_redis import EmbeddedRedis
+from worker.runtime import wire_block_store
 
-from cache_store import SelectionMemo, is_token_array, model_fingerprint  # noqa: E402
-from cache_store.block_reader import OVERLAP  # noqa: E402
-from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum  # noqa: E402
-from cache_store.streamed_gets import streamed_gets  # noqa: E402
-from cache_store.trailing import BOOKKEEPING  # noqa: E402
-from specprefill_cli.embedded_redis import EmbeddedRedis  # noqa: E402
-from specprefill.attention.caches import sliced_blocks  # noqa: E402
-from specprefill.attention.probe import make_cache  # noqa: E402
-from specprefill.kv_arrays import raw_bits_many, to_mlx_many  # noqa: E402
-from specprefill.options import ScoringOptions, SelectionOptions  # noqa: E402
-from specprefill.profile import ModelProfile, profile_model  # noqa: E402
-from specprefill.reuse import score_with_cache  # noqa: E402
-from specprefill.selection import plan_selection, to_ranges  # noqa: E402
-from worker.runtime import wire_block_store  # noqa: E402
 
 GB = 1e9
 BLOCK = 256
@@ -75,14 +74,6 @@ SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
 GOALS = {"codec": 0.5, "transport": 0.9, "warm": 0.25, "memo": 0.02, "hiredis": 1.2,
          "kv4_dense": 0.3, "checkpoint_bytes": 1.5, "checkpoint_exact": 1e-5}
 PARSERS = {"hiredis": _HiredisParser, "python": _RESP2Parser}
-
-
-def _scoring_bench():
-    """``bench/scoring.py`` as a module: its draft model and prompts are the reference."""
-    spec = importlib.util.spec_from_file_location("bench_scoring", benchlib.HERE / "scoring.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def block_store(client: redis.Redis, profile: ModelProfile, namespace: str, identity: str = "bench"):
@@ -521,7 +512,6 @@ def main() -> int:
         client = redis.Redis.from_url(server.url)
         print(f"Redis {client.info('server')['redis_version']} on {server.url} (TCP loopback) "
               f"and {server.unix_url}; block {BLOCK} tokens = {size / 2**20:.2f} MiB")
-        scoring = _scoring_bench()
         profile = profile_model(scoring.draft_model())  # its cache is random_cache's shape
         verdicts += transport_rows(server, profile, rows, *((16, 3) if opts.quick else (64, 9)))
         client.flushall()

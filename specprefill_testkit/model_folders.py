@@ -18,7 +18,7 @@ def save_random_model(folder: Path, words: list[str] = WORDS) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tests.support.tiny_models import make_model
+    from specprefill_testkit.tiny_models import make_model
 
     specials = ["<unk>", "<pad>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
     vocab = {w: i for i, w in enumerate(specials + list(words))}

@@ -4,24 +4,22 @@ service's job (validation, progress, block store, memo), measured side by side i
 Also: the share of job time spent publishing progress, and the enqueue time of a
 1000-document batch. Ends with one ``target ...: PASS/FAIL`` line per target.
 
-    .venv/bin/python bench/queue.py [--quick]   # --quick: 3 repeats, a 100-document batch
+    .venv/bin/python -m bench.jobqueue [--quick]   # --quick: 3 repeats, a 100-document batch
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import report  # noqa: E402
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-import time  # noqa: E402
+import numpy as np
+import redis
 
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
+from bench.benchlib import ROOT, report
 
-ROOT = benchlib.ROOT
 
 REPS = 20
 TARGET_JOB_S = 0.100
@@ -29,7 +27,7 @@ def model_folder(tmp: Path) -> str:
     shipped = ROOT / "models" / "draft-tiny"
     if (shipped / "config.json").exists():
         return str(shipped)
-    from tests.support.model_folders import save_random_model
+    from specprefill_testkit.model_folders import save_random_model
 
     return str(save_random_model(tmp / "draft-random"))
 
