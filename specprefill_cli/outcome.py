@@ -1,6 +1,6 @@
 """How a command ends: the exit statuses, and how a failed job's error is told to the user.
 
-One table for every command (printed by ``--help`` and in the README):
+One table for every command (printed by ``--help`` and in docs/cli.md):
 0 done; 1 a job failed or was stopped; 2 bad input, wherever it was caught (the CLI, the
 client or the worker; the message names the field or document); 3 Redis unreachable, at
 the start or later; 4 ``--timeout`` ran out (the jobs go on); 130 interrupted (Ctrl-C; the

@@ -19,19 +19,19 @@ def text(n: int) -> str:
     return " ".join(WORDS[i % len(WORDS)] for i in range(n))
 
 
-# ---- the table, in --help and the README ----
+# ---- the table, in --help and docs/cli.md ----
 
-def test_the_exit_status_table_is_in_every_help_and_the_readme():
+def test_the_exit_status_table_is_in_every_help_and_the_cli_page():
     table = ["0    done", "1    a job failed or was stopped", "2    bad input", "3    Redis unreachable",
              "4    --timeout ran out", "130  interrupted"]
     for command in ([], ["submit"], ["watch"], ["batch"], ["cancel"], ["cache"], ["demo"], ["worker"]):
         out = cli(*command, "--help").stdout
         assert all(row in out for row in table), (command, out)
-    readme = {line.split("|")[1].strip(): line for line in (ROOT / "README.md").read_text().splitlines()
-              if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    page = {line.split("|")[1].strip(): line for line in (ROOT / "docs" / "cli.md").read_text().splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
     for row in table:
         code, meaning = row.split(None, 1)
-        assert meaning.replace("--timeout", "`--timeout`") in readme[code], row
+        assert meaning.replace("--timeout", "`--timeout`") in page[code], row
 
 
 # ---- finding 1: Redis unreachable is 3, at the start too ----

@@ -1,4 +1,4 @@
-"""Issue 28, item 12: the README's `honcho start` has an install path (the `procfile` extra),
+"""Issue 28, item 12: `honcho start` (docs/cli.md) has an install path (the `procfile` extra),
 and every Procfile process runs a program this project installs or names."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ tomllib = pytest.importorskip("tomllib" if __import__("sys").version_info >= (3,
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_item12_honcho_is_an_extra_and_the_readme_says_how_to_install_it():
+def test_item12_honcho_is_an_extra_and_the_cli_page_says_how_to_install_it():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(re.match(r"honcho\b", dep) for dep in extras["procfile"]), extras.get("procfile")
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    at = readme.index("`honcho start`")
-    assert "pip install -e '.[procfile]'" in readme[at:at + 400]
+    page = " ".join((ROOT / "docs" / "cli.md").read_text().split())
+    at = page.index("`honcho start`")
+    assert "pip install -e '.[procfile]'" in page[at:at + 400]
 
 
 def test_item12_every_procfile_process_is_a_known_program():
