@@ -17,14 +17,20 @@ templates render it with ``tojson``; a front door parses OpenAI's JSON string fi
 ``content`` may be None (or absent) only on an assistant message with ``tool_calls``. A tool
 message answers a call of an earlier assistant message (its ``tool_call_id``). Every field is
 checked with an error naming it (``messages[2].tool_calls[0].function.arguments: ...``), and
-every size is bounded. :func:`check_messages` returns the canonical form (text parts joined
-into one string, ``type`` filled in, copies of the caller's objects), which is what the
-template renders and the job id is derived from.
+every size is bounded. :func:`check_messages` is the one validator: it returns the canonical
+form (text parts joined into one string, ``type`` filled in, copies of the caller's objects) as
+:class:`ChatMessages`, which is what the job spec carries, the template renders and the job id
+is derived from; nothing after it checks the conversation again. A front door that converted
+its API's messages passes them as :class:`FromRequest`, so that the one check names the
+request's own field (``messages[2].content[0]`` of an Anthropic request, ``input[3]`` of a
+Responses one).
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -41,6 +47,35 @@ ROLE_KEYS = {"system": ("name",), "developer": ("name",), "user": ("name",),
 
 class ConversationError(ValueError):
     """A message field is missing, of the wrong type, or out of its allowed range."""
+
+
+class ChatMessages(tuple):
+    """A conversation :func:`check_messages` accepted: its canonical messages (read-only by
+    contract: the spec, the template and the job id share them) and their size in characters
+    (``chars``: contents, reasoning and arguments). Only :func:`check_messages` makes one."""
+
+    chars: int
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ChatMessages":
+        raise TypeError("ChatMessages are made by jobs.conversation.check_messages only")
+
+    @classmethod
+    def _checked(cls, messages: list[dict[str, Any]], chars: int) -> "ChatMessages":
+        out = tuple.__new__(cls, messages)
+        out.chars = chars
+        return out
+
+    def __reduce__(self) -> Any:  # copies and pickles stay ChatMessages
+        return ChatMessages._checked, (list(self), self.chars)
+
+
+@dataclass(frozen=True)
+class FromRequest:
+    """Messages an HTTP front door converted from its API's request, not yet checked, and the
+    request field each came from (``origins[i]`` for ``messages[i]``)."""
+
+    messages: Sequence[Any]
+    origins: Sequence[str]
 
 
 def _short_string(value: Any, where: str) -> str:
@@ -149,21 +184,45 @@ def _message(m: Any, where: str, call_ids: set[str]) -> tuple[dict[str, Any], in
     return out, size
 
 
-def check_messages(value: Any, max_chars: int) -> tuple[dict[str, Any], ...]:
-    """``value`` as a canonical conversation, or :class:`ConversationError` naming the field.
+def check_messages(value: Any, max_chars: int) -> ChatMessages:
+    """``value`` (a list of messages, or :class:`FromRequest`) as a canonical conversation, or
+    :class:`ConversationError` naming the field (the request's own for :class:`FromRequest`).
 
     ``max_chars`` bounds the characters of every content, reasoning and arguments together."""
+    origins = None
+    if isinstance(value, FromRequest):
+        value, origins = value.messages, value.origins
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise ConversationError("messages: expected a list of message objects ({role, content, ...})")
     if not 1 <= len(value) <= MAX_CHAT_MESSAGES:
         raise ConversationError(f"messages: {len(value)} messages, allowed 1..{MAX_CHAT_MESSAGES}")
     out, total, call_ids = [], 0, set()
     for i, m in enumerate(value):
-        clean, size = _message(m, f"messages[{i}]", call_ids)
+        try:
+            clean, size = _message(m, f"messages[{i}]", call_ids)
+        except ConversationError as exc:
+            if origins is None:
+                raise
+            raise ConversationError(_named(str(exc), origins[i])) from None
         out.append(clean)
         total += size
-    if total > max_chars:
-        raise ConversationError(f"messages: {total} characters in total, the limit is {max_chars}")
+    check_size(total, max_chars)
     if all(m["role"] in SYSTEM_ROLES for m in out):
         raise ConversationError("messages: needs at least one user/assistant/tool message")
-    return tuple(out)
+    return ChatMessages._checked(out, total)
+
+
+def check_size(chars: int, max_chars: int) -> None:
+    """Refuse a conversation of more than ``max_chars`` characters (:attr:`ChatMessages.chars`)."""
+    if chars > max_chars:
+        raise ConversationError(f"messages: {chars} characters in total, the limit is {max_chars}")
+
+
+_INDEX = re.compile(r"^messages\[\d+\]\.?")
+
+
+def _named(message: str, origin: str) -> str:
+    """An error about ``messages[i]`` (``messages[i].content: ...``) named by the request field
+    the message came from (``origin: content: ...``): the rest says which part of it."""
+    m = _INDEX.match(message)
+    return f"{origin}: {message[m.end():].lstrip(': ') if m else message}"

@@ -8,10 +8,12 @@ which checks every option's range when the object is built. Users spell options 
 travels as a nested JSON payload (``JobSpec.to_payload``, version 3), and every older
 spelling (payload versions 1 and 2, renamed fields) goes through :func:`_upgrade`.
 
-The client validates a spec before enqueueing and the worker validates the payload again
-with :func:`spec_from_payload`, because anything read off a queue may be stale,
-hand-written or hostile. Every rejection is a :class:`JobSpecError` naming the field as the
-user spelled it and its allowed range.
+Each side of the queue validates once, with the same function (:func:`_validate`): the
+client when it builds the spec (:func:`build_spec`), the worker when it reads the payload
+(:func:`spec_from_payload`), because anything read off a queue may be stale, hand-written or
+hostile. What it validated travels validated: the options objects, and the conversation as
+``jobs.conversation.ChatMessages``; nothing after the spec checks them again. Every rejection
+is a :class:`JobSpecError` naming the field as the user spelled it and its allowed range.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from types import MappingProxyType
 from typing import Any
 
 from cache_store.keys import MAX_TOKEN_ID
-from jobs.conversation import CHAT_ROLES, MAX_CHAT_MESSAGES, ConversationError, check_messages  # noqa: F401
+from jobs.conversation import (CHAT_ROLES, MAX_CHAT_MESSAGES, ChatMessages, ConversationError,  # noqa: F401
+                               check_messages, check_size)
 from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
 from specprefill.options import (GenerateOptions, OptionError, Sampling, ScoringOptions,
@@ -155,8 +158,9 @@ class JobSpec:
     draft_model: str
     tokens: tuple[int, ...] | None = None
     text: str | None = None
-    # The conversation (jobs.conversation): Hugging Face chat-template message dicts.
-    messages: tuple[Mapping[str, Any], ...] | None = None
+    # The conversation (jobs.conversation): Hugging Face chat-template message dicts, checked
+    # once, when the spec was built (ChatMessages: nothing after that checks them again).
+    messages: ChatMessages | None = None
     # Rendered by the chat template with the messages (and so part of the system block):
     # OpenAI-style tool definitions and template keyword arguments (e.g. enable_thinking).
     tools: tuple[Mapping[str, Any], ...] = ()
@@ -167,6 +171,11 @@ class JobSpec:
     target_model: str | None = None  # a generate job's target
     return_importance: bool = False
     return_spans: bool = False
+
+    def __post_init__(self) -> None:
+        if self.messages is not None and not isinstance(self.messages, ChatMessages):
+            raise TypeError("JobSpec.messages: build the spec with build_spec or spec_from_payload, "
+                            "which check the conversation (jobs.conversation.check_messages)")
 
     @property
     def kind(self) -> str:
@@ -275,9 +284,14 @@ def _text(value: Any, limits: Limits) -> str:
     return value
 
 
-def _messages(value: Any, limits: Limits) -> tuple[dict[str, Any], ...]:
+def _messages(value: Any, limits: Limits) -> ChatMessages:
+    """The conversation, checked here once (a :class:`ChatMessages` was: only its size is
+    held against this spec's limit)."""
     max_chars = limits.max_prompt_tokens * CHARS_PER_TOKEN_BOUND
     try:
+        if isinstance(value, ChatMessages):
+            check_size(value.chars, max_chars)
+            return value
         return check_messages(value, max_chars)
     except ConversationError as exc:
         limit = f" (max_prompt_tokens={limits.max_prompt_tokens})" if "characters in total" in str(exc) else ""

@@ -9,13 +9,11 @@ messages (``role``; ``content`` a string or None; assistant ``tool_calls`` as
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.conversation import ConversationError, check_messages
+from jobs.conversation import FromRequest
 from specprefill_server.errors import bad_request
-
 
 
 @dataclass
@@ -64,22 +62,10 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
     return {"type": "function", "function": function}
 
 
-def spec_messages(conversation: Conversation) -> list[dict[str, Any]]:
-    """The conversation as the job spec takes it (``jobs.conversation``), checked here so
-    that an error names the request field a message came from (``messages[2].content[0]``
-    of an Anthropic request, ``input[3]`` of a Responses one), not its place in the converted
-    list (the rest of the message says which part of it). The spec checks sizes again (its
-    limits are the deployment's)."""
-    try:
-        check_messages(conversation.messages, max_chars=2**62)
-    except ConversationError as exc:
-        message = str(exc)
-        m = _INDEX.match(message)
-        if m is None:
-            raise bad_request(message) from None
-        where, detail = conversation.origins[int(m.group(1))], message[m.end():]
-        raise bad_request(f"{where}: {detail.lstrip(': ')}", where) from None
-    return conversation.messages
-
-
-_INDEX = re.compile(r"^messages\[(\d+)\]\.?")
+def spec_messages(conversation: Conversation) -> FromRequest:
+    """The conversation as the job spec takes it: the messages and the request field each came
+    from, so that the spec's one check of the conversation (``jobs.conversation.check_messages``,
+    when the spec is built, within the deployment's limits) names the request's own field
+    (``messages[2].content[0]`` of an Anthropic request, ``input[3]`` of a Responses one), not a
+    place in the converted list. Nothing is checked here."""
+    return FromRequest(conversation.messages, conversation.origins)

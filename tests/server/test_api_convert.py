@@ -9,11 +9,13 @@ import pytest
 
 from jobs.answer_stream import Usage
 from jobs.results import GenerateResult
+from jobs.settings import Settings
+from jobs.spec import JobSpecError, build_spec
 from specprefill_server.apis.anthropic.convert import conversation, tools_of
 from specprefill_server.apis.anthropic.reply import MessageFrames, message
 from specprefill_server.apis.anthropic.types import MessagesRequest
 from specprefill_server.conversation import spec_messages
-from specprefill_server.errors import APIError
+from specprefill_server.errors import APIError, from_spec_error
 from specprefill_server.parse import parse
 from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart
 
@@ -62,11 +64,13 @@ def test_anthropic_tool_use_and_results_become_the_agreed_format():
     assert conv.origins[3] == "messages[2].content[0]"
     assert tools_of(req.tools) == [{"type": "function", "function": {
         "name": "lookup", "description": "find", "parameters": {"type": "object"}}}]
-    assert spec_messages(conv) == conv.messages  # what the job spec takes
+    spec = build_spec(Settings(), kind="generate", messages=spec_messages(conv))  # checked once, here
+    assert list(spec.messages) == conv.messages
     orphan = conversation(anthropic_request(messages=[AGENT_TURNS[0], AGENT_TURNS[2]]))
-    with pytest.raises(APIError) as err:  # a result of no call: named by the request's own field
-        spec_messages(orphan)
-    assert err.value.param == "messages[1].content[0]" and "answers no tool call" in err.value.message
+    with pytest.raises(JobSpecError) as exc:  # a result of no call: named by the request's own field
+        build_spec(Settings(), kind="generate", messages=spec_messages(orphan))
+    err = from_spec_error(exc.value, "/v1/messages")
+    assert err.param == "messages[1].content[0]" and "answers no tool call" in err.message and err.status == 400
 
 
 @pytest.mark.parametrize("body, param", [

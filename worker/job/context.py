@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from jobs.progress import ProgressPublisher
 from jobs.settings import Settings
@@ -32,6 +33,7 @@ class JobContext:
     publisher: ProgressPublisher
     draft_deadline: float | None = None  # time.perf_counter() the draft must finish by
     queue: str = ""  # the RQ queue the job came from ("": run directly)
+    spec: Any = None  # the job's spec (JobSpec or HealSpec) once its payload is validated
 
     def start_draft(self) -> None:
         """Start the draft's time budget (``draft_timeout_s``; 0: none)."""

@@ -1,9 +1,11 @@
 """The RQ job functions: ``run_job`` (every job names it on the queue) and the failure callback.
 
-``run_job`` validates the payload again (anything read off a queue may be stale,
-hand-written or hostile), dispatches on the spec's ``kind`` to a runner (``RUNNERS``; a new
-kind adds a function and an entry), publishes exactly one terminal progress event and
-returns the JSON result. Transient Redis errors keep RQ's retries; anything else is final.
+``run_job`` validates the payload once (anything read off a queue may be stale, hand-written
+or hostile; the same validation the client ran, ``jobs.spec.spec_from_payload``), dispatches on
+the spec's ``kind`` to a runner (``RUNNERS``; a new kind adds a function and an entry), publishes
+exactly one terminal progress event and returns the JSON result. What runs after the job
+(``note_served``) takes the spec it validated. Transient Redis errors keep RQ's retries;
+anything else is final.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from cache_store.trailing import BOOKKEEPING
 from jobs.connection import REDIS_DOWN
 from jobs.holders import cancel_requested
 from jobs.progress import publisher_for
-from jobs.heal import heal_spec_from_payload, is_heal_payload
+from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.routing import node_of, record_served, route_key_of, routing_text
 from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
@@ -48,7 +50,8 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
     try:
         if cancel_requested(ctx.runtime.connection, ctx.settings.namespace, ctx.job_id):
             raise JobStopped(f"job {ctx.job_id} canceled before it started")
-        spec = (heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload)(payload, ctx.settings)
+        spec = ctx.spec = (heal_spec_from_payload if is_heal_payload(payload) else spec_from_payload)(
+            payload, ctx.settings)
         result = RUNNERS[spec.kind](spec, ctx)
     except ClaimLost:  # another worker (or a resubmission) owns the job now: not a word
         ctx.publisher.close()
@@ -91,7 +94,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     retries_left = (job.retries_left or 0) if job else 0
     try:
         result = execute(payload, ctx, retries_left=retries_left)
-        note_served(rt, payload, job)
+        note_served(rt, ctx.spec, job)
         wait = queue_wait_s(job)
         if wait is not None and isinstance(result.get("timings"), dict):
             result["timings"]["queue_wait"] = round(wait, 6)  # what the front door's metrics read
@@ -106,13 +109,13 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         raise
 
 
-def note_served(rt: Any, payload: Any, job: Any) -> None:
+def note_served(rt: Any, spec: JobSpec | HealSpec, job: Any) -> None:
     """With ``routing=prefix``: index this node as holding the finished job's prompt prefixes
-    (:mod:`jobs.routing`). Routing is a hint: a failure here is logged, the result stands."""
-    if rt.settings.routing != "prefix" or is_heal_payload(payload):  # a heal is no prompt a client routes
+    (:mod:`jobs.routing`), from the ``spec`` the job ran. Routing is a hint: a failure here is
+    logged, the result stands."""
+    if rt.settings.routing != "prefix" or isinstance(spec, HealSpec):  # a heal is no prompt a client routes
         return
     try:
-        spec = spec_from_payload(payload, rt.settings)
         record_served(rt.connection, rt.settings, node_of(rt.settings), routing_text(spec),
                       route_key_of(job.meta if job is not None else None))
     except (REDIS_DOWN, redis.RedisError) as exc:
