@@ -1,29 +1,26 @@
-"""Which prompt tokens the target model prefills: chunk selection and admission.
+"""Which prompt tokens the target model prefills: the chunk selection of a :class:`PrefillPlan`.
 
 Pure NumPy (no MLX import), so the queue can plan, memoise and replay selections
-without loading a model. Tokens are ranked in chunks of ``chunk_size`` by their mean
-importance; a protected prefix (e.g. a system prompt) is kept in full and not ranked;
-every chunk holding any of the last ``tail_tokens`` tokens (the mandatory tail, which holds
-the chat-template closers) is always kept and is paid for out of the keep budget first.
+without loading a model. The plan (:mod:`specprefill.plan`) has decided admission, the budget
+and the tail; here tokens are ranked in chunks of ``chunk_size`` by their mean importance; a
+protected prefix (e.g. a system prompt) is kept in full and not ranked; every chunk holding
+any of the last ``tail_tokens`` tokens (the mandatory tail, which holds the chat-template
+closers) is always kept and is paid for out of the keep budget first.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 
-from specprefill.checks import check_int
 from specprefill.options import SelectionOptions
+from specprefill.plan import PrefillPlan, plan_prefill, tail_chunk_count  # noqa: F401 - tail_chunk_count: bench
 
 # Bumped whenever the same importance and options select other tokens, so that stored
 # selections (the service's memo) made under the old rule are not reused.
 # 2: the tail covers the last tail_tokens tokens even when the last chunk is short.
 SELECTION_RULE = 2
-
-# ceil(n_chunks * keep) must not round 10 * 0.3 = 3.0000000000000004 up to 4.
-_CEIL_SLACK = 1e-9
 
 
 def _as_importance(importance: Any) -> np.ndarray:
@@ -42,25 +39,6 @@ def _as_importance(importance: Any) -> np.ndarray:
     return values
 
 
-def tail_chunk_count(region_tokens: int, chunk_size: int, tail_tokens: int) -> int:
-    """How many chunks, laid out from the start of a ranked region of ``region_tokens``
-    tokens, hold any of its last ``tail_tokens`` tokens (the last chunk may be short, so
-    this can be one more than ``ceil(tail_tokens / chunk_size)``)."""
-    if tail_tokens <= 0 or region_tokens <= 0:
-        return 0
-    first_tail_token = max(0, region_tokens - tail_tokens)
-    return math.ceil(region_tokens / chunk_size) - first_tail_token // chunk_size
-
-
-def tail_start(total: int, options: SelectionOptions, protected_prefix: int = 0) -> int:
-    """First token of the mandatory tail of a ``total``-token prompt: the start of the first of
-    the ranked region's last :func:`tail_chunk_count` chunks (``total`` when there is none)."""
-    start = min(protected_prefix, total)
-    chunk = options.chunk_size
-    n_chunks = math.ceil((total - start) / chunk)
-    return min(total, start + (n_chunks - tail_chunk_count(total - start, chunk, options.tail_tokens)) * chunk)
-
-
 def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: int = 0) -> np.ndarray:
     """Sorted unique int32 indices of the tokens to keep (``options.threshold`` is not used).
 
@@ -73,18 +51,16 @@ def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: 
     ``keep == 1`` keeps everything.
     """
     scores = _as_importance(importance)
-    keep, chunk_size, tail_tokens = options.keep, options.chunk_size, options.tail_tokens
-    protected_prefix = check_int("protected_prefix", protected_prefix, 0)
+    return _chosen(scores, plan_prefill(scores.size, options, protected_prefix=protected_prefix))
 
-    total = scores.size
-    start = min(protected_prefix, total)
-    n_chunks = math.ceil((total - start) / chunk_size)
-    if n_chunks == 0 or keep >= 1.0:
+
+def _chosen(scores: np.ndarray, plan: PrefillPlan) -> np.ndarray:
+    """The kept indices of checked ``scores`` under ``plan``'s layout and budget."""
+    total, start, n_chunks, n_tail = plan.total, plan.start, plan.n_chunks, plan.n_tail
+    chunk_size = plan.options.chunk_size
+    if n_chunks == 0 or plan.options.keep >= 1.0:
         return np.arange(total, dtype=np.int32)
-
-    budget = max(1, math.ceil(n_chunks * keep - _CEIL_SLACK))
-    n_tail = tail_chunk_count(total - start, chunk_size, tail_tokens)
-    n_ranked = max(0, budget - n_tail)
+    n_ranked = max(0, plan.budget - n_tail)
 
     chunk_starts = start + chunk_size * np.arange(n_chunks)
     chunk_sums = np.add.reduceat(scores[start:], chunk_starts - start)
@@ -94,8 +70,8 @@ def select_chunks(importance: Any, options: SelectionOptions, protected_prefix: 
     candidates = np.arange(n_chunks - n_tail)
     # lexsort: last key is primary -> highest mean first, then lowest chunk index.
     ranked = candidates[np.lexsort((candidates, -chunk_means[candidates]))]
-    if options.follow_chunks:
-        ranked = _with_followers(ranked, options.follow_chunks, n_ranked)
+    if plan.options.follow_chunks:
+        ranked = _with_followers(ranked, plan.options.follow_chunks, n_ranked)
     chosen = np.concatenate([ranked[:n_ranked], np.arange(n_chunks - n_tail, n_chunks)])
 
     pieces = [np.arange(start, dtype=np.int64)]
@@ -116,46 +92,6 @@ def _with_followers(ranked: np.ndarray, follow: int, budget: int) -> np.ndarray:
             if len(taken) < budget:
                 taken.setdefault(d)
     return np.fromiter(taken, dtype=np.int64, count=len(taken))
-
-
-def admission_reason(n_tokens: int, *, threshold: int, protected_prefix: int = 0) -> str | None:
-    """Why a prompt of ``n_tokens`` is prefilled in full, or ``None`` to sparsify it.
-
-    A prompt is sparsified only when it is strictly longer than ``threshold`` and the
-    protected prefix leaves something to rank.
-    """
-    n_tokens = check_int("n_tokens", n_tokens, 0)
-    threshold = check_int("threshold", threshold, 0)
-    protected_prefix = check_int("protected_prefix", protected_prefix, 0)
-    if n_tokens <= threshold:
-        return f"keep all: prompt has {n_tokens} tokens, not more than the threshold of {threshold}"
-    if protected_prefix >= n_tokens:
-        return f"keep all: protected prefix of {protected_prefix} tokens covers the whole prompt ({n_tokens})"
-    return None
-
-
-def keep_effect(total: int, kept: int, options: SelectionOptions, protected_prefix: int = 0) -> str | None:
-    """Why a selection of ``kept`` of ``total`` tokens kept more than ``options.keep`` asked
-    for (no effect at all below the threshold; the tail or the protected prefix paid first),
-    or ``None`` when keep had its effect."""
-    keep, chunk, tail = options.keep, options.chunk_size, options.tail_tokens
-    if total <= options.threshold:
-        return (f"keep had no effect: the prompt has {total} tokens, not more than the admission "
-                f"threshold of {options.threshold} (--threshold)")
-    if protected_prefix >= total:
-        return f"keep had no effect: the protected system prefix ({protected_prefix} tokens) is the whole prompt"
-    region = total - protected_prefix
-    budget = max(1, math.ceil(math.ceil(region / chunk) * keep - _CEIL_SLACK))
-    n_tail = tail_chunk_count(region, chunk, tail)
-    share = f"{100 * kept / total:.1f}%"
-    if n_tail >= budget and n_tail > 1 and tail > 0:
-        what = "no effect: it covers the whole prompt" if kept >= total else f"kept {share}"
-        return (f"the {tail}-token tail (--tail-tokens), always kept, is more than keep {keep:g} of "
-                f"the prompt allows: {what}")
-    if protected_prefix > keep * total:
-        return (f"the protected system prefix ({protected_prefix} tokens), always kept, is more than "
-                f"keep {keep:g} of the prompt: kept {share}")
-    return None
 
 
 @dataclass(frozen=True)
@@ -180,18 +116,18 @@ class Selection:
         return self.kept / self.total if self.total else 1.0
 
 
-def plan_selection(importance: Any, options: SelectionOptions, protected_prefix: int = 0) -> Selection:
-    """Admission policy, then :func:`select_chunks`: always a usable answer for a caller."""
+def plan_selection(importance: Any, plan: PrefillPlan | SelectionOptions, protected_prefix: int = 0) -> Selection:
+    """The selection ``plan`` decided (every token when it admits none), over ``importance``; with
+    options instead of a plan, the plan of a prompt of ``importance``'s length is made here."""
     scores = _as_importance(importance)
-    total = scores.size
-    reason = admission_reason(total, threshold=options.threshold, protected_prefix=protected_prefix)
-    if reason is not None:
-        return Selection(np.arange(total, dtype=np.int32), total, reason)
-    indices = select_chunks(scores, options, protected_prefix)
-    if indices.size == total:
-        reason = (f"keep all: the selection (keep={options.keep}, tail_tokens={options.tail_tokens}) "
-                  "covers every token")
-    return Selection(indices, total, reason)
+    if not isinstance(plan, PrefillPlan):
+        plan = plan_prefill(scores.size, plan, protected_prefix=protected_prefix)
+    elif plan.total != scores.size:
+        raise ValueError(f"importance: {scores.size} scores for a plan of a {plan.total}-token prompt")
+    if not plan.admitted:
+        return Selection(np.arange(plan.total, dtype=np.int32), plan.total, plan.reason)
+    indices = _chosen(scores, plan)
+    return Selection(indices, plan.total, plan.reason_for(indices.size))
 
 
 def to_ranges(indices: Iterable[int]) -> list[tuple[int, int]]:

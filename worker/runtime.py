@@ -25,9 +25,8 @@ class SelectionBackend:
     and generate jobs alike (a test seam)."""
 
     score_with_cache: Callable[..., Any]
-    plan_selection: Callable[..., Any]
+    plan_selection: Callable[..., Any]  # (importance, the job's PrefillPlan) -> Selection
     to_ranges: Callable[[Any], list]
-    admission_reason: Callable[..., str | None]
     # (client, draft, settings, on_fetch=, on_store=) -> the draft's DraftCache for one job
     block_store: Callable[..., Any]
     memo: Callable[[redis.Redis, str, Settings], Any]
@@ -39,12 +38,12 @@ class SelectionBackend:
     def default(cls) -> "SelectionBackend":
         from cache_store import SelectionMemo
         from specprefill.reuse import score_with_cache
-        from specprefill.selection import SELECTION_RULE, admission_reason, plan_selection, to_ranges
+        from specprefill.selection import SELECTION_RULE, plan_selection, to_ranges
 
         return cls(
             selection_rule=SELECTION_RULE,
             score_with_cache=score_with_cache, plan_selection=plan_selection,
-            to_ranges=to_ranges, admission_reason=admission_reason,
+            to_ranges=to_ranges,
             block_store=_block_store, target_store=_target_store,
             memo=lambda client, fp, s: SelectionMemo(client, fp, namespace=s.namespace,
                                                      ttl_s=s.memo_ttl_s),

@@ -8,15 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specprefill.options import SelectionOptions
+from specprefill.plan import admission_reason, plan_prefill
 from tests.support.selection_reference import reference_selection
 from specprefill.selection import (
     Selection,
-    admission_reason,
     plan_selection,
     select_chunks,
-    tail_start,
     to_ranges,
 )
+
+
+def tail_start(total, options, prefix):
+    return plan_prefill(total, options, protected_prefix=prefix).tail_start
 
 
 def chunks_of(indices, start, chunk_size):
@@ -121,7 +124,9 @@ def test_admission_policy():
     assert "threshold" in admission_reason(8192, threshold=default)
     assert admission_reason(8193, threshold=default) is None
     assert admission_reason(100, threshold=50) is None
-    assert "protected prefix" in admission_reason(100, threshold=50, protected_prefix=100)
+    assert "after the protected system prefix of 100" in admission_reason(100, threshold=50, protected_prefix=100)
+    assert "64 prompt tokens to prefill (36 restored" in admission_reason(100, threshold=64, restored=36)
+    assert admission_reason(100, threshold=64, restored=10, protected_prefix=20) is None
 
     short = plan_selection(np.ones(100),
                            SelectionOptions(keep=0.1, chunk_size=8, tail_tokens=8, threshold=1000))
@@ -188,9 +193,11 @@ def test_bad_selection_input_names_the_field(kwargs, field):
 @pytest.mark.parametrize(
     "call, field",
     [
-        (lambda: admission_reason(-1, threshold=0), "n_tokens"),
-        (lambda: admission_reason(10, threshold=-1), "threshold"),
-        (lambda: admission_reason(10, threshold=0, protected_prefix=-2), "protected_prefix"),
+        (lambda: plan_prefill(-1, SelectionOptions()), "total"),
+        (lambda: plan_prefill(10, SelectionOptions(threshold=-1)), "threshold"),
+        (lambda: plan_prefill(10, SelectionOptions(), protected_prefix=-2), "protected_prefix"),
+        (lambda: plan_prefill(10, SelectionOptions(), restored=11), "restored"),
+        (lambda: plan_selection(np.ones(10), plan_prefill(11, SelectionOptions())), "importance"),
         (lambda: plan_selection(np.ones(10), SelectionOptions(keep=0.5, threshold=-1)), "threshold"),
         (lambda: to_ranges([3, 1]), "indices"),
         (lambda: to_ranges([1, 1]), "indices"),
@@ -209,9 +216,11 @@ def test_package_and_selection_import_without_mlx():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_keep_effect_says_why_more_was_kept_than_keep_asked():
-    from specprefill.selection import keep_effect
+def keep_effect(total, kept, options, protected_prefix=0):
+    return plan_prefill(total, options, protected_prefix=protected_prefix).keep_effect(kept)
 
+
+def test_keep_effect_says_why_more_was_kept_than_keep_asked():
     opts = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=8192)
     assert "threshold of 8192" in keep_effect(3006, 3006, opts)
     tail = SelectionOptions(keep=0.0001, chunk_size=32, tail_tokens=512, threshold=0)

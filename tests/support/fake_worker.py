@@ -14,7 +14,7 @@ import numpy as np
 from jobs.keys import stream_key
 from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.settings import Settings
-from specprefill.selection import admission_reason, plan_selection, to_ranges
+from specprefill.selection import plan_selection, to_ranges
 from worker.job.context import JobContext
 from worker.models import ModelPool
 from worker.runtime import SelectionBackend, WorkerRuntime
@@ -129,7 +129,7 @@ def fake_backend(chunk_delay_s=0.0, shared=None):
     shared = shared if shared is not None else {"blocks": set(), "memo": {}}
     return SelectionBackend(
         score_with_cache=make_fake_score(chunk_delay_s), plan_selection=plan_selection,
-        to_ranges=to_ranges, admission_reason=admission_reason,
+        to_ranges=to_ranges,
         block_store=lambda client, loaded, s, **callbacks: FakeStore(shared["blocks"], **callbacks),
         memo=lambda client, fp, s: FakeMemo(shared["memo"]))
 

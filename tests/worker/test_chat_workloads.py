@@ -25,7 +25,6 @@ from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but
 from tests.support.first_logits import record_decode_logits
 from worker.job import target_prefill
-from worker.job.admission import two_stage_admission
 from worker.job.context import JobContext
 from worker.job.prompt import system_boundary, tokenize_prompt
 from worker.job.target_prefix import TargetPrefixCache, contiguous_prefix
@@ -105,13 +104,6 @@ def chat(doc_seed=0, n=200, system=SYSTEM):
 
 
 # ---- admission ----
-
-def test_admission_two_stages():
-    assert two_stage_admission(100, threshold=64) is None
-    assert "64 prompt tokens to prefill (36 restored" in two_stage_admission(100, threshold=64, restored=36)
-    assert "after the protected system prefix of 40" in two_stage_admission(100, threshold=64, protected_prefix=40)
-    assert two_stage_admission(100, threshold=64, restored=10, protected_prefix=20) is None
-
 
 def test_short_generate_prompt_never_loads_the_draft():
     rt, loads = runtime()

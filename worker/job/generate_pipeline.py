@@ -4,9 +4,10 @@ the target, decode, stream, store the target's prefix.
 1. The target is loaded and tokenizes the prompt with its own chat template (tools and
    template arguments included); the protected prefix is the rendered system block.
 2. The target's prefix KV is restored from the block store (``worker.job.target_prefix``).
-3. Admission (``worker.job.admission``), before any draft work: a prompt whose unrestored part,
-   or whose conversation after the system block, is not longer than the threshold is
-   prefilled plainly, without loading the draft.
+3. The job's plan (``specprefill.plan.PrefillPlan``: admission, budget, tail, what keep did) is
+   made once, before any draft work: a prompt whose unrestored part, or whose conversation after
+   the system block, is not longer than the threshold is prefilled plainly, without loading
+   the draft.
 4. Otherwise the draft selects (a prefill job's work, :func:`select_prompt`) with everything
    the target restored protected, and the target prefills the kept tokens at their original
    positions on top of the restored prefix; a failure of the draft or of the sparse prefill
@@ -30,9 +31,9 @@ from typing import Any
 from jobs.results import GenerateResult, PrefillResult, rates
 from jobs.spec import JobSpec
 from specprefill.options import GenerateOptions
+from specprefill.plan import PrefillPlan, plan_prefill
 from specprefill.selection import to_ranges
 from worker.job import target_prefill
-from worker.job.admission import two_stage_admission
 from worker.job.answer_split import AnswerSplitter, splits_answer
 from worker.job.context import JobContext
 from worker.job.detokenize import TextStream, stop_token_ids
@@ -60,6 +61,7 @@ class _Prompt:
     restored: int = 0
     prefix: TargetPrefixCache | None = None
     recorder: Any = None  # the prefix prefill's block recorder (a hybrid or windowed target's)
+    plan: PrefillPlan | None = None  # admission, budget, tail: made once the target restored
     selection: PrefillResult | None = None
     reason: str | None = None
     fallback: str | None = None
@@ -130,22 +132,28 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
         timings.update(out.prefix.timings)
         ctx.publisher.publish("target_cache_lookup", hit_tokens=out.restored, total=len(prompt.tokens))
+    out.plan = _plan_of(spec, out)
     return out
+
+
+def _plan_of(spec: JobSpec, prompt: _Prompt) -> PrefillPlan:
+    """The job's plan, from the prompt, its system block and what the target restored."""
+    return plan_prefill(len(prompt.tokens), spec.selection, protected_prefix=prompt.prompt.protected_prefix,
+                        restored=prompt.restored, full_prefill=spec.generate.full_prefill)
 
 
 def _wait_for_heal(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
                    timings: dict[str, float]) -> dict[str, Any]:
     """A turn that would go sparse may wait for its conversation's running heal (setting
-    ``heal_wait_ms``, :func:`worker.job.heal.wait_for_heal`), then restores what it stored."""
-    if ctx.settings.heal_wait_ms <= 0 or prompt.prefix is None or opts.full_prefill or two_stage_admission(
-            len(prompt.tokens), threshold=spec.selection.threshold, restored=prompt.restored,
-            protected_prefix=prompt.prompt.protected_prefix) is not None:
+    ``heal_wait_ms``, :func:`worker.job.heal.wait_for_heal`), then restores what it stored (and plans
+    from what it restored now)."""
+    if ctx.settings.heal_wait_ms <= 0 or prompt.prefix is None or not prompt.plan.admitted:
         return {}
     t = time.perf_counter()
-    sparse = int(spec.selection.keep * (len(prompt.tokens) - prompt.restored))
-    out = wait_for_heal(ctx, prompt.prefix, prompt.tokens, prompt.restored, sparse)
+    out = wait_for_heal(ctx, prompt.prefix, prompt.tokens, prompt.restored, prompt.plan.sparse_tokens)
     if out.get("stored"):
         prompt.restored_cache, prompt.restored = prompt.prefix.restore(prompt.tokens)
+        prompt.plan = _plan_of(spec, prompt)
     timings["heal_wait"] = time.perf_counter() - t
     return out
 
@@ -160,15 +168,11 @@ def _splitter(spec: JobSpec, ctx: JobContext, prompt: _Prompt) -> AnswerSplitter
 
 def _plan(spec: JobSpec, opts: GenerateOptions, ctx: JobContext, prompt: _Prompt,
           timings: dict[str, float]) -> None:
-    """Admission, then the draft's selection, or the reason for a plain prefill."""
-    if opts.full_prefill:
-        prompt.reason = "full_prefill requested"
-        return
-    prompt.reason = two_stage_admission(len(prompt.tokens), threshold=spec.selection.threshold,
-                                        restored=prompt.restored,
-                                        protected_prefix=prompt.prompt.protected_prefix)
-    if prompt.reason is not None:
-        ctx.publisher.publish("admission", admitted=False, reason=prompt.reason)
+    """The plan's admission, then the draft's selection, or the reason for a plain prefill."""
+    if not prompt.plan.admitted:
+        prompt.reason = prompt.plan.reason
+        if not opts.full_prefill:
+            ctx.publisher.publish("admission", admitted=False, reason=prompt.reason)
         return
     try:
         prompt.selection = _draft_selection(spec, ctx, prompt, timings)
@@ -183,9 +187,7 @@ def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
     timings["load_models"] += load_s
     check_pair_once(ctx.runtime, draft, prompt.target)
     t = time.perf_counter()
-    p = prompt.prompt
-    protected = PromptTokens(p.tokens, max(p.protected_prefix, prompt.restored), p.boundary_reason)
-    selection, _ = select_prompt(spec, ctx, draft, prompt=protected, spans=False)
+    selection, _ = select_prompt(spec, ctx, prompt.prompt, prompt.plan, draft=draft, spans=False)
     st = selection.timings
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))
@@ -322,23 +324,10 @@ def _assistant_message(decoded: _Decoded) -> dict[str, Any]:
     return message
 
 
-def _keep_effect(spec: JobSpec, prompt: _Prompt, used: PrefillResult | None, kept: int) -> str | None:
-    """Why more was kept than keep asked for. A restored prefix is held whole and not selected
-    over (the kept share, ``ratio``, is of the other tokens): said first, then the selection's
-    own effect over those tokens."""
-    if used is None:
-        return f"keep had no effect: {prompt.reason}"
-    restored, total = prompt.restored, len(prompt.tokens)
-    if not restored:
-        return used.keep_effect
-    from specprefill.selection import keep_effect
-
-    inner = keep_effect(total - restored, kept - restored, spec.selection,
-                        max(0, prompt.prompt.protected_prefix - restored))
-    note = (f"the target restored its first {restored} tokens ({100 * restored / total:.1f}% of the prompt) "
-            f"from the block store, held whole and not selected over: keep {spec.selection.keep:g} applies "
-            f"to the other {total - restored} tokens")
-    return note + (f"; {inner}" if inner else "")
+def _keep_effect(prompt: _Prompt, used: PrefillResult | None, kept: int) -> str | None:
+    """Why more was kept than keep asked for: the plan's word on the ``kept`` tokens the target
+    prefilled (a restored prefix first), or why the draft selected nothing."""
+    return f"keep had no effect: {prompt.reason}" if used is None else prompt.plan.keep_effect(kept)
 
 
 def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
@@ -354,7 +343,7 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         token_ids=decoded.stream.ids, ttft_s=round(ttft, 6),
         kept=state.kept_tokens, total=total, full_prefill=spec.generate.full_prefill,
         reason=prompt.reason if used is None else used.reason, fallback=prompt.fallback,
-        keep_effect=_keep_effect(spec, prompt, used, state.kept_tokens), kept_ranges=kept_ranges,
+        keep_effect=_keep_effect(prompt, used, state.kept_tokens), kept_ranges=kept_ranges,
         protected_prefix=prompt.prompt.protected_prefix, boundary_reason=prompt.prompt.boundary_reason,
         tail_start=None if used is None else used.tail_start,
         cached_tokens=sel.cached_tokens if sel is not None else 0,

@@ -1,10 +1,12 @@
 """The selection pipeline: a prompt's kept chunks, through the memo or by draft scoring.
 
 It is the whole of a prefill job and the first half of a generate job: load the draft,
-tokenize, look the selection up in the memo, else score with the block store (restore the
-prefix it holds, store the new blocks) and select, then remember the selection. A prefill
-job checks admission first (a short prompt keeps every token without loading the draft)
-and keeps every token, saying why, when the draft fails (``worker.job.fallback``).
+look the selection up in the memo, else score with the block store (restore the prefix it
+holds, store the new blocks) and select, then remember the selection. The job's
+``specprefill.plan.PrefillPlan`` (admission, budget, tail, what keep did) is made once, by the
+job that tokenized the prompt (a prefill job here: a prompt it does not admit keeps every token
+without loading the draft), and everything here reads it. A prefill job keeps every token,
+saying why, when the draft fails (``worker.job.fallback``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 from jobs.results import ImportanceCurve, KeptSpan, PrefillResult, rates
 from jobs.spec import JobSpec
-from worker.job.admission import two_stage_admission
+from specprefill.plan import PrefillPlan, plan_prefill
 from worker.job.context import JobContext
 from worker.context_window import check_context
 from worker.job.fallback import fallback_reason
@@ -50,20 +52,19 @@ def run_prefill(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     prompt = tokenize_prompt(spec, tokenizer)
     check_prompt(prompt.tokens, vocab_size, ctx.settings)
     timings = {"tokenize": time.perf_counter() - t}
-    reason = two_stage_admission(len(prompt.tokens), threshold=spec.selection.threshold,
-                                 protected_prefix=prompt.protected_prefix)
-    if reason is not None and not spec.return_importance:
-        ctx.publisher.publish("admission", admitted=False, reason=reason)
-        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0).to_json()
+    plan = plan_prefill(len(prompt.tokens), spec.selection, protected_prefix=prompt.protected_prefix)
+    if not plan.admitted and not spec.return_importance:
+        ctx.publisher.publish("admission", admitted=False, reason=plan.reason)
+        return keep_all(spec, ctx, prompt, plan, tokenizer, plan.reason, timings, t0).to_json()
     try:
-        return select_prompt(spec, ctx, prompt=prompt)[0].to_json()
+        return select_prompt(spec, ctx, prompt, plan)[0].to_json()
     except Exception as exc:
         reason = fallback_reason(ctx, "draft", exc)
-        return keep_all(spec, ctx, prompt, tokenizer, reason, timings, t0, fallback=reason).to_json()
+        return keep_all(spec, ctx, prompt, plan, tokenizer, reason, timings, t0, fallback=reason).to_json()
 
 
-def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: Any, reason: str,
-             timings: dict[str, float], t0: float, fallback: str | None = None) -> PrefillResult:
+def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, plan: PrefillPlan, tokenizer: Any,
+             reason: str, timings: dict[str, float], t0: float, fallback: str | None = None) -> PrefillResult:
     """Every token kept, with the reason (admission or a fallback); the draft did not answer."""
     total = len(prompt.tokens)
     spans = kept_spans(spec, ctx, tokenizer, prompt.tokens, [(0, total)])
@@ -72,18 +73,15 @@ def keep_all(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, tokenizer: An
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=[(0, total)], kept=total, total=total, reason=reason,
         protected_prefix=prompt.protected_prefix, boundary_reason=prompt.boundary_reason,
-        fallback=fallback, keep_effect=_keep_all_effect(spec, total, prompt, fallback), model="",
+        fallback=fallback, keep_effect=_keep_all_effect(plan, fallback), model="",
         timings={k: round(v, 6) for k, v in timings.items()}, spans=spans,
         warnings=prompt_warnings(ctx, prompt.tokens, tokenizer))
 
 
-def _keep_all_effect(spec: JobSpec, total: int, prompt: PromptTokens, fallback: str | None) -> str:
-    from specprefill.selection import keep_effect
-
+def _keep_all_effect(plan: PrefillPlan, fallback: str | None) -> str:
     if fallback is not None:
         return f"keep had no effect: {fallback}"
-    return (keep_effect(total, total, spec.selection, prompt.protected_prefix)
-            or "keep had no effect: every token kept")
+    return plan.keep_effect(plan.total) or "keep had no effect: every token kept"
 
 
 def kept_spans(spec: JobSpec, ctx: JobContext, tokenizer: Any, tokens: list[int],
@@ -107,21 +105,20 @@ def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[Loa
     return loaded, time.perf_counter() - t
 
 
-def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = None,
-                  prompt: PromptTokens | None = None, spans: bool = True) -> tuple[PrefillResult, list[int]]:
-    """Tokenize, then select through the memo or by draft scoring: the result and the tokens.
+def select_prompt(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, plan: PrefillPlan,
+                  draft: LoadedModel | None = None, spans: bool = True) -> tuple[PrefillResult, list[int]]:
+    """Select ``prompt``'s tokens as ``plan`` says, through the memo or by draft scoring: the
+    result and the tokens. The plan's first ``start`` tokens (the system block, and what a
+    generate job's target restored) are protected.
 
     ``draft`` is the draft model when the caller has loaded it already (generate jobs do);
-    ``prompt`` the tokens when the caller has them (a generate job's, by the target's
-    template; its protected prefix covers what the target restored); ``spans``: decode the
-    kept text (a generate job does that after its answer, off the TTFT)."""
+    ``spans``: decode the kept text (a generate job does that after its answer, off the TTFT)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     if draft is None:
         draft, timings["load_model"] = load_model(ctx, spec.draft_model)
     t = time.perf_counter()
-    prompt = prompt or tokenize_prompt(spec, draft.tokenizer)
-    tokens, protected_prefix = prompt.tokens, prompt.protected_prefix
+    tokens, protected_prefix = prompt.tokens, plan.start
     check_prompt(tokens, draft, ctx.settings)
     check_context(len(tokens), spec.scoring.n_lookahead, "n_lookahead", draft.context, "draft",
                   allowed=spec.scoring.allow_beyond_context)
@@ -135,13 +132,13 @@ def select_prompt(spec: JobSpec, ctx: JobContext, draft: LoadedModel | None = No
     memo = backend.memo(ctx.runtime.cache_client, draft.fingerprint, ctx.settings)
     ranges = None if spec.return_importance else memo.get(tokens, options)
     if ranges is not None:
-        selected = _remembered(spec, ctx, ranges, len(tokens), protected_prefix)
+        selected = _remembered(ctx, ranges, plan)
     else:
-        selected = _score_and_select(spec, ctx, draft, tokens, protected_prefix, timings)
+        selected = _score_and_select(spec, ctx, draft, tokens, plan, timings)
         memo.put(tokens, options, selected.ranges)
     ctx.publisher.publish("selection", kept=selected.kept, total=len(tokens))
     timings["total"] = time.perf_counter() - t0
-    result = _result(spec, ctx, draft, tokens, protected_prefix, selected, timings, spans)
+    result = _result(spec, ctx, draft, tokens, plan, selected, timings, spans)
     result.warnings = warnings
     result.boundary_reason = prompt.boundary_reason
     return result, tokens
@@ -156,19 +153,15 @@ def prompt_warnings(ctx: JobContext, tokens: list[int], tokenizer: Any) -> list[
     return [warning]
 
 
-def _remembered(spec: JobSpec, ctx: JobContext, ranges: list[tuple[int, int]], total: int,
-                protected_prefix: int) -> _Selected:
-    """A memo hit: the remembered ranges (and the admission reason when it kept everything)."""
-    ctx.publisher.publish("cache_lookup", hit_tokens=total, total=total, memo=True)
+def _remembered(ctx: JobContext, ranges: list[tuple[int, int]], plan: PrefillPlan) -> _Selected:
+    """A memo hit: the remembered ranges (and, when they keep everything, why)."""
+    ctx.publisher.publish("cache_lookup", hit_tokens=plan.total, total=plan.total, memo=True)
     kept = sum(e - s for s, e in ranges)
-    reason = (ctx.runtime.backend.admission_reason(total, threshold=spec.selection.threshold,
-                                                   protected_prefix=protected_prefix)
-              if kept == total else None)
-    return _Selected(ranges, kept, reason)
+    return _Selected(ranges, kept, plan.reason_for(kept))
 
 
 def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
-                      protected_prefix: int, timings: dict[str, float]) -> _Selected:
+                      plan: PrefillPlan, timings: dict[str, float]) -> _Selected:
     """Score with the block store, then select the kept chunks."""
     backend, settings = ctx.runtime.backend, ctx.settings
     reporter = JobReporter(ctx)
@@ -178,7 +171,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     try:
         score = backend.score_with_cache(
             draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
-            prefill_step=settings.prefill_step, checkpoints=(protected_prefix,))
+            prefill_step=settings.prefill_step, checkpoints=(plan.start,))
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
@@ -187,8 +180,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     t = time.perf_counter()
     # The full system block stays protected even when the draft store had it cached:
     # the target prefills from these indices and has no copy of the draft's KV.
-    selection = backend.plan_selection(score.importance, spec.selection,
-                                       protected_prefix=protected_prefix)
+    selection = backend.plan_selection(score.importance, plan)
     ranges = [(int(s), int(e)) for s, e in backend.to_ranges(selection.indices)]
     timings["selection"] = time.perf_counter() - t
     scores = [float(x) for x in score.importance.tolist()]
@@ -198,19 +190,17 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
 
 
 def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
-            protected_prefix: int, selected: _Selected, timings: dict[str, float],
+            plan: PrefillPlan, selected: _Selected, timings: dict[str, float],
             decode_spans: bool = True) -> PrefillResult:
     total = len(tokens)
     cached = selected.score.cached_tokens if selected.score is not None else 0  # a memo hit scores nothing
     phase_tokens = {"prefill": total - cached, "lookahead": spec.scoring.n_lookahead, "importance": total}
     spans = kept_spans(spec, ctx, draft.tokenizer, tokens, selected.ranges) if decode_spans else None
-    from specprefill.selection import keep_effect, tail_start
-
-    effect = keep_effect(total, selected.kept, spec.selection, protected_prefix)
-    tail = tail_start(total, spec.selection, protected_prefix) if selected.reason is None else None
+    tail = plan.tail_start if selected.reason is None else None
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
-        reason=selected.reason, keep_effect=effect, protected_prefix=protected_prefix, tail_start=tail,
+        reason=selected.reason, keep_effect=plan.keep_effect(selected.kept), protected_prefix=plan.start,
+        tail_start=tail,
         cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
         model=draft.identity, draft_name=spec.draft_model, timings={k: round(v, 6) for k, v in timings.items()},
