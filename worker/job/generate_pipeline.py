@@ -187,7 +187,7 @@ def _draft_selection(spec: JobSpec, ctx: JobContext, prompt: _Prompt,
     timings["load_models"] += load_s
     check_pair_once(ctx.runtime, draft, prompt.target)
     t = time.perf_counter()
-    selection, _ = select_prompt(spec, ctx, prompt.prompt, prompt.plan, draft=draft, spans=False)
+    selection, _ = select_prompt(spec, ctx, prompt.prompt, prompt.plan, draft=draft, final=False)
     st = selection.timings
     timings["draft_scoring"] = max(0.0, time.perf_counter() - t - sum(
         st.get(k, 0.0) for k in ("load_model", "tokenize", "selection")))

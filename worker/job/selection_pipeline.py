@@ -106,13 +106,15 @@ def load_model(ctx: JobContext, name: str, role: str | None = None) -> tuple[Loa
 
 
 def select_prompt(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, plan: PrefillPlan,
-                  draft: LoadedModel | None = None, spans: bool = True) -> tuple[PrefillResult, list[int]]:
+                  draft: LoadedModel | None = None, final: bool = True) -> tuple[PrefillResult, list[int]]:
     """Select ``prompt``'s tokens as ``plan`` says, through the memo or by draft scoring: the
     result and the tokens. The plan's first ``start`` tokens (the system block, and what a
     generate job's target restored) are protected.
 
     ``draft`` is the draft model when the caller has loaded it already (generate jobs do);
-    ``spans``: decode the kept text (a generate job does that after its answer, off the TTFT)."""
+    ``final``: the result is the job's own (a prefill job's), with the kept text and keep_effect;
+    a generate job's draft half leaves both to its own result (the text after its answer, off the
+    TTFT; keep_effect of what the target prefilled)."""
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     if draft is None:
@@ -138,7 +140,7 @@ def select_prompt(spec: JobSpec, ctx: JobContext, prompt: PromptTokens, plan: Pr
         memo.put(tokens, options, selected.ranges)
     ctx.publisher.publish("selection", kept=selected.kept, total=len(tokens))
     timings["total"] = time.perf_counter() - t0
-    result = _result(spec, ctx, draft, tokens, plan, selected, timings, spans)
+    result = _result(spec, ctx, draft, tokens, plan, selected, timings, final)
     result.warnings = warnings
     result.boundary_reason = prompt.boundary_reason
     return result, tokens
@@ -191,15 +193,15 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
 
 def _result(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens: list[int],
             plan: PrefillPlan, selected: _Selected, timings: dict[str, float],
-            decode_spans: bool = True) -> PrefillResult:
+            final: bool = True) -> PrefillResult:
     total = len(tokens)
     cached = selected.score.cached_tokens if selected.score is not None else 0  # a memo hit scores nothing
     phase_tokens = {"prefill": total - cached, "lookahead": spec.scoring.n_lookahead, "importance": total}
-    spans = kept_spans(spec, ctx, draft.tokenizer, tokens, selected.ranges) if decode_spans else None
+    spans = kept_spans(spec, ctx, draft.tokenizer, tokens, selected.ranges) if final else None
     tail = plan.tail_start if selected.reason is None else None
     return PrefillResult(
         job_id=ctx.job_id, kept_ranges=selected.ranges, kept=selected.kept, total=total,
-        reason=selected.reason, keep_effect=plan.keep_effect(selected.kept), protected_prefix=plan.start,
+        reason=selected.reason, keep_effect=plan.keep_effect(selected.kept) if final else None, protected_prefix=plan.start,
         tail_start=tail,
         cached_tokens=cached,
         blocks_written=selected.blocks_written, memo_hit=selected.score is None,
