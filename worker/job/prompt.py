@@ -7,6 +7,8 @@ puts there), found as omlx does: render the template twice with two different th
 user turns after the leading system messages; their common prefix is the system block,
 whatever the template adds. A probe render that fails protects nothing (boundary 0, with
 the reason); only the leading block is ever protected, never a later system message.
+A job renders its prompt once (:func:`tokenize_prompt`) and keeps the tokens with their
+boundary (:class:`PromptTokens`): its plan, the draft's selection and the result take them.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def _common_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
-            generation_prompt: bool = True) -> str:
+            generation_prompt: bool = True) -> tuple[str, list[dict[str, Any]]]:
+    """``messages`` rendered by the chat template, and the messages as it rendered them."""
     if not getattr(tokenizer, "chat_template", None):
         raise JobSpecError("messages: the model's tokenizer has no chat template; "
                            "send text or tokens instead")
@@ -61,12 +64,12 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: Template =
         kwargs["tools"] = [dict(t) for t in template.tools]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
     if not _drops_developer(messages, text):
-        return text
+        return text, messages
     # OpenAI's developer role is the system role (as OpenAI's models read it); a template with
     # no such turn (Qwen3's) drops the message silently, so it is rendered as system instead.
     as_system = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     return tokenizer.apply_chat_template(as_system, tokenize=False, add_generation_prompt=generation_prompt,
-                                         **kwargs)
+                                         **kwargs), as_system
 
 
 def _drops_developer(messages: list[dict[str, Any]], text: str) -> bool:
@@ -77,7 +80,7 @@ def _drops_developer(messages: list[dict[str, Any]], text: str) -> bool:
 def render_tokens(tokenizer: Any, messages: list[dict[str, Any]], template: Template = Template(), *,
                   generation_prompt: bool = True) -> list[int]:
     """``messages`` rendered by the chat template and tokenized as a job's prompt is."""
-    return _encode(tokenizer, _render(tokenizer, messages, template, generation_prompt=generation_prompt),
+    return _encode(tokenizer, _render(tokenizer, messages, template, generation_prompt=generation_prompt)[0],
                    special=False)
 
 
@@ -108,7 +111,7 @@ def system_boundary(tokenizer: Any, messages: list[dict[str, Any]], tokens: list
     if not head and not template.tools:
         return 0, "no leading system or developer message"
     try:
-        renders = [_render(tokenizer, head + [{"role": "user", "content": p}], template)
+        renders = [_render(tokenizer, head + [{"role": "user", "content": p}], template)[0]
                    for p in CHAT_PROBES]
     except Exception as exc:  # templates raise anything (jinja errors, their own exceptions)
         return 0, f"the chat template failed on the system block: {type(exc).__name__}: {exc}"[:500]
@@ -118,7 +121,10 @@ def system_boundary(tokenizer: Any, messages: list[dict[str, Any]], tokens: list
 
 
 def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
-    """Prompt token ids, the protected prefix and its reason for ``spec``'s input."""
+    """Prompt token ids, the protected prefix and its reason for ``spec``'s input: the one render
+    of a job's prompt (the job keeps the result; nothing renders the prompt again). The probes of
+    the system block render the messages as the prompt's render took them (a developer message
+    the template drops already as system: decided once)."""
     if spec.tokens is not None:
         return PromptTokens(list(spec.tokens), 0, "token input has no system block")
     if spec.text is not None:
@@ -126,7 +132,7 @@ def tokenize_prompt(spec: JobSpec, tokenizer: Any) -> PromptTokens:
     messages = chat_messages(spec)
     template = Template.of(spec)
     try:
-        text = _render(tokenizer, messages, template)
+        text, messages = _render(tokenizer, messages, template)
     except JobSpecError:
         raise
     except Exception as exc:
