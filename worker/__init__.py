@@ -8,8 +8,8 @@
 - :mod:`worker.engine`: the step loop that runs every job the worker holds (the batch, the
   scheduler).
 - :mod:`worker.job`: what one job does: the dispatch (:mod:`worker.job.tasks`), the selection,
-  generate and heal pipelines, prompt, admission, progress reporting, the target's prefill and
-  prefix store, detokenizing.
+  generate and heal pipelines (each job's plan is :mod:`specprefill.plan`'s), prompt, progress
+  reporting, the target's prefill and prefix store, detokenizing.
 - Shared by all three: :mod:`worker.runtime` (per-process state), :mod:`worker.models` (loading
   each model once) and :mod:`worker.context_window`. :mod:`worker.tasks` holds the names jobs
   carry on the queue.

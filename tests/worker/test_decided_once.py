@@ -16,7 +16,7 @@ import pytest
 import jobs.conversation
 import specprefill.plan
 import specprefill.selection
-import worker.prompt
+import worker.job.prompt
 from jobs.client import Client
 from jobs.progress import ProgressPublisher
 from jobs.results import GenerateResult
@@ -24,16 +24,16 @@ from jobs.settings import SHIPPED_MODELS, Settings
 from jobs.spec import build_spec
 from specprefill.options import SelectionOptions
 from specprefill.plan import PrefillPlan
-from specprefill_server.anthropic_convert import message_fields
-from specprefill_server.anthropic_types import MessagesRequest
-from specprefill_server.openai_types import parse
+from specprefill_server.apis.anthropic.convert import message_fields
+from specprefill_server.apis.anthropic.types import MessagesRequest
+from specprefill_server.parse import parse
 from tools import recall_task
-from worker.context import JobContext
+from worker.job.context import JobContext
+from worker.job.tasks import execute
 from worker.models import ModelPool
-from worker.queues import listen_order
-from worker.rq_worker import InProcessWorker
+from worker.process.queues import listen_order
+from worker.process.rq_worker import InProcessWorker
 from worker.runtime import WorkerRuntime
-from worker.tasks import execute
 
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
 
@@ -93,7 +93,7 @@ def spies(monkeypatch):
     s.function(specprefill.plan, "chunk_budget")
     s.function(specprefill.plan, "admission_reason")
     s.function(specprefill.selection, "_as_importance")
-    s.function(worker.prompt, "tokenize_prompt")
+    s.function(worker.job.prompt, "tokenize_prompt")
     s.method(SelectionOptions, "__post_init__", "SelectionOptions")
     s.method(PrefillPlan, "keep_effect", "keep_effect")
     s.method(PreTrainedTokenizerFast, "apply_chat_template", "render_prompt",
