@@ -416,11 +416,14 @@ def _generate_fields(fields_: dict[str, Any], kind: str) -> dict[str, Any]:
     return own
 
 
-def _merged(group: str, given: Any, flat: dict[str, Any]) -> dict[str, Any]:
-    """A group's fields from an options object or mapping, with the flat ones on top."""
+def _merged(group: str, given: Any, flat: dict[str, Any]) -> Any:
+    """A group's fields from an options object or mapping, with the flat ones on top (an
+    options object alone stays itself: it was checked when it was built)."""
     if given is None:
         return flat
     if isinstance(given, OPTION_GROUPS[group]):
+        if not flat:
+            return given
         given = _fields_of(given)
     if not isinstance(given, Mapping):
         raise JobSpecError(f"{group}: expected {OPTION_GROUPS[group].__name__} or an object of its fields")
@@ -473,8 +476,11 @@ def spec_from_payload(payload: Any, settings: Settings | None = None, *,
 
 
 def _group(group: str, given: Any, default: Any) -> Any:
-    """The ``group`` options object: ``default`` with the ``given`` fields (a mapping).
-    The object checks its ranges; its error names the field as users spell it."""
+    """The ``group`` options object: ``default`` with the ``given`` fields (a mapping), or the
+    given object itself. The object checks its ranges when it is built, once: its error names
+    the field as users spell it."""
+    if isinstance(given, OPTION_GROUPS[group]):
+        return given  # checked when it was built
     if not isinstance(given, Mapping):
         raise JobSpecError(f"{group}: expected an object of {group} options")
     known = OPTION_GROUPS[group].__dataclass_fields__

@@ -183,3 +183,18 @@ def test_a_turn_on_a_restored_prefix_plans_once(models, spies):
     assert "restored its first" in second.keep_effect
     assert n["plan_prefill"] == n["chunk_budget"] == n["admission_reason"] == n["keep_effect"] == 1
     assert n["tokenize_prompt"] == 1 and n["_as_importance"] == 1 and n["check_messages"] == 2  # spec + payload
+
+
+@pytest.mark.parametrize("given", [{"keep": 0.3}, {"selection": {"keep": 0.3}}, {"selection": "object"}],
+                         ids=["by name", "as fields", "as an object"])
+def test_keep_is_range_checked_once_however_a_client_gives_it(spies, given):
+    """By name (the CLI's --keep, the HTTP extra field, Client.submit(keep=)), as the group's
+    fields, or as a SelectionOptions object (checked when the caller built it, taken as it is)."""
+    settings = Settings().replace(draft_model=DRAFT)
+    spies.take()
+    if given == {"selection": "object"}:
+        given = {"selection": SelectionOptions(keep=0.3)}
+    spec = build_spec(settings, text="a prompt", **given)
+    assert spec.selection.keep == 0.3 and spies.take()["SelectionOptions"] == 1
+    with pytest.raises(Exception, match="keep: 1.5 is outside the allowed range"):
+        build_spec(settings, text="a prompt", keep=1.5)
