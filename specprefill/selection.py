@@ -116,13 +116,14 @@ class Selection:
         return self.kept / self.total if self.total else 1.0
 
 
-def plan_selection(importance: Any, plan: PrefillPlan | SelectionOptions, protected_prefix: int = 0) -> Selection:
-    """The selection ``plan`` decided (every token when it admits none), over ``importance``; with
-    options instead of a plan, the plan of a prompt of ``importance``'s length is made here."""
+def plan_selection(importance: Any, options: PrefillPlan | SelectionOptions, protected_prefix: int = 0) -> Selection:
+    """The selection the job's plan (``options``) decided over ``importance``: every token when it
+    admits none. Given selection options instead, the plan of a prompt of ``importance``'s length
+    (with ``protected_prefix``) is made here."""
     scores = _as_importance(importance)
-    if not isinstance(plan, PrefillPlan):
-        plan = plan_prefill(scores.size, plan, protected_prefix=protected_prefix)
-    elif plan.total != scores.size:
+    plan = options if isinstance(options, PrefillPlan) else plan_prefill(
+        scores.size, options, protected_prefix=protected_prefix)
+    if plan.total != scores.size:
         raise ValueError(f"importance: {scores.size} scores for a plan of a {plan.total}-token prompt")
     if not plan.admitted:
         return Selection(np.arange(plan.total, dtype=np.int32), plan.total, plan.reason)
