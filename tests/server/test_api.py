@@ -54,8 +54,12 @@ def test_chat_completion_usage_and_specprefill(openai_client, stack):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     sp = r.model_extra["specprefill"]
     assert 0 < sp["kept_ratio"] < 0.5  # keep 0.2 plus the 32-token tail, not the whole prompt
-    restored = sp["target_tokens"]["restored"]  # not selected over: outside the kept share
-    assert sp["kept_tokens"] - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    restored = sp["target_tokens_restored"]  # not selected over: outside the kept share
+    kept = sp["prompt_tokens"] - sp["target_tokens_dropped"]
+    assert kept == restored + sp["target_tokens_prefilled_full"] + sp["target_tokens_prefilled_sparse"]
+    assert kept - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    assert r.usage.prompt_tokens_details.cached_tokens == restored  # the same count on every API
+    assert sp["draft_tokens_scored"] == sp["prompt_tokens"] - sp["draft_tokens_restored"] > 0  # it scored
     assert sp["restored_ratio"] == round(restored / sp["prompt_tokens"], 6)
     assert set(sp["ttft_phases_s"]) >= {"draft_scoring", "target_prefill"} and sp["ttft_s"] > 0
     # the job carries the request's options

@@ -27,7 +27,7 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(openai_clien
     assert r.output_text == c.choices[0].message.content
     assert r.status == {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
     assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
-    assert r.usage.input_tokens_details.cached_tokens == r.model_extra["specprefill"]["target_tokens"]["restored"]
+    assert r.usage.input_tokens_details.cached_tokens == r.model_extra["specprefill"]["target_tokens_restored"]
     assert openai_client.responses.retrieve(r.id).output_text == r.output_text
 
 

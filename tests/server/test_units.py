@@ -150,8 +150,24 @@ def test_chunks_carry_role_text_finish_and_usage():
     assert maker.text("he")["choices"][0]["delta"] == {"content": "he"}
     last = maker.last(result())
     assert last["choices"][0]["finish_reason"] == "stop" and last["specprefill"]["kept_ratio"] == 0.4
-    assert maker.usage(result())["usage"] == {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102}
+    assert maker.usage(result(target_tokens={"restored": 64}))["usage"] == {
+        "prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
+        "prompt_tokens_details": {"cached_tokens": 64}}  # what the target restored, as Messages and Responses say
     assert ChunkMaker(chat=False, job_id="generate-abc", model="m", created=1).first() is None
+
+
+def test_the_specprefill_object_names_whose_tokens_each_count_is():
+    from specprefill_server.extension import specprefill_info
+
+    info = specprefill_info(result(kept=70, cached_tokens=30, draft_timings={"prefill": 0.1}, target_tokens={
+        "restored": 40, "healed": 8, "prefilled_full": 10, "prefilled_sparse": 20, "blocks_written": 2}))
+    assert {k: v for k, v in info.items() if "tokens" in k and not k.endswith("_s")} == {
+        "prompt_tokens": 100, "target_tokens_restored": 40, "target_tokens_healed": 8,
+        "target_tokens_prefilled_full": 10, "target_tokens_prefilled_sparse": 20, "target_tokens_dropped": 30,
+        "draft_tokens_restored": 30, "draft_tokens_scored": 70, "protected_prefix_tokens": 0}
+    assert info["target_blocks_written"] == 2
+    assert specprefill_info(result(memo_hit=True, draft_timings={"prefill": 0.1}))["draft_tokens_scored"] == 0
+    assert specprefill_info(result())["draft_tokens_scored"] == 0  # the draft did not run
 
 
 def line(custom_id, **body):

@@ -27,7 +27,7 @@ def usage(result: GenerateResult) -> dict[str, Any]:
     ``reasoning_tokens`` is said only when it is known, 0 for an answer without reasoning
     (the worker reports the reasoning's text, not its tokens, and this server has no tokenizer)."""
     out: dict[str, Any] = {"input_tokens": result.total,
-                           "input_tokens_details": {"cached_tokens": result.target_tokens.get("restored", 0)},
+                           "input_tokens_details": {"cached_tokens": result.restored},
                            "output_tokens": result.generated_tokens,
                            "total_tokens": result.total + result.generated_tokens}
     if not result.reasoning:
