@@ -12,6 +12,7 @@ from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningD
                                               ToolCallArguments, ToolCallStart, sse)
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+PING = sse({"type": "ping"}, "ping")  # also the stream's keep-alive (answering.stream)
 
 
 def message_id(job_id: str) -> str:
@@ -23,7 +24,7 @@ def usage(result: GenerateResult) -> dict[str, int]:
     """Anthropic's usage: ``input_tokens`` are the prompt tokens the target prefilled or
     skipped by selection, ``cache_read_input_tokens`` those it restored from the block store
     (together: the whole prompt)."""
-    restored = result.target_tokens.get("restored", 0)
+    restored = result.restored
     return {"input_tokens": result.total - restored, "output_tokens": result.generated_tokens,
             "cache_read_input_tokens": restored}
 
@@ -86,8 +87,7 @@ class MessageFrames:
             start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                      "content": [], "stop_reason": None, "stop_sequence": None,
                      "usage": {"input_tokens": 0, "output_tokens": 0}}  # the real counts: message_delta
-            return [sse({"type": "message_start", "message": start}, "message_start"),
-                    sse({"type": "ping"}, "ping")]
+            return [sse({"type": "message_start", "message": start}, "message_start"), PING]
         if isinstance(event, ReasoningDelta):
             head = self._start({"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
             return head + [self._delta({"type": "thinking_delta", "thinking": event.text})]

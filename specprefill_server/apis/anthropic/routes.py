@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from jobs.spec import JobSpecError
 from specprefill_server import answering
 from specprefill_server.apis.anthropic.convert import count_fields, message_fields
-from specprefill_server.apis.anthropic.reply import MessageFrames, message
+from specprefill_server.apis.anthropic.reply import PING, MessageFrames, message
 from specprefill_server.apis.anthropic.types import CountTokensRequest, MessagesRequest
 from specprefill_server.errors import APIError, from_spec_error
 from specprefill_server.parse import parse
@@ -27,7 +27,8 @@ async def create_message(request: Request) -> Response:
     ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started)
     stops = req.stop_sequences
     if req.stream:
-        return answering.stream(ex, MessageFrames(job_id=ex.handle.id, model=req.model, stop_sequences=stops))
+        return answering.stream(ex, MessageFrames(job_id=ex.handle.id, model=req.model, stop_sequences=stops),
+                                keepalive=PING)
     return await answering.respond(ex, lambda result: message(result, model=req.model, stop_sequences=stops))
 
 
