@@ -27,9 +27,14 @@ SpecPrefillOptions = create_model(
 
 def job_fields(req: Any, **named: Any) -> dict[str, Any]:
     """A request's SpecPrefill extra fields and the job fields its API names (``target_model``,
-    ``max_tokens``, ...), the unset ones left to the service's defaults."""
+    ``max_tokens``, ...), the unset ones left to the service's defaults. ``max_tokens`` is a
+    ceiling, as the real APIs treat it (``fit_context``, unless the request turns it off): one
+    above the deployment's ``max_generate_tokens`` is lowered to it, and the worker lowers it to
+    the room the prompt leaves in the target's window (the answer ends with the length reason)."""
     fields: dict[str, Any] = {name: getattr(req, name) for name in SPECPREFILL_FIELDS}
     fields.update(named)
+    if fields.get("fit_context") is None:
+        fields["fit_context"] = True
     return {k: v for k, v in fields.items() if v is not None}
 
 

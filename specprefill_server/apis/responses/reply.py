@@ -37,11 +37,14 @@ def usage(result: GenerateResult) -> dict[str, Any]:
 
 @dataclass
 class ResponseShape:
-    """What a Response object repeats of its request, and its id."""
+    """What a Response object repeats of its request, and its id. ``max_output_tokens`` is the
+    ceiling the job runs with (the request's, or with none the deployment's
+    ``max_generate_tokens``; the worker stops earlier where the context window ends)."""
 
     id: str
     created: int
     req: ResponsesRequest
+    max_output_tokens: int | None = None
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
         content = [_text_part(text)] if status == "completed" else []
@@ -75,7 +78,7 @@ class ResponseShape:
                 "error": None, "incomplete_details": details, "model": r.model,
                 "instructions": r.instructions, "previous_response_id": r.previous_response_id,
                 "output": self.output(result) if result is not None else [],
-                "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "max_output_tokens": self.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "tool_choice": r.tool_choice or "auto",
                 "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
                 "store": r.store, "metadata": r.metadata or {}, "background": False,

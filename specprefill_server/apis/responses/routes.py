@@ -67,10 +67,13 @@ async def create_response(request: Request) -> Response:
     started, svc = time.perf_counter(), state(request)
     req = parse(ResponsesRequest, await read_json(request))
     conv = conversation(req.input, prefix=await _previous(svc, req))
-    spec = svc.client.generate_spec(**response_fields(req, conv))  # JobSpecError -> 400 naming the field
+    fields = response_fields(req, conv)
+    # no max_output_tokens: the room the prompt leaves, within the deployment's max_generate_tokens
+    fields.setdefault("max_tokens", svc.settings.max_generate_tokens)
+    spec = svc.client.generate_spec(**fields)  # JobSpecError -> 400 naming the field
     ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started,
                                 route_key=req.prompt_cache_key)
-    shape = ResponseShape(response_id(ex.handle.id), ex.created, req)
+    shape = ResponseShape(response_id(ex.handle.id), ex.created, req, max_output_tokens=spec.generate.max_tokens)
 
     async def keep(result: GenerateResult) -> None:
         await svc.runner.call(ResponseStore.of(svc).save, shape.body(result), conv.messages + answer_messages(result))
