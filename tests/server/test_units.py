@@ -306,7 +306,7 @@ def test_served_models_lists_defaults_preloads_and_loaded():
 def test_served_models_carry_the_window_their_config_declares(tmp_path):
     from types import SimpleNamespace
 
-    from worker.advertise import served_models
+    from worker.process.advertise import served_models
     from worker.context_window import ContextWindow
 
     folder = tmp_path / "m"
