@@ -106,7 +106,9 @@ def test_stop_and_tools_pass_through(openai_client, stack):
 
 def test_bad_requests_name_the_field(openai_client):
     cases = [({"extra_body": {"keep": 1.5}}, "keep"), ({"extra_body": {"kepp": 0.2}}, "kepp"),
-             ({"n": 2}, "n"), ({"max_tokens": 10 ** 6}, "max_tokens")]
+             ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+             # a ceiling past max_generate_tokens is lowered, unless the request asks for the refusal
+             ({"max_tokens": 10 ** 6, "extra_body": {"fit_context": False}}, "max_tokens")]
     for kw, param in cases:
         with pytest.raises(BadRequestError) as err:
             chat(openai_client, "vibo zupo", **kw)
@@ -124,14 +126,21 @@ def test_bad_requests_name_the_field(openai_client):
 
 def test_a_prompt_beyond_the_targets_context_is_400_context_length_exceeded(openai_client):
     # the shipped target declares max_position_embeddings 65536 (its config, read by the worker):
-    # 65400 prompt tokens fit, 200 more to generate do not; refused before any prefill
+    # a longer prompt is refused before any prefill
     window = json.loads((ROOT / "models" / "target-tiny" / "config.json").read_text())["max_position_embeddings"]
-    n = window - 136
+    n = window + 10
     with pytest.raises(BadRequestError) as err:
         openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(n)], max_tokens=200)
     body = err.value.body
     assert err.value.status_code == 400 and body["code"] == "context_length_exceeded", body
-    assert body["param"] == "max_tokens" and f"{n} tokens" in body["message"] and f"{window} tokens" in body["message"]
+    assert body["param"] == "input" and f"{n} tokens" in body["message"] and f"{window} tokens" in body["message"]
+    # one that fits, with fit_context off: max_tokens past the room is refused, not lowered
+    n = window - 136
+    with pytest.raises(BadRequestError) as err:
+        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(n)], max_tokens=200,
+                                         extra_body={"fit_context": False})
+    body = err.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens", body
 
 
 def test_unauthorized_and_not_found(stack, openai_client):

@@ -75,7 +75,7 @@ def test_streamed_response_with_the_sdk_helper(openai_client):
 
 def test_refusals_name_the_field(openai_client):
     cases = [({"input": [{"type": "input_image"}]}, "input[0].type"),
-             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"input": "x", "conversation": "conv_1"}, "conversation"),
              ({"input": "x", "tool_choice": "required"}, "tool_choice"),
              ({"input": "x", "background": True}, "background"),
              ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),

@@ -342,7 +342,7 @@ def test_fields_clients_send_unasked_change_nothing():
 def test_every_error_has_a_code():
     cases = [({"kepp": 1}, "kepp", "unknown_parameter"), ({"temperature": "warm"}, "temperature", "invalid_type"),
              ({"n": 2}, "n", "unsupported_value"), ({"modalities": ["audio"]}, "modalities", "unsupported_value"),
-             ({"verbosity": "loud"}, "verbosity", "invalid_value"), ({"audio": {}}, "audio", "unknown_parameter"),
+             ({"verbosity": "loud"}, "verbosity", "invalid_value"), ({"audio": {}}, "audio", "unsupported_parameter"),
              ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
              ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported_value")]
     for body, param, code in cases:

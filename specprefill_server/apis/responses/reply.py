@@ -45,6 +45,15 @@ class ResponseShape:
     created: int
     req: ResponsesRequest
     max_output_tokens: int | None = None
+    namespaces: frozenset[str] = frozenset()  # of the request's namespace tools (convert.namespaces)
+
+    def call_name(self, name: str) -> dict[str, str]:
+        """A call's name as a function_call item says it: a namespaced tool's flat name
+        (``crm.lookup``) split back into ``namespace`` and ``name``."""
+        for namespace in self.namespaces:
+            if name.startswith(namespace + ".") and len(name) > len(namespace) + 1:
+                return {"namespace": namespace, "name": name[len(namespace) + 1:]}
+        return {"name": name}
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
         content = [_text_part(text)] if status == "completed" else []
@@ -63,7 +72,7 @@ class ResponseShape:
             items.append(self.message_item(result.text))
         for index, call in enumerate(calls):
             items.append({"type": "function_call", "id": f"fc_{self.id[5:]}_{index}", "call_id": call["id"],
-                          "name": call["name"], "arguments": arguments_json(call["arguments"]),
+                          **self.call_name(call["name"]), "arguments": arguments_json(call["arguments"]),
                           "status": "completed"})
         return items
 
@@ -80,7 +89,7 @@ class ResponseShape:
                 "output": self.output(result) if result is not None else [],
                 "max_output_tokens": self.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "tool_choice": r.tool_choice or "auto",
-                "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": r.truncation or "disabled",
                 "store": r.store, "metadata": r.metadata or {}, "background": False,
                 "usage": usage(result) if result is not None else None,
                 "specprefill": specprefill_info(result) if result is not None else None}
@@ -161,7 +170,8 @@ class ResponseFrames:
                                     output_index=self.index, content_index=0, delta=event.text)]
         if isinstance(event, ToolCallStart):
             return self._open({"type": "function_call", "id": f"fc_{self.shape.id[5:]}_{event.index}",
-                               "call_id": event.id, "name": event.name, "arguments": "", "status": "in_progress"})
+                               "call_id": event.id, **self.shape.call_name(event.name), "arguments": "",
+                               "status": "in_progress"})
         if isinstance(event, ToolCallArguments):
             if not event.delta or self.item is None or self.item["type"] != "function_call":
                 return []
