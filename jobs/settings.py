@@ -185,7 +185,7 @@ class Settings:
     openblas: bool = True
     openblas_path: str = ""
 
-    # HTTP front door (`specprefill serve`, package `server`) and metrics.
+    # HTTP front door (`specprefill serve`, package `specprefill_server`) and metrics.
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     # Bearer keys a request must carry (Authorization: Bearer KEY). Empty: no auth.
@@ -212,6 +212,10 @@ class Settings:
     # How long a stored Responses API answer (its conversation, for previous_response_id
     # and GET /v1/responses/{id}) is kept in Redis.
     http_response_ttl_s: int = 24 * 3600
+    # A stream that has sent nothing for this long sends a keep-alive (Anthropic's ``ping``
+    # event; an SSE comment on the OpenAI APIs), so a client's idle read timeout does not fire
+    # during a long prefill. 0: none.
+    stream_keepalive_s: float = 10.0
     worker_metrics_port: int = 0  # a worker's Prometheus port; 0: no metrics endpoint
     worker_metrics_host: str = "127.0.0.1"  # its bind address (0.0.0.0 for a remote Prometheus)
 

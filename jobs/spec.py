@@ -498,9 +498,12 @@ def _group(group: str, given: Any, default: Any) -> Any:
 
 
 def _generate(given: Any, limits: Limits) -> GenerateOptions:
-    """A generate job's options, within the deployment's ``max_generate_tokens``."""
+    """A generate job's options, within the deployment's ``max_generate_tokens`` (with
+    ``fit_context``, a larger ``max_tokens`` is a ceiling lowered to it, as to the window's room)."""
     limit = limits.max_generate_tokens
     options = _group("generate", given, GenerateOptions(max_tokens=min(GenerateOptions.max_tokens, limit)))
+    if options.fit_context and options.max_tokens > limit:
+        return dataclasses.replace(options, max_tokens=limit)
     if options.max_tokens > limit:
         raise JobSpecError(f"max_tokens: {options.max_tokens} is outside the allowed range "
                            f"[1, {limit}] (max_generate_tokens)")

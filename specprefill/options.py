@@ -198,6 +198,9 @@ class GenerateOptions:
     ``full_prefill`` prefills the target with every prompt token (no draft scoring), for
     comparison. ``heal``: after a sparse prefill, queue a heal job (a full prefill of the
     conversation the next turn renders, off the critical path; ``worker.heal``).
+    ``fit_context``: ``max_tokens`` is a ceiling the worker lowers to the room the prompt leaves
+    in the target's context window, instead of refusing a prompt plus ``max_tokens`` past it
+    (the answer then ends with the length reason); a prompt that leaves no room is refused.
     """
 
     max_tokens: int = 256
@@ -208,11 +211,12 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     full_prefill: bool = False
     heal: bool = True
+    fit_context: bool = False
 
     def __post_init__(self) -> None:
         _set(self, max_tokens=check_integer("max_tokens", self.max_tokens, 1, MAX_TOKENS),
              stop=_stop_strings(self.stop), full_prefill=check_flag("full_prefill", self.full_prefill),
-             heal=check_flag("heal", self.heal))
+             heal=check_flag("heal", self.heal), fit_context=check_flag("fit_context", self.fit_context))
         _check_sampling(self)
 
     @property

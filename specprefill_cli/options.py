@@ -176,6 +176,9 @@ def add_generate_options(p: argparse.ArgumentParser) -> None:
                    help="prefill the target with every token, no draft, for comparison (default: off)")
     p.add_argument("--no-heal", dest="heal", action="store_false", default=None,
                    help="queue no heal job after a sparse prefill (default: heal, when the worker heals)")
+    p.add_argument("--fit-context", dest="fit_context", action="store_true", default=None,
+                   help="lower --max-tokens to the room the prompt leaves in the target's context "
+                        "window instead of refusing the job (default: off; the HTTP APIs turn it on)")
 
 
 def prompt_fields(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,11 +1,15 @@
 """What every generate endpoint shares (chat completions, completions, Messages, Responses):
 the request's deadline, the live-model gate and the submit, the wait for a synchronous
-answer, the stream loop with its hold released on a disconnect or the deadline, and the
+answer, the stream loop with its hold released on a disconnect or the deadline and its
+keep-alives while nothing is sent, the request's own warnings added to the answer's, and the
 metrics of every answer. Each API brings its request parsing, its response body and its
 stream formatter (:mod:`specprefill_server.stream_events`).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,10 +29,14 @@ from specprefill_server.runner import ClientGone, DeadlinePassed
 from specprefill_server.state import ServerState, state
 from specprefill_server.stream_events import Failed, Finish, Frames, Opened
 
+log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 JOB_HEADER = "x-specprefill-job-id"  # which job answered (for the web page and the logs)
 # Called with the result before the last frames or the body are made (Responses: store it).
 OnResult = Callable[[GenerateResult], Awaitable[None]]
+# What a stream sends when it has sent nothing for ``stream_keepalive_s``: an SSE comment,
+# which every SSE client skips (the OpenAI APIs); Anthropic's stream has its ping event.
+COMMENT_KEEPALIVE = ": keep-alive\n\n"
 
 
 def failure(exc: Exception) -> APIError:
@@ -54,24 +62,37 @@ class Exchange:
     limit: RequestDeadline
     deadline: Deadline
     created: int = field(default_factory=lambda: int(time.time()))
+    # What the request asked that this server leaves out (a tool it cannot run, ...): logged,
+    # and added to the answer's warnings (the ``specprefill`` object's ``warnings``).
+    notes: tuple[str, ...] = ()
 
     def timeout(self) -> APIError:
         return request_timeout(self.limit.seconds or 0, self.limit.source, self.handle.id)
 
+    def noted(self, result: GenerateResult) -> GenerateResult:
+        """``result`` with this request's notes first among its warnings."""
+        if self.notes:
+            result.warnings = [*self.notes, *(w for w in result.warnings if w not in self.notes)]
+        return result
+
 
 async def submit(request: Request, spec: JobSpec, *, endpoint: str, stream: bool, started: float,
-                 models: Mapping[str, str] | None = None, route_key: str | None = None) -> Exchange:
+                 models: Mapping[str, str] | None = None, route_key: str | None = None,
+                 notes: tuple[str, ...] = ()) -> Exchange:
     """Check the models (``{field: name}``; default: the spec's target and draft) against
     the live workers (503/404 now rather than a job no worker would take), enqueue ``spec``
     (429 when the queue is full; ``route_key``: the request's ``prompt_cache_key``, where to
-    run it with ``routing=prefix``) and start its deadline."""
+    run it with ``routing=prefix``) and start its deadline. ``notes``: what the request asked
+    that this server leaves out (logged; the answer's warnings say it)."""
     svc = state(request)
     limit = request_deadline(request.headers, svc.settings, stream=stream)
     deadline = Deadline(limit.seconds)
     if models is None:
         models = {"target_model": spec.target_model, "draft_model": spec.draft_model}
     handle = await svc.runner.submit(spec, admit=partial(svc.models.check, models), route_key=route_key)
-    return Exchange(svc, request, handle, endpoint, started, limit, deadline)
+    for note in notes:
+        log.warning("%s job %s: %s", endpoint, handle.id, note)
+    return Exchange(svc, request, handle, endpoint, started, limit, deadline, notes=tuple(notes))
 
 
 async def result_of(ex: Exchange, count: bool = True) -> Any:
@@ -87,7 +108,7 @@ async def result_of(ex: Exchange, count: bool = True) -> Any:
         raise failure(exc) from None
     if count:
         ex.svc.metrics.answered(ex.endpoint, result, ex.started, mode="sync")
-    return result
+    return ex.noted(result)
 
 
 async def respond(ex: Exchange, body_of: Callable[[GenerateResult], dict[str, Any]],
@@ -101,15 +122,46 @@ async def respond(ex: Exchange, body_of: Callable[[GenerateResult], dict[str, An
     return JSONResponse(body_of(result), headers={JOB_HEADER: ex.handle.id})
 
 
-def stream(ex: Exchange, frames: Frames, on_result: OnResult | None = None) -> StreamingResponse:
-    """A streamed answer: each event of the job as ``frames`` formats it."""
+def stream(ex: Exchange, frames: Frames, on_result: OnResult | None = None,
+           keepalive: str = COMMENT_KEEPALIVE) -> StreamingResponse:
+    """A streamed answer: each event of the job as ``frames`` formats it, and ``keepalive``
+    whenever nothing was sent for ``stream_keepalive_s`` (a long prefill sends nothing)."""
     async def body() -> AsyncIterator[str]:
         async for event in events(ex, on_result):
             for frame in frames(event):
                 yield frame
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+    interval = ex.svc.settings.stream_keepalive_s
+    frames_out = with_keepalive(body(), interval, keepalive) if interval > 0 else body()
+    return StreamingResponse(frames_out, media_type="text/event-stream",
                              headers={**SSE_HEADERS, JOB_HEADER: ex.handle.id})
+
+
+async def with_keepalive(frames: AsyncIterator[str], interval: float, keepalive: str) -> AsyncIterator[str]:
+    """``frames``, with ``keepalive`` sent each time ``interval`` seconds pass without one.
+    The next frame is awaited in a task of its own, so a keep-alive never cancels it; a
+    disconnect cancels it (and with it the stream's hold on the job)."""
+    pending: asyncio.Task | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(frames.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield keepalive
+                continue
+            finished, pending = pending, None
+            try:
+                frame = finished.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await frames.aclose()
 
 
 async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterator[Any]:
@@ -125,6 +177,7 @@ async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterat
             if isinstance(event, Finish):
                 ended = True
                 svc.metrics.answered(ex.endpoint, event.result, ex.started, mode="stream")
+                ex.noted(event.result)
                 if on_result is not None:
                     await on_result(event.result)
                 yield event

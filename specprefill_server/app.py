@@ -51,7 +51,7 @@ async def list_models(request: Request) -> Response:
     svc = state(request)
     listing = await svc.runner.call(models_list, svc)
     if speaks_anthropic(request.url.path, request.headers):
-        listing = anthropic_models.models_page(listing, request.query_params)
+        listing = anthropic_models.models_page(listing, request.query_params, svc.settings.max_generate_tokens)
     return JSONResponse(listing)
 
 
@@ -61,7 +61,7 @@ async def get_model(request: Request) -> Response:
     svc = state(request)
     entry = await svc.runner.call(model_entry, svc, request.path_params["model_id"])
     anthropic = speaks_anthropic(request.url.path, request.headers)
-    return JSONResponse(anthropic_models.model_info(entry) if anthropic else entry)
+    return JSONResponse(anthropic_models.model_info(entry, svc.settings.max_generate_tokens) if anthropic else entry)
 
 
 async def metrics(request: Request) -> Response:

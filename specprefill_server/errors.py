@@ -36,6 +36,8 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 ANTHROPIC_VERSION_HEADER, ANTHROPIC_WHEN_ASKED_PATHS = "anthropic-version", ("/v1/models",)
 # The context guard: a prompt (plus max_tokens) longer than the draft's or the target's window.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# Its numbers, as worker.context_window.check_context says them.
+_CONTEXT_NUMBERS = re.compile(r"the prompt's (\d+) tokens(?: plus (\w+) (\d+))? \(\d+\) are more than the (\d+) tokens")
 
 
 class APIError(Exception):
@@ -43,11 +45,12 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, anthropic_message: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.headers = param, headers
         self.code = code or STATUS_CODES.get(status, "error")
+        self.anthropic_message = anthropic_message  # the words Anthropic's clients act on, if they differ
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -55,8 +58,8 @@ class APIError(Exception):
 
     def anthropic_body(self) -> dict[str, Any]:
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message, "code": self.code,
-                                           "param": self.param}}
+        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message,
+                                           "code": self.code, "param": self.param}}
 
     def response(self, path: str = "", headers: Mapping[str, str] | None = None) -> JSONResponse:
         """The error as a response, in Anthropic's shape where the request speaks it
@@ -128,14 +131,31 @@ def redis_down(exc: Exception) -> APIError:
                     type="service_unavailable", code="redis_unavailable")
 
 
+def context_error(message: str) -> APIError:
+    """The context guard's refusal: 400 ``context_length_exceeded`` (what OpenAI's clients act
+    on), and on Anthropic's paths the words Anthropic's API says, which its clients act on
+    (Claude Code compacts on "prompt is too long: N tokens > M maximum")."""
+    spec_error = from_spec_error(JobSpecError(message))
+    words = None
+    if m := _CONTEXT_NUMBERS.search(message):
+        n, extra_name, extra, window = int(m[1]), m[2], int(m[3] or 0), int(m[4])
+        if n <= window and extra_name == "max_tokens":
+            words = (f"input length and `max_tokens` exceed context limit: {n} + {extra} > {window}, "
+                     "decrease input length or `max_tokens` and try again")
+        else:  # the prompt itself, or with what the draft must add to it (its lookahead)
+            maximum = window if n > window else window - extra
+            words = f"prompt is too long: {n} tokens > {maximum} maximum"
+    return APIError(400, spec_error.message, param=spec_error.param, code=CONTEXT_LENGTH_EXCEEDED,
+                    anthropic_message=words)
+
+
 def from_job_failure(status: str, error: str) -> APIError:
     """A job that ended failed or stopped: bad input the worker found is 400 (a model it
     cannot find: :func:`model_not_found`; a prompt beyond a model's context window:
     ``context_length_exceeded``), the rest 500."""
     m = _WORKER_ERROR.match(error or "")
     if status == "failed" and m and m.group(1) == "ContextLengthError":
-        spec_error = from_spec_error(JobSpecError(m.group(2)))
-        return bad_request(spec_error.message, spec_error.param, code=CONTEXT_LENGTH_EXCEEDED)
+        return context_error(m.group(2))
     if status == "failed" and m and m.group(1) == "UnknownModelError":
         field = field_of(m.group(2)) or "model"
         return model_not_found(field, from_spec_error(JobSpecError(m.group(2))).message)

@@ -16,6 +16,20 @@ class Unsupported(ValueError):
     code = "unsupported_value"
 
 
+class UnsupportedParameter(Unsupported):
+    """A field this service cannot honour at all (code ``unsupported_parameter``)."""
+
+    code = "unsupported_parameter"
+
+
+def refuse_given(request: BaseModel, reasons: dict[str, str]) -> None:
+    """Refuse the first field of ``reasons`` the request gives (not null), naming why: a field
+    of the official API that this service cannot honour (docs/http.md says each one's why)."""
+    for name, why in reasons.items():
+        if getattr(request, name, None) is not None:
+            raise UnsupportedParameter(f"{name}: not supported here ({why})")
+
+
 # Names pydantic puts in an error's location for the member of a union it tried.
 _UNION_TAGS = ("str", "int", "float", "bool", "none")
 _UNION_TAG_PREFIXES = ("list[", "dict[", "tuple[", "function-")

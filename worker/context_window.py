@@ -111,6 +111,17 @@ def model_config(folder: str | Path | None, model: Any) -> Mapping[str, Any]:
         return {}
 
 
+def fit_max_tokens(n_prompt: int, max_tokens: int, window: ContextWindow | None,
+                   max_positions: int | None = None, *, beyond_window: bool = False) -> int:
+    """``max_tokens`` lowered to the room ``n_prompt`` tokens leave in the target: its window
+    (unless ``beyond_window``: allow_beyond_context) and its learned positions, whichever is
+    less. With no room at all it is returned as it is, and the checks refuse the prompt."""
+    limits = [n for n in (None if beyond_window or window is None else window.tokens, max_positions)
+              if n is not None]
+    room = min(limits) - n_prompt if limits else max_tokens
+    return min(max_tokens, room) if room >= 1 else max_tokens
+
+
 def check_context(n_prompt: int, extra: int, extra_name: str, window: ContextWindow | None,
                   role: str, *, allowed: bool) -> None:
     """Refuse ``n_prompt`` tokens plus ``extra`` (``extra_name``: max_tokens, the lookahead)

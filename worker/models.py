@@ -286,6 +286,10 @@ class ModelPool:
         """The names the loaded models were first asked for."""
         return [m.name for m in self._models.values()]
 
+    def loaded(self, name: str) -> LoadedModel | None:
+        """The model loaded under ``name``, if it is (its place in the LRU order unchanged)."""
+        return next((m for m in self._models.values() if m.name == name), None)
+
     def _locate(self, name: str, on_download: Callable[[], None] | None) -> Located:
         if self._identify is not None:
             source = self._catalog().source(name)

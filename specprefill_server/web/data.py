@@ -26,8 +26,21 @@ _ROWS_LOCK = threading.Lock()
 _ROWS_KEPT = 512
 
 
+# The names clients read a model's context window by from a models listing (docs/http.md):
+# Codex's model metadata, vLLM's, OpenRouter's and LM Studio's.
+WINDOW_FIELDS = ("context_window", "max_model_len", "context_length")
+
+
+def _window(entry: dict[str, Any], advertised: Any) -> None:
+    """The smallest window the workers serving a model declare (every one of them takes it)."""
+    if isinstance(advertised, int) and not isinstance(advertised, bool) and advertised > 0:
+        window = min(advertised, entry.get("context_window") or advertised)
+        entry.update({name: window for name in WINDOW_FIELDS})
+
+
 def models_list(svc: ServerState) -> dict[str, Any]:
-    """``GET /v1/models``: every name a live worker advertises, with where it is loaded."""
+    """``GET /v1/models``: every name a live worker advertises, with where it is loaded and
+    the context window its config declares (under each name clients read it by)."""
     merged: dict[str, dict[str, Any]] = {}
     for w in workers(svc.client.connection, svc.settings):
         for m in w.models:
@@ -35,6 +48,7 @@ def models_list(svc: ServerState) -> dict[str, Any]:
                 "id": m["name"], "object": "model", "created": int(w.birth or time.time()),
                 "owned_by": "specprefill",
                 "specprefill": {"workers": 0, "loaded_on": 0, "roles": []}})
+            _window(entry, m.get("context_window"))
             info = entry["specprefill"]
             info["workers"] += 1
             info["loaded_on"] += bool(m.get("loaded"))

@@ -54,8 +54,12 @@ def test_chat_completion_usage_and_specprefill(openai_client, stack):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     sp = r.model_extra["specprefill"]
     assert 0 < sp["kept_ratio"] < 0.5  # keep 0.2 plus the 32-token tail, not the whole prompt
-    restored = sp["target_tokens"]["restored"]  # not selected over: outside the kept share
-    assert sp["kept_tokens"] - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    restored = sp["target_tokens_restored"]  # not selected over: outside the kept share
+    kept = sp["prompt_tokens"] - sp["target_tokens_dropped"]
+    assert kept == restored + sp["target_tokens_prefilled_full"] + sp["target_tokens_prefilled_sparse"]
+    assert kept - restored == round(sp["kept_ratio"] * (sp["prompt_tokens"] - restored))
+    assert r.usage.prompt_tokens_details.cached_tokens == restored  # the same count on every API
+    assert sp["draft_tokens_scored"] == sp["prompt_tokens"] - sp["draft_tokens_restored"] > 0  # it scored
     assert sp["restored_ratio"] == round(restored / sp["prompt_tokens"], 6)
     assert set(sp["ttft_phases_s"]) >= {"draft_scoring", "target_prefill"} and sp["ttft_s"] > 0
     # the job carries the request's options
@@ -102,7 +106,9 @@ def test_stop_and_tools_pass_through(openai_client, stack):
 
 def test_bad_requests_name_the_field(openai_client):
     cases = [({"extra_body": {"keep": 1.5}}, "keep"), ({"extra_body": {"kepp": 0.2}}, "kepp"),
-             ({"n": 2}, "n"), ({"max_tokens": 10 ** 6}, "max_tokens")]
+             ({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"),
+             # a ceiling past max_generate_tokens is lowered, unless the request asks for the refusal
+             ({"max_tokens": 10 ** 6, "extra_body": {"fit_context": False}}, "max_tokens")]
     for kw, param in cases:
         with pytest.raises(BadRequestError) as err:
             chat(openai_client, "vibo zupo", **kw)
@@ -120,14 +126,21 @@ def test_bad_requests_name_the_field(openai_client):
 
 def test_a_prompt_beyond_the_targets_context_is_400_context_length_exceeded(openai_client):
     # the shipped target declares max_position_embeddings 65536 (its config, read by the worker):
-    # 65400 prompt tokens fit, 200 more to generate do not; refused before any prefill
+    # a longer prompt is refused before any prefill
     window = json.loads((ROOT / "models" / "target-tiny" / "config.json").read_text())["max_position_embeddings"]
-    n = window - 136
+    n = window + 10
     with pytest.raises(BadRequestError) as err:
         openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(n)], max_tokens=200)
     body = err.value.body
     assert err.value.status_code == 400 and body["code"] == "context_length_exceeded", body
-    assert body["param"] == "max_tokens" and f"{n} tokens" in body["message"] and f"{window} tokens" in body["message"]
+    assert body["param"] == "input" and f"{n} tokens" in body["message"] and f"{window} tokens" in body["message"]
+    # one that fits, with fit_context off: max_tokens past the room is refused, not lowered
+    n = window - 136
+    with pytest.raises(BadRequestError) as err:
+        openai_client.completions.create(model=TARGET, prompt=[10 + i % 1000 for i in range(n)], max_tokens=200,
+                                         extra_body={"fit_context": False})
+    body = err.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens", body
 
 
 def test_unauthorized_and_not_found(stack, openai_client):

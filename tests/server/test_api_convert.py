@@ -75,8 +75,10 @@ def test_anthropic_tool_use_and_results_become_the_agreed_format():
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305", "name": "w"}]},
-     "tools[0].type"),
+    ({"messages": [{"role": "system", "content": [{"type": "tool_addition", "tool": {}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "tool_reference", "tool_name": "nope"}]}]}]}, "messages[0].content[0].content[0]"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{"}]}]},
      "messages[0].content[0].input"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}}, "tool_choice"),

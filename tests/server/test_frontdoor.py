@@ -205,7 +205,8 @@ def test_fields_clients_send_unasked_are_accepted(openai_client):
     plain = chat(openai_client, words(120, seed=6), **kw)
     sent = chat(openai_client, words(120, seed=6), user="u-1", safety_identifier="hash-1",
                 prompt_cache_key="conversation-7", metadata={"session": "s"}, service_tier="auto",
-                verbosity="low", modalities=["text"], parallel_tool_calls=True, **kw)
+                verbosity="low", modalities=["text"], parallel_tool_calls=True,
+                prediction={"type": "content", "content": "x"}, prompt_cache_retention="24h", **kw)
     assert sent.choices[0].message.content == plain.choices[0].message.content
     assert sent.model_extra["specprefill"]["job_id"] == plain.model_extra["specprefill"]["job_id"]
     streamed = chat(openai_client, words(120, seed=6), stream=True,
@@ -214,7 +215,7 @@ def test_fields_clients_send_unasked_are_accepted(openai_client):
         plain.choices[0].message.content
     for extra, param in (({"modalities": ["text", "audio"]}, "modalities"),
                          ({"audio": {"voice": "x", "format": "wav"}}, "audio"),
-                         ({"prediction": {"type": "content", "content": "x"}}, "prediction")):
+                         ({"functions": [{"name": "f"}]}, "functions")):
         with pytest.raises(BadRequestError) as err:
             chat(openai_client, "vibo", extra_body=extra, max_tokens=2)
         assert err.value.body["param"] == param and err.value.body["code"], err.value.body

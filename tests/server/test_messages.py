@@ -32,7 +32,7 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(anthropic_cli
     assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[c.choices[0].finish_reason]
     u = m.usage
     assert u.input_tokens + u.cache_read_input_tokens == c.usage.prompt_tokens
-    assert u.cache_read_input_tokens == m.model_extra["specprefill"]["target_tokens"]["restored"]
+    assert u.cache_read_input_tokens == m.model_extra["specprefill"]["target_tokens_restored"]
     assert u.output_tokens == c.usage.completion_tokens
     blocks = [{"type": "text", "text": SYSTEM[:9], "cache_control": {"type": "ephemeral"}},
               {"type": "text", "text": SYSTEM[9:]}]  # blocks joined; cache_control changes nothing

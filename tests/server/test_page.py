@@ -64,7 +64,7 @@ def test_job_view_shows_what_the_job_kept_without_running_the_model(stack, page)
     ask(words(700, seed=92))  # stores the system prefix
     r = ask(text)
     info = r.model_extra["specprefill"]
-    job_id, restored = info["job_id"], info["target_tokens"]["restored"]
+    job_id, restored = info["job_id"], info["target_tokens_restored"]
     assert restored >= 256
     before = _jobs_known(stack)
     page.goto(f"{stack.server.url}/#/job/{job_id}")
@@ -161,7 +161,7 @@ def test_job_view_shows_target_tokens_and_the_heal(stack, page):
     r = client.chat.completions.create(model=TARGET, max_tokens=4, extra_body={"keep": 0.2, "follow_chunks": 2}, messages=[
         {"role": "system", "content": words(300, seed=81)}, {"role": "user", "content": words(700, seed=82)}])
     info = r.model_extra["specprefill"]
-    t = info["target_tokens"]
+    t = {k: info[f"target_tokens_{k}"] for k in ("restored", "healed", "prefilled_full", "prefilled_sparse")}
     assert t["prefilled_sparse"] > 0 and info["heal"]["reason"].startswith("heal is off")  # the stack's worker
     page.goto(f"{stack.server.url}/#/job/{info['job_id']}")
     shown = page.wait_for_selector("#target-tokens", timeout=20_000)

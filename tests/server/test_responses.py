@@ -27,7 +27,7 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(openai_clien
     assert r.output_text == c.choices[0].message.content
     assert r.status == {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
     assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
-    assert r.usage.input_tokens_details.cached_tokens == r.model_extra["specprefill"]["target_tokens"]["restored"]
+    assert r.usage.input_tokens_details.cached_tokens == r.model_extra["specprefill"]["target_tokens_restored"]
     assert openai_client.responses.retrieve(r.id).output_text == r.output_text
 
 
@@ -75,7 +75,7 @@ def test_streamed_response_with_the_sdk_helper(openai_client):
 
 def test_refusals_name_the_field(openai_client):
     cases = [({"input": [{"type": "input_image"}]}, "input[0].type"),
-             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"input": "x", "conversation": "conv_1"}, "conversation"),
              ({"input": "x", "tool_choice": "required"}, "tool_choice"),
              ({"input": "x", "background": True}, "background"),
              ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),

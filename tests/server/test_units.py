@@ -41,7 +41,8 @@ def test_chat_request_maps_to_generate_fields():
     fields = chat_fields(req)
     assert fields == {"target_model": "target", "messages": req.messages,
                       "max_tokens": 7, "temperature": 0, "seed": 4, "stop": "x", "keep": 0.3,
-                      "tools": [{"type": "function", "function": {"name": "f"}}]}
+                      "tools": [{"type": "function", "function": {"name": "f"}}],
+                      "fit_context": True}  # max_tokens is a ceiling, as OpenAI's is
     spec = generate_spec(**fields)
     assert spec.messages[1] == {"role": "user", "content": "ab"}  # text parts joined by the spec
     kwargs = chat_fields(parse(ChatCompletionRequest, {
@@ -150,8 +151,24 @@ def test_chunks_carry_role_text_finish_and_usage():
     assert maker.text("he")["choices"][0]["delta"] == {"content": "he"}
     last = maker.last(result())
     assert last["choices"][0]["finish_reason"] == "stop" and last["specprefill"]["kept_ratio"] == 0.4
-    assert maker.usage(result())["usage"] == {"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102}
+    assert maker.usage(result(target_tokens={"restored": 64}))["usage"] == {
+        "prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
+        "prompt_tokens_details": {"cached_tokens": 64}}  # what the target restored, as Messages and Responses say
     assert ChunkMaker(chat=False, job_id="generate-abc", model="m", created=1).first() is None
+
+
+def test_the_specprefill_object_names_whose_tokens_each_count_is():
+    from specprefill_server.extension import specprefill_info
+
+    info = specprefill_info(result(kept=70, cached_tokens=30, draft_timings={"prefill": 0.1}, target_tokens={
+        "restored": 40, "healed": 8, "prefilled_full": 10, "prefilled_sparse": 20, "blocks_written": 2}))
+    assert {k: v for k, v in info.items() if "tokens" in k and not k.endswith("_s")} == {
+        "prompt_tokens": 100, "target_tokens_restored": 40, "target_tokens_healed": 8,
+        "target_tokens_prefilled_full": 10, "target_tokens_prefilled_sparse": 20, "target_tokens_dropped": 30,
+        "draft_tokens_restored": 30, "draft_tokens_scored": 70, "protected_prefix_tokens": 0}
+    assert info["target_blocks_written"] == 2
+    assert specprefill_info(result(memo_hit=True, draft_timings={"prefill": 0.1}))["draft_tokens_scored"] == 0
+    assert specprefill_info(result())["draft_tokens_scored"] == 0  # the draft did not run
 
 
 def line(custom_id, **body):
@@ -273,7 +290,7 @@ def test_served_models_lists_defaults_preloads_and_loaded():
     from worker.process.advertise import served_models
 
     settings = Settings(draft_model="d", target_model="t", preload_models=("p",), allowed_models=("a",))
-    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"]))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["t", "x"], loaded=lambda n: None))
     assert served_models(runtime) == [  # names jobs use: "t" is loaded as "target"
         {"name": "draft", "roles": ["default_draft"], "loaded": False},
         {"name": "target", "roles": ["default_target"], "loaded": True},
@@ -281,9 +298,28 @@ def test_served_models_lists_defaults_preloads_and_loaded():
         {"name": "x", "roles": [], "loaded": True}]
     # a worker's folders are never advertised; aliases are, by name
     settings = Settings(models=("q=/srv/q",), preload_models=("/srv/other",))
-    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["/srv/q"]))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(names=lambda: ["/srv/q"], loaded=lambda n: None))
     assert [(m["name"], m["loaded"]) for m in served_models(runtime)] == [
         ("draft", False), ("target", False), ("q", True)]
+
+
+def test_served_models_carry_the_window_their_config_declares(tmp_path):
+    from types import SimpleNamespace
+
+    from worker.process.advertise import served_models
+    from worker.context_window import ContextWindow
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 4096, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}}))
+    loaded = SimpleNamespace(name="t", context=ContextWindow(2048, "max_position_embeddings 2048"))
+    settings = Settings(draft_model=str(folder), target_model="t", models=(f"m={folder}",))
+    runtime = SimpleNamespace(settings=settings, models=SimpleNamespace(
+        names=lambda: ["t"], loaded=lambda name: loaded if name == "t" else None))
+    windows = {m["name"]: m.get("context_window") for m in served_models(runtime)}
+    # read from the folder's config without loading it (yarn: 4096 x 4), or the loaded model's own
+    assert windows == {"draft": 16384, "target": 2048, "m": 16384}
 
 
 # ---- the front door (issue 24, item 5) ----
@@ -306,7 +342,7 @@ def test_fields_clients_send_unasked_change_nothing():
 def test_every_error_has_a_code():
     cases = [({"kepp": 1}, "kepp", "unknown_parameter"), ({"temperature": "warm"}, "temperature", "invalid_type"),
              ({"n": 2}, "n", "unsupported_value"), ({"modalities": ["audio"]}, "modalities", "unsupported_value"),
-             ({"verbosity": "loud"}, "verbosity", "invalid_value"), ({"audio": {}}, "audio", "unknown_parameter"),
+             ({"verbosity": "loud"}, "verbosity", "invalid_value"), ({"audio": {}}, "audio", "unsupported_parameter"),
              ({"tool_choice": "required"}, "tool_choice", "unsupported_value"),
              ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "unsupported_value")]
     for body, param, code in cases:
@@ -444,18 +480,22 @@ def test_anthropic_models_page_follows_both_cursors():
 
     listing = {"data": [{"id": f"m{i}", "created": 1_750_000_000, "specprefill": {}} for i in range(5)]}
     ids = lambda page: [e["id"] for e in page["data"]]  # noqa: E731
-    assert ids(models_page(listing, {})) == ["m0", "m1", "m2", "m3", "m4"]
-    page = models_page(listing, {"limit": "2", "after_id": "m1"})
+    assert ids(models_page(listing, {}, 4096)) == ["m0", "m1", "m2", "m3", "m4"]
+    page = models_page(listing, {"limit": "2", "after_id": "m1"}, 4096)
     assert ids(page) == ["m2", "m3"] and page["has_more"] and (page["first_id"], page["last_id"]) == ("m2", "m3")
-    page = models_page(listing, {"limit": "2", "before_id": "m3"})
+    page = models_page(listing, {"limit": "2", "before_id": "m3"}, 4096)
     assert ids(page) == ["m1", "m2"] and page["has_more"]
-    page = models_page(listing, {"limit": "2", "before_id": "m1"})
+    page = models_page(listing, {"limit": "2", "before_id": "m1"}, 4096)
     assert ids(page) == ["m0"] and not page["has_more"]
-    assert models_page(listing, {"after_id": "m4"}) == {"data": [], "has_more": False, "first_id": None,
+    assert models_page(listing, {"after_id": "m4"}, 4096) == {"data": [], "has_more": False, "first_id": None,
                                                         "last_id": None}
-    assert models_page(listing, {})["data"][0]["created_at"] == "2025-06-15T15:06:40Z"
+    assert models_page(listing, {}, 4096)["data"][0]["created_at"] == "2025-06-15T15:06:40Z"
     for query, field in (({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"after_id": "nope"}, "after_id"),
                          ({"after_id": "m1", "before_id": "m3"}, "before_id")):
         with pytest.raises(APIError) as err:
-            models_page(listing, query)
+            models_page(listing, query, 4096)
         assert err.value.status == 400 and err.value.param == field
+    # the window as Anthropic's ModelInfo says it, when the workers advertise one
+    windowed = {"data": [{"id": "w", "created": 1_750_000_000, "specprefill": {}, "context_window": 65536}]}
+    info = models_page(windowed, {}, 4096)["data"][0]
+    assert (info["max_input_tokens"], info["max_tokens"]) == (65536, 4096)

@@ -7,6 +7,10 @@ the rule whose ``when`` text's tokens occur latest in what the model was fed win
 without ``when`` is the fallback), so each turn of an agent loop gets its own answer. The
 answer is the rule's ``say`` encoded by the model's own tokenizer, then EOS, so what the worker detokenizes and parses (markers, tool calls) is real generated token text.
 
+``"prefill_delay_s": X`` beside the rules makes every call that feeds more than one token for
+a matching rule (a prefill) sleep X seconds first: a prefill as long as a test needs (warm-up
+and profiling match no rule, so they do not wait).
+
 The model tracks what its cache holds and forces the token after the longest tail of that
 which is a prefix of the answer, so it is right whatever the prefill's chunking. A restored
 cache (the target's prefix store: another job's blocks and tail) holds tokens this call never
@@ -60,8 +64,11 @@ class Script:
         return say[k]
 
 
-def scripted(model: Any, script: Script) -> Any:
-    """``model`` (an mlx-lm model) answering by ``script``; its weights and layers unchanged."""
+def scripted(model: Any, script: Script, prefill_delay_s: float = 0.0) -> Any:
+    """``model`` (an mlx-lm model) answering by ``script``; its weights and layers unchanged.
+    A prefill for a matching rule first sleeps ``prefill_delay_s``."""
+    import time
+
     import mlx.core as mx
 
     base = type(model)
@@ -82,6 +89,8 @@ def scripted(model: Any, script: Script) -> Any:
             forced = script.next_token(self._seen)
             if forced is None:
                 return logits
+            if prefill_delay_s and len(fed) > 1:
+                time.sleep(prefill_delay_s)
             row = mx.where(mx.arange(logits.shape[-1]) == forced, 0.0, -1e9).astype(logits.dtype)
             return mx.broadcast_to(row, logits.shape)
 
@@ -97,7 +106,8 @@ def scripted_loader(name: str) -> tuple[Any, Any]:
     path = Path(name) / "script.json"
     if path.is_file():
         _see_prompts()
-        model = scripted(model, Script(json.loads(path.read_text())["rules"], tokenizer))
+        script = json.loads(path.read_text())
+        model = scripted(model, Script(script["rules"], tokenizer), script.get("prefill_delay_s", 0.0))
     return model, tokenizer
 
 

@@ -112,3 +112,46 @@ def test_http_answers_the_workers_refusal_as_400_context_length_exceeded():
     assert error.param == "max_tokens" and "150 tokens" in error.message and "160 tokens" in error.message
     # a prompt field is named as the request names it
     assert from_job_failure("failed", "ContextLengthError: input: the prompt's 9 tokens ...").param == "input"
+
+
+def test_fit_context_lowers_max_tokens_to_the_room_left_in_the_targets_window():
+    rt = runtime()
+    # 150 prompt tokens leave 10 in the 160-token window: the answer stops there, for its length
+    out = run(rt, kind="generate", tokens=list(range(2, 2 + 150)), max_tokens=50, full_prefill=True,
+              greedy=True, fit_context=True)
+    assert out["finish_reason"] == "length" and out["generated_tokens"] == 10
+    # a ceiling above the deployment's max_generate_tokens is lowered to it when the job is built
+    spec = build_spec(rt.settings.replace(max_generate_tokens=64), kind="generate", tokens=[2, 3],
+                      max_tokens=32000, fit_context=True)
+    assert spec.generate.max_tokens == 64
+    with pytest.raises(ContextLengthError, match="^input: the prompt's 170 tokens"):  # no room at all
+        run(rt, "none", kind="generate", tokens=list(range(2, 2 + 170)), max_tokens=5, full_prefill=True,
+            fit_context=True)
+
+
+def test_fit_max_tokens_takes_the_lesser_of_the_window_and_the_learned_positions():
+    from worker.context_window import ContextWindow, fit_max_tokens
+
+    window = ContextWindow(160, "max_position_embeddings 160")
+    assert fit_max_tokens(150, 50, window) == 10
+    assert fit_max_tokens(100, 50, window) == 50  # room enough
+    assert fit_max_tokens(150, 50, window, max_positions=155) == 5
+    assert fit_max_tokens(150, 50, window, beyond_window=True) == 50  # allow_beyond_context
+    assert fit_max_tokens(150, 50, None) == 50  # a config that declares no window
+    assert fit_max_tokens(160, 50, window) == 50  # no room: left for the guard to refuse
+
+
+def test_anthropic_clients_get_the_words_they_compact_on():
+    rt = runtime()
+    too_long = failure(rt, kind="generate", tokens=list(range(2, 2 + 170)), max_tokens=4, full_prefill=True)
+    body = from_job_failure("failed", f"ContextLengthError: {too_long}").anthropic_body()["error"]
+    assert body == {"type": "invalid_request_error", "message": "prompt is too long: 170 tokens > 160 maximum",
+                    "code": "context_length_exceeded", "param": "input"}
+    no_room = failure(rt, kind="generate", tokens=list(range(2, 2 + 150)), max_tokens=20, full_prefill=True)
+    assert from_job_failure("failed", f"ContextLengthError: {no_room}").anthropic_body()["error"]["message"] == (
+        "input length and `max_tokens` exceed context limit: 150 + 20 > 160, decrease input length or "
+        "`max_tokens` and try again")
+    draft = failure(rt, tokens=list(range(2, 2 + 95)))  # 95 + the draft's 8 lookahead tokens > 100
+    assert from_job_failure("failed", f"ContextLengthError: {draft}").anthropic_body()["error"]["message"] == (
+        "prompt is too long: 95 tokens > 92 maximum")
+    assert from_job_failure("failed", f"ContextLengthError: {draft}").body()["error"]["message"] == draft

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jobs.results import GenerateResult, PrefillResult, rates
@@ -40,7 +40,7 @@ from worker.job.detokenize import TextStream, stop_token_ids
 from worker.job.fallback import fallback_reason
 from worker.job.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
 from worker.models import LoadedModel
-from worker.context_window import check_context
+from worker.context_window import check_context, fit_max_tokens
 from worker.job.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.job.reporting import JobReporter
 from worker.job.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
@@ -66,6 +66,7 @@ class _Prompt:
     reason: str | None = None
     fallback: str | None = None
     warnings: list[str] = field(default_factory=list)
+    max_tokens: int = 0  # the job's max_tokens, lowered to the room in the window with fit_context
 
     @property
     def tokens(self) -> list[int]:
@@ -92,6 +93,7 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     prompt = _target_prompt(spec, opts, ctx, timings)
+    opts = replace(opts, max_tokens=prompt.max_tokens)  # fit_context: lowered to the window's room
     heal_wait = _wait_for_heal(spec, opts, ctx, prompt, timings)
     _plan(spec, opts, ctx, prompt, timings)
     splitter = _splitter(spec, ctx, prompt)
@@ -122,12 +124,15 @@ def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,
     t = time.perf_counter()
     prompt = tokenize_prompt(spec, target.tokenizer)
     check_prompt(prompt.tokens, target, ctx.settings)
-    check_context(len(prompt.tokens), opts.max_tokens, "max_tokens", target.context, "target",
+    max_tokens = opts.max_tokens if not opts.fit_context else fit_max_tokens(
+        len(prompt.tokens), opts.max_tokens, target.context, getattr(target.target_profile, "max_positions", None),
+        beyond_window=spec.scoring.allow_beyond_context)
+    check_context(len(prompt.tokens), max_tokens, "max_tokens", target.context, "target",
                   allowed=spec.scoring.allow_beyond_context)
-    check_positions(prompt.tokens, opts.max_tokens, target)
+    check_positions(prompt.tokens, max_tokens, target)
     timings["tokenize"] = time.perf_counter() - t
     out = _Prompt(target, prompt, prefix=prefix_cache(ctx, target),
-                  warnings=prompt_warnings(ctx, prompt.tokens, target.tokenizer))
+                  warnings=prompt_warnings(ctx, prompt.tokens, target.tokenizer), max_tokens=max_tokens)
     if out.prefix is not None:
         out.restored_cache, out.restored = out.prefix.restore(prompt.tokens)
         timings.update(out.prefix.timings)

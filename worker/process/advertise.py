@@ -6,27 +6,62 @@ when the worker starts and after every job (its loaded models change); a reader 
 workers RQ still has registered, so a dead worker's list is ignored and later expires. The
 advert also says whether the worker takes models it does not list (no ``allowed_models``:
 its folders and hub ids), so the front door refuses only what no live worker would run.
+Each name carries the context window its model's config declares (``worker.context_window``:
+the loaded model's, else read from the config.json of its folder or hub snapshot, without
+loading it), so ``GET /v1/models`` can tell clients when to compact.
 """
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from jobs.inspect import advertised_models_key, encode_advert
 from jobs.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path
+from worker.context_window import context_window
+from worker.models import hub_snapshot
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
+@functools.lru_cache(maxsize=256)
+def _declared_window(source: str) -> int | None:
+    """The window the config.json of ``source`` (a folder, or a hub id in this worker's hub
+    cache) declares; None when there is none to read (nothing is downloaded)."""
+    folder = Path(source).expanduser()
+    try:
+        if not folder.is_dir():
+            folder = hub_snapshot(source)
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    window = context_window(config) if isinstance(config, dict) else None
+    return window.tokens if window is not None else None
+
+
+def _window(pool: Any, catalog: ModelCatalog, name: str) -> int | None:
+    """The window of the model ``name`` loads: the loaded one's (under any name of its
+    source), else its config's."""
+    source = catalog.source(name)
+    for loaded_name in pool.names():
+        loaded = pool.loaded(loaded_name) if catalog.source(loaded_name) == source else None
+        if loaded is not None and loaded.context is not None:
+            return loaded.context.tokens
+    return _declared_window(source)
+
+
 def served_models(runtime: WorkerRuntime) -> list[dict[str, Any]]:
-    """``[{name, roles, loaded}]``: the defaults (``draft``, ``target``), the aliases, then
-    the preloads, the allow-list and the loaded models named as jobs name them; a name that
-    is a folder of this worker's is never shown."""
+    """``[{name, roles, loaded, context_window}]``: the defaults (``draft``, ``target``), the
+    aliases, then the preloads, the allow-list and the loaded models named as jobs name them
+    (a name that is a folder of this worker's is never shown), with the window each one's
+    config declares (left out when it declares none)."""
     s, pool = runtime.settings, runtime.models
     catalog = getattr(pool, "catalog", None) or ModelCatalog.from_settings(s)
     roles: dict[str, list[str]] = {DEFAULT_DRAFT: ["default_draft"], DEFAULT_TARGET: ["default_target"]}
@@ -35,8 +70,14 @@ def served_models(runtime: WorkerRuntime) -> list[dict[str, Any]]:
         if not looks_like_path(name) and not os.path.isdir(name) and name not in sources:
             roles.setdefault(name, [])
     loaded_sources = {catalog.source(n) for n in pool.names()}
-    return [{"name": n, "roles": r, "loaded": catalog.source(n) in loaded_sources}
-            for n, r in roles.items()]
+    out = []
+    for n, r in roles.items():
+        entry: dict[str, Any] = {"name": n, "roles": r, "loaded": catalog.source(n) in loaded_sources}
+        window = _window(pool, catalog, n)
+        if window is not None:
+            entry["context_window"] = window
+        out.append(entry)
+    return out
 
 
 REFRESH_S = 60.0  # an unchanged list is written again this often (Redis may have lost it)

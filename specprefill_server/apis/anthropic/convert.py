@@ -1,7 +1,13 @@
 """Pure conversions between Anthropic's Messages API and this service's jobs and results:
-a request's ``system``, content blocks, ``tool_use`` / ``tool_result`` and tools into the
-internal conversation (:mod:`specprefill_server.conversation`) and the job's fields. The
-answer's side is :mod:`.reply`.
+a request's ``system``, its messages (``system`` ones too), content blocks, ``tool_use`` /
+``tool_result`` and tools into the internal conversation (:mod:`specprefill_server.conversation`)
+and the job's fields. The answer's side is :mod:`.reply`.
+
+``system`` messages inside ``messages`` (Claude Code sends its environment block so): the ones
+before the first user or assistant turn join the ``system`` field into one system message (blank
+lines between, in their order: the system block a template renders first, and the protected
+prefix); a later one stays where it is, a system turn the target's template renders in place.
+``clear_at: "next_user_message"`` leaves one out once a later user message exists.
 """
 from __future__ import annotations
 
@@ -12,13 +18,22 @@ from specprefill_server.apis.anthropic.types import CountTokensRequest, Messages
 from specprefill_server.conversation import Conversation, function_tool, refuse_unknown, spec_messages, tool_call
 from specprefill_server.errors import bad_request
 from specprefill_server.extension import job_fields
+from specprefill_server.tools import ToolSet
+
 # Keys a block may carry that change nothing here: the block store reuses shared prefixes on
 # its own (cache_control); citations are a past turn's references.
 IGNORED_KEYS = {"cache_control", "citations"}
 BLOCK_KEYS = {"text": {"text"}, "tool_use": {"id", "name", "input"},
               "tool_result": {"tool_use_id", "content", "is_error"}, "thinking": {"thinking", "signature"},
-              "redacted_thinking": {"data"}}
-ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+              "redacted_thinking": {"data"}, "tool_reference": {"tool_name"}}
+ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+               "system": ("text",)}
+MESSAGE_KEYS = {"user": {"role", "content"}, "assistant": {"role", "content"},
+                "system": {"role", "content", "clear_at", "output_config"}}
+# A client tool's keys. strict and eager_input_streaming change how Anthropic's own decoder
+# and stream treat the input: calls are parsed as the model writes them here.
+TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "defer_loading", "strict",
+             "eager_input_streaming", "input_examples", "allowed_callers"}
 
 
 def _blocks(content: Any, where: str, allowed: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -46,14 +61,19 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     return "".join(b["text"] for b in _blocks(system, "system", ("text",)))
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _tool_result_text(block: dict[str, Any], where: str, tools: ToolSet) -> str:
+    """A tool result's text; a ``tool_reference`` block (a tool search's result) loads that
+    tool: its definition is rendered here, where it was loaded."""
     content = block.get("content", "")
     if isinstance(content, str):
         return content
-    return "".join(b["text"] for b in _blocks(content, f"{where}.content", ("text",)))
+    blocks = _blocks(content, f"{where}.content", ("text", "tool_reference"))
+    parts = [b["text"] if b["type"] == "text" else tools.definition(b.get("tool_name"), f"{where}.content[{j}]")
+             for j, b in enumerate(blocks)]
+    return ("\n" if any(b["type"] == "tool_reference" for b in blocks) else "").join(parts)
 
 
-def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str) -> None:
+def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, tools: ToolSet) -> None:
     """Text blocks as user messages, each tool_result as a tool message, in their order."""
     texts: list[str] = []
     for j, block in enumerate(blocks):
@@ -67,13 +87,13 @@ def _user_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str) -> 
         if not isinstance(call_id, str) or not call_id:
             raise bad_request(f"{where}[{j}].tool_use_id: missing", f"{where}[{j}].tool_use_id")
         # no "name": the same conversation through chat completions renders the same prompt
-        conv.add({"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, f"{where}[{j}]")},
-                 f"{where}[{j}]")
+        conv.add({"role": "tool", "tool_call_id": call_id,
+                  "content": _tool_result_text(block, f"{where}[{j}]", tools)}, f"{where}[{j}]")
     if texts or not blocks:
         conv.add({"role": "user", "content": "".join(texts)}, where)
 
 
-def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str) -> None:
+def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, tools: ToolSet) -> None:
     """One assistant message: its text, its tool_use blocks as tool calls, its thinking."""
     text = "".join(b["text"] for b in blocks if b["type"] == "text")
     message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -93,33 +113,95 @@ def _assistant_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str
     conv.add(message, where)
 
 
-def conversation(req: CountTokensRequest) -> Conversation:
-    """``system`` and ``messages`` in the internal format."""
-    conv = Conversation()
-    system = system_text(req.system)
-    if system:
-        conv.add({"role": "system", "content": system}, "system")
-    for i, m in enumerate(req.messages):
-        role, where = m.get("role"), f"messages[{i}]"
-        if role not in ROLE_BLOCKS:
-            raise bad_request(f"{where}.role: {role!r:.40} is not one of user, assistant", f"{where}.role")
-        refuse_unknown(m, {"role", "content"}, where)
-        blocks = _blocks(m.get("content"), f"{where}.content", ROLE_BLOCKS[role])
-        (_user_turn if role == "user" else _assistant_turn)(conv, blocks, f"{where}.content")
+def _cleared(messages: list[dict[str, Any]], i: int) -> bool:
+    """A system message shown only until the next user message, which came."""
+    return messages[i].get("clear_at") == "next_user_message" and any(
+        m.get("role") == "user" for m in messages[i + 1:] if isinstance(m, Mapping))
+
+
+def _system_turn(conv: Conversation, blocks: list[dict[str, Any]], where: str, tools: ToolSet) -> None:
+    conv.add({"role": "system", "content": "".join(b["text"] for b in blocks)}, where)
+
+
+TURNS = {"user": _user_turn, "assistant": _assistant_turn, "system": _system_turn}
+
+
+def _checked(m: Any, where: str) -> str:
+    """A message's role, its keys checked."""
+    role = m.get("role") if isinstance(m, Mapping) else None
+    if role not in ROLE_BLOCKS:
+        raise bad_request(f"{where}.role: {role!r:.40} is not one of user, assistant, system", f"{where}.role")
+    refuse_unknown(m, MESSAGE_KEYS[role], where)
+    return role
+
+
+def conversation(req: CountTokensRequest, tools: ToolSet | None = None) -> Conversation:
+    """``system`` and ``messages`` in the internal format (the module docstring says where
+    system messages go); ``tools`` resolve the tool references that load deferred tools."""
+    tools = tools if tools is not None else request_tools(req)
+    conv, messages = Conversation(), req.messages
+    roles = [_checked(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    lead = next((i for i, r in enumerate(roles) if r != "system"), len(roles))
+    system = [system_text(req.system) or ""] + [
+        "".join(b["text"] for b in _blocks(messages[i].get("content"), f"messages[{i}].content", ("text",)))
+        for i in range(lead) if not _cleared(messages, i)]
+    if any(system):
+        conv.add({"role": "system", "content": "\n\n".join(t for t in system if t)}, "system")
+    for i in range(lead, len(messages)):
+        where = f"messages[{i}]"
+        if roles[i] == "system" and _cleared(messages, i):
+            continue
+        blocks = _blocks(messages[i].get("content"), f"{where}.content", ROLE_BLOCKS[roles[i]])
+        TURNS[roles[i]](conv, blocks, f"{where}.content", tools)
     return conv
 
 
-def tools_of(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Anthropic's client tools as OpenAI function tools; server tools are refused."""
-    out = []
-    for i, tool in enumerate(tools or ()):
+def _client_tool(tools: ToolSet, tool: Mapping[str, Any], where: str) -> None:
+    refuse_unknown(tool, TOOL_KEYS, where)
+    fn = function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)
+    if tool.get("input_examples") is not None:  # shown to the model with the tool, as Anthropic shows them
+        fn["function"]["input_examples"] = tool["input_examples"]
+    callers = tool.get("allowed_callers")
+    if callers is not None and "direct" not in callers:
+        tools.leave_out(where, tool.get("name"), "only code execution may call it, and none runs here")
+        return
+    tools.add(fn, deferred=bool(tool.get("defer_loading")))
+
+
+def tools_in(given: list[dict[str, Any]] | None, mcp_servers: list[Any] | None = None,
+             container: Any = None) -> ToolSet:
+    """The request's tools: client tools as function tools (offered, or deferred until a
+    ``tool_reference`` loads them); Anthropic's own tools (server tools, and the schema-less
+    tools built into Claude: bash, text editor, computer, memory, ...) and MCP servers left out
+    with a note; the container noted as unused."""
+    tools = ToolSet()
+    for i, tool in enumerate(given or ()):
         where = f"tools[{i}]"
-        if tool.get("type", "custom") != "custom":
-            raise bad_request(f"{where}.type: {tool.get('type')!r:.60}: server tools are not supported "
-                              "(only client tools with an input_schema)", f"{where}.type", code="unsupported_value")
-        refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where))
-    return out
+        kind = tool.get("type", "custom") if isinstance(tool, Mapping) else None
+        if kind not in ("custom", None):
+            tools.leave_out(where, kind, "an Anthropic tool this server cannot run or render")
+        else:
+            _client_tool(tools, tool, where)
+    for i, server in enumerate(mcp_servers or ()):
+        name = server.get("name") if isinstance(server, Mapping) else None
+        tools.leave_out(f"mcp_servers[{i}]", name, "this server connects to no MCP server, so none of its tools")
+    if container is not None:
+        tools.notes.append("container: no code execution runs here; the container and its skills are not used")
+    return tools
+
+
+def request_tools(req: CountTokensRequest) -> ToolSet:
+    return tools_in(req.tools, req.mcp_servers, getattr(req, "container", None))
+
+
+def tools_of(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Anthropic's client tools as the function tools the template renders."""
+    return tools_in(tools).offered
+
+
+def notes(req: CountTokensRequest) -> tuple[str, ...]:
+    """What the request asked that this server leaves out (the answer's warnings)."""
+    return tuple(request_tools(req).notes)
 
 
 def template_args(thinking: ThinkingConfig | None) -> dict[str, Any]:
@@ -127,14 +209,26 @@ def template_args(thinking: ThinkingConfig | None) -> dict[str, Any]:
     return {} if thinking is None else {"enable_thinking": thinking.type != "disabled"}
 
 
+def turn_effort(req: CountTokensRequest) -> str | None:
+    """The effort this turn asks for: a shown system message's after the last assistant turn
+    (its ``output_config``: per turn), else the request's."""
+    messages = req.messages
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    for i in range(len(messages) - 1, last_assistant, -1):
+        config = messages[i].get("output_config")
+        if messages[i].get("role") == "system" and isinstance(config, Mapping) and config.get("effort") \
+                and not _cleared(messages, i):
+            return config["effort"]
+    return req.output_config.effort if req.output_config is not None else None
+
+
 def _conversation_fields(req: CountTokensRequest) -> dict[str, Any]:
-    fields: dict[str, Any] = {"messages": spec_messages(conversation(req))}
-    tools = tools_of(req.tools)
-    if tools and not (req.tool_choice and req.tool_choice.type == "none"):
-        fields["tools"] = tools
+    tools = request_tools(req)
+    fields: dict[str, Any] = {"messages": spec_messages(conversation(req, tools))}
+    if tools.offered and not (req.tool_choice and req.tool_choice.type == "none"):
+        fields["tools"] = tools.offered
     args = template_args(req.thinking)
-    effort = getattr(req, "output_config", None) and req.output_config.effort
-    if effort:
+    if effort := turn_effort(req):
         args["reasoning_effort"] = effort
     if args:
         fields["template_args"] = args

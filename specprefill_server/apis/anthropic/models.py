@@ -3,7 +3,9 @@ the ``anthropic-version`` header (``errors.speaks_anthropic``; every Anthropic S
 page ``{"data", "has_more", "first_id", "last_id"}`` of ``{"type": "model", "id", "display_name",
 "created_at", ...}`` entries, with Anthropic's cursors (``after_id``, ``before_id``) and
 ``limit`` (1-1000, 20 by default). The entries are the OpenAI listing's (the models a live
-worker serves), in its order.
+worker serves), in its order, with the window as Anthropic's ModelInfo says it:
+``max_input_tokens`` (the context window the model's config declares) and ``max_tokens`` (the
+most one answer may generate: ``max_generate_tokens``, within that window).
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from specprefill_server.errors import APIError
 LIMIT_DEFAULT, LIMIT_MAX = 20, 1000  # Anthropic's
 
 
-def model_info(entry: dict[str, Any]) -> dict[str, Any]:
+def model_info(entry: dict[str, Any], max_generate_tokens: int) -> dict[str, Any]:
     """One OpenAI model entry (``web.data.models_list``) as an Anthropic ModelInfo."""
     created = datetime.fromtimestamp(entry["created"], tz=timezone.utc)
-    return {"type": "model", "id": entry["id"], "display_name": entry["id"],
+    info = {"type": "model", "id": entry["id"], "display_name": entry["id"],
             "created_at": created.isoformat().replace("+00:00", "Z"), "lifecycle": "active",
             "specprefill": entry["specprefill"]}
+    if window := entry.get("context_window"):
+        info.update(max_input_tokens=window, max_tokens=min(max_generate_tokens, window))
+    return info
 
 
 def _limit(query: Mapping[str, str]) -> int:
@@ -42,9 +47,9 @@ def _cursor(ids: list[str], query: Mapping[str, str], name: str) -> int | None:
     return ids.index(value)
 
 
-def models_page(listing: dict[str, Any], query: Mapping[str, str]) -> dict[str, Any]:
+def models_page(listing: dict[str, Any], query: Mapping[str, str], max_generate_tokens: int) -> dict[str, Any]:
     """The page of Anthropic ModelInfo entries that ``query``'s cursors and limit select."""
-    entries = [model_info(e) for e in listing["data"]]
+    entries = [model_info(e, max_generate_tokens) for e in listing["data"]]
     ids = [e["id"] for e in entries]
     limit = _limit(query)
     after, before = _cursor(ids, query, "after_id"), _cursor(ids, query, "before_id")

@@ -12,6 +12,7 @@ from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningD
                                               ToolCallArguments, ToolCallStart, sse)
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+PING = sse({"type": "ping"}, "ping")  # also the stream's keep-alive (answering.stream)
 
 
 def message_id(job_id: str) -> str:
@@ -23,7 +24,7 @@ def usage(result: GenerateResult) -> dict[str, int]:
     """Anthropic's usage: ``input_tokens`` are the prompt tokens the target prefilled or
     skipped by selection, ``cache_read_input_tokens`` those it restored from the block store
     (together: the whole prompt)."""
-    restored = result.target_tokens.get("restored", 0)
+    restored = result.restored
     return {"input_tokens": result.total - restored, "output_tokens": result.generated_tokens,
             "cache_read_input_tokens": restored}
 
@@ -34,12 +35,13 @@ def stop_of(result: GenerateResult, stop_sequences: list[str] | None) -> tuple[s
     return reason, (stop_sequences[0] if reason == "stop_sequence" and stop_sequences else None)
 
 
-def content_blocks(result: GenerateResult) -> list[dict[str, Any]]:
+def content_blocks(result: GenerateResult, show_thinking: bool = True) -> list[dict[str, Any]]:
     """The answer's blocks in the order they were generated: its reasoning (a thinking block,
-    with no signature: nothing here checks one), its text, its tool calls."""
+    with no signature: nothing here checks one; its text left out with ``thinking.display``
+    ``omitted``), its text, its tool calls."""
     blocks: list[dict[str, Any]] = []
     if reasoning := result.reasoning:
-        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+        blocks.append({"type": "thinking", "thinking": reasoning if show_thinking else "", "signature": ""})
     if result.text:
         blocks.append({"type": "text", "text": result.text})
     for call in result.tool_calls:
@@ -47,13 +49,19 @@ def content_blocks(result: GenerateResult) -> list[dict[str, Any]]:
     return blocks
 
 
-def message(result: GenerateResult, *, model: str, stop_sequences: list[str] | None) -> dict[str, Any]:
+# What a request with ``context_management`` is told: no edit was applied (the whole
+# conversation is kept; a prompt past the window is refused, so the client compacts).
+NO_EDITS = {"applied_edits": []}
+
+
+def message(result: GenerateResult, *, model: str, stop_sequences: list[str] | None, show_thinking: bool = True,
+            context_management: bool = False) -> dict[str, Any]:
     """The Message of a non-streamed answer."""
     reason, sequence = stop_of(result, stop_sequences)
-    content = content_blocks(result)
-    return {"id": message_id(result.job_id), "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(result),
-            "specprefill": specprefill_info(result)}
+    body = {"id": message_id(result.job_id), "type": "message", "role": "assistant", "model": model,
+            "content": content_blocks(result, show_thinking), "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(result), "specprefill": specprefill_info(result)}
+    return {**body, "context_management": NO_EDITS} if context_management else body
 
 
 class MessageFrames:
@@ -61,8 +69,10 @@ class MessageFrames:
     thinking block, a text block, one per tool call), closed when the next starts or the
     answer ends."""
 
-    def __init__(self, *, job_id: str, model: str, stop_sequences: list[str] | None) -> None:
+    def __init__(self, *, job_id: str, model: str, stop_sequences: list[str] | None, show_thinking: bool = True,
+                 context_management: bool = False) -> None:
         self.id, self.model, self.stop_sequences = message_id(job_id), model, stop_sequences
+        self.show_thinking, self.context_management = show_thinking, context_management
         self.index = -1  # the open block's index
         self.open: str | None = None  # its type
 
@@ -86,11 +96,11 @@ class MessageFrames:
             start = {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                      "content": [], "stop_reason": None, "stop_sequence": None,
                      "usage": {"input_tokens": 0, "output_tokens": 0}}  # the real counts: message_delta
-            return [sse({"type": "message_start", "message": start}, "message_start"),
-                    sse({"type": "ping"}, "ping")]
+            return [sse({"type": "message_start", "message": start}, "message_start"), PING]
         if isinstance(event, ReasoningDelta):
             head = self._start({"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
-            return head + [self._delta({"type": "thinking_delta", "thinking": event.text})]
+            shown = [self._delta({"type": "thinking_delta", "thinking": event.text})] if self.show_thinking else []
+            return head + shown
         if isinstance(event, TextDelta):
             head = self._start({"type": "text", "text": ""}) if self.open != "text" else []
             return head + [self._delta({"type": "text_delta", "text": event.text})]
@@ -108,4 +118,6 @@ class MessageFrames:
         reason, sequence = stop_of(result, self.stop_sequences)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage(result), "specprefill": specprefill_info(result)}
+        if self.context_management:
+            delta["context_management"] = NO_EDITS
         return [*self._stop(), sse(delta, "message_delta"), sse({"type": "message_stop"}, "message_stop")]

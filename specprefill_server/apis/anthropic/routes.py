@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from jobs.spec import JobSpecError
 from specprefill_server import answering
-from specprefill_server.apis.anthropic.convert import count_fields, message_fields
-from specprefill_server.apis.anthropic.reply import MessageFrames, message
+from specprefill_server.apis.anthropic.convert import count_fields, message_fields, notes
+from specprefill_server.apis.anthropic.reply import PING, MessageFrames, message
 from specprefill_server.apis.anthropic.types import CountTokensRequest, MessagesRequest
 from specprefill_server.errors import APIError, from_spec_error
 from specprefill_server.parse import parse
@@ -24,11 +24,14 @@ async def create_message(request: Request) -> Response:
     started = time.perf_counter()
     req = parse(MessagesRequest, await read_json(request))
     spec = state(request).client.generate_spec(**message_fields(req))  # JobSpecError -> 400 naming the field
-    ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started)
-    stops = req.stop_sequences
+    ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started,
+                                notes=notes(req))
+    shape = dict(model=req.model, stop_sequences=req.stop_sequences,
+                 show_thinking=not (req.thinking and req.thinking.display == "omitted"),
+                 context_management=req.context_management is not None)
     if req.stream:
-        return answering.stream(ex, MessageFrames(job_id=ex.handle.id, model=req.model, stop_sequences=stops))
-    return await answering.respond(ex, lambda result: message(result, model=req.model, stop_sequences=stops))
+        return answering.stream(ex, MessageFrames(job_id=ex.handle.id, **shape), keepalive=PING)
+    return await answering.respond(ex, lambda result: message(result, **shape))
 
 
 def _model_field(err: APIError) -> APIError:

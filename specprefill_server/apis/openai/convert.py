@@ -13,6 +13,7 @@ from specprefill_server.apis.openai.reply import chat_completion, text_completio
 from specprefill_server.apis.openai.types import ChatCompletionRequest, CompletionRequest
 from specprefill_server.errors import APIError, bad_request
 from specprefill_server.extension import job_fields
+from specprefill_server.tools import ToolSet
 
 # Fields of an assistant message the SDK sends back empty when a client replays the message
 # (and an empty tool_calls list: no calls).
@@ -66,6 +67,27 @@ def _common_fields(req: ChatCompletionRequest | CompletionRequest) -> dict[str, 
                       seed=req.seed, stop=req.stop)
 
 
+def chat_tools(req: ChatCompletionRequest) -> ToolSet:
+    """Function tools as given (the job spec checks them); ``custom`` (free-form) tools and
+    ``web_search_options`` left out with a note: the target's calls carry JSON arguments, and
+    no search runs here."""
+    tools = ToolSet()
+    for i, tool in enumerate(req.tools or ()):
+        kind = tool.get("type", "function") if isinstance(tool, Mapping) else None
+        if kind == "function" or kind is None:
+            tools.offered.append(tool)  # a malformed one: the spec names what is wrong with it
+        else:
+            tools.leave_out(f"tools[{i}]", kind, "a free-form tool: the target's calls carry JSON arguments")
+    if req.web_search_options is not None:
+        tools.notes.append("web_search_options: no web search runs here; the answer comes from the model alone")
+    return tools
+
+
+def notes(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, ...]:
+    """What the request asked that this server leaves out (the answer's warnings)."""
+    return tuple(chat_tools(req).notes) if isinstance(req, ChatCompletionRequest) else ()
+
+
 def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:
     """``Client.generate_spec`` arguments for a chat completion request."""
     fields = _common_fields(req)
@@ -73,8 +95,9 @@ def chat_fields(req: ChatCompletionRequest) -> dict[str, Any]:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
-    if req.tools and req.tool_choice != "none":
-        fields["tools"] = req.tools
+    tools = chat_tools(req).offered
+    if tools and req.tool_choice != "none":
+        fields["tools"] = tools
     template_args = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:  # the template's switch where it has one (gpt-oss)
         template_args.setdefault("reasoning_effort", req.reasoning_effort)

@@ -13,9 +13,13 @@ from specprefill_server.stream_events import Failed, Frames, Opened, StreamEvent
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
-def usage(result: GenerateResult) -> dict[str, int]:
+def usage(result: GenerateResult) -> dict[str, Any]:
+    """OpenAI's usage: ``prompt_tokens`` the whole prompt, of them ``cached_tokens`` those the
+    target restored from the block store (what Messages counts as ``cache_read_input_tokens``
+    and Responses as ``input_tokens_details.cached_tokens``)."""
     return {"prompt_tokens": result.total, "completion_tokens": result.generated_tokens,
-            "total_tokens": result.total + result.generated_tokens}
+            "total_tokens": result.total + result.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.restored}}
 
 
 def completion_id(job_id: str, prefix: str = "chatcmpl") -> str:

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from specprefill_server import answering
-from specprefill_server.apis.openai.convert import endpoint
+from specprefill_server.apis.openai.convert import endpoint, notes
 from specprefill_server.apis.openai.reply import ChunkMaker, chunk_frames
 from specprefill_server.parse import parse
 from specprefill_server.state import read_json, state
@@ -28,7 +28,7 @@ async def _answer(request: Request, url: str) -> Response:
     req = parse(model_cls, await read_json(request))
     spec = state(request).client.generate_spec(**fields_of(req))  # JobSpecError -> 400 naming the field
     ex = await answering.submit(request, spec, endpoint=url, stream=req.stream, started=started,
-                                route_key=req.prompt_cache_key)
+                                route_key=req.prompt_cache_key, notes=notes(req))
     if req.stream:
         maker = ChunkMaker(chat=url.endswith("chat/completions"), job_id=ex.handle.id,
                            model=req.model, created=ex.created)

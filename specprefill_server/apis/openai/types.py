@@ -1,13 +1,16 @@
 """The OpenAI request bodies this server accepts (chat completions, completions, batches), as
 pydantic models (parsed by :func:`specprefill_server.parse.parse`).
 
-Standard fields keep OpenAI's names and types. Fields OpenAI has but this service cannot
-honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties), so a
-request is answered as asked or refused. Fields clients send unasked that change nothing
-here (``user``, ``safety_identifier``, ``metadata``, ``service_tier``, ``verbosity``,
-``modalities: ["text"]``) are accepted and ignored (docs/http.md, the field table);
-``prompt_cache_key`` routes the job with ``routing=prefix`` (jobs/routing.py). SpecPrefill options are extra body fields (``extra_body={"keep": 0.2}`` in the
-SDK); any other unknown field is refused by name.
+Every field of the SDK's ``CompletionCreateParams`` (chat and text) is a field here
+(tests/server/test_sdk_fields.py walks them). Fields OpenAI has but this service cannot
+honour are accepted only at their neutral value (``n`` 1, no logprobs, no penalties) or
+refused by name with the reason (:data:`REFUSED`), so a request is answered as asked or
+refused. Fields clients send unasked that change nothing here (``user``, ``metadata``,
+``service_tier``, ``verbosity``, ``prediction``, ...) are accepted and ignored (docs/http.md,
+the field table); ``prompt_cache_key`` routes the job with ``routing=prefix``
+(jobs/routing.py); ``web_search_options`` asks for a search this server cannot run (a note
+in the answer's warnings). SpecPrefill options are extra body fields
+(``extra_body={"keep": 0.2}`` in the SDK); any other unknown field is refused by name.
 """
 from __future__ import annotations
 
@@ -16,7 +19,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specprefill_server.extension import SpecPrefillOptions
-from specprefill_server.parse import Unsupported
+from specprefill_server.parse import Unsupported, refuse_given
+
+# Chat completion fields this server refuses when given, and why.
+REFUSED = {"functions": "deprecated in favour of tools: send them as tools",
+           "function_call": "deprecated in favour of tool_choice",
+           "audio": "no audio is generated here",
+           "moderation": "no moderation model runs here"}
 
 
 class StreamOptions(BaseModel):
@@ -70,16 +79,25 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     store: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None  # no search runs here: a note in the warnings
     # Sent unasked by clients and agents; they change nothing here (docs/http.md).
     metadata: dict[str, str] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None  # predicted output speeds decoding up, the answer is the same
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # Given to the chat template as ``reasoning_effort`` (a template without it ignores it).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _chat_neutral_only(self) -> "ChatCompletionRequest":
+        refuse_given(self, REFUSED)
         if self.logprobs or self.top_logprobs:
             raise Unsupported("logprobs: not supported")
         if self.response_format is not None and self.response_format.get("type") != "text":

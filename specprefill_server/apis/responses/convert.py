@@ -3,6 +3,13 @@
 into the internal conversation (:mod:`specprefill_server.conversation`), function tools into
 chat-template tools, and the request into the job's fields. The answer's side is
 :mod:`.reply`.
+
+A ``namespace`` tool (Codex groups tools so) is flattened into its function tools, each named
+``<namespace>.<name>`` (so two namespaces may hold the same name) and described with the
+namespace's description first; a call of one comes back as a ``function_call`` with that
+``namespace`` and ``name``, and a ``function_call`` item with a ``namespace`` goes to the
+model under the same flat name. Built-in tools (web search, file search, code interpreter,
+computer, shell, MCP, ...) and free-form ``custom`` tools are left out with a note.
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from specprefill_server.conversation import Conversation, function_tool, refuse_
 from specprefill_server.errors import bad_request
 from specprefill_server.extension import job_fields
 from specprefill_server.apis.responses.types import ResponsesRequest
+from specprefill_server.tools import ToolSet
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -19,6 +27,10 @@ ITEM_KEYS = {"message": {"role", "content", "id", "status", "phase"},
              "function_call": {"call_id", "name", "arguments", "id", "status", "namespace"},
              "function_call_output": {"call_id", "output", "id", "status"},
              "reasoning": {"id", "summary", "content", "encrypted_content", "status"}}
+# A function tool's keys. strict and output_schema shape OpenAI's own decoding and tool
+# outputs: calls are parsed as the model writes them here; async is how the client runs it.
+FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict", "defer_loading", "allowed_callers",
+                 "output_schema", "async"}
 
 
 def _text(content: Any, where: str) -> str:
@@ -53,7 +65,8 @@ def _function_call(conv: Conversation, item: Mapping[str, Any], where: str, reas
     for key in ("call_id", "name"):
         if not isinstance(item.get(key), str) or not item[key]:
             raise bad_request(f"{where}.{key}: expected a non-empty string", f"{where}.{key}")
-    call = tool_call(item["call_id"], item["name"], item.get("arguments", ""), f"{where}.arguments")
+    name = flat_name(item.get("namespace"), item["name"])
+    call = tool_call(item["call_id"], name, item.get("arguments", ""), f"{where}.arguments")
     turn = conv.last_assistant()
     if turn is None:
         turn = {"role": "assistant", "content": None}
@@ -108,17 +121,71 @@ def conversation(items: str | list[dict[str, Any]], *, prefix: list[dict[str, An
     return conv
 
 
+def flat_name(namespace: Any, name: str) -> str:
+    """A namespaced tool's name as the model sees it."""
+    return f"{namespace}.{name}" if isinstance(namespace, str) and namespace else name
+
+
+def _function(tools: ToolSet, tool: Mapping[str, Any], where: str, namespace: Mapping[str, Any] | None = None) -> None:
+    refuse_unknown(tool, FUNCTION_KEYS, where)
+    callers = tool.get("allowed_callers")
+    if callers is not None and "direct" not in callers:
+        tools.leave_out(where, tool.get("name"), "only programmatic tool calling may call it, which does not run here")
+        return
+    name, description = tool.get("name"), tool.get("description")
+    if namespace is not None:
+        name = flat_name(namespace["name"], name) if isinstance(name, str) and name else name
+        description = "\n\n".join(d for d in (namespace.get("description"), description) if d) or None
+    tools.add(function_tool(name, description, tool.get("parameters"), where),
+              deferred=bool(tool.get("defer_loading")))
+
+
+def _namespace(tools: ToolSet, tool: Mapping[str, Any], where: str) -> None:
+    refuse_unknown(tool, {"type", "name", "description", "tools"}, where)
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise bad_request(f"{where}.name: expected a non-empty string", f"{where}.name")
+    if not isinstance(tool.get("tools"), list):
+        raise bad_request(f"{where}.tools: expected a list of tools", f"{where}.tools", code="invalid_type")
+    for j, inner in enumerate(tool["tools"]):
+        _tool(tools, inner, f"{where}.tools[{j}]", namespace=tool)
+
+
+def _tool(tools: ToolSet, tool: Any, where: str, namespace: Mapping[str, Any] | None = None) -> None:
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind == "function":
+        _function(tools, tool, where, namespace)
+    elif kind == "namespace" and namespace is None:
+        _namespace(tools, tool, where)
+    elif kind == "custom":
+        tools.leave_out(where, f"custom {tool.get('name')}",
+                        "a free-form tool: the target's calls carry JSON arguments")
+    else:
+        tools.leave_out(where, kind, "a built-in tool this server cannot run")
+
+
+def tools_in(given: list[dict[str, Any]] | None) -> ToolSet:
+    """Responses tools as chat-template tools: function tools (``defer_loading`` ones kept out
+    of the prompt), namespaces flattened, the rest left out with a note."""
+    tools = ToolSet()
+    for i, tool in enumerate(given or ()):
+        _tool(tools, tool, f"tools[{i}]")
+    return tools
+
+
 def tools_of(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Responses function tools (flat) as chat-template tools; built-in tools are refused."""
-    out = []
-    for i, tool in enumerate(tools or ()):
-        where = f"tools[{i}]"
-        if tool.get("type") != "function":
-            raise bad_request(f"{where}.type: {tool.get('type')!r:.60}: only function tools are supported",
-                              f"{where}.type", code="unsupported_value")
-        refuse_unknown(tool, {"type", "name", "description", "parameters", "strict"}, where)
-        out.append(function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), where))
-    return out
+    """Responses tools as the function tools the chat template renders."""
+    return tools_in(tools).offered
+
+
+def namespaces(tools: list[dict[str, Any]] | None) -> frozenset[str]:
+    """The namespaces the request's tools name (a call's flat name splits back by them)."""
+    return frozenset(t["name"] for t in tools or () if isinstance(t, Mapping) and t.get("type") == "namespace"
+                     and isinstance(t.get("name"), str))
+
+
+def notes(req: ResponsesRequest) -> tuple[str, ...]:
+    """What the request asked that this server leaves out (the answer's warnings)."""
+    return tuple(tools_in(req.tools).notes)
 
 
 def with_instructions(conv: Conversation, instructions: str | None) -> Conversation:

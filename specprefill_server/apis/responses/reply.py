@@ -27,7 +27,7 @@ def usage(result: GenerateResult) -> dict[str, Any]:
     ``reasoning_tokens`` is said only when it is known, 0 for an answer without reasoning
     (the worker reports the reasoning's text, not its tokens, and this server has no tokenizer)."""
     out: dict[str, Any] = {"input_tokens": result.total,
-                           "input_tokens_details": {"cached_tokens": result.target_tokens.get("restored", 0)},
+                           "input_tokens_details": {"cached_tokens": result.restored},
                            "output_tokens": result.generated_tokens,
                            "total_tokens": result.total + result.generated_tokens}
     if not result.reasoning:
@@ -37,11 +37,23 @@ def usage(result: GenerateResult) -> dict[str, Any]:
 
 @dataclass
 class ResponseShape:
-    """What a Response object repeats of its request, and its id."""
+    """What a Response object repeats of its request, and its id. ``max_output_tokens`` is the
+    ceiling the job runs with (the request's, or with none the deployment's
+    ``max_generate_tokens``; the worker stops earlier where the context window ends)."""
 
     id: str
     created: int
     req: ResponsesRequest
+    max_output_tokens: int | None = None
+    namespaces: frozenset[str] = frozenset()  # of the request's namespace tools (convert.namespaces)
+
+    def call_name(self, name: str) -> dict[str, str]:
+        """A call's name as a function_call item says it: a namespaced tool's flat name
+        (``crm.lookup``) split back into ``namespace`` and ``name``."""
+        for namespace in self.namespaces:
+            if name.startswith(namespace + ".") and len(name) > len(namespace) + 1:
+                return {"namespace": namespace, "name": name[len(namespace) + 1:]}
+        return {"name": name}
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
         content = [_text_part(text)] if status == "completed" else []
@@ -60,7 +72,7 @@ class ResponseShape:
             items.append(self.message_item(result.text))
         for index, call in enumerate(calls):
             items.append({"type": "function_call", "id": f"fc_{self.id[5:]}_{index}", "call_id": call["id"],
-                          "name": call["name"], "arguments": arguments_json(call["arguments"]),
+                          **self.call_name(call["name"]), "arguments": arguments_json(call["arguments"]),
                           "status": "completed"})
         return items
 
@@ -75,9 +87,9 @@ class ResponseShape:
                 "error": None, "incomplete_details": details, "model": r.model,
                 "instructions": r.instructions, "previous_response_id": r.previous_response_id,
                 "output": self.output(result) if result is not None else [],
-                "max_output_tokens": r.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "max_output_tokens": self.max_output_tokens, "temperature": r.temperature, "top_p": r.top_p,
                 "parallel_tool_calls": r.parallel_tool_calls is not False, "tool_choice": r.tool_choice or "auto",
-                "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "tools": r.tools or [], "text": {"format": {"type": "text"}}, "truncation": r.truncation or "disabled",
                 "store": r.store, "metadata": r.metadata or {}, "background": False,
                 "usage": usage(result) if result is not None else None,
                 "specprefill": specprefill_info(result) if result is not None else None}
@@ -158,7 +170,8 @@ class ResponseFrames:
                                     output_index=self.index, content_index=0, delta=event.text)]
         if isinstance(event, ToolCallStart):
             return self._open({"type": "function_call", "id": f"fc_{self.shape.id[5:]}_{event.index}",
-                               "call_id": event.id, "name": event.name, "arguments": "", "status": "in_progress"})
+                               "call_id": event.id, **self.shape.call_name(event.name), "arguments": "",
+                               "status": "in_progress"})
         if isinstance(event, ToolCallArguments):
             if not event.delta or self.item is None or self.item["type"] != "function_call":
                 return []

@@ -21,7 +21,7 @@ from jobs.results import GenerateResult
 from specprefill_server import answering
 from specprefill_server.errors import APIError, not_found
 from specprefill_server.parse import parse
-from specprefill_server.apis.responses.convert import conversation, response_fields
+from specprefill_server.apis.responses.convert import conversation, namespaces, notes, response_fields
 from specprefill_server.apis.responses.reply import ResponseFrames, ResponseShape, answer_messages, response_id
 from specprefill_server.apis.responses.types import ResponsesRequest
 from specprefill_server.state import ServerState, read_json, state
@@ -67,10 +67,14 @@ async def create_response(request: Request) -> Response:
     started, svc = time.perf_counter(), state(request)
     req = parse(ResponsesRequest, await read_json(request))
     conv = conversation(req.input, prefix=await _previous(svc, req))
-    spec = svc.client.generate_spec(**response_fields(req, conv))  # JobSpecError -> 400 naming the field
+    fields = response_fields(req, conv)
+    # no max_output_tokens: the room the prompt leaves, within the deployment's max_generate_tokens
+    fields.setdefault("max_tokens", svc.settings.max_generate_tokens)
+    spec = svc.client.generate_spec(**fields)  # JobSpecError -> 400 naming the field
     ex = await answering.submit(request, spec, endpoint=ENDPOINT, stream=req.stream, started=started,
-                                route_key=req.prompt_cache_key)
-    shape = ResponseShape(response_id(ex.handle.id), ex.created, req)
+                                route_key=req.prompt_cache_key, notes=notes(req))
+    shape = ResponseShape(response_id(ex.handle.id), ex.created, req, max_output_tokens=spec.generate.max_tokens,
+                          namespaces=namespaces(req.tools))
 
     async def keep(result: GenerateResult) -> None:
         await svc.runner.call(ResponseStore.of(svc).save, shape.body(result), conv.messages + answer_messages(result))

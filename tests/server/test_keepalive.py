@@ -1,0 +1,107 @@
+"""A long prefill keeps the stream alive: a client whose read timeout is shorter than the
+prefill gets its answer on every API (Anthropic's ``ping`` events, SSE comments on the OpenAI
+APIs, every ``stream_keepalive_s``), and times out when keep-alives are off.
+
+The target is scripted (tests/support/scripted_target.py) with a 4 s prefill; the clients
+give up after 1.5 s without a byte.
+"""
+from __future__ import annotations
+
+import os
+
+import httpx2 as httpx  # the SDKs' HTTP client
+import pytest
+
+from tests.server.conftest import Server, raw_request
+
+MODEL = "slow"
+PREFILL_S, READ_TIMEOUT_S = 4.0, 1.5
+RULES = [{"when": "Take your time.", "say": "</think>\n\nDone."}]  # Qwen3 opens with <think>
+
+
+@pytest.fixture(scope="module")
+def slow(http_redis, tmp_path_factory):
+    """A scripted worker whose prefills take 4 s, a server with keep-alives every 0.5 s and
+    one with none, on their own namespace."""
+    from tests.support.chat_folders import save_chat_model
+    from tests.support.scripted_worker import scripted_worker
+
+    root = tmp_path_factory.mktemp("slow-stack")
+    folder = save_chat_model(root / "slow", "qwen3", script={"rules": RULES, "prefill_delay_s": PREFILL_S})
+    settings = dict(namespace="slow", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000")
+    worker = scripted_worker(http_redis.url, f"slow-worker-{os.getpid()}", root / "worker.log",
+                             target_model=MODEL, **settings)
+    servers = []
+    try:
+        for keepalive in ("0.5", "0"):
+            servers.append(Server.start(http_redis.url, root / f"server-{keepalive}.log",
+                                        stream_keepalive_s=keepalive, **settings))
+        yield {"on": servers[0].url, "off": servers[1].url}
+    finally:
+        for server in servers:
+            server.stop()
+        worker.stop()
+
+
+def _openai(url: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=httpx.Timeout(READ_TIMEOUT_S))
+
+
+def _anthropic(url: str):
+    from anthropic import Anthropic
+
+    return Anthropic(base_url=url, api_key="none", max_retries=0, timeout=httpx.Timeout(READ_TIMEOUT_S))
+
+
+def _chat(url: str, text: str) -> str:
+    stream = _openai(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=32, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices).strip()
+
+
+def _responses(url: str, text: str) -> str:
+    events = _openai(url).responses.create(model=MODEL, input=text, max_output_tokens=32, stream=True)
+    events = list(events)
+    done = [e for e in events if e.type == "response.completed"]
+    assert done, [e.type for e in events]
+    return done[0].response.output_text.strip()
+
+
+def _messages(url: str, text: str) -> str:
+    stream = _anthropic(url).messages.create(model=MODEL, max_tokens=32, stream=True,
+                                             messages=[{"role": "user", "content": text}])
+    return "".join(e.delta.text for e in stream if e.type == "content_block_delta"
+                   and e.delta.type == "text_delta").strip()  # the SDK skips the ping events
+
+
+def test_a_stream_outlives_a_prefill_longer_than_the_client_read_timeout(slow):
+    assert _chat(slow["on"], "Chat. Take your time.") == "Done."
+    assert _responses(slow["on"], "Responses. Take your time.") == "Done."
+    assert _messages(slow["on"], "Messages. Take your time.") == "Done."
+
+
+@pytest.mark.parametrize("path, body, keepalive", [
+    ("/v1/messages", {"max_tokens": 32, "messages": [{"role": "user", "content": "Raw messages. Take your time."}]},
+     "event: ping\ndata: {\"type\":\"ping\"}\n\n"),
+    ("/v1/chat/completions", {"max_tokens": 32, "messages": [{"role": "user", "content": "Raw chat. Take your time."}]},
+     ": keep-alive\n\n"),
+], ids=["anthropic-ping", "openai-comment"])
+def test_the_keepalive_frames_come_every_interval_of_the_prefill(slow, path, body, keepalive):
+    conn = raw_request(slow["on"], "POST", path, {"model": MODEL, "stream": True, **body}, key=None)
+    text = conn.getresponse().read().decode()
+    # every 0.5 s of the 4 s prefill (Anthropic's stream also pings once after message_start)
+    assert text.count(keepalive) >= int(PREFILL_S / 0.5) - 2, text
+    assert "Done." in text
+
+
+def test_without_keepalives_the_same_client_times_out(slow):
+    from anthropic import APITimeoutError as AnthropicTimeout
+    from openai import APITimeoutError
+
+    # the SDKs raise their own timeout error, or httpx's once the stream is being read
+    with pytest.raises((APITimeoutError, httpx.ReadTimeout)):
+        _chat(slow["off"], "Chat, no keep-alive. Take your time.")
+    with pytest.raises((AnthropicTimeout, httpx.ReadTimeout)):
+        _messages(slow["off"], "Messages, no keep-alive. Take your time.")
