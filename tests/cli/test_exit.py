@@ -57,6 +57,7 @@ def test_finding1_python_m_worker_too():
 @pytest.mark.parametrize("prompt, message", [
     (" \n\t ", "text: only whitespace (4 characters): nothing to prefill"),
     (text(140_000), "input: 140000 tokens, the limit is 131072"),
+    (text(70_000), "input: the prompt's 70000 tokens"),  # past the shipped models' 65536-token window
 ])
 def test_finding2_worker_refused_input_is_2_without_a_class_name(service, tmp_path, prompt, message):
     f = tmp_path / "prompt.txt"
