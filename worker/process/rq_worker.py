@@ -22,7 +22,7 @@ from rq import Queue, SimpleWorker, worker_registration
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
-from jobs.connection import REDIS_DOWN
+from jobs.connection import REDIS_DOWN, stop_retrying
 from jobs.log_format import log_context, set_worker
 from jobs.node_queues import rescue_stranded
 from jobs.settings import is_heal_queue
@@ -254,6 +254,7 @@ class InProcessWorker(SimpleWorker):
             self._redis_down("suspension check", exc)
 
     def teardown(self) -> None:
+        stop_retrying(self.connection)  # leaving: each last write gets one attempt, no outage waited out
         try:
             super().teardown()
         except REDIS_DOWN as exc:  # exiting anyway: the worker's key expires on its own
@@ -274,9 +275,12 @@ class InProcessWorker(SimpleWorker):
         return execution.job_id if execution else None
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
-        """Second SIGTERM/SIGINT: stop the running job at its next chunk, then exit."""
+        """Second SIGTERM/SIGINT: stop the running job at its next chunk, then exit; from now on
+        no Redis command waits out an outage (the retries end), so neither the job's last chunk
+        nor the worker's exit does."""
         if (now() - self._shutdown_requested_date) < timedelta(seconds=1):
             return  # the same signal delivered twice (worker pools do that)
+        stop_retrying(self.connection)
         job_id = self._running_job_id()
         if job_id is None:
             raise SystemExit()
