@@ -23,6 +23,7 @@ OTHER_ERRORS = {
     "OldFormatError": "a block written by an older version (a miss)",
     "SettingsError": "the worker's own settings, refused at its start",
     "RedisUnreachable": "Redis, not the input",
+    "RetriesStopped": "a stop request ended the Redis retries",
     "EnqueueConflict": "a client-side race",
     "StreamDiverged": "a client-side stream check",
     "JobFailed": "the client's wrapper of a failure",

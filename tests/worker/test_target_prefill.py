@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import tests.support.families as F
-import tests.support.family_coverage as C
+import specprefill_testkit.families as F
+import specprefill_testkit.family_coverage as C
 from specprefill.attention.target import required_tail, target_profile
 from specprefill.sparse import full_prefill, generate_tokens
-from tests.support.true_positions import true_position_logits
+from specprefill_testkit.true_positions import true_position_logits
 from worker.job.target_prefill import prefill_prefix, sparse_prefill
 
 T, PROTECTED, BLOCK = 96, 40, 16  # the protected prefix spans three block steps (16, 32, 40)
