@@ -48,6 +48,7 @@ CASES = {  # name: (family, overrides, kv_bits)
     "lfm2": ("lfm2", {}, None),  # hybrid: short-conv
     "nemotron_h": ("nemotron_h", {}, None),  # hybrid: Mamba-2
     "falcon_h1": ("falcon_h1", {}, None),  # hybrid: CacheList
+    "mamba2": ("mamba2", {}, None),  # recurrent only: no positions at all
     "llama_kv4": ("llama", "kv", 4),  # quantized KV
     "qwen3_5_kv4": ("qwen3_5", "kv", 4),
     "gemma2": ("gemma2", {}, None),  # hand-written attention: cannot batch
