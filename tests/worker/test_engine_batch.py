@@ -29,7 +29,8 @@ import worker.engine.batch as batch_module
 STEPS = 10
 CHUNK = 16
 JOBS = ((40, False), (70, True), (23, False), (90, True))  # (prompt length, sparse)
-BIT_EQUAL = {"llama", "llama_mha", "mistral", "qwen3", "phi3", "gemma2", "gpt2", "qwen3_5", "lfm2", "nemotron_h", "falcon_h1", "gpt_bigcode", "llama_kv4", "qwen3_5_kv4"}
+BIT_EQUAL = {"llama", "llama_mha", "mistral", "qwen3", "phi3", "gemma2", "gpt2", "qwen3_5", "lfm2", "nemotron_h",
+             "falcon_h1", "mamba2", "gpt_bigcode", "llama_kv4", "qwen3_5_kv4"}
 ROUNDING = 1e-5  # relative to the largest logit, the windowed families
 CASES = {  # name: (family, overrides, kv_bits)
     "llama_mha": ("llama", dict(num_key_value_heads=4), None),  # dense, one KV head per query head
