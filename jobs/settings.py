@@ -146,6 +146,17 @@ class Settings:
     # only) and the job falls back as above. 0: no budget.
     draft_timeout_s: float = 0.0
 
+    # The engine (worker/engine): every job the worker holds runs in one loop; decoding jobs
+    # advance together one token per step. max_decode_gap_s bounds the time between two decode
+    # steps: prefill and scoring chunks run between them, each sized to fit this (the model's
+    # measured tokens/s times it, rounded down to a power of two, at most prefill_step), so a
+    # decode step waits at most one chunk. prefill_chunk_tokens fixes the chunk instead (0:
+    # sized from max_decode_gap_s). prefill_order: which ready prefill runs first, "shortest"
+    # (the fewest tokens left in its phase) or "fifo" (arrival).
+    max_decode_gap_s: float = 0.1
+    prefill_chunk_tokens: int = 0
+    prefill_order: str = "shortest"
+
     # Limits.
     max_prompt_tokens: int = 131072
     max_batch_documents: int = 10000

@@ -39,8 +39,10 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
     "http_response_ttl_s": (1, None), "stream_keepalive_s": (0, 3600),
     "heal_min_sparse_share": (0, 1), "heal_ttl_s": (1, None), "heal_wait_ms": (0, None),
+    "max_decode_gap_s": (0.001, 60), "prefill_chunk_tokens": (0, None),
 }
 ROUTING_MODES = ("off", "prefix")  # jobs/routing.py
+PREFILL_ORDERS = ("shortest", "fifo")  # worker/engine/scheduler.py
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})
 _warned: set[str] = set()
@@ -95,6 +97,8 @@ def validate(settings: Any, prefix: str) -> None:
             _check_range(f.name, value, prefix)
     if settings.routing not in ROUTING_MODES:
         raise _bad("routing", prefix, f"must be one of {', '.join(ROUTING_MODES)}", settings.routing)
+    if settings.prefill_order not in PREFILL_ORDERS:
+        raise _bad("prefill_order", prefix, f"must be one of {', '.join(PREFILL_ORDERS)}", settings.prefill_order)
     if settings.heartbeat_ttl_s < 2 * settings.heartbeat_interval_s:  # else live jobs look dead
         raise SettingsError(f"setting heartbeat_ttl_s ({prefix}HEARTBEAT_TTL_S): must be at least "
                             f"twice heartbeat_interval_s ({settings.heartbeat_interval_s}), got "

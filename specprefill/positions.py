@@ -26,6 +26,7 @@ reads no defined memory, so those positions are refused (:func:`learned_position
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -72,6 +73,41 @@ class PositionMap:
         return np.where(index < len(kept), kept[np.clip(index, 0, len(kept) - 1)], generated)
 
 
+_SESSION_MAP: ContextVar[PositionMap | None] = ContextVar("specprefill_session_map", default=None)
+
+
+class SessionPositions:
+    """Stands for the position map of the target session open in the calling context (a thread,
+    an asyncio task, a greenlet: each has its own), None outside one. Wrappers given it instead of
+    a :class:`PositionMap` act as the genuine module in any other context, so one model serves a
+    session's sparse prefill and, between its chunks, other requests' plain passes (a worker
+    engine's batched decode) with their own positions."""
+
+    def current(self) -> PositionMap | None:
+        return _SESSION_MAP.get()
+
+
+SESSION = SessionPositions()
+
+
+@contextmanager
+def session_positions(position_map: PositionMap) -> Iterator[None]:
+    """Make ``position_map`` the calling context's session map (:data:`SESSION`) for the block."""
+    token = _SESSION_MAP.set(position_map)
+    try:
+        yield
+    finally:
+        try:
+            _SESSION_MAP.reset(token)
+        except ValueError:  # closed from another context (a collected greenlet): clear it there
+            _SESSION_MAP.set(None)
+
+
+def resolve(position_map: PositionMap | SessionPositions) -> PositionMap | None:
+    """The map to use now: ``position_map``, or the session's for :data:`SESSION` (None: none open)."""
+    return position_map.current() if isinstance(position_map, SessionPositions) else position_map
+
+
 def rope_at_positions(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     """Apply ``rope`` to ``x`` (B, heads, L, D) with token ``l`` at ``positions[l]``."""
     B, H, L, D = x.shape
@@ -94,12 +130,15 @@ class PositionedRoPE(Wrapper):
     Attribute access falls through to the genuine module (``dims``, ``_freqs``, ...).
     """
 
-    def __init__(self, genuine: nn.Module, position_map: PositionMap):
+    def __init__(self, genuine: nn.Module, position_map: PositionMap | SessionPositions):
         super().__init__(genuine)
         self.position_map = position_map
 
     def __call__(self, x: mx.array, offset: Any = 0, **kwargs) -> mx.array:
-        positions = self.position_map.positions(int_offset(offset), x.shape[-2])
+        position_map = resolve(self.position_map)
+        if position_map is None:  # no session in this context: the genuine rope, offsets as given
+            return self.genuine(x, offset=offset, **kwargs)
+        positions = position_map.positions(int_offset(offset), x.shape[-2])
         if positions[-1] - positions[0] == len(positions) - 1:
             # Contiguous run (always true while decoding): the genuine fast path.
             return self.genuine(x, offset=int(positions[0]), **kwargs)
@@ -129,12 +168,15 @@ class EmbeddingInput:
 class PositionedEmbedding(Wrapper):
     """Wraps a learned position embedding fed cache indices (+ ``shift``); looks up original positions."""
 
-    def __init__(self, genuine: nn.Module, position_map: PositionMap, shift: int, size: int):
+    def __init__(self, genuine: nn.Module, position_map: PositionMap | SessionPositions, shift: int, size: int):
         super().__init__(genuine)
         self.position_map, self.shift, self.size = position_map, shift, size
 
     def __call__(self, ids: mx.array) -> mx.array:
-        positions = self.position_map.at(np.array(ids).astype(np.int64) - self.shift)
+        position_map = resolve(self.position_map)
+        if position_map is None:
+            return self.genuine(ids)
+        positions = position_map.at(np.array(ids).astype(np.int64) - self.shift)
         if positions.size and positions.max() >= self.size - self.shift:
             raise ValueError(f"position {int(positions.max())}: past the model's {self.size - self.shift} "
                              "learned positions")
@@ -221,7 +263,7 @@ def learned_positions(inputs: Sequence[EmbeddingInput]) -> int | None:
 
 @contextmanager
 def embeddings_at_positions(model: nn.Module, inputs: Sequence[EmbeddingInput],
-                            position_map: PositionMap) -> Iterator[None]:
+                            position_map: PositionMap | SessionPositions) -> Iterator[None]:
     """Install a :class:`PositionedEmbedding` on each learned position embedding of ``inputs`` for the
     block; always puts the genuine tables back (a wrapper left by an aborted request is replaced)."""
     wanted = {e.path: e for e in inputs if e.fed == "positions"}

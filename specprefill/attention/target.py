@@ -45,9 +45,9 @@ from specprefill.attention.kernel import family_modules
 from specprefill.attention.probe import holds_keys, make_cache, require_layers
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import PREFILL_STEP
-from specprefill.positions import (SUPPORTED_ROPES, EmbeddingInput, PositionedRoPE, PositionMap,
-                                   embeddings_at_positions, embedding_inputs, int_offset, learned_positions,
-                                   rope_owners)
+from specprefill.positions import (SESSION, SUPPORTED_ROPES, EmbeddingInput, PositionedRoPE, PositionMap,
+                                   SessionPositions, embeddings_at_positions, embedding_inputs, int_offset,
+                                   learned_positions, resolve, rope_owners, session_positions)
 from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
 from specprefill.wrapping import unwrap_rope
 
@@ -196,10 +196,14 @@ def _leaves(cache: list) -> list:
     return [m for c in cache for m in (c.caches if isinstance(c, CacheList) else (c,))]
 
 
-def _positioned_factor(genuine: Callable, position_map: PositionMap) -> Callable:
-    """ministral3's query scale, at the original positions of ``offset .. offset+size-1``."""
+def _positioned_factor(genuine: Callable, position_map: PositionMap | SessionPositions) -> Callable:
+    """ministral3's query scale, at the original positions of ``offset .. offset+size-1`` (the
+    genuine function where no session is open)."""
     def factor(size, offset, beta, max_position_embeddings):
-        positions = mx.array(position_map.positions(int_offset(offset), int(size)), dtype=mx.float32)
+        current = resolve(position_map)
+        if current is None:
+            return genuine(size, offset, beta, max_position_embeddings)
+        positions = mx.array(current.positions(int_offset(offset), int(size)), dtype=mx.float32)
         return (1 + beta * mx.log(1 + mx.floor(positions / max_position_embeddings)))[:, None]
     factor.genuine = genuine
     return factor
@@ -377,28 +381,68 @@ def _cached_prefix(kv_cache: list, keep: np.ndarray) -> int:
 
 @contextmanager
 def target_session(model: nn.Module, profile: TargetProfile | None = None) -> Iterator[TargetSession]:
-    """Install position-mapped ropes and factors for one request; always restore the genuine ones."""
+    """Open one request's session: its position map drives the model's ropes, learned position
+    embeddings and position factors in the calling context (:data:`specprefill.positions.SESSION`:
+    a thread's, a greenlet's), while the genuine modules serve every other context. The wrappers
+    stay installed while any session on the model is open and the genuine modules come back when
+    the last one closes (on any exit)."""
     profile = profile or target_profile(model)
     position_map = PositionMap()
     session = TargetSession(model, profile, position_map)
-    owners = rope_owners(model)
-    genuine = [unwrap_rope(o["rope"]) for o in owners]
     with ExitStack() as stack:
-        for owner, rope in zip(owners, genuine):
-            owner.rope = PositionedRoPE(rope, position_map)
-        stack.callback(_restore_ropes, owners, genuine)
-        stack.enter_context(embeddings_at_positions(model, profile.embeddings, position_map))
+        stack.enter_context(_shared(("model", id(model)), lambda s: _install_positions(s, model, profile)))
         for module in family_modules(model):
             name = POSITION_FACTORS.get(module.__name__)
             if name:
-                original = module.__dict__[name]
-                plain = getattr(original, "genuine", original)
-                setattr(module, name, _positioned_factor(plain, position_map))
-                stack.callback(setattr, module, name, plain)
+                stack.enter_context(_shared(("factor", module.__name__),
+                                            lambda s, m=module, n=name: _install_factor(s, m, n)))
+        stack.enter_context(session_positions(position_map))
         try:
             yield session
         finally:
             session.active = False
+
+
+# What is installed for open sessions: key -> [sessions using it, the ExitStack that removes it].
+_SHARED: dict[tuple, list] = {}
+
+
+@contextmanager
+def _shared(key: tuple, install: Callable[[ExitStack], None]) -> Iterator[None]:
+    """``install`` once for every session open at a time under ``key``; removed with the last."""
+    entry = _SHARED.get(key)
+    if entry is None:
+        stack = ExitStack()
+        try:
+            install(stack)
+        except BaseException:
+            stack.close()
+            raise
+        entry = _SHARED[key] = [0, stack]
+    entry[0] += 1
+    try:
+        yield
+    finally:
+        entry[0] -= 1
+        if entry[0] == 0:
+            _SHARED.pop(key, None)
+            entry[1].close()
+
+
+def _install_positions(stack: ExitStack, model: nn.Module, profile: TargetProfile) -> None:
+    owners = rope_owners(model)
+    genuine = [unwrap_rope(o["rope"]) for o in owners]
+    for owner, rope in zip(owners, genuine):
+        owner.rope = PositionedRoPE(rope, SESSION)
+    stack.callback(_restore_ropes, owners, genuine)
+    stack.enter_context(embeddings_at_positions(model, profile.embeddings, SESSION))
+
+
+def _install_factor(stack: ExitStack, module, name: str) -> None:
+    original = module.__dict__[name]
+    plain = getattr(original, "genuine", original)
+    setattr(module, name, _positioned_factor(plain, SESSION))
+    stack.callback(setattr, module, name, plain)
 
 
 def _restore_ropes(owners: list[nn.Module], genuine: list[nn.Module]) -> None:

@@ -39,6 +39,7 @@ from worker.job.context import JobContext
 from worker.job.detokenize import TextStream, stop_token_ids
 from worker.job.fallback import fallback_reason
 from worker.job.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
+from worker.engine import batched_decode, chunk_tokens
 from worker.models import LoadedModel
 from worker.context_window import check_context, fit_max_tokens
 from worker.job.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
@@ -206,7 +207,8 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
     leading prompt tokens its cache holds in order, and the ranges it prefilled (None: all).
     The protected prefix is prefilled first, in block steps
     (:func:`target_prefill.prefill_prefix`), on top of what was restored."""
-    target, tokens, step = prompt.target, prompt.tokens, ctx.settings.prefill_step
+    target, tokens = prompt.target, prompt.tokens
+    step = chunk_tokens(target.model, ctx.settings.prefill_step)  # the engine's chunk (its decode gap)
     if prompt.selection is not None:
         # The kept tokens go through the session also when the selection kept them all:
         # positions are then contiguous and the rope's own fast path runs.
@@ -252,8 +254,6 @@ def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, timings: dict[str, float],
                         t0: float, splitter: AnswerSplitter | None = None) -> _Decoded:
     """Prefill the target, decode to the end, then store the prompt's contiguous prefix."""
-    from specprefill.sparse import generate_tokens
-
     target, reporter = prompt.target, JobReporter(ctx)
     with ExitStack() as stack:
         logits, cache, state, contiguous, kept_ranges = _prefill(prompt, ctx, stack, reporter, timings)
@@ -262,9 +262,11 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         stream = TextStream(target.tokenizer, opts.stop)
         reporter.begin_decode(stream, opts.max_tokens, splitter)
         ttft, finish = None, "length"
-        for token in generate_tokens(target.model, logits, cache, state, max_tokens=opts.max_tokens,
-                                     sampling=opts.sampling, stop_tokens=stop_token_ids(target.tokenizer),
-                                     progress=reporter):
+        # Inside the engine the job joins its target's decode batch at its true next position
+        # (a sparse cache holds fewer tokens); its cache comes back when it leaves, to be stored.
+        for token in batched_decode(target.model, cache, logits, sampling=opts.sampling, max_tokens=opts.max_tokens,
+                                    stop_tokens=stop_token_ids(target.tokenizer), position=state.next_position,
+                                    progress=reporter, state=state, keep_cache=prompt.prefix is not None):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             reporter.token(token)

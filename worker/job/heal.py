@@ -25,6 +25,7 @@ from jobs.settings import heal_queue_name, is_heal_queue
 from jobs.spec import JobSpec
 from worker.job import target_prefill
 from worker.job.context import JobContext
+from worker.engine import sleep as engine_sleep
 from worker.models import LoadedModel
 from worker.job.next_turn import next_turn
 from worker.process.node_busy import add_busy_read, others_busy
@@ -34,7 +35,7 @@ from worker.job.selection_pipeline import load_model
 from worker.job.target_prefix import TargetPrefixCache, prefix_cache
 
 log = logging.getLogger(__name__)
-_pause = time.sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
+_pause = engine_sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
 
 
 def heal_skip_reason(spec: JobSpec, ctx: JobContext, total: int, contiguous: int,

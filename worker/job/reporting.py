@@ -16,6 +16,7 @@ from typing import Any
 from worker.job.context import JobContext
 from worker.job.answer_split import AnswerSplitter
 from worker.job.detokenize import TextStream
+from worker.engine import yield_point
 
 PHASE_EVENTS = ("lookahead", "importance")  # one event when the phase starts
 DRAFT_PHASES = ("prefill", *PHASE_EVENTS)  # the draft's scoring phases (its time budget)
@@ -24,6 +25,14 @@ DRAFT_PHASES = ("prefill", *PHASE_EVENTS)  # the draft's scoring phases (its tim
 def _per_s(count: float, since: float) -> float:
     elapsed = time.perf_counter() - since
     return count / elapsed if elapsed > 0 else 0.0
+
+
+def _may_yield(processed: int, total: int, phase: str) -> bool:
+    """Whether this callback is a chunk boundary the engine may switch at. Not while the draft's
+    lookahead runs (phase ``lookahead``, and the prefill's last report, made after the last prompt
+    token's scored forward): its kernel capture is installed on the draft's family modules, which
+    a target of the same family would run through. Decode is paced by the batch."""
+    return phase not in ("lookahead", "decode") and not (phase == "prefill" and processed >= total)
 
 
 class JobReporter:
@@ -62,6 +71,8 @@ class JobReporter:
         elif phase in PHASE_EVENTS and phase != self._phase:
             self.pub.publish(phase, processed=processed, total=total)
         self._phase = phase
+        if _may_yield(processed, total, phase):
+            yield_point(max(0, total - processed))
 
     def publish(self, kind: str, **data: Any) -> None:
         self.pub.publish(kind, **data)

@@ -21,6 +21,7 @@ from specprefill.plan import PrefillPlan, plan_prefill
 from worker.job.context import JobContext
 from worker.context_window import check_context
 from worker.job.fallback import fallback_reason
+from worker.engine import chunk_tokens
 from worker.models import LoadedModel
 from worker.job.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
 from worker.job.reporting import JobReporter
@@ -173,7 +174,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     try:
         score = backend.score_with_cache(
             draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
-            prefill_step=settings.prefill_step, checkpoints=(plan.start,))
+            prefill_step=chunk_tokens(draft.model, settings.prefill_step), checkpoints=(plan.start,))
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)

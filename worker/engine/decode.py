@@ -1,0 +1,72 @@
+"""A job's decode inside the engine: its first token at once, then its tokens from the batch (or
+from its own turns when its cache or family cannot batch)."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import mlx.core as mx
+
+from specprefill.sampling import sample
+from worker.engine.batch import Sequence, unbatchable_reason
+
+
+def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx.array, *, sampling: Any,
+                     max_tokens: int, stop_tokens: Iterable[int], position: int, progress: Any,
+                     keep_cache: bool) -> Iterator[int]:
+    """See :func:`worker.engine.context.batched_decode`."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+    stops = {int(t) for t in stop_tokens}
+    key, step_key = mx.random.split(mx.random.key(sampling.seed))
+    task.phase = "decode"
+    try:
+        token = int(sample(logits, step_key, sampling).item())
+        if token in stops:
+            return
+        if progress is not None:
+            progress(1, max_tokens, "decode")
+        yield token
+        if max_tokens == 1:
+            return
+        reason = unbatchable_reason(cache, model)
+        if reason is None:
+            seq = Sequence(task, sampling, key, position, token, cache, keep_cache)
+            yield from _batched(engine, task, model, seq, max_tokens, stops, progress)
+        else:
+            task.unbatched_reason = reason
+            yield from _solo(engine, task, model, cache, key, token, sampling, max_tokens, stops, progress)
+    finally:
+        task.phase, task.batched = "prefill", False
+
+
+def _batched(engine: Any, task: Any, model: Any, seq: Sequence, max_tokens: int, stops: set[int],
+             progress: Any) -> Iterator[int]:
+    batch = engine.batch_for(model)
+    batch.join(seq)
+    task.batched = True
+    try:
+        for n in range(2, max_tokens + 1):
+            engine.wait_token(task)
+            if seq.token in stops:
+                return
+            if progress is not None:
+                progress(n, max_tokens, "decode")
+            yield seq.token
+    finally:
+        batch.leave(seq)
+
+
+def _solo(engine: Any, task: Any, model: Any, cache: list, key: mx.array, token: int, sampling: Any,
+          max_tokens: int, stops: set[int], progress: Any) -> Iterator[int]:
+    """``generate_tokens``' loop, one token per engine step, in the task's own greenlet (inside
+    its target session, if any: the positions are the session's)."""
+    for n in range(2, max_tokens + 1):
+        engine.solo_turn(task)
+        logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
+        key, step_key = mx.random.split(key)
+        token = int(sample(logits, step_key, sampling).item())
+        if token in stops:
+            return
+        if progress is not None:
+            progress(n, max_tokens, "decode")
+        yield token

@@ -1,0 +1,316 @@
+"""The engine: every job a worker holds, run in one loop on the worker's one MLX thread.
+
+Each job's whole execution is a :class:`~worker.engine.task.Task` (a greenlet). The existing
+pipelines already work in chunks and call their progress callback after each; that callback
+(``worker.reporting.JobReporter``) calls :func:`worker.engine.yield_point`, which switches
+back here. One :meth:`Engine.step`:
+
+1. delivers cancels (raised inside their tasks now) and wakes sleepers that are due;
+2. decodes: one batched forward pass per target model for every sequence in its
+   :class:`~worker.engine.batch.DecodeBatch`, each task resumed with its token; a task whose
+   cache cannot be batched (:func:`~worker.engine.batch.unbatchable_reason`) decodes one token
+   in its own turn instead;
+3. runs prefill / scoring turns of ready tasks (:mod:`worker.engine.scheduler`: priority, then
+   ``prefill_order``) while the ``max_decode_gap_s`` budget allows, at least one.
+
+Nothing a task raises reaches the loop (it fails that task alone).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable
+
+from greenlet import getcurrent
+
+from worker.engine import scheduler
+from worker.engine.task import USER, Task
+
+log = logging.getLogger(__name__)
+
+MIN_CHUNK = 32  # the smallest prefill chunk the gap budget sizes
+CALIBRATION_TOKENS = 256  # tokens of the timed forward pass that sizes a model's chunks
+
+
+class Engine:
+    """The step loop, the decode batches and the scheduler of one worker process."""
+
+    def __init__(self, *, max_decode_gap_s: float | None = None, prefill_chunk_tokens: int | None = None,
+                 prefill_order: str | None = None, prefill_step: int | None = None) -> None:
+        from jobs.settings import Settings
+
+        defaults = Settings.__dataclass_fields__
+        self.max_decode_gap_s = float(defaults["max_decode_gap_s"].default if max_decode_gap_s is None
+                                      else max_decode_gap_s)
+        self.prefill_chunk_tokens = prefill_chunk_tokens or None  # None/0: sized from the gap
+        self.prefill_order = prefill_order or defaults["prefill_order"].default
+        if self.prefill_order not in scheduler.ORDERS:
+            raise ValueError(f"prefill_order: must be one of {', '.join(scheduler.ORDERS)}, got {self.prefill_order!r}")
+        self.prefill_step = prefill_step or defaults["prefill_step"].default
+        self._tasks: list[Task] = []
+        self._ready: list[Task] = []  # tasks with a turn to run (new, or back from a yield point)
+        self._solo: list[Task] = []  # unbatchable decoders waiting for their next token's turn
+        self._batches: dict[int, Any] = {}  # id(model) -> DecodeBatch
+        self._chunks: dict[int, tuple[weakref.ref, int]] = {}
+        self._mean_turn_s = 0.0  # a moving average of turn lengths (a new task's expected turn)
+        self._loop: Any = None
+        self._current: Task | None = None
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "Engine":
+        return cls(max_decode_gap_s=settings.max_decode_gap_s, prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                   prefill_order=settings.prefill_order, prefill_step=settings.prefill_step)
+
+    # ---- the API ----
+
+    def start(self, run: Callable[[], Any], *, priority: int = USER, name: str = "") -> Task:
+        """A task running ``run()`` (a job's whole execution) in its own greenlet, from the next step."""
+        task = Task(run, priority=priority, name=name or f"task-{len(self._tasks)}")
+        task.engine = self
+        self._tasks.append(task)
+        self._ready.append(task)
+        return task
+
+    def tasks(self) -> list[Task]:
+        """The tasks in flight (not done)."""
+        return [t for t in self._tasks if not t.done]
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences decoding now (in batches, and alone)."""
+        return sum(len(b.seqs) for b in self._batches.values()) + len(self._solo_decoding())
+
+    @property
+    def current_task(self) -> Task | None:
+        """The task whose greenlet is running (None: the loop itself, or no engine)."""
+        return self._current if self._current is not None and getcurrent() is not self._loop else None
+
+    def step(self) -> bool:
+        """One loop turn (module docstring); True while tasks remain."""
+        from worker.engine import context
+
+        self._loop = getcurrent()
+        with context.running(self):
+            self._deliver_cancels()
+            self._wake_sleepers()
+            decoded = self._decode()
+            self._prefill_turns(decoded)
+        self._tasks = [t for t in self._tasks if not t.done]
+        if not decoded:
+            self.stats.idle()
+            if not self._ready and self._tasks:
+                self._idle()
+        return bool(self._tasks)
+
+    def run_until_done(self) -> None:
+        """Step until every task ended (tests, scripts)."""
+        while self.step():
+            pass
+
+    def close(self) -> None:
+        """End every started task (their ``finally`` blocks run) and drop the batches."""
+        from worker.engine import context
+
+        self._loop = getcurrent()
+        with context.running(self):
+            for task in self.tasks():
+                self._run(task, kill=True)
+        self._batches.clear()
+
+    # ---- inside a task (worker.engine.context calls these) ----
+
+    def yield_now(self, task: Task, work_left: int | None) -> None:
+        """A chunk boundary: back to the loop, resumed when the scheduler picks it."""
+        if work_left is not None:
+            task.work_left = work_left
+        self._ready.append(task)
+        self._switch_out(task)
+
+    def wait_token(self, task: Task) -> None:
+        """A batched sequence waits for the next step's token (set on its Sequence)."""
+        self._switch_out(task)
+
+    def solo_turn(self, task: Task) -> None:
+        """An unbatchable decoder waits for its next token's turn."""
+        self._solo.append(task)
+        self._switch_out(task)
+
+    def sleep(self, task: Task, seconds: float) -> None:
+        task.wake_at, task.phase = time.perf_counter() + max(0.0, seconds), "waiting"
+        try:
+            self._switch_out(task)
+        finally:
+            task.wake_at, task.phase = None, "prefill"
+
+    def batch_for(self, model: Any) -> Any:
+        from worker.engine.batch import DecodeBatch
+
+        batch = self._batches.get(id(model))
+        if batch is None or batch.model is not model:
+            batch = self._batches[id(model)] = DecodeBatch(model)
+        return batch
+
+    def _switch_out(self, task: Task) -> None:
+        self._loop.switch()
+        # resumed: a cancel was thrown in by Task.resume before we get here
+
+    def _wake(self, task: Task) -> None:
+        """A cancel arrived: the next step delivers it (Task.cancel calls this)."""
+
+    # ---- the step's parts ----
+
+    def _run(self, task: Task, value: Any = None, *, kill: bool = False) -> None:
+        outer, self._current = self._current, task
+        try:
+            task.kill() if kill else task.resume(value)
+        finally:
+            self._current = outer
+        if task.done:
+            self._forget(task)
+
+    def _forget(self, task: Task) -> None:
+        for queue in (self._ready, self._solo):
+            while task in queue:
+                queue.remove(task)
+
+    def _deliver_cancels(self) -> None:
+        for task in [t for t in self._tasks if t.cancel_pending and not t.done]:
+            self._forget(task)
+            if task.started:
+                self._run(task)  # Task.resume throws the cancel in
+            else:
+                task.resume()  # ends it without running
+                self._forget(task)
+
+    def _wake_sleepers(self) -> None:
+        now = time.perf_counter()
+        for task in self._tasks:
+            if task.wake_at is not None and task.wake_at <= now and not task.done:
+                task.wake_at = now + 3600  # resumed once; sleep() resets it
+                self._run(task)
+
+    def _decode(self) -> bool:
+        """One decode step of every batch, then one token of every solo decoder."""
+        stepped = False
+        for key, batch in list(self._batches.items()):
+            seqs = batch.step()
+            if not seqs:
+                if not len(batch):
+                    del self._batches[key]
+                continue
+            stepped = True
+            self.stats.decode_step(len(seqs))
+            for seq in seqs:
+                if not seq.leaving and not seq.task.done:
+                    self._run(seq.task, seq.token)
+        solo, self._solo = self._solo, []
+        for task in solo:
+            stepped = True
+            self._run(task)
+        if stepped:
+            self.stats.decoded()
+        return stepped
+
+    def _solo_decoding(self) -> list[Task]:
+        return [t for t in self._tasks if not t.done and t.phase == "decode" and not t.batched]
+
+    def _user_busy(self) -> bool:
+        return any(len(b) for b in self._batches.values()) or any(
+            t.priority <= USER and not t.done and t.phase == "decode" for t in self._tasks)
+
+    def _prefill_turns(self, decoded: bool) -> None:
+        started, turns = time.perf_counter(), 0
+        while self._ready:
+            task = scheduler.next_task(self._ready, self.prefill_order, user_busy=self._user_busy())
+            if task is None:
+                return
+            elapsed = time.perf_counter() - started
+            expected = task.last_turn_s if task.turns else self._mean_turn_s  # a new task: the usual turn
+            if not scheduler.fits(elapsed, expected, self.max_decode_gap_s, turns):
+                return
+            self._ready.remove(task)
+            t = time.perf_counter()
+            self._run(task)
+            took = time.perf_counter() - t
+            task.service_s += took
+            self._mean_turn_s = 0.8 * self._mean_turn_s + 0.2 * took
+            turns += 1
+            self.stats.turn(decoded)
+
+    def _idle(self) -> None:
+        """Nothing ran: sleep until the first sleeper is due (at most a few ms: the caller polls)."""
+        wakes = [t.wake_at for t in self._tasks if t.wake_at is not None]
+        if wakes:
+            time.sleep(min(0.005, max(0.0, min(wakes) - time.perf_counter())))
+
+    # ---- chunk sizes ----
+
+    def chunk_tokens(self, model: Any, default: int) -> int:
+        """Prefill tokens per forward pass of ``model`` in this engine: ``prefill_chunk_tokens``
+        if set, else what fits ``max_decode_gap_s`` at the model's measured rate (a timed forward
+        pass of :data:`CALIBRATION_TOKENS` the first time), a power of two in
+        [:data:`MIN_CHUNK`, ``default``]. Fixed per model for the engine's life, so a job's
+        prefill runs in the same chunks alone and beside others."""
+        if self.prefill_chunk_tokens:
+            return min(self.prefill_chunk_tokens, default)
+        known = self._chunks.get(id(model))
+        if known is not None and known[0]() is model:
+            return min(known[1], default)
+        rate = measure_rate(model)
+        fit = max(MIN_CHUNK, int(rate * self.max_decode_gap_s))
+        chunk = 1 << (fit.bit_length() - 1)
+        log.info("engine: %s prefills %.0f tokens/s: chunks of %d tokens fit max_decode_gap_s=%g",
+                 type(model).__module__, rate, chunk, self.max_decode_gap_s)
+        self._chunks[id(model)] = (weakref.ref(model), chunk)
+        return min(chunk, default)
+
+
+def measure_rate(model: Any) -> float:
+    """Prefill tokens/s of ``model``: a forward pass of :data:`CALIBRATION_TOKENS` tokens on a fresh
+    cache, timed after one untimed pass of the same shape."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.arange(1, CALIBRATION_TOKENS + 1, dtype=mx.int32)[None] % 2 + 1
+    seconds = []
+    for _ in range(2):
+        cache = make_prompt_cache(model)
+        t = time.perf_counter()
+        mx.eval(model(tokens, cache=cache))
+        seconds.append(time.perf_counter() - t)
+    return CALIBRATION_TOKENS / max(seconds[-1], 1e-6)
+
+
+class EngineStats:
+    """What the loop did: decode steps, batch sizes, prefill turns between decode steps, gaps."""
+
+    def __init__(self) -> None:
+        self.decode_steps = 0
+        self.sequences_stepped = 0
+        self.max_batch = 0
+        self.turns_between = 0  # prefill turns since the last decode step
+        self.max_turns_between = 0
+        self.max_gap_s = 0.0
+        self._last_decode: float | None = None
+
+    def decode_step(self, size: int) -> None:
+        self.decode_steps += 1
+        self.sequences_stepped += size
+        self.max_batch = max(self.max_batch, size)
+
+    def decoded(self) -> None:
+        now = time.perf_counter()
+        if self._last_decode is not None:
+            self.max_gap_s = max(self.max_gap_s, now - self._last_decode)
+        self._last_decode = now
+        self.turns_between = 0
+
+    def turn(self, decoding: bool) -> None:
+        self.turns_between += 1
+        if decoding:
+            self.max_turns_between = max(self.max_turns_between, self.turns_between)
+
+    def idle(self) -> None:
+        self._last_decode = None
