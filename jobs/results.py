@@ -171,6 +171,11 @@ class GenerateResult(JobResult):
     # Whether this turn waited for its conversation's running heal (setting heal_wait_ms):
     # waited, the heal job, its ETA, and why not when it did not; empty: no heal was running.
     heal_wait: dict[str, Any] = field(default_factory=dict)
+    # Whether its decode ran in the worker's batch (every generating job one token per step in one
+    # forward pass), and why not when it did not (a family or cache that cannot batch: it then
+    # decoded one job at a time inside the same loop).
+    batched: bool = False
+    unbatched_reason: str | None = None
     kind: str = "generate"
 
     @property

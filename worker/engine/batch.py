@@ -44,15 +44,8 @@ class Sequence:
     extracted: list | None = field(default=None, repr=False)
 
 
-# Families whose forward cannot take per-sequence positions from a batch cache, by module.
-UNBATCHED_FAMILIES: dict[str, str] = {}
-
-
-def unbatchable_reason(cache: list, model: Any = None) -> str | None:
-    """Why a job's cache (of ``model``) cannot join a batch (None: it can)."""
-    family = type(model).__module__ if model is not None else ""
-    if family in UNBATCHED_FAMILIES:
-        return UNBATCHED_FAMILIES[family]
+def unbatchable_reason(cache: list) -> str | None:
+    """Why a job's cache cannot join a batch (None: it can)."""
     for layer in cache:
         for leaf in (layer.caches if isinstance(layer, CacheList) else (layer,)):
             if isinstance(leaf, QuantizedKVCache):
@@ -136,13 +129,20 @@ class DecodeBatch:
             self.cache = merged
         self.seqs.extend(joining)
 
-    def step(self) -> list[Sequence]:
-        """One forward pass of every sequence; each one's ``token`` is set. The sequences stepped."""
+    def logits(self) -> mx.array | None:
+        """The joins and leaves applied, one forward pass of every sequence's pending token: the
+        next-token logits, one row per sequence of :attr:`seqs` (None: no sequence)."""
         self._settle()
         if not self.seqs:
-            return []
+            return None
         inputs = mx.array([[s.pending] for s in self.seqs], dtype=mx.int32)
-        logits = self.model(inputs, cache=self.cache)[:, -1, :]
+        return self.model(inputs, cache=self.cache)[:, -1, :]
+
+    def step(self) -> list[Sequence]:
+        """One forward pass of every sequence; each one's ``token`` is set. The sequences stepped."""
+        logits = self.logits()
+        if logits is None:
+            return []
         tokens = _sample_rows(logits, self.seqs)
         mx.eval(tokens, [layer.state for layer in self.cache])
         for seq, token in zip(self.seqs, tokens.tolist()):

@@ -6,6 +6,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
+OUTSIDE = "decoded outside an engine (one job at a time)"
 _running: Any = None  # the Engine whose step() is on the stack (one MLX thread: a plain global)
 
 
@@ -54,7 +55,7 @@ def chunk_tokens(model: Any, default: int) -> int:
 
 def batched_decode(model: Any, cache: list, logits: Any, *, sampling: Any, max_tokens: int,
                    stop_tokens: Iterable[int], position: int, progress: Any = None, state: Any = None,
-                   keep_cache: bool = True) -> Iterator[int]:
+                   keep_cache: bool = True, info: dict | None = None) -> Iterator[int]:
     """This job's generated tokens, up to ``max_tokens`` (a stop token ends them, unyielded).
 
     Outside an engine: :func:`specprefill.sparse.generate_tokens`. Inside: the first token is
@@ -63,7 +64,8 @@ def batched_decode(model: Any, cache: list, logits: Any, *, sampling: Any, max_t
     whatever its cache holds) and each step's token resumes it. A job whose cache cannot join a
     batch decodes alone in its own turns (``Task.batched`` False, the reason on
     ``Task.unbatched_reason``). Leaving (the end, a ``break``, an exception) drops it from the
-    batch; with ``keep_cache`` its cache list holds its cache again (else it is left empty)."""
+    batch; with ``keep_cache`` its cache list holds its cache again (else it is left empty).
+    ``info`` (a dict) receives ``batched`` and ``unbatched_reason`` (why it decodes alone)."""
     from specprefill.sparse import generate_tokens
 
     engine, task = current()
@@ -71,6 +73,8 @@ def batched_decode(model: Any, cache: list, logits: Any, *, sampling: Any, max_t
         from specprefill.prefill import PrefillState
 
         state = state or PrefillState(position, position, 0, 0.0)
+        if info is not None:
+            info.update(batched=False, unbatched_reason=OUTSIDE)
         yield from generate_tokens(model, logits, cache, state, max_tokens=max_tokens, sampling=sampling,
                                    stop_tokens=stop_tokens, progress=progress)
         return
@@ -78,4 +82,4 @@ def batched_decode(model: Any, cache: list, logits: Any, *, sampling: Any, max_t
 
     yield from decode_in_engine(engine, task, model, cache, logits, sampling=sampling, max_tokens=max_tokens,
                                 stop_tokens=stop_tokens, position=position, progress=progress,
-                                keep_cache=keep_cache)
+                                keep_cache=keep_cache, info=info)

@@ -12,12 +12,15 @@ from worker.engine.batch import Sequence, unbatchable_reason
 
 def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx.array, *, sampling: Any,
                      max_tokens: int, stop_tokens: Iterable[int], position: int, progress: Any,
-                     keep_cache: bool) -> Iterator[int]:
+                     keep_cache: bool, info: dict | None = None) -> Iterator[int]:
     """See :func:`worker.engine.context.batched_decode`."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
     stops = {int(t) for t in stop_tokens}
     key, step_key = mx.random.split(mx.random.key(sampling.seed))
+    reason = unbatchable_reason(cache) or engine.batch_reason(model)
+    if info is not None:
+        info.update(batched=reason is None, unbatched_reason=reason)
     task.phase = "decode"
     try:
         token = int(sample(logits, step_key, sampling).item())
@@ -28,7 +31,6 @@ def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx
         yield token
         if max_tokens == 1:
             return
-        reason = unbatchable_reason(cache, model)
         if reason is None:
             seq = Sequence(task, sampling, key, position, token, cache, keep_cache)
             yield from _batched(engine, task, model, seq, max_tokens, stops, progress)

@@ -53,6 +53,7 @@ class Engine:
         self._solo: list[Task] = []  # unbatchable decoders waiting for their next token's turn
         self._batches: dict[int, Any] = {}  # id(model) -> DecodeBatch
         self._chunks: dict[int, tuple[weakref.ref, int]] = {}
+        self._probed: dict[int, tuple[weakref.ref, str | None]] = {}
         self._mean_turn_s = 0.0  # a moving average of turn lengths (a new task's expected turn)
         self._loop: Any = None
         self._current: Task | None = None
@@ -244,6 +245,18 @@ class Engine:
         wakes = [t.wake_at for t in self._tasks if t.wake_at is not None]
         if wakes:
             time.sleep(min(0.005, max(0.0, min(wakes) - time.perf_counter())))
+
+    def batch_reason(self, model: Any) -> str | None:
+        """Why ``model`` cannot decode in a batch (:func:`worker.engine.probe.batch_reason`, once per model)."""
+        known = self._probed.get(id(model))
+        if known is None or known[0]() is not model:
+            from worker.engine.probe import batch_reason
+
+            reason = batch_reason(model)
+            if reason is not None:
+                log.warning("engine: %s; its jobs decode one at a time", reason)
+            known = self._probed[id(model)] = (weakref.ref(model), reason)
+        return known[1]
 
     # ---- chunk sizes ----
 

@@ -85,6 +85,7 @@ class _Decoded:
     target: dict[str, int] = field(default_factory=dict)
     kept_ranges: list[tuple[int, int]] | None = None  # what the target prefilled (None: every token)
     splitter: AnswerSplitter | None = None  # a chat answer's content, reasoning and tool calls
+    batch: dict[str, Any] = field(default_factory=dict)  # batched, unbatched_reason (worker.engine)
     healed_ranges: list[tuple[int, int]] = field(default_factory=list)  # restored blocks a heal made
 
 
@@ -261,12 +262,13 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
         ctx.check_stop()
         stream = TextStream(target.tokenizer, opts.stop)
         reporter.begin_decode(stream, opts.max_tokens, splitter)
-        ttft, finish = None, "length"
+        ttft, finish, batch = None, "length", {}
         # Inside the engine the job joins its target's decode batch at its true next position
         # (a sparse cache holds fewer tokens); its cache comes back when it leaves, to be stored.
         for token in batched_decode(target.model, cache, logits, sampling=opts.sampling, max_tokens=opts.max_tokens,
                                     stop_tokens=stop_token_ids(target.tokenizer), position=state.next_position,
-                                    progress=reporter, state=state, keep_cache=prompt.prefix is not None):
+                                    progress=reporter, state=state, keep_cache=prompt.prefix is not None,
+                                    info=batch):
             if ttft is None:
                 ttft = time.perf_counter() - t0
             reporter.token(token)
@@ -283,7 +285,7 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
     if splitter is not None and splitter.tool_calls and finish in ("eos", "stop"):
         finish = "tool_calls"
     return _Decoded(stream, finish, ttft, state, reporter.tokens, contiguous, kept_ranges=kept_ranges,
-                    splitter=splitter)
+                    splitter=splitter, batch=batch)
 
 
 def _store_prefix(prompt: _Prompt, ctx: JobContext, cache: list, contiguous: int,
@@ -366,4 +368,5 @@ def _result(spec: JobSpec, prompt: _Prompt, ctx: JobContext, decoded: _Decoded,
         draft_timings=dict(sel.timings) if sel is not None else {},
         importance_curve=used.importance_curve if used is not None else None,
         spans=kept_spans(spec, ctx, prompt.target.tokenizer, prompt.tokens, kept_ranges),
+        batched=bool(decoded.batch.get("batched")), unbatched_reason=decoded.batch.get("unbatched_reason"),
     )
