@@ -1,0 +1,140 @@
+"""The worker's engine in-process: 8 generate jobs batched vs one at a time, and the prefill order.
+
+Runs real generate jobs (``worker.tasks.execute``: the shipped ``models/target-tiny`` and
+``models/draft-tiny``, progress into fakeredis) side by side in one process:
+
+1. decode-bound: 8 short greedy prompts, all started at once in one engine, vs the same 8 jobs
+   one at a time (each alone in an engine): decode tokens/s (generated tokens over the wall time
+   from the first job's first token to the last job's end), the largest gap between two decode
+   steps, and whether every job's tokens equal its tokens alone.
+2. mixed: two long prompts, then short requests arriving while they prefill, under
+   ``prefill_order`` "fifo" and "shortest": the short requests' median TTFT over the long ones'.
+
+    python bench/engine.py [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--quick]
+"""
+import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
+from benchlib import SETTINGS, blas_in_use, report  # noqa: E402
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import fakeredis  # noqa: E402
+
+from jobs.progress import ProgressPublisher  # noqa: E402
+from jobs.spec import build_spec  # noqa: E402
+from worker.context import JobContext  # noqa: E402
+from worker.engine import Engine  # noqa: E402
+from worker.runtime import WorkerRuntime  # noqa: E402
+from worker.tasks import execute  # noqa: E402
+
+SHORT = ["The rain had stopped before the carriage reached the village, and",
+         "Mr. Knightley said very little, but his eyes followed her across the room while",
+         "There was no possibility of taking a walk that day; the wind",
+         "Elinor found the letter on the table in the morning and",
+         "Her aunt spoke of the ball with such warmth that even Fanny",
+         "It was a truth the whole family had long accepted: the house",
+         "Captain Wentworth turned from the window and, after a moment,",
+         "The dinner was served late, the soup was cold, and the conversation"]
+
+
+def runtime():
+    settings = SETTINGS.replace(redis_url="redis://unused", target_prefix_cache=False, heal=False)
+    return WorkerRuntime.from_settings(settings, connection=fakeredis.FakeRedis())
+
+
+def job(rt, spec, name, record):
+    """The job's whole execution, recording when it arrived, its first token and its end."""
+    arrived = time.perf_counter()
+
+    def run():
+        t0 = time.perf_counter()  # ttft_s counts from the job's own start
+        pub = ProgressPublisher(rt.connection, name, min_interval_s=rt.settings.progress_interval_s)
+        result = execute(spec.to_payload(), JobContext(name, rt, pub))
+        record[name] = dict(start=arrived, first=t0 + result["ttft_s"], end=time.perf_counter(),
+                            tokens=result["token_ids"], batched=result["batched"])
+        return result
+    return run
+
+
+def run_engine(rt, jobs, *, arrivals=None, **engine_kw):
+    """Start ``jobs`` (name -> spec) in one engine (at ``arrivals[name]`` seconds, else at once)."""
+    engine, record, t0 = Engine.from_settings(rt.settings), {}, time.perf_counter()
+    for key, value in engine_kw.items():
+        setattr(engine, key, value)
+    pending = dict(jobs)
+    while pending or engine.tasks():
+        now = time.perf_counter() - t0
+        for name in [n for n in pending if (arrivals or {}).get(n, 0.0) <= now]:
+            engine.start(job(rt, pending.pop(name), name, record), name=name)
+        engine.step()
+        for task in engine._tasks:
+            if task.exception is not None:
+                raise task.exception
+    return record, engine.stats
+
+
+def decode_bound(rt, n_jobs, max_tokens):
+    specs = {f"short-{i}": build_spec(rt.settings, kind="generate", text=SHORT[i % len(SHORT)],
+                                      max_tokens=max_tokens, greedy=True) for i in range(n_jobs)}
+    run_engine(rt, {"warm": specs["short-0"]})  # loads the models, sizes the chunks
+    alone, gaps_alone = {}, []
+    t = time.perf_counter()
+    for name, spec in specs.items():
+        rec, stats = run_engine(rt, {name: spec})
+        alone.update(rec)
+        gaps_alone.append(stats.max_gap_s)
+    alone_s = time.perf_counter() - t
+    t = time.perf_counter()
+    batched, stats = run_engine(rt, specs)
+    batched_s = time.perf_counter() - t
+    tokens = sum(len(r["tokens"]) for r in batched.values())
+    same = sum(batched[n]["tokens"] == alone[n]["tokens"] for n in specs) / len(specs)
+    return dict(tokens=tokens, alone_s=alone_s, batched_s=batched_s, same=same, max_batch=stats.max_batch,
+                gap_batched=stats.max_gap_s, gap_alone=max(gaps_alone),
+                all_batched=all(r["batched"] for r in batched.values()))
+
+
+def mixed(rt, long_tokens, order, n_short=6, delay=0.3):
+    words = " ".join(SHORT).split()
+    long_text = " ".join(words[i % len(words)] for i in range(int(long_tokens * 0.8)))
+    specs = {f"long-{i}": build_spec(rt.settings, kind="generate", text=f"{i} {long_text}", max_tokens=8,
+                                     greedy=True, full_prefill=True) for i in range(2)}
+    specs.update({f"short-{i}": build_spec(rt.settings, kind="generate", text=SHORT[i % len(SHORT)] + f" {i}",
+                                           max_tokens=8, greedy=True) for i in range(n_short)})
+    arrivals = {n: (0.0 if n.startswith("long") else delay) for n in specs}
+    record, stats = run_engine(rt, specs, arrivals=arrivals, prefill_order=order)
+    short = statistics.median(record[n]["first"] - record[n]["start"] for n in specs if n.startswith("short"))
+    long_ = statistics.median(record[n]["first"] - record[n]["start"] for n in specs if n.startswith("long"))
+    return dict(short=short, long=long_, gap=stats.max_gap_s)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--long-tokens", type=int, default=4000)
+    ap.add_argument("--quick", action="store_true", help="64 tokens per job, 1500-token long prompts")
+    args = ap.parse_args()
+    if args.quick:
+        args.max_tokens, args.long_tokens = 64, 1500
+    rt = runtime()
+    print(f"BLAS: {blas_in_use()}; max_decode_gap_s {rt.settings.max_decode_gap_s}")
+    d = decode_bound(rt, args.jobs, args.max_tokens)
+    orders = {order: mixed(rt, args.long_tokens, order) for order in ("fifo", "shortest")}
+    rows = [("decode tokens/s, %d jobs" % args.jobs, f"{d['tokens'] / d['batched_s']:.0f} batched",
+             f"{d['tokens'] / d['alone_s']:.0f} one at a time", f"{d['alone_s'] / d['batched_s']:.2f}"),
+            ("largest decode gap (s)", f"{d['gap_batched']:.3f}", f"{d['gap_alone']:.3f}", ""),
+            ("largest batch", str(d["max_batch"]), "1", "")]
+    for order, m in orders.items():
+        rows.append((f"mixed, {order}: short TTFT p50 / long TTFT p50 (s)", f"{m['short']:.2f}", f"{m['long']:.2f}",
+                     f"{m['short'] / m['long']:.3f}"))
+    print(f"generated {d['tokens']} tokens; every job batched: {d['all_batched']}")
+    return report(rows, [("engine_decode_speedup_c%d" % args.jobs, d["alone_s"] / d["batched_s"], ">=", 1.5),
+                         ("batched_vs_alone_greedy_tokens", d["same"], ">=", 1.0),
+                         ("short_ttft_behind_long_vs_long_ttft", orders["shortest"]["short"] /
+                          orders["shortest"]["long"], "<=", 0.1)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
