@@ -31,8 +31,10 @@ def _may_yield(processed: int, total: int, phase: str) -> bool:
     """Whether this callback is a chunk boundary the engine may switch at. Not while the draft's
     lookahead runs (phase ``lookahead``, and the prefill's last report, made after the last prompt
     token's scored forward): its kernel capture is installed on the draft's family modules, which
-    a target of the same family would run through. Decode is paced by the batch."""
-    return phase not in ("lookahead", "decode") and not (phase == "prefill" and processed >= total)
+    a target of the same family would run through. Not after the target's last prefill step
+    either: its logits are the first token's, sampled at once. Decode is paced by the batch."""
+    return phase not in ("lookahead", "decode") and not (phase in ("prefill", "target_prefill")
+                                                         and processed >= total)
 
 
 class JobReporter:

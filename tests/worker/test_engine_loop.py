@@ -1,0 +1,256 @@
+"""The engine's loop: interleaving, priorities, prefill order, failures, cancels, sleeps.
+
+Counted in chunks and steps, never in seconds: a task's turn ends at its yield point, and a
+``max_decode_gap_s`` of 0 lets exactly one turn run between two decode steps.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from specprefill.options import Sampling
+from specprefill.sparse import full_prefill, generate_tokens
+from tests.support import families as F
+from worker.engine import HEAL, USER, Engine, TaskCancelled, batched_decode, sleep, yield_point
+import worker.engine.batch as batch_module
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return F.build("llama", seed=2)
+
+
+@pytest.fixture
+def log(monkeypatch):
+    """Events in order: ("decode", batch size) per batched step, ("chunk", task) per prefill chunk."""
+    events: list[tuple] = []
+    genuine = batch_module.DecodeBatch.step
+
+    def step(self):
+        seqs = genuine(self)
+        if seqs:
+            events.append(("decode", len(seqs)))
+        return seqs
+    monkeypatch.setattr(batch_module.DecodeBatch, "step", step)
+    return events
+
+
+def prompt(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, F.VOCAB - 1, n)]
+
+
+def generate(model, tokens, log, name, *, max_tokens=12, on_token=None, seen=None):
+    """A job: a chunked full prefill (a yield point after each chunk), then batched decode."""
+    def progress(done, total, phase):  # as worker.reporting's: no yield once the first logits exist
+        log.append(("chunk", name))
+        if done < total:
+            yield_point(total - done)
+
+    def run():
+        logits, cache, state = full_prefill(model, tokens, prefill_step=CHUNK, progress=progress)
+        out = []
+        for token in batched_decode(model, cache, logits, sampling=Sampling(greedy=True), max_tokens=max_tokens,
+                                    stop_tokens=(), position=len(tokens), state=state):
+            out.append(token)
+            if on_token is not None:
+                on_token(len(out))
+        return out
+    return run
+
+
+def alone(model, tokens, max_tokens=12):
+    logits, cache, state = full_prefill(model, tokens, prefill_step=CHUNK)
+    return list(generate_tokens(model, logits, cache, state, max_tokens=max_tokens, sampling=Sampling(greedy=True)))
+
+
+def chunks(log, name, n, *, at=None):
+    """A task of ``n`` chunks that logs each; ``at``: {chunk index: a call made inside that chunk}."""
+    def run():
+        for i in range(n):
+            if at and i in at:
+                at[i]()
+            log.append(("chunk", name))
+            yield_point(n - i - 1)
+        return name
+    return run
+
+
+def test_one_chunk_between_two_decode_steps(model, log, monkeypatch):
+    genuine = Engine.step
+
+    def step(self):
+        log.append(("step", None))
+        return genuine(self)
+    monkeypatch.setattr(Engine, "step", step)
+    engine = Engine(max_decode_gap_s=0.0, prefill_chunk_tokens=CHUNK)
+    for i in range(3):
+        engine.start(generate(model, prompt(10, i), log, f"d{i}", max_tokens=40), name=f"d{i}")
+    for i in range(2):
+        engine.start(generate(model, prompt(160, 10 + i), log, f"long{i}"), name=f"long{i}")
+    engine.run_until_done()
+    per_step, steps = [], []  # chunks run in each step that decoded
+    for kind, _ in log:
+        if kind == "step":
+            steps.append([0, False])
+        elif kind == "decode":
+            steps[-1][1] = True
+        else:
+            steps[-1][0] += 1
+    per_step = [n for n, decoded in steps if decoded]
+    assert max(per_step) == 1 and sum(per_step) >= 40  # the long prefills ran beside decoding, one chunk a step
+    assert engine.stats.max_turns_between == 1
+
+
+def test_a_heal_yields_within_one_chunk(model, log):
+    engine = Engine(max_decode_gap_s=10.0, prefill_chunk_tokens=CHUNK)  # a budget that would fit many
+    user = {}
+
+    def arrive():  # a user job arrives while the heal's chunk 3 runs
+        user["task"] = engine.start(generate(model, prompt(40, 1), log, "user", max_tokens=8), name="user")
+        user["at"] = len(log)
+    heal = engine.start(chunks(log, "heal", 30, at={3: arrive}), priority=HEAL, name="heal")
+    engine.run_until_done()
+    assert heal.result == "heal" and user["task"].result == alone(model, prompt(40, 1), 8)
+    after = log[user["at"]:]
+    user_end = max(i for i, e in enumerate(after) if e == ("decode", 1) or e == ("chunk", "user"))
+    heal_chunks = [i for i, e in enumerate(after) if e == ("chunk", "heal")]
+    assert heal_chunks[0] == 0  # the heal's chunk in flight when the user job came finishes ...
+    assert heal_chunks[1] > user_end  # ... and the next waits until the user job has decoded
+
+
+def test_heal_runs_only_when_no_user_work_is_ready_or_decoding(model, log):
+    engine = Engine(max_decode_gap_s=0.0, prefill_chunk_tokens=CHUNK)
+    engine.start(chunks(log, "heal", 5), priority=HEAL, name="heal")
+    engine.start(generate(model, prompt(30, 3), log, "user", max_tokens=6), priority=USER, name="user")
+    engine.run_until_done()
+    first_heal = log.index(("chunk", "heal"))
+    assert all(kind != "decode" and who != "user" for kind, who in log[first_heal:])
+
+
+@pytest.mark.parametrize("order,expected", [
+    ("fifo", ["long"] * 6 + ["short"] * 2),
+    ("shortest", ["long", "short", "short"] + ["long"] * 5),
+])
+def test_prefill_order(order, expected):
+    log: list[tuple] = []
+    engine = Engine(max_decode_gap_s=0.0, prefill_order=order)
+    engine.start(chunks(log, "long", 6), name="long")
+    engine.step()  # the long one runs a chunk, then the short one arrives
+    engine.start(chunks(log, "short", 2), name="short")
+    engine.run_until_done()
+    assert [who for _, who in log] == expected
+
+
+def test_a_failure_mid_batch_fails_that_job_alone(model, log):
+    def boom(n):
+        if n == 5:
+            raise RuntimeError("a bad chunk")
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    tasks = [engine.start(generate(model, prompt(12 + 5 * i, i), log, str(i), on_token=boom if i == 2 else None),
+                          name=str(i)) for i in range(4)]
+    engine.run_until_done()
+    assert isinstance(tasks[2].exception, RuntimeError) and tasks[2].result is None
+    for i in (0, 1, 3):
+        assert tasks[i].exception is None and tasks[i].result == alone(model, prompt(12 + 5 * i, i))
+    assert max(size for kind, size in log if kind == "decode") == 4 and not engine.tasks()
+
+
+def test_cancel_one_of_eight(model, log):
+    class Stop(Exception):
+        pass
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    tasks = [engine.start(generate(model, prompt(10 + 3 * i, 20 + i), log, str(i), max_tokens=16), name=str(i))
+             for i in range(8)]
+    while engine.stats.decode_steps < 4:
+        engine.step()
+    assert engine.batch_size == 8 and all(t.phase == "decode" and t.batched for t in engine.tasks())
+    tasks[3].cancel(Stop("stop this one"))
+    engine.step()
+    assert tasks[3].done and isinstance(tasks[3].exception, Stop)
+    assert engine.batch_size == 7
+    engine.run_until_done()
+    for i, task in enumerate(tasks):
+        if i != 3:
+            assert task.result == alone(model, prompt(10 + 3 * i, 20 + i), 16)
+
+
+def test_first_token_leaves_before_the_next_decode_step(model, log):
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    seen = {}
+
+    def first(n):
+        if n == 1:
+            seen["steps"] = engine.stats.decode_steps
+    engine.start(generate(model, prompt(10, 1), log, "running", max_tokens=60), name="running")
+    while engine.stats.decode_steps < 3:
+        engine.step()
+    engine.start(generate(model, prompt(1, 2), log, "new", on_token=first), name="new")
+    before = engine.stats.decode_steps
+    engine.step()  # its prefill (its one token) and its first token in one turn
+    assert seen["steps"] == before + 1  # the step's decode ran first, then its turn
+    engine.run_until_done()
+
+
+def test_exceptions_never_reach_the_loop_and_cancel_before_start():
+    ran = []
+
+    def bad():
+        raise ValueError("bad input")
+    engine = Engine(max_decode_gap_s=0.0)
+    failing = engine.start(bad, name="bad")
+    never = engine.start(lambda: ran.append(1), name="never")
+    never.cancel()
+    ok = engine.start(lambda: "fine", name="ok")
+    engine.run_until_done()
+    assert isinstance(failing.exception, ValueError) and ok.result == "fine"
+    assert isinstance(never.exception, TaskCancelled) and ran == []
+
+
+def test_sleep_lets_the_others_run_and_a_sleeper_can_be_cancelled():
+    log: list[tuple] = []
+
+    def sleeper(name, seconds):
+        def run():
+            sleep(seconds)
+            log.append(("woke", name))
+        return run
+    engine = Engine(max_decode_gap_s=0.0)
+    short = engine.start(sleeper("short", 0.05), name="short")
+    cancelled = engine.start(sleeper("long", 60), name="long")
+    engine.start(chunks(log, "worker", 5), name="worker")
+    for _ in range(3):
+        engine.step()
+    assert [t.phase for t in (short, cancelled)] == ["waiting", "waiting"]
+    cancelled.cancel()
+    engine.run_until_done()
+    assert log.index(("chunk", "worker")) < log.index(("woke", "short"))
+    assert isinstance(cancelled.exception, TaskCancelled) and ("woke", "long") not in log
+
+
+def test_close_ends_started_tasks_with_their_finally_blocks():
+    done = []
+
+    def run():
+        try:
+            for _ in range(100):
+                yield_point()
+        finally:
+            done.append("cleaned")
+    engine = Engine(max_decode_gap_s=0.0)
+    engine.start(run, name="t")
+    engine.step()
+    engine.close()
+    assert done == ["cleaned"] and not engine.tasks()
+
+
+def test_outside_an_engine_everything_is_todays_path(model):
+    yield_point()  # no-op
+    logits, cache, state = full_prefill(model, prompt(20))
+    info = {}
+    got = list(batched_decode(model, cache, logits, sampling=Sampling(greedy=True), max_tokens=12, stop_tokens=(),
+                              position=20, state=state, info=info))
+    assert got == alone(model, prompt(20)) and info["batched"] is False
+    assert mx.array_equal(logits, full_prefill(model, prompt(20))[0]).item()
