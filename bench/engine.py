@@ -23,10 +23,10 @@ import fakeredis  # noqa: E402
 
 from jobs.progress import ProgressPublisher  # noqa: E402
 from jobs.spec import build_spec  # noqa: E402
-from worker.context import JobContext  # noqa: E402
+from worker.job.context import JobContext  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.runtime import WorkerRuntime  # noqa: E402
-from worker.tasks import execute  # noqa: E402
+from worker.job.tasks import execute  # noqa: E402
 
 SHORT = ["The rain had stopped before the carriage reached the village, and",
          "Mr. Knightley said very little, but his eyes followed her across the room while",
