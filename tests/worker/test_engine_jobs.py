@@ -1,0 +1,119 @@
+"""Generate jobs through the engine (``worker.job.tasks.execute`` as each task's run): eight at once
+equal the same eight run alone, a job failing mid-batch fails alone, a cancel stops one.
+
+The fakes of test_generate_tasks (fake draft scoring, a real tiny llama target, fakeredis);
+prompts of several lengths, sparse (keep 0.25), plain after admission and full_prefill, greedy
+and seeded sampling, all decoding together in one batch.
+"""
+from __future__ import annotations
+
+import pytest
+
+from jobs.progress import ProgressPublisher
+from jobs.results import GenerateResult
+from jobs.spec import build_spec
+from tests.worker.test_generate_tasks import DOC, events, runtime, streamed_text
+from worker.engine import Engine
+from worker.job.context import JobContext, JobStopped
+from worker.job.reporting import JobReporter
+from worker.job.tasks import execute
+
+CHUNK = 32
+JOBS = {  # name: generate fields (the text is DOC cut to a length)
+    "sparse-a": dict(n=200, greedy=True), "sparse-b": dict(n=170, greedy=True),
+    "sparse-seeded": dict(n=190, temperature=0.9, seed=11),
+    "full": dict(n=160, greedy=True, full_prefill=True), "full-seeded": dict(n=120, temperature=0.8, seed=5,
+                                                                             full_prefill=True),
+    "short": dict(n=40, greedy=True), "short-b": dict(n=55, greedy=True), "sparse-c": dict(n=150, greedy=True),
+}
+
+
+def spec(rt, name):
+    fields = dict(JOBS[name])
+    n = fields.pop("n")
+    return build_spec(rt.settings, kind="generate", text=f"{name}:{DOC[:n]}", max_tokens=24, **fields)
+
+
+def job(rt, name):
+    def run():
+        pub = ProgressPublisher(rt.connection, name, min_interval_s=0.0)
+        return GenerateResult.from_json(execute(spec(rt, name).to_payload(), JobContext(name, rt, pub)))
+    return run
+
+
+def engine():
+    return Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each job alone in its own engine (the same chunks), on its own runtime."""
+    out = {}
+    for name in JOBS:
+        rt, _ = runtime()
+        e = engine()
+        task = e.start(job(rt, name), name=name)
+        e.run_until_done()
+        assert task.exception is None, task.exception
+        out[name] = task.result
+    return out
+
+
+def run_all(rt, e, names=JOBS):
+    tasks = {name: e.start(job(rt, name), name=name) for name in names}
+    sizes = []
+    while e.step():
+        sizes.append(e.batch_size)
+    return tasks, max(sizes)
+
+
+def same(got: GenerateResult, want: GenerateResult) -> bool:
+    return (got.token_ids, got.text, got.kept, got.kept_ranges, got.finish_reason) == (
+        want.token_ids, want.text, want.kept, want.kept_ranges, want.finish_reason)
+
+
+def test_eight_jobs_in_one_batch_equal_each_alone(alone):
+    rt, _ = runtime()
+    tasks, largest = run_all(rt, engine())
+    assert largest == len(JOBS)
+    kinds = set()
+    for name, task in tasks.items():
+        assert task.exception is None, (name, task.exception)
+        res = task.result
+        assert same(res, alone[name]), name
+        assert res.batched and res.unbatched_reason is None
+        assert streamed_text(events(rt, name)) == res.text
+        kinds.add("sparse" if res.kept < res.total else "full")
+    assert kinds == {"sparse", "full"}  # sparse and full jobs decoded side by side
+
+
+def test_a_job_failing_mid_batch_fails_alone(alone, monkeypatch):
+    genuine = JobReporter.token
+
+    def token(self, token):
+        if self.ctx.job_id == "sparse-b" and self.tokens == 3:
+            raise RuntimeError("the detokenizer broke")
+        genuine(self, token)
+    monkeypatch.setattr(JobReporter, "token", token)
+    rt, _ = runtime()
+    tasks, _ = run_all(rt, engine())
+    assert isinstance(tasks["sparse-b"].exception, RuntimeError)
+    assert events(rt, "sparse-b")[-1].kind == "failed"
+    for name, task in tasks.items():
+        if name != "sparse-b":
+            assert task.exception is None and same(task.result, alone[name]), name
+
+
+def test_cancel_one_of_eight(alone):
+    rt, _ = runtime()
+    e = engine()
+    tasks = {name: e.start(job(rt, name), name=name) for name in JOBS}
+    while e.batch_size < 6:
+        e.step()
+    tasks["sparse-a"].cancel(JobStopped("job sparse-a stopped on request"))
+    e.run_until_done()
+    assert isinstance(tasks["sparse-a"].exception, JobStopped)
+    assert events(rt, "sparse-a")[-1].kind == "stopped"
+    for name, task in tasks.items():
+        if name != "sparse-a":
+            assert task.exception is None and same(task.result, alone[name]), name
