@@ -254,3 +254,21 @@ def test_outside_an_engine_everything_is_todays_path(model):
                               position=20, state=state, info=info))
     assert got == alone(model, prompt(20)) and info["batched"] is False
     assert mx.array_equal(logits, full_prefill(model, prompt(20))[0]).item()
+
+
+def test_long_and_short_sequences_decode_in_separate_batches(model, log, monkeypatch):
+    import worker.engine.loop as loop
+
+    monkeypatch.setattr(loop, "PADDING_FLOOR", 16)  # 10 tokens: bucket 0, 40 tokens: bucket 2
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    short = engine.start(generate(model, prompt(10, 4), log, "short"), name="short")
+    long = engine.start(generate(model, prompt(40, 5), log, "long"), name="long")
+    engine.run_until_done()
+    assert short.result == alone(model, prompt(10, 4)) and long.result == alone(model, prompt(40, 5))
+    assert {size for kind, size in log if kind == "decode"} == {1}  # two batches of one, never padded together
+
+
+def test_heal_payloads_run_at_heal_priority():
+    from worker.engine import job_priority
+
+    assert job_priority({"kind": "heal"}) == HEAL and job_priority({"kind": "generate"}) == USER

@@ -11,11 +11,11 @@
   offsets and samplers); :mod:`worker.engine.scheduler`: which chunk runs next.
 
 Priorities: smaller runs first; :data:`USER` jobs, :data:`HEAL` jobs only when no user work is
-ready or decoding.
+ready or decoding (:func:`job_priority` of a queued payload).
 """
 from worker.engine.context import batched_decode, chunk_tokens, current, sleep, yield_point
 from worker.engine.loop import Engine, EngineStats
-from worker.engine.task import HEAL, USER, Task, TaskCancelled
+from worker.engine.task import HEAL, USER, Task, TaskCancelled, job_priority
 
 __all__ = ["Engine", "EngineStats", "HEAL", "Task", "TaskCancelled", "USER", "batched_decode", "chunk_tokens",
-           "current", "sleep", "yield_point"]
+           "current", "job_priority", "sleep", "yield_point"]

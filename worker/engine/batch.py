@@ -66,7 +66,7 @@ def _shift_offset(layer: Any, delta: mx.array) -> None:
             leaf.offset = leaf.offset + delta
 
 
-def _cache_length(cache: list) -> int:
+def cache_length(cache: list) -> int:
     """Tokens a job's cache holds (its KV layers' offset)."""
     for layer in cache:
         for leaf in _leaves(layer):
@@ -117,7 +117,7 @@ class DecodeBatch:
             return
         joining, self._joining = self._joining, []
         merged = [type(layers[0]).merge(list(layers)) for layers in zip(*(s.cache for s in joining))]
-        delta = mx.array([s.position - _cache_length(s.cache) for s in joining])
+        delta = mx.array([s.position - cache_length(s.cache) for s in joining])
         for layer in merged:
             _shift_offset(layer, delta)
         for s in joining:

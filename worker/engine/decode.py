@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator
 import mlx.core as mx
 
 from specprefill.sampling import sample
-from worker.engine.batch import Sequence, unbatchable_reason
+from worker.engine.batch import Sequence, cache_length, unbatchable_reason
 
 
 def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx.array, *, sampling: Any,
@@ -43,7 +43,7 @@ def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx
 
 def _batched(engine: Any, task: Any, model: Any, seq: Sequence, max_tokens: int, stops: set[int],
              progress: Any) -> Iterator[int]:
-    batch = engine.batch_for(model)
+    batch = engine.batch_for(model, cache_length(seq.cache))
     batch.join(seq)
     task.batched = True
     try:

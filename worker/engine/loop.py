@@ -30,6 +30,16 @@ from worker.engine.task import USER, Task
 log = logging.getLogger(__name__)
 
 MIN_CHUNK = 32  # the smallest prefill chunk the gap budget sizes
+PADDING_FLOOR = 4096  # sequences up to this many tokens share one batch whatever their lengths
+
+
+def length_bucket(tokens: int) -> int:
+    """Which batch a sequence of ``tokens`` cached tokens joins: one for up to
+    :data:`PADDING_FLOOR`, then one per doubling. A batch pads each row to its longest, so a
+    short request beside a 16K-token one would hold (and attend over) 16K slots; within a
+    bucket a row is padded to at most twice its length (or the floor). More buckets mean more
+    forward passes per step (the weights read once per batch)."""
+    return max(0, (max(tokens, 1) - 1) // PADDING_FLOOR).bit_length()
 CALIBRATION_TOKENS = 256  # tokens of the timed forward pass that sizes a model's chunks
 
 
@@ -51,7 +61,7 @@ class Engine:
         self._tasks: list[Task] = []
         self._ready: list[Task] = []  # tasks with a turn to run (new, or back from a yield point)
         self._solo: list[Task] = []  # unbatchable decoders waiting for their next token's turn
-        self._batches: dict[int, Any] = {}  # id(model) -> DecodeBatch
+        self._batches: dict[tuple[int, int], Any] = {}  # (id(model), length bucket) -> DecodeBatch
         self._chunks: dict[int, tuple[weakref.ref, int]] = {}
         self._probed: dict[int, tuple[weakref.ref, str | None]] = {}
         self._mean_turn_s = 0.0  # a moving average of turn lengths (a new task's expected turn)
@@ -145,12 +155,15 @@ class Engine:
         finally:
             task.wake_at, task.phase = None, "prefill"
 
-    def batch_for(self, model: Any) -> Any:
+    def batch_for(self, model: Any, tokens: int) -> Any:
+        """The decode batch of ``model`` for a sequence whose cache holds ``tokens``
+        (:func:`length_bucket`: a batch left-pads every row to its longest)."""
         from worker.engine.batch import DecodeBatch
 
-        batch = self._batches.get(id(model))
+        key = (id(model), length_bucket(tokens))
+        batch = self._batches.get(key)
         if batch is None or batch.model is not model:
-            batch = self._batches[id(model)] = DecodeBatch(model)
+            batch = self._batches[key] = DecodeBatch(model)
         return batch
 
     def _switch_out(self, task: Task) -> None:
