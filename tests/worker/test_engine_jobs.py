@@ -17,6 +17,7 @@ from worker.engine import Engine
 from worker.job.context import JobContext, JobStopped
 from worker.job.reporting import JobReporter
 from worker.job.tasks import execute
+from worker.runtime import _target_store
 
 CHUNK = 32
 JOBS = {  # name: generate fields (the text is DOC cut to a length)
@@ -117,3 +118,35 @@ def test_cancel_one_of_eight(alone):
     for name, task in tasks.items():
         if name != "sparse-a":
             assert task.exception is None and same(task.result, alone[name]), name
+
+
+def test_a_restored_prefix_enters_the_batch_as_it_is():
+    """A job whose target restores a stored prefix (its first blocks from the prefix store) decodes
+    in the batch beside others and equals the same job alone after the same first job."""
+    prefix = DOC[:150]
+
+    def gen(rt, text, **fields):
+        return build_spec(rt.settings, kind="generate", text=text, max_tokens=20, greedy=True, **fields)
+
+    def run_in(rt, e, name, text, **fields):
+        def run():
+            pub = ProgressPublisher(rt.connection, name, min_interval_s=0.0)
+            return GenerateResult.from_json(execute(gen(rt, text, **fields).to_payload(), JobContext(name, rt, pub)))
+        return e.start(run, name=name)
+
+    results = {}
+    for together in (False, True):
+        rt, _ = runtime(block_size=32)
+        rt.backend.target_store = _target_store  # the real prefix store, on fakeredis
+        e = engine()
+        run_in(rt, e, "first", prefix + "first turn", full_prefill=True)
+        e.run_until_done()
+        tasks = [run_in(rt, e, "next", prefix + "the next turn asks again")]
+        if together:
+            tasks += [run_in(rt, e, f"other-{i}", f"{i}:{DOC[:90 + 20 * i]}") for i in range(3)]
+        e.run_until_done()
+        assert all(t.exception is None for t in tasks), [t.exception for t in tasks]
+        results[together] = tasks[0].result
+    alone_, batched = results[False], results[True]
+    assert batched.target_tokens["restored"] >= 128 and batched.batched
+    assert same(batched, alone_)
