@@ -149,7 +149,7 @@ class Settings:
     # The engine (worker/engine): every job the worker holds runs in one loop; decoding jobs
     # advance together one token per step. max_decode_gap_s bounds the time between two decode
     # steps: prefill and scoring chunks run between them, each sized to fit this (the model's
-    # measured tokens/s times it, rounded down to a power of two, at most prefill_step), so a
+    # measured tokens/s times it, rounded down to a power of two, 128 to prefill_step), so a
     # decode step waits at most one chunk. prefill_chunk_tokens fixes the chunk instead (0:
     # sized from max_decode_gap_s). prefill_order: which ready prefill runs first, "shortest"
     # (the fewest tokens left in its phase) or "fifo" (arrival).

@@ -272,3 +272,20 @@ def test_heal_payloads_run_at_heal_priority():
     from worker.engine import job_priority
 
     assert job_priority({"kind": "heal"}) == HEAL and job_priority({"kind": "generate"}) == USER
+
+
+def test_a_failing_batched_pass_fails_its_jobs_not_the_loop(model, log, monkeypatch):
+    genuine = batch_module.DecodeBatch.logits
+    calls = {"n": 0}
+
+    def logits(self):
+        if len(self) == 3 and not calls["n"]:  # the first step with all three in the batch
+            calls["n"] += 1
+            raise MemoryError("out of memory in the batched pass")
+        return genuine(self)
+    monkeypatch.setattr(batch_module.DecodeBatch, "logits", logits)
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    tasks = [engine.start(generate(model, prompt(9, i), log, str(i)), name=str(i)) for i in range(3)]
+    other = engine.start(chunks(log, "other", 3), name="other")
+    engine.run_until_done()
+    assert all(isinstance(t.exception, MemoryError) for t in tasks) and other.result == "other"

@@ -83,9 +83,15 @@ class DecodeBatch:
         self.seqs: list[Sequence] = []
         self.cache: list = []
         self._joining: list[Sequence] = []
+        self.broken = False  # its forward pass raised: leaving takes nothing back
 
     def __len__(self) -> int:
         return len(self.seqs) + len(self._joining)
+
+    @property
+    def joining(self) -> list[Sequence]:
+        """Sequences that join at the next step."""
+        return list(self._joining)
 
     def join(self, seq: Sequence) -> None:
         """Add ``seq`` before the next step (its cache is moved into the batch then)."""
@@ -99,7 +105,7 @@ class DecodeBatch:
         if seq.leaving or seq not in self.seqs:
             return
         seq.leaving = True
-        if seq.keep_cache:
+        if seq.keep_cache and not self.broken:
             index = self.seqs.index(seq)
             seq.cache[:] = [layer.extract(index) for layer in self.cache]
 
