@@ -103,7 +103,7 @@ def decode_bound(rt, n_jobs, max_tokens):
                 all_batched=all(r["batched"] for r in batched.values()))
 
 
-def mixed(rt, long_tokens, order, n_short=6, delay=0.3):
+def mixed(rt, long_tokens, order, n_short=6, delay=0.3, gap=None):
     words = " ".join(SHORT).split()
     long_text = " ".join(words[i % len(words)] for i in range(int(long_tokens * 0.8)))
     specs = {f"long-{i}": build_spec(rt.settings, kind="generate", text=f"{i} {long_text}", max_tokens=8,
@@ -111,10 +111,23 @@ def mixed(rt, long_tokens, order, n_short=6, delay=0.3):
     specs.update({f"short-{i}": build_spec(rt.settings, kind="generate", text=SHORT[i % len(SHORT)] + f" {i}",
                                            max_tokens=8, greedy=True) for i in range(n_short)})
     arrivals = {n: (0.0 if n.startswith("long") else delay) for n in specs}
-    record, stats = run_engine(rt, specs, arrivals=arrivals, prefill_order=order)
+    gap = rt.settings.max_decode_gap_s if gap is None else gap
+    record, stats = run_engine(rt, specs, arrivals=arrivals, prefill_order=order, max_decode_gap_s=gap)
     short = statistics.median(record[n]["first"] - record[n]["start"] for n in specs if n.startswith("short"))
     long_ = statistics.median(record[n]["first"] - record[n]["start"] for n in specs if n.startswith("long"))
     return dict(short=short, long=long_, gap=stats.max_gap_s)
+
+
+def gap_rows(rt, long_tokens, gaps):
+    """The mixed workload (shortest first) at each ``max_decode_gap_s``: the prefill budget per step."""
+    rows = []
+    target = rt.models.get(rt.settings.target_model, field="target_model").model
+    for gap in gaps:
+        m = mixed(rt, long_tokens, "shortest", gap=gap)
+        chunk = Engine(max_decode_gap_s=gap).chunk_tokens(target, rt.settings.prefill_step)
+        rows.append((f"mixed, shortest, max_decode_gap_s {gap:g} (chunk {chunk}): short / long TTFT p50 (s)",
+                     f"{m['short']:.2f}", f"{m['long']:.2f}", f"largest gap {m['gap']:.3f} s"))
+    return rows
 
 
 def main() -> int:
@@ -123,6 +136,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the mixed workload per order")
+    ap.add_argument("--gaps", type=float, nargs="*", default=[],
+                    help="also run the mixed workload (shortest) at these max_decode_gap_s")
     ap.add_argument("--quick", action="store_true", help="64 tokens per job, 1500-token long prompts, 1 round")
     args = ap.parse_args()
     if args.quick:
@@ -143,6 +158,7 @@ def main() -> int:
         rows.append((f"mixed, {order}: short TTFT p50 / long TTFT p50 (s)", f"{m['short']:.2f}", f"{m['long']:.2f}",
                      f"{m['short'] / m['long']:.3f}"))
         rows.append((f"mixed, {order}: largest decode gap (s)", f"{m['gap']:.3f}", "", ""))
+    rows += gap_rows(rt, args.long_tokens, args.gaps)
     print(f"generated {d['tokens']} tokens; every job batched: {d['all_batched']}; chunks: {d['chunks']}")
     return report(rows, [("engine_decode_speedup_c%d" % args.jobs, d["alone_s"] / d["batched_s"], ">=", 1.5),
                          ("batched_vs_alone_greedy_tokens", d["same"], ">=", 1.0),
