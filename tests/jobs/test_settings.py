@@ -33,3 +33,15 @@ def test_option_settings_are_the_option_objects_fields():
         Settings.from_env({"SPECPREFILL_POOL_KERNEL": "1024"})
     with pytest.raises(ValueError, match="setting selection: expected SelectionOptions"):
         Settings(selection={"keep": 0.2})
+
+
+def test_engine_settings_are_checked():
+    s = Settings.from_env({"SPECPREFILL_MAX_DECODE_GAP_S": "0.25", "SPECPREFILL_PREFILL_ORDER": "fifo",
+                           "SPECPREFILL_PREFILL_CHUNK_TOKENS": "512"})
+    assert (s.max_decode_gap_s, s.prefill_order, s.prefill_chunk_tokens) == (0.25, "fifo", 512)
+    with pytest.raises(ValueError, match=r"max_decode_gap_s \(SPECPREFILL_MAX_DECODE_GAP_S\): must be in \[0.001, 60\]"):
+        Settings.from_env({"SPECPREFILL_MAX_DECODE_GAP_S": "0"})
+    with pytest.raises(ValueError, match=r"prefill_order \(SPECPREFILL_PREFILL_ORDER\): must be one of shortest, fifo"):
+        Settings(prefill_order="lifo")
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        Settings(prefill_chunk_tokens=-1)
