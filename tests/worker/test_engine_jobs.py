@@ -150,3 +150,38 @@ def test_a_restored_prefix_enters_the_batch_as_it_is():
     alone_, batched = results[False], results[True]
     assert batched.target_tokens["restored"] >= 128 and batched.batched
     assert same(batched, alone_)
+
+
+def test_a_real_heal_yields_to_a_user_job_within_one_block(monkeypatch):
+    """A heal job (block steps of the next turn's conversation) at heal priority: a user job arriving
+    while one of its blocks runs waits for that block only; no other heal block runs until the
+    user job has answered. Counted in block steps."""
+    import fakeredis
+
+    from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime as chat_runtime
+    from tests.worker.test_heal import run_heal
+    from worker.engine import HEAL, current
+    from worker.job import target_prefill
+
+    rt, _ = chat_runtime(fakeredis.FakeRedis(), keep=0.25)
+    first = run(rt, "t1", messages=chat(0, n=600), **GREEDY)  # sparse: it queues a heal
+    assert first.heal["queued"]
+    log, user, e = [], {}, engine()
+    genuine = target_prefill.prefill_prefix
+
+    def prefix_step(*args, **kwargs):  # the heal prefills one block per call
+        log.append(current()[1].name)
+        if log.count("heal") == 3 and not user:  # a user job arrives while the heal's third block runs
+            user["task"] = e.start(lambda: run(rt, "u", messages=chat(5, n=90), **GREEDY), name="user")
+            user["at"] = len(log)
+        return genuine(*args, **kwargs)
+    monkeypatch.setattr(target_prefill, "prefill_prefix", prefix_step)
+    heal = e.start(lambda: run_heal(rt, first.heal["job_id"]), priority=HEAL, name="heal")
+    while not heal.done:
+        e.step()
+        if user and user["task"].done:
+            user["done_at"] = user.get("done_at", len(log))
+    assert heal.exception is None and user["task"].exception is None, (heal.exception, user["task"].exception)
+    assert log.count("heal") > 4 and heal.result["healed"] > 0
+    between = log[user["at"]:user["done_at"]]
+    assert between.count("heal") == 0  # the block in flight (before "at") was the only one

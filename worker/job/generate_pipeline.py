@@ -219,7 +219,7 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
             cache = _prefix(prompt, ctx, reporter, protected, timings)
             logits, cache, state, keep = target_prefill.sparse_prefill(
                 stack, target.model, target.target_profile, tokens, kept, protected_prefix=protected,
-                kv_cache=cache, prefill_step=step, progress=reporter.begin())
+                kv_cache=cache, prefill_step=step, progress=reporter.begin(first_logits=True))
             return logits, cache, state, contiguous_prefix(keep), [(int(s), int(e)) for s, e in to_ranges(keep)]
         except Exception as exc:
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
@@ -235,7 +235,8 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
 
     bits, group = ctx.settings.kv_quantization("target")
     logits, cache, state = full_prefill(target.model, tokens, kv_cache=cache, prefill_step=step,
-                                        progress=reporter.begin(), kv_bits=bits, kv_group_size=group)
+                                        progress=reporter.begin(first_logits=True), kv_bits=bits,
+                                        kv_group_size=group)
     return logits, cache, state, len(tokens), None
 
 

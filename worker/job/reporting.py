@@ -27,14 +27,18 @@ def _per_s(count: float, since: float) -> float:
     return count / elapsed if elapsed > 0 else 0.0
 
 
-def _may_yield(processed: int, total: int, phase: str) -> bool:
+def _may_yield(processed: int, total: int, phase: str, first_logits: bool) -> bool:
     """Whether this callback is a chunk boundary the engine may switch at. Not while the draft's
     lookahead runs (phase ``lookahead``, and the prefill's last report, made after the last prompt
     token's scored forward): its kernel capture is installed on the draft's family modules, which
-    a target of the same family would run through. Not after the target's last prefill step
-    either: its logits are the first token's, sampled at once. Decode is paced by the batch."""
-    return phase not in ("lookahead", "decode") and not (phase in ("prefill", "target_prefill")
-                                                         and processed >= total)
+    a target of the same family would run through. Not at the end of the target prefill that
+    returns the first logits (``first_logits``): the first token is sampled at once. Decode is
+    paced by the batch."""
+    if phase in ("lookahead", "decode"):
+        return False
+    if processed < total:
+        return True
+    return phase != "prefill" and not (phase == "target_prefill" and first_logits)
 
 
 class JobReporter:
@@ -47,15 +51,17 @@ class JobReporter:
         self.cache_timings: dict[str, float] = {}  # "cache_fetch", "cache_store": seconds
         self._t0 = time.perf_counter()
         self._phase: str | None = None
+        self._first_logits = False
         self.stream: TextStream | None = None
         self.splitter: AnswerSplitter | None = None
         self.tokens = 0
         self.max_tokens = 0
         self.decode_started: float | None = None
 
-    def begin(self) -> "JobReporter":
-        """Start timing one scoring or prefill call; returns the callback to give it."""
-        self._t0, self._phase = time.perf_counter(), None
+    def begin(self, first_logits: bool = False) -> "JobReporter":
+        """Start timing one scoring or prefill call; returns the callback to give it.
+        ``first_logits``: the call returns the logits the first token is sampled from."""
+        self._t0, self._phase, self._first_logits = time.perf_counter(), None, first_logits
         return self
 
     def __call__(self, processed: int, total: int, phase: str) -> None:
@@ -73,7 +79,7 @@ class JobReporter:
         elif phase in PHASE_EVENTS and phase != self._phase:
             self.pub.publish(phase, processed=processed, total=total)
         self._phase = phase
-        if _may_yield(processed, total, phase):
+        if _may_yield(processed, total, phase, self._first_logits):
             yield_point(max(0, total - processed))
 
     def publish(self, kind: str, **data: Any) -> None:
