@@ -39,7 +39,7 @@ from worker.job.context import JobContext
 from worker.job.detokenize import TextStream, stop_token_ids
 from worker.job.fallback import fallback_reason
 from worker.job.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
-from worker.engine import batched_decode, chunk_tokens
+from worker.engine import batched_decode, chunk_tokens, yield_point
 from worker.models import LoadedModel
 from worker.context_window import check_context, fit_max_tokens
 from worker.job.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
@@ -281,6 +281,7 @@ def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext,
                 finish = "eos"
         reporter.finish_decode()
         timings["decode"] = time.perf_counter() - reporter.decode_started
+    yield_point()  # the answer is out: the store is a turn of its own, not part of a decode step's
     _store_prefix(prompt, ctx, cache, contiguous, timings)
     del logits, cache
     if splitter is not None and splitter.tool_calls and finish in ("eos", "stop"):
