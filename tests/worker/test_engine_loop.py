@@ -167,6 +167,7 @@ def test_cancel_one_of_eight(model, log):
     while engine.stats.decode_steps < 4:
         engine.step()
     assert engine.batch_size == 8 and all(t.phase == "decode" and t.batched for t in engine.tasks())
+    assert engine.batch_kv_bytes > 0
     tasks[3].cancel(Stop("stop this one"))
     engine.step()
     assert tasks[3].done and isinstance(tasks[3].exception, Stop)

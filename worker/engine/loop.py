@@ -96,6 +96,12 @@ class Engine:
         return sum(len(b.seqs) for b in self._batches.values()) + len(self._solo_decoding())
 
     @property
+    def batch_kv_bytes(self) -> int:
+        """Bytes the decode batches' caches hold (left padding included; jobs still prefilling
+        and solo decoders hold their own caches, not counted here)."""
+        return sum(layer.nbytes for b in self._batches.values() for layer in b.cache)
+
+    @property
     def current_task(self) -> Task | None:
         """The task whose greenlet is running (None: the loop itself, or no engine)."""
         return self._current if self._current is not None and getcurrent() is not self._loop else None
