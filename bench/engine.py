@@ -10,23 +10,21 @@ Runs real generate jobs (``worker.tasks.execute``: the shipped ``models/target-t
 2. mixed: two long prompts, then short requests arriving while they prefill, under
    ``prefill_order`` "fifo" and "shortest": the short requests' median TTFT over the long ones'.
 
-    python bench/engine.py [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--quick]
+    .venv/bin/python -m bench.engine [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--gaps 0.05 0.4] [--quick]
 """
-import benchlib  # noqa: F401 - first: sys.path and the OpenBLAS preload, before mlx
-from benchlib import SETTINGS, blas_in_use, report  # noqa: E402
+import argparse
+import statistics
+import time
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import fakeredis
 
-import fakeredis  # noqa: E402
-
-from jobs.progress import ProgressPublisher  # noqa: E402
-from jobs.spec import build_spec  # noqa: E402
-from worker.job.context import JobContext  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.runtime import WorkerRuntime  # noqa: E402
-from worker.job.tasks import execute  # noqa: E402
+from bench.benchlib import SETTINGS, blas_in_use, report
+from jobs.progress import ProgressPublisher
+from jobs.spec import build_spec
+from worker.engine import Engine
+from worker.job.context import JobContext
+from worker.job.tasks import execute
+from worker.runtime import WorkerRuntime
 
 SHORT = ["The rain had stopped before the carriage reached the village, and",
          "Mr. Knightley said very little, but his eyes followed her across the room while",
@@ -141,10 +139,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the mixed workload per order")
     ap.add_argument("--gaps", type=float, nargs="*", default=[],
                     help="also run the mixed workload (shortest) at these max_decode_gap_s")
-    ap.add_argument("--quick", action="store_true", help="64 tokens per job, 1500-token long prompts, 1 round")
+    ap.add_argument("--quick", action="store_true", help="32 tokens per job, 1500-token long prompts, 1 round")
     args = ap.parse_args()
     if args.quick:
-        args.max_tokens, args.long_tokens, args.rounds = 64, 1500, 1
+        args.max_tokens, args.long_tokens, args.rounds = 32, 1500, 1
     rt = runtime()
     print(f"BLAS: {blas_in_use()}; max_decode_gap_s {rt.settings.max_decode_gap_s}")
     d = decode_bound(rt, args.jobs, args.max_tokens)

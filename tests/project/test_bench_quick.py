@@ -29,7 +29,8 @@ NOT_SCRIPTS = {"__init__.py", "benchlib.py", "bare_job.py", "routing_trace.py"}
 SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--turns", "2"]
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
-    "block_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "families.py": ["--quick"],
+    "block_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "engine.py": ["--quick"],
+    "families.py": ["--quick"],
     "far_probe.py": ["--quick"], "heal_shapes.py": ["--quick"], "http_api.py": ["--quick"], "jobqueue.py": ["--quick"],
     "scale.py": SCALE_QUICK,
     "scoring.py": ["--quick"], "ttft.py": ["--quick"],

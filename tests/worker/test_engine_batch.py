@@ -22,7 +22,7 @@ import pytest
 from specprefill.attention.target import required_tail, target_profile, target_session
 from specprefill.options import Sampling
 from specprefill.sparse import full_prefill, generate_tokens
-from tests.support import families as F
+from specprefill_testkit import families as F
 from worker.engine import Engine, batched_decode
 import worker.engine.batch as batch_module
 

@@ -11,7 +11,7 @@ import pytest
 
 from specprefill.options import Sampling
 from specprefill.sparse import full_prefill, generate_tokens
-from tests.support import families as F
+from specprefill_testkit import families as F
 from worker.engine import HEAL, USER, Engine, TaskCancelled, batched_decode, sleep, yield_point
 import worker.engine.batch as batch_module
 
