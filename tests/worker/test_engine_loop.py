@@ -243,8 +243,9 @@ def test_close_ends_started_tasks_with_their_finally_blocks():
     engine = Engine(max_decode_gap_s=0.0)
     engine.start(run, name="t")
     engine.step()
+    never = engine.start(run, name="never started")
     engine.close()
-    assert done == ["cleaned"] and not engine.tasks()
+    assert done == ["cleaned"] and not engine.tasks() and isinstance(never.exception, TaskCancelled)
 
 
 def test_outside_an_engine_everything_is_todays_path(model):

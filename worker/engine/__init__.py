@@ -5,7 +5,7 @@
   of every generating job, then prefill / scoring chunks of ready jobs by priority within the
   ``max_decode_gap_s`` budget); ``tasks()``; ``batch_size``.
 - Inside a task (:mod:`worker.engine.context`): :func:`yield_point` at every chunk boundary
-  (``worker.reporting.JobReporter`` calls it), :func:`batched_decode` (the decode hand-off),
+  (``worker.job.reporting.JobReporter`` calls it), :func:`batched_decode` (the decode hand-off),
   :func:`sleep`, :func:`chunk_tokens`. Each is today's behaviour outside an engine.
 - :mod:`worker.engine.batch`: the decode batch (mlx-lm's batch caches, per-sequence RoPE
   offsets and samplers); :mod:`worker.engine.scheduler`: which chunk runs next.

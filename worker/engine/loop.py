@@ -2,7 +2,7 @@
 
 Each job's whole execution is a :class:`~worker.engine.task.Task` (a greenlet). The existing
 pipelines already work in chunks and call their progress callback after each; that callback
-(``worker.reporting.JobReporter``) calls :func:`worker.engine.yield_point`, which switches
+(``worker.job.reporting.JobReporter``) calls :func:`worker.engine.yield_point`, which switches
 back here. One :meth:`Engine.step`:
 
 1. delivers cancels (raised inside their tasks now) and wakes sleepers that are due;
@@ -49,7 +49,7 @@ class Engine:
     """The step loop, the decode batches and the scheduler of one worker process."""
 
     def __init__(self, *, max_decode_gap_s: float | None = None, prefill_chunk_tokens: int | None = None,
-                 prefill_order: str | None = None, prefill_step: int | None = None) -> None:
+                 prefill_order: str | None = None) -> None:
         from jobs.settings import Settings
 
         defaults = Settings.__dataclass_fields__
@@ -59,7 +59,6 @@ class Engine:
         self.prefill_order = prefill_order or defaults["prefill_order"].default
         if self.prefill_order not in scheduler.ORDERS:
             raise ValueError(f"prefill_order: must be one of {', '.join(scheduler.ORDERS)}, got {self.prefill_order!r}")
-        self.prefill_step = prefill_step or defaults["prefill_step"].default
         self._tasks: list[Task] = []
         self._ready: list[Task] = []  # tasks with a turn to run (new, or back from a yield point)
         self._solo: list[Task] = []  # unbatchable decoders waiting for their next token's turn
@@ -74,14 +73,13 @@ class Engine:
     @classmethod
     def from_settings(cls, settings: Any) -> "Engine":
         return cls(max_decode_gap_s=settings.max_decode_gap_s, prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                   prefill_order=settings.prefill_order, prefill_step=settings.prefill_step)
+                   prefill_order=settings.prefill_order)
 
     # ---- the API ----
 
     def start(self, run: Callable[[], Any], *, priority: int = USER, name: str = "") -> Task:
         """A task running ``run()`` (a job's whole execution) in its own greenlet, from the next step."""
         task = Task(run, priority=priority, name=name or f"task-{len(self._tasks)}")
-        task.engine = self
         self._tasks.append(task)
         self._ready.append(task)
         return task
@@ -129,7 +127,7 @@ class Engine:
             pass
 
     def close(self) -> None:
-        """End every started task (their ``finally`` blocks run) and drop the batches."""
+        """End every task (a started one's ``finally`` blocks run) and drop the batches."""
         from worker.engine import context
 
         self._loop = getcurrent()
@@ -177,9 +175,6 @@ class Engine:
     def _switch_out(self, task: Task) -> None:
         self._loop.switch()
         # resumed: a cancel was thrown in by Task.resume before we get here
-
-    def _wake(self, task: Task) -> None:
-        """A cancel arrived: the next step delivers it (Task.cancel calls this)."""
 
     # ---- the step's parts ----
 

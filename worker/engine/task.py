@@ -49,7 +49,6 @@ class Task:
         self.last_turn_s = 0.0
         self._cancel: BaseException | None = None
         self._greenlet: greenlet | None = None
-        self.engine: Any = None
 
     def __repr__(self) -> str:
         state = "done" if self.done else self.phase
@@ -64,9 +63,7 @@ class Task:
             exc = TaskCancelled(f"task {self.name} cancelled")
         elif isinstance(exc, type):
             exc = exc(f"task {self.name} cancelled")
-        self._cancel = exc
-        if self.engine is not None:
-            self.engine._wake(self)
+        self._cancel = exc  # the engine's next step delivers it
 
     @property
     def cancel_pending(self) -> bool:
@@ -108,9 +105,18 @@ class Task:
             self.turns += 1
 
     def kill(self) -> None:
-        """End a started task's greenlet (its ``finally`` blocks run) when the engine closes."""
-        if self._greenlet is not None and not self.done:
-            self._greenlet.throw(TaskCancelled(f"task {self.name}: the engine closed"))
+        """End the task when the engine closes: a started one's greenlet gets ``TaskCancelled``
+        (its ``finally`` blocks run), one not started ends with it."""
+        exc = TaskCancelled(f"task {self.name}: the engine closed")
+        if self.done:
+            return
+        if self._greenlet is None:
+            self.exception, self.done = exc, True
+            return
+        from greenlet import getcurrent
+
+        self._greenlet.parent = getcurrent()
+        self._greenlet.throw(exc)
 
 
 class TaskCancelled(Exception):
