@@ -156,9 +156,7 @@ class JobsInFlight:
             self._next_poll = time.monotonic() + 1.0
             return None
         if result is not None:
-            job, queue = result
-            self.reorder_queues(reference_queue=queue)
-            self.log.info("Worker %s: %s: %s", self.name, queue.name, job.id)
+            self.reorder_queues(reference_queue=result[1])
         return result
 
     def _step(self) -> None:
@@ -205,8 +203,8 @@ class JobsInFlight:
             self._claim(slot)
             slot.task = self.engine.start(lambda: self._perform(slot), priority=USER if slot.user else HEAL,
                                           name=job.id)
-            log.info("job %s taken: %d in flight%s", job.id, len(self.in_flight), self._kv_note(size),
-                     extra={"event": "job_taken"})
+            self.log.info("Worker %s: job %s taken, %d in flight%s", self.name, job.id, len(self.in_flight),
+                          self._kv_note(size), extra={"event": "job_taken"})
             return 1
         finally:
             self._admitting = False
@@ -240,8 +238,9 @@ class JobsInFlight:
                 pipe.execute()
         except REDIS_DOWN as exc:
             self._redis_down(f"giving back job {job.id}", exc)
-        log.info("job %s does not fit beside the %d in flight%s: back to the front of %s", job.id,
-                 len(self.in_flight), self._kv_note(size), queue.name, extra={"event": "job_given_back"})
+        self.log.info("Worker %s: job %s does not fit beside the %d in flight%s: back to the front of %s",
+                      self.name, job.id, len(self.in_flight), self._kv_note(size), queue.name,
+                      extra={"event": "job_given_back"})
 
     def _kv_note(self, size: JobSize | None) -> str:
         if not self.room.budget or size is None:
