@@ -183,3 +183,32 @@ def test_a_job_past_its_timeout_fails_alone_as_rq_records_a_timeout(redis_url, w
     for h in others:
         assert h.result(timeout=60).total == 250
     one_result_each(conn, others)
+
+
+def test_the_kv_budget_never_over_admits(redis_url, workers, model_dir):
+    """A real worker (the tiny llama as draft, prefill jobs of 1,200 tokens) whose budget holds
+    three jobs' KV: every job it takes fits beside what it holds, the fourth goes back to its
+    queue, and all eight end with one result."""
+    import mlx_lm
+
+    from tests.reliability.conftest import real_settings
+    from worker.process.room import kv_bytes_of
+
+    per_token = kv_bytes_of(mlx_lm.load(model_dir)[0]).per_token  # what the worker measures
+    tokens = 1200
+    budget = int(per_token * tokens * 3.5)
+    s = real_settings(model_dir, kv_budget_bytes=budget)
+    w = workers.real(redis_url, s, preload=model_dir)
+    prompts = [[6 + (i * 13 + j * 5) % 500 for j in range(tokens)] for i in range(8)]
+    handles = client_for(redis_url, s).submit_many([{"tokens": p} for p in prompts]).handles
+    for h in handles:
+        assert h.result(timeout=120).total == tokens
+    one_result_each(redis.Redis.from_url(redis_url), handles)
+    taken = re.findall(r"taken, (\d+) in flight \(KV: (\d+) B for (\d+) tokens; (\d+) B of kv_budget_bytes (\d+) held\)",
+                       w.text())
+    assert len(taken) >= 8, w.text()
+    for n, need, count, held, limit in taken:
+        assert int(need) == int(per_token * int(count) + 0.5) and int(count) == tokens
+        assert int(held) <= int(limit) == budget and int(n) <= 3  # never over the budget
+    assert max(int(n) for n, *_ in taken) >= 2  # it did hold several at once
+    assert "does not fit beside the 3 in flight" in w.text()  # the fourth waited in its queue

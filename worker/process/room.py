@@ -25,7 +25,7 @@ from jobs.spec import spec_from_payload
 
 log = logging.getLogger(__name__)
 
-PROBE_TOKENS = (4, 36)  # the two cache lengths whose bytes give a model's bytes per token
+PROBE_TOKENS = 4  # tokens run through a fresh cache to see what each layer keeps
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,11 @@ class KVSize:
 
 
 def kv_bytes_of(model: Any, kv_bits: int | None = None, kv_group_size: int = 64) -> KVSize | None:
-    """``model``'s KV size, measured: its cache (quantized as jobs run it) after
-    :data:`PROBE_TOKENS` tokens, the bytes its state holds. None for something that is no MLX
-    model (a test's fake)."""
+    """``model``'s KV size, read off its cache (quantized as jobs run it) after a few tokens: a
+    layer holding keys and values (plain, quantized or windowed; a window is counted as if it
+    kept every token, so the estimate never falls short) adds their bytes per position, a
+    layer holding a recurrent state adds that state's bytes once. None for something that is
+    no MLX model (a test's fake)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -52,15 +54,22 @@ def kv_bytes_of(model: Any, kv_bits: int | None = None, kv_group_size: int = 64)
     if not isinstance(model, nn.Module):
         return None
     cache = make_cache(model, kv_bits, kv_group_size)
-    held, sizes = 0, []
-    for n in PROBE_TOKENS:
-        model(mx.ones((1, n - held), dtype=mx.int32), cache=cache)
-        held = n
-        arrays = [a for c in cache for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
-        mx.eval(arrays)
-        sizes.append(sum(a.nbytes for a in arrays))
-    per_token = (sizes[1] - sizes[0]) / (PROBE_TOKENS[1] - PROBE_TOKENS[0])
-    return KVSize(per_token, max(0, int(sizes[0] - per_token * PROBE_TOKENS[0])))
+    model(mx.ones((1, PROBE_TOKENS), dtype=mx.int32), cache=cache)
+    per_token, fixed = 0.0, 0
+    for layer in _leaves(cache):
+        held = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        arrays = [a for x in held if x is not None for a in (x if isinstance(x, (tuple, list)) else (x,))]
+        if arrays:  # (batch, heads, positions, width): bytes per position, whatever is preallocated
+            per_token += sum(a.nbytes / a.shape[2] for a in arrays)
+        else:
+            fixed += sum(a.nbytes for _, a in tree_flatten(layer.state) if isinstance(a, mx.array))
+    return KVSize(per_token, fixed)
+
+
+def _leaves(cache: Any) -> Iterable[Any]:
+    for c in cache:
+        sub = getattr(c, "caches", None)  # a CacheList (hybrid layers) holds several
+        yield from (_leaves(sub) if isinstance(sub, (list, tuple)) else (c,))
 
 
 @dataclass(frozen=True)
@@ -129,17 +138,16 @@ class Room:
 
     def admits(self, size: JobSize | None, held: list[JobSize | None]) -> bool:
         """Whether a job of ``size`` may join the jobs holding ``held`` (their sizes, priced
-        again: a model loaded since prices them) under the slots and the budget."""
+        again by the caller once their models are loaded) under the slots and the budget."""
         if len(held) >= self.max_jobs:
             return False
         if not self.budget or not held:
             return True  # no budget, or alone: a job always runs alone
         if size is None:
             return True  # sized at none: it fails at once
-        known = [self.priced(h) if h is not None else None for h in held]
-        if size.bytes is None or any(h is not None and h.bytes is None for h in known):
+        if size.bytes is None or any(h is not None and h.bytes is None for h in held):
             return False  # an unknown size: alone only, and nothing joins it
-        return size.bytes + self.reserved(known) <= self.budget
+        return size.bytes + self.reserved(held) <= self.budget
 
     @staticmethod
     def reserved(held: Iterable[JobSize | None]) -> int:

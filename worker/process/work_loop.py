@@ -187,7 +187,7 @@ class JobsInFlight:
         self._admitting = True
         try:
             size = self.room.size_of(_payload_of(job))
-            if not self.room.admits(size, [s.size for s in self.in_flight.values()]):
+            if not self.room.admits(size, self._held_sizes()):
                 self._give_back(job, queue, size)
                 return 0
             slot = InFlight(job, queue, user=not is_heal_queue(queue.name), size=size)
@@ -241,6 +241,13 @@ class JobsInFlight:
         self.log.info("Worker %s: job %s does not fit beside the %d in flight%s: back to the front of %s",
                       self.name, job.id, len(self.in_flight), self._kv_note(size), queue.name,
                       extra={"event": "job_given_back"})
+
+    def _held_sizes(self) -> list[JobSize | None]:
+        """The sizes of the jobs in flight, priced now if their model was not loaded before."""
+        for slot in self.in_flight.values():
+            if slot.size is not None and slot.size.bytes is None:
+                slot.size = self.room.priced(slot.size)
+        return [slot.size for slot in self.in_flight.values()]
 
     def _kv_note(self, size: JobSize | None) -> str:
         if not self.room.budget or size is None:
