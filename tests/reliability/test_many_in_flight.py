@@ -212,3 +212,32 @@ def test_the_kv_budget_never_over_admits(redis_url, workers, model_dir):
         assert int(held) <= int(limit) == budget and int(n) <= 3  # never over the budget
     assert max(int(n) for n, *_ in taken) >= 2  # it did hold several at once
     assert "does not fit beside the 3 in flight" in w.text()  # the fourth waited in its queue
+
+
+def test_generate_jobs_in_flight_decode_together_and_the_worker_says_so(redis_url, workers):
+    """Eight generate jobs on the shipped pair: the worker's hash (what list, the page and the
+    metrics read) shows several sequences decoding at once, and each job ends with one result."""
+    from tests.reliability.conftest import FAST
+
+    s = {**FAST, "block_size": 64, "heal": False}
+    w = workers.real(redis_url, s, preload="target")
+    conn, c = redis.Redis.from_url(redis_url), client_for(redis_url, s)
+    from jobs.spec import build_spec
+    from jobs.settings import Settings
+
+    settings = Settings().replace(**s)
+    # the shipped target answers these eight to the full 200 tokens, greedy (batched as alone)
+    chats = [[{"role": "user", "content": f"Tell me a story number {i}."}] for i in (3, 7, 12, 13, 17, 22, 23, 25)]
+    handles = [c.submit(build_spec(settings, kind="generate", messages=m, max_tokens=200, greedy=True))
+               for m in chats]
+    seen = []
+
+    def decoding() -> bool:
+        seen.append(int(conn.hget(f"rq:worker:{w.name}", "batch_size") or 0))
+        return all(h.status() in ("finished", "failed") for h in handles)
+
+    wait_for(decoding, timeout=120, step=0.02, what="the jobs ended")
+    assert max(seen) >= 2, seen
+    for h in handles:
+        assert h.result(timeout=10).generated_tokens == 200
+    one_result_each(conn, handles)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # the least time between two non-blocking dequeues while jobs are in flight
 SUSPENSION_CHECK_S = 1.0  # how often `rq suspend` is looked for while jobs are in flight
+LOAD_SAMPLE_S = 0.1  # how often the batch size shown (metrics, the worker's hash) is sampled
 
 
 @dataclass
@@ -77,7 +78,7 @@ class JobsInFlight:
         self._cold = False  # a second stop signal: every job stops at its next yield point
         self._full = False  # a job did not fit: take none until one ends
         self._admitting = False  # between a pop and its claim (a signal must not raise then)
-        self._next_poll = 0.0
+        self._next_poll = self._next_load = 0.0
         self._suspension = (0.0, False)  # (checked at, suspended)
         self._load = self._load_now()
 
@@ -164,6 +165,9 @@ class JobsInFlight:
         self._deliver_stops()
         self.engine.step()
         self._reap()
+        if time.monotonic() >= self._next_load:  # the batch size moves every step: sampled
+            self._next_load = time.monotonic() + LOAD_SAMPLE_S
+            self._snapshot_load()
 
     def _drain(self) -> None:
         """Run the engine until every job in flight ended (each records its own end)."""
@@ -338,18 +342,23 @@ class JobsInFlight:
 
     # -- what others see of the jobs in flight --------------------------------------------
 
+    def _decoding(self) -> int:
+        """Jobs in flight decoding now (in the batch or alone; a sequence that left the batch
+        is not counted, though the batch drops it only at its next step)."""
+        return sum(1 for s in self.in_flight.values() if s.task is not None and not s.task.done
+                   and s.task.phase == "decode")
+
     def _load_now(self) -> dict[str, str]:
         held = self.room.reserved(s.size for s in self.in_flight.values())
         return {"jobs_in_flight": str(len(self.in_flight)), "max_jobs_in_flight": str(self.room.max_jobs),
-                "batch_size": str(self.engine.batch_size), "kv_reserved_bytes": str(held),
+                "batch_size": str(self._decoding()), "kv_reserved_bytes": str(held),
                 "kv_budget_bytes": str(self.room.budget)}
 
     def _snapshot_load(self) -> None:
         """Refresh what the heartbeats write into the worker's hash (read by routing, ``specprefill
         list``, the page and the metrics); the metrics endpoint's gauges too."""
         self._load = self._load_now()
-        metrics.observe_load(len(self.in_flight), self.engine.batch_size,
-                             int(self._load["kv_reserved_bytes"]))
+        metrics.observe_load(len(self.in_flight), int(self._load["batch_size"]), int(self._load["kv_reserved_bytes"]))
 
     def load_fields(self) -> dict[str, str]:
         """The worker hash's fields that say how loaded it is (any thread may call this)."""
