@@ -241,3 +241,22 @@ def test_generate_jobs_in_flight_decode_together_and_the_worker_says_so(redis_ur
     for h in handles:
         assert h.result(timeout=10).generated_tokens == 200
     one_result_each(conn, handles)
+
+
+def test_max_jobs_in_flight_1_runs_one_job_at_a_time(redis_url, workers):
+    s = fake_settings(max_jobs_in_flight=1)
+    w = workers.fake(redis_url, s, delay=0.02)
+    conn, c = redis.Redis.from_url(redis_url), client_for(redis_url, s)
+    handles = [c.submit(tokens=p) for p in docs(3)]
+    seen = []
+
+    def ended() -> bool:
+        seen.append(in_flight(conn, w.name))
+        return all(h.status() == "finished" for h in handles)
+
+    wait_for(ended, timeout=60, step=0.01, what="the three jobs finished")
+    assert max(seen) == 1
+    jobs = sorted((Job.fetch(h.id, connection=conn, serializer=JSONSerializer) for h in handles),
+                  key=lambda j: j.started_at)
+    assert all(a.ended_at <= b.started_at for a, b in zip(jobs, jobs[1:]))  # never two at once
+    one_result_each(conn, handles)

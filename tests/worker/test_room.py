@@ -71,3 +71,18 @@ def test_max_jobs_in_flight_is_range_checked(value):
 
     with pytest.raises(SettingsError, match="max_jobs_in_flight"):
         Settings(max_jobs_in_flight=value)
+
+
+def test_the_worker_flag_is_checked_as_the_setting_is():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "worker", "--redis-url", "redis://127.0.0.1:1/0",
+                          "--max-jobs-in-flight", "0"], cwd=root, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)})
+    assert run.returncode == 2 and "max_jobs_in_flight" in run.stderr and "Traceback" not in run.stderr
+    shown = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=root, capture_output=True,
+                           text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}).stdout
+    assert "--max-jobs-in-flight" in shown
