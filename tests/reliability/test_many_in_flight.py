@@ -260,3 +260,18 @@ def test_max_jobs_in_flight_1_runs_one_job_at_a_time(redis_url, workers):
                   key=lambda j: j.started_at)
     assert all(a.ended_at <= b.started_at for a, b in zip(jobs, jobs[1:]))  # never two at once
     one_result_each(conn, handles)
+
+
+def test_a_queued_heal_waits_for_an_idle_worker_not_in_a_slot_beside_user_jobs(redis_url, workers):
+    from jobs.heal import HealSpec
+
+    s = fake_settings()
+    w = workers.fake(redis_url, s, delay=0.1)
+    conn, (user,) = submit_and_fill(redis_url, s, w, docs(1))
+    heal = Queue("specprefill-heal", connection=conn, serializer=JSONSerializer).enqueue(
+        "worker.tasks.run_job", HealSpec(target_model="fake-draft", tokens=(5, 6, 7)).to_payload(), job_timeout=30)
+    time.sleep(0.5)
+    assert user.status() == "started" and heal.get_status(refresh=True) == "queued"
+    assert user.result(timeout=60).total == 250
+    wait_for(lambda: heal.get_status(refresh=True) in ("finished", "failed"), timeout=30, what="the heal taken")
+    assert runs_of(w.text(), heal.id) == 1

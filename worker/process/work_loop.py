@@ -146,11 +146,16 @@ class JobsInFlight:
         return not suspended
 
     def _poll(self) -> tuple[Any, Any] | None:
-        """A non-blocking dequeue from the worker's queues, in their order."""
+        """A non-blocking dequeue from the worker's queues, in their order; not from the heal
+        queues while a user job is in flight (a heal taken then would wait in a slot for the
+        user work to end: left queued, an idle worker takes it)."""
         self._next_poll = time.monotonic() + POLL_S
+        queues = self._ordered_queues
+        if any(slot.user for slot in self.in_flight.values()):
+            queues = [q for q in queues if not is_heal_queue(q.name)]
         try:
             result = self.queue_class.dequeue_any(
-                self._ordered_queues, None, connection=self.connection, job_class=self.job_class,
+                queues, None, connection=self.connection, job_class=self.job_class,
                 serializer=self.serializer, death_penalty_class=self.death_penalty_class)
         except REDIS_DOWN as exc:
             self._redis_down("dequeue", exc)
