@@ -1,8 +1,9 @@
 """Redis clients, made in one place with their retry policy spelled out.
 
 The one retry layer is redis-py's own ``Retry``, injected here: the queue's clients retry
-a failed command ``settings.redis_retries`` times with jittered backoff, the block store's
-client never retries (every block-store error is already a miss). AUTH (an ACL user and
+a failed command ``settings.redis_retries`` times with jittered backoff, until
+:func:`stop_retrying` (a worker told to stop) ends it; the block store's client never retries
+(every block-store error is already a miss). AUTH (an ACL user and
 password), TLS (``rediss://``) and unix sockets (``unix://``) come from the URL; replies
 are parsed by hiredis when it is installed (a dependency: ~1.7x redis-py's own parser on
 1 MiB values, see bench/block_store.py).
@@ -26,13 +27,14 @@ caller's deadline, and the loop then carries on from where it was.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
+from redis.backoff import AbstractBackoff, ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
@@ -49,6 +51,67 @@ _MULTI = re.compile(r"(?P<scheme>rediss?)\+(?P<kind>sentinel|cluster)://(?P<rest
 
 class RedisUnreachable(RuntimeError):
     """Redis did not answer when a command line started (wrong URL, password or host)."""
+
+
+class RetriesStopped(redis.exceptions.ConnectionError):
+    """A command failed after :func:`stop_retrying`: no more attempts (its cause is the last error)."""
+
+
+class RetryStop:
+    """Ends the retrying of the clients made with it once :meth:`set`: a failing command then
+    raises at once instead of backing off. A plain flag (no lock), so a signal handler may
+    set it; copies share it (redis-py deep-copies a client's retry into each connection)."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def set(self) -> None:
+        self.stopped = True
+
+    def __deepcopy__(self, memo: dict) -> "RetryStop":
+        return self
+
+
+class _StoppableBackoff(AbstractBackoff):
+    """A backoff that waits in short slices and ends the retrying once ``stop`` is set."""
+
+    POLL_S = 0.05
+
+    def __init__(self, inner: AbstractBackoff, stop: RetryStop) -> None:
+        self.inner, self.stop = inner, stop
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def compute(self, failures: int) -> float:
+        end = time.monotonic() + self.inner.compute(failures)
+        while not self.stop.stopped and time.monotonic() < end:
+            time.sleep(min(self.POLL_S, max(0.0, end - time.monotonic())))
+        if self.stop.stopped:  # called inside redis-py's retry loop: the last error is the one handled
+            raise RetriesStopped(f"{sys.exc_info()[1] or 'Redis did not answer'} (no more retries: stopping)")
+        return 0.0  # waited already
+
+
+class StoppableRetry(Retry):
+    """The queue clients' retry policy: ``retries`` attempts with jittered exponential backoff
+    (1 s doubling, capped at 10 s), until :func:`stop_retrying` ends them."""
+
+    def __init__(self, retries: int, stop: RetryStop | None = None) -> None:
+        self.stop = stop or RetryStop()
+        super().__init__(_StoppableBackoff(ExponentialWithJitterBackoff(base=1, cap=10), self.stop), retries)
+
+
+def stop_retrying(client: Any) -> None:
+    """End the retries of ``client`` (made by :func:`queue_connection` or
+    :func:`checked_connection`) and of every client sharing its policy: from now on a failing
+    command raises at once. A worker told to stop calls it, so it never waits out an outage."""
+    retry = client.get_retry() if hasattr(client, "get_retry") else None
+    if isinstance(retry, StoppableRetry):
+        retry.stop.set()
+
+
+def _queue_retry(settings: Settings) -> Retry:
+    return StoppableRetry(settings.redis_retries) if settings.redis_retries > 0 else Retry(NoBackoff(), 0)
 
 
 @dataclass(frozen=True)
@@ -118,9 +181,7 @@ def _from_url(url: str, *, role: str, **kwargs: Any) -> Any:
 def queue_connection(url: str, settings: Settings) -> redis.Redis:
     """A client for the queue's Redis: ``settings.redis_retries`` retries with backoff (behind
     Sentinel: the retries span a failover, each asking the sentinels for the new primary)."""
-    retry = (Retry(ExponentialWithJitterBackoff(base=1, cap=10), settings.redis_retries)
-             if settings.redis_retries > 0 else Retry(NoBackoff(), 0))
-    return _from_url(url, role="queue", retry=retry)
+    return _from_url(url, role="queue", retry=_queue_retry(settings))
 
 
 def cache_connection(settings: Settings) -> redis.Redis:
@@ -141,10 +202,8 @@ def checked_connection(url: str | None, settings: Settings, *, role: str = "queu
     url = url or settings.redis_url
     if not url:
         raise ValueError(f"no Redis URL: pass --redis-url or set REDIS_URL ({URL_HELP})")
-    retry = (Retry(ExponentialWithJitterBackoff(base=1, cap=10), settings.redis_retries)
-             if settings.redis_retries > 0 else Retry(NoBackoff(), 0))
     try:
-        client = _from_url(url, role=role, retry=retry)
+        client = _from_url(url, role=role, retry=_queue_retry(settings))
     except redis.RedisError as exc:  # a cluster or Sentinel client asks its servers at once
         raise RedisUnreachable(f"cannot reach Redis at {safe_url(url)}: {exc}") from None
     try:

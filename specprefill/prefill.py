@@ -74,6 +74,30 @@ def run_prefill(model, inputs: mx.array, kv_cache: list, *, first_stop: int, ste
     return out
 
 
+def held_tokens(kv_cache: list, cached_tokens: int | None = None) -> int:
+    """Tokens ``kv_cache`` already holds: its KV layers' offset or, for a cache of recurrent
+    layers only (which has no length to read), ``cached_tokens``, the count the caller
+    prefilled into it. ``ValueError`` when the KV layers disagree (with each other or with
+    ``cached_tokens``), or a recurrent cache holding state comes without its count."""
+    from specprefill.positions import int_offset
+
+    leaves = [m for c in kv_cache for m in (getattr(c, "caches", None) or (c,))]
+    offsets = {int_offset(m.offset) for m in leaves if hasattr(m, "update_and_fetch")}  # KV, also in a CacheList
+    if len(offsets) > 1:
+        raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
+    if offsets:
+        held = offsets.pop()
+        if cached_tokens is not None and cached_tokens != held:
+            raise ValueError(f"kv_cache: its KV layers hold {held} tokens, not the {cached_tokens} it was given with")
+        return held
+    if cached_tokens is not None:
+        return cached_tokens
+    if any(c is not None and any(a is not None for a in getattr(c, "cache", ())) for c in leaves):
+        raise ValueError("kv_cache: a cache without KV layers cannot say how many tokens it holds; "
+                         "pass cached_tokens, the tokens it was prefilled with")
+    return 0
+
+
 def as_tokens(tokens) -> mx.array:
     if isinstance(tokens, mx.array):
         prompt = tokens.reshape(-1).astype(mx.int32)

@@ -49,7 +49,7 @@ import numpy as np
 
 from specprefill.attention.probe import make_cache
 from specprefill.options import PREFILL_STEP, Sampling
-from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
+from specprefill.prefill import PrefillState, Progress, as_tokens, held_tokens, run_prefill
 from specprefill.sampling import sample
 
 __all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens"]
@@ -65,17 +65,22 @@ def full_prefill(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     logits: bool = True,
+    cached_tokens: int | None = None,
 ) -> tuple[mx.array | None, list, PrefillState]:
     """Plain mlx-lm prefill of every token; same interface and results as ``session.prefill``.
 
-    ``kv_cache`` may already hold the prompt's first ``c`` tokens; those are not run again.
-    A fresh cache is quantized to ``kv_bits`` when set. ``logits=False`` only extends the
-    cache (a prefix other steps follow) and returns None for the logits.
+    ``kv_cache`` may already hold the prompt's first ``c`` tokens; those are not run again
+    (``cached_tokens``: ``c``, as the caller prefilled it; needed for a cache of recurrent
+    layers only, checked against the KV layers otherwise). A fresh cache is quantized to
+    ``kv_bits`` when set. ``logits=False`` only extends the cache (a prefix other steps
+    follow) and returns None for the logits.
     """
     prompt = as_tokens(tokens)
     T = len(prompt)
     kv_cache = make_cache(model, kv_bits, kv_group_size) if kv_cache is None else kv_cache
-    cached = _check_cached_prefix(kv_cache, T)
+    cached = held_tokens(kv_cache, cached_tokens)
+    if cached > T:
+        raise ValueError(f"kv_cache: holds {cached} tokens, more than the prompt's {T}")
     start = time.perf_counter()
     out = run_prefill(model, prompt[cached:], kv_cache, first_stop=0, step=prefill_step,
                       progress=progress, logits=logits)
@@ -116,15 +121,3 @@ def generate_tokens(
         yield token
         if n < max_tokens:
             logits = model(mx.array([[token]]), cache=kv_cache)[:, -1, :]
-
-
-def _check_cached_prefix(kv_cache: list, T: int) -> int:
-    # KV layers, also inside a CacheList (falcon-h1: every layer is one; its recurrent member has no offset)
-    offsets = {int(m.offset) for c in kv_cache for m in (getattr(c, "caches", None) or (c,))
-               if hasattr(m, "update_and_fetch")}
-    if len(offsets) > 1:
-        raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
-    cached = offsets.pop() if offsets else 0
-    if cached > T:
-        raise ValueError(f"kv_cache: holds {cached} tokens, more than the prompt's {T}")
-    return cached

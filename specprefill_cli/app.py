@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from specprefill_cli import batch, cache, demo, generate, jobcmds, serve, submit, watch, worker
-from specprefill_cli.options import HelpFormatter, shared_options
+from specprefill_cli.options import HelpFormatter, check_timeout_waits, shared_options
 from specprefill_cli.outcome import (BAD_INPUT, DONE, EXIT_STATUS_HELP, INTERRUPTED, REDIS_UNREACHABLE, TIMED_OUT,
                          Interrupted)
 from jobs.client import EnqueueConflict
@@ -67,6 +67,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if settings is None:
         return fail(BAD_INPUT, str(settings_error))
     try:
+        check_timeout_waits(args)
         status = int(args.func(args, settings) or DONE)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at exit
         return status

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from specprefill_cli.options import (SharedOptions, add_generate_options, add_prompt_options, cli_holder, add_queue_option,
-                         add_selection_options, add_timeout_option, connect, generate_options, prompt_fields,
+                         add_selection_options, add_wait_options, connect, generate_options, prompt_fields,
                          selection_fields)
 from specprefill_cli.submit import print_failed, print_submitted, warn_if_no_worker
 from specprefill_cli.waiting import interrupted, timed_out
@@ -90,7 +90,6 @@ def register(sub: Any, shared: SharedOptions) -> None:
     add_generate_options(p)
     add_queue_option(p, shared.settings)
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    p.add_argument("--wait", action="store_true", help="block until the job ends, print the text")
+    add_wait_options(p, "block until the job ends, print the text", also_waiting=("--stream",))
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    add_timeout_option(p)
     p.set_defaults(func=run)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from specprefill_cli.display import describe
-from specprefill_cli.options import CliError, SharedOptions, add_timeout_option, cli_holder, connect, result_json
+from specprefill_cli.options import CliError, SharedOptions, add_wait_options, cli_holder, connect, result_json
 from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, exc_failure
 from specprefill_cli.waiting import timed_out
 from jobs.deadline import Deadline
@@ -195,10 +195,9 @@ def register(sub: Any, shared: SharedOptions) -> None:
                        description="Print results as JSON lines; exit status 1 if a job failed, "
                                    "2 if it was refused for its input.")
     p.add_argument("target", help=target_help)
-    p.add_argument("--wait", action="store_true", help="wait for jobs that have not ended yet")
+    add_wait_options(p, "wait for jobs that have not ended yet")
     p.add_argument("--json", action="store_true",
                    help="print JSON lines (what result always prints; taken like every sibling's --json)")
-    add_timeout_option(p)
     p.set_defaults(func=run_result)
 
     p = sub.add_parser("cancel", parents=[shared.common], help="cancel a job or a whole batch",

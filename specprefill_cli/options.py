@@ -100,10 +100,30 @@ def add_queue_option(p: argparse.ArgumentParser, settings: Settings) -> None:
     p.add_argument("--queue", help=f"the RQ queue to submit to (default: {settings.queues[0]})")
 
 
-def add_timeout_option(p: argparse.ArgumentParser, what: str = "the job") -> None:
+def add_timeout_option(p: argparse.ArgumentParser, what: str = "the job", *, with_flags: str = "") -> None:
     p.add_argument("--timeout", type=float,
-                   help=f"seconds to wait for {what}; then exit status 4 and the jobs go on "
-                        "(default: wait as long as it takes)")
+                   help=f"seconds to wait for {what}{f' (with {with_flags})' if with_flags else ''}; then "
+                        "exit status 4 and the jobs go on (default: wait as long as it takes)")
+
+
+def add_wait_options(p: argparse.ArgumentParser, wait_help: str, *, also_waiting: tuple[str, ...] = ()) -> None:
+    """``--wait`` and the ``--timeout`` that bounds it. ``--timeout`` without a flag that waits
+    (``--wait`` or one of ``also_waiting``) is refused by :func:`check_timeout_waits`: it would
+    bound a wait that never happens."""
+    p.add_argument("--wait", action="store_true", help=wait_help)
+    flags = ("--wait", *also_waiting)
+    add_timeout_option(p, with_flags=" or ".join(flags))
+    p.set_defaults(timeout_waits_with=flags)
+
+
+def check_timeout_waits(args: argparse.Namespace) -> None:
+    """Refuse ``--timeout`` given to a command that takes ``--wait`` without a flag that waits."""
+    flags = getattr(args, "timeout_waits_with", ())
+    if not flags or args.timeout is None:
+        return
+    if not any(getattr(args, flag.lstrip("-").replace("-", "_")) for flag in flags):
+        raise CliError(f"--timeout bounds a wait: give it with {' or '.join(flags)} "
+                       f"(e.g. --wait --timeout {args.timeout:g}), or leave it out")
 
 
 def add_prompt_options(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,13 @@ message says what still runs and how to resume or cancel it).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
+
+from jobs.conversation import ConversationError
+from jobs.model_names import UnknownModelError
+from jobs.spec import JobSpecError
+from specprefill.errors import UnsupportedModelError
+from specprefill.options import OptionError
 
 DONE, JOB_FAILED, BAD_INPUT, REDIS_UNREACHABLE, TIMED_OUT, INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -23,8 +29,18 @@ EXIT_STATUS_HELP = """exit status (every command):
 
 # "pkg.mod.ClassName: message" (an RQ traceback's last line) or "ClassName: message" (an event)
 _CLASS_PREFIX = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Z][\w]*(?:Error|Exception)): (.*)$", re.S)
-# Errors the worker raises for input it refuses; their message names the field.
-_BAD_INPUT_CLASSES = frozenset({"JobSpecError", "UnsupportedModelError", "UnknownModelError"})
+# Errors the worker raises for input it refuses (their message names the field), and their
+# subclasses (ContextLengthError is a JobSpecError): a failed job names its error's class.
+BAD_INPUT_ERRORS = (JobSpecError, ConversationError, OptionError, UnknownModelError, UnsupportedModelError)
+
+
+def _with_subclasses(classes: tuple[type, ...]) -> Iterator[type]:
+    for cls in classes:
+        yield cls
+        yield from _with_subclasses(tuple(cls.__subclasses__()))
+
+
+_BAD_INPUT_CLASSES = frozenset(cls.__name__ for cls in _with_subclasses(BAD_INPUT_ERRORS))
 _MODEL_FIELDS = ("draft_model:", "target_model:")
 
 

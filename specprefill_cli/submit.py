@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from specprefill_cli.options import (SharedOptions, add_prompt_options, cli_holder, add_queue_option, add_timeout_option, connect,
+from specprefill_cli.options import (SharedOptions, add_prompt_options, cli_holder, add_queue_option, add_wait_options, connect,
                          prompt_fields, result_json, spec_fields)
 from specprefill_cli.outcome import exc_failure
 from specprefill_cli.watch import watch_job
@@ -91,7 +91,6 @@ def register(sub: Any, shared: SharedOptions) -> None:
                        description="Submit one prefill job: print its id, or with --wait its selection.")
     add_prompt_options(p)
     add_queue_option(p, shared.settings)
-    p.add_argument("--wait", action="store_true", help="block until the job ends and print its result")
+    add_wait_options(p, "block until the job ends and print its result")
     p.add_argument("--json", action="store_true", help="print JSON")
-    add_timeout_option(p)
     p.set_defaults(func=run)

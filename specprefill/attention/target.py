@@ -48,7 +48,7 @@ from specprefill.options import PREFILL_STEP
 from specprefill.positions import (SESSION, SUPPORTED_ROPES, EmbeddingInput, PositionedRoPE, PositionMap,
                                    SessionPositions, embeddings_at_positions, embedding_inputs, int_offset,
                                    learned_positions, resolve, rope_owners, session_positions)
-from specprefill.prefill import PrefillState, Progress, as_tokens, run_prefill
+from specprefill.prefill import PrefillState, Progress, as_tokens, held_tokens, run_prefill
 from specprefill.wrapping import unwrap_rope
 
 # Module-level functions that compute a position-dependent factor from the cache offset,
@@ -309,7 +309,8 @@ class TargetSession:
         self._prefilled = False
 
     def prefill(self, tokens: Sequence[int] | np.ndarray | mx.array, keep_indices: Sequence[int] | np.ndarray, *,
-                protected_prefix: int = 0, kv_cache: list | None = None, prefill_step: int = PREFILL_STEP,
+                protected_prefix: int = 0, kv_cache: list | None = None, cached_tokens: int | None = None,
+                prefill_step: int = PREFILL_STEP,
                 progress: Progress | None = None) -> tuple[mx.array, list, PrefillState]:
         """Prefill only ``tokens[keep_indices]``, each at its original position.
 
@@ -317,7 +318,8 @@ class TargetSession:
         ``protected_prefix`` tokens are kept and prefilled as their own first step, and the last
         :func:`required_tail` tokens must be kept (sliding windows). ``kv_cache``: a cache of
         this model already holding the prompt's first ``c`` tokens (all kept), else a fresh
-        one (quantized as the profile says). Returns the last token's logits (1, vocab), the
+        one (quantized as the profile says); ``cached_tokens``: ``c`` as the caller prefilled it
+        (a cache of recurrent layers only has no length to read; KV layers must agree). Returns the last token's logits (1, vocab), the
         cache (kept tokens only) and a :class:`~specprefill.sparse.PrefillState`; decode with
         :func:`specprefill.sparse.generate_tokens` inside the session.
         """
@@ -335,7 +337,7 @@ class TargetSession:
             kv_cache = target_cache(self.model, self.position_map, self.profile.kv_bits, self.profile.kv_group_size)
         else:
             kv_cache = positioned(kv_cache, self.position_map)
-        cached = _cached_prefix(kv_cache, keep)
+        cached = _cached_prefix(kv_cache, keep, cached_tokens)
         started = time.perf_counter()
         logits = run_prefill(self.model, prompt[mx.array(keep[cached:])], kv_cache,
                              first_stop=max(0, protected_prefix - cached), step=prefill_step, progress=progress)
@@ -362,17 +364,9 @@ def _check_keep(keep_indices: Sequence[int], n: int, protected_prefix: int, tail
     return np.union1d(np.arange(protected_prefix), keep)
 
 
-def _cached_prefix(kv_cache: list, keep: np.ndarray) -> int:
-    """Tokens a passed-in cache holds (read from its KV layers); they must be kept, from index 0."""
-    offsets = {int_offset(c.offset) for c in _leaves(kv_cache) if holds_keys(c)}
-    if not offsets:
-        if any(c is not None and any(a is not None for a in getattr(c, "cache", ())) for c in _leaves(kv_cache)):
-            raise ValueError("kv_cache: a cache without KV layers cannot say how many tokens it holds; "
-                             "pass none for this model")
-        return 0
-    if len(offsets) != 1:
-        raise ValueError(f"kv_cache: its KV layers hold different numbers of tokens {sorted(offsets)}")
-    cached = offsets.pop()
+def _cached_prefix(kv_cache: list, keep: np.ndarray, cached_tokens: int | None) -> int:
+    """Tokens a passed-in cache holds (:func:`held_tokens`); they must be kept, from index 0."""
+    cached = held_tokens(kv_cache, cached_tokens)
     if cached and (cached > len(keep) or keep[cached - 1] != cached - 1):
         raise ValueError(f"kv_cache: holds {cached} tokens; they must be the prompt's first {cached} "
                          "tokens and all kept")

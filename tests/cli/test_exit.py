@@ -57,6 +57,7 @@ def test_finding1_python_m_worker_too():
 @pytest.mark.parametrize("prompt, message", [
     (" \n\t ", "text: only whitespace (4 characters): nothing to prefill"),
     (text(140_000), "input: 140000 tokens, the limit is 131072"),
+    (text(70_000), "input: the prompt's 70000 tokens"),  # past the shipped models' 65536-token window
 ])
 def test_finding2_worker_refused_input_is_2_without_a_class_name(service, tmp_path, prompt, message):
     f = tmp_path / "prompt.txt"
@@ -192,3 +193,22 @@ def test_finding12_the_note_names_the_jobs_own_queue(redis_url):
     job = cli("submit", "--text", "x", "--queue", "gpu-nodes", "--redis-url", redis_url).stdout.split()[0]
     res = cli("watch", job, "--timeout", "0.5", "--redis-url", redis_url)
     assert res.returncode == 4 and "no worker is running on queue 'gpu-nodes'" in res.stderr, res
+
+
+# ---- --timeout bounds a wait: without --wait (or --stream) it is refused (issue 41, item 2) ----
+
+@pytest.mark.parametrize("argv, waits", [
+    (["submit", "--text", "x"], "--wait"), (["generate", "--text", "x"], "--wait or --stream"),
+    (["result", "JOB"], "--wait")])
+def test_timeout_without_a_wait_is_refused_naming_both_flags(redis_url, argv, waits):
+    import redis
+
+    job = cli("submit", "--text", "y", "--redis-url", redis_url).stdout.split()[0]  # queued: no worker
+    argv = [job if a == "JOB" else a for a in argv]
+    conn = redis.Redis.from_url(redis_url)
+    keys_before = sorted(conn.keys())
+    res = cli(*argv, "--timeout", "5", "--redis-url", redis_url)
+    assert res.returncode == 2, res
+    assert f"--timeout bounds a wait: give it with {waits}" in res.stderr, res.stderr
+    assert sorted(conn.keys()) == keys_before  # refused before anything was submitted
+    conn.close()

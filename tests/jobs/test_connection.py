@@ -8,7 +8,8 @@ import redis
 
 from cache_store.replies import as_int, as_text, hash_field
 from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
-from jobs.connection import RedisUnreachable, checked_connection, queue_connection, wait_for_redis
+from jobs.connection import (RedisUnreachable, RetriesStopped, checked_connection, queue_connection, stop_retrying,
+                             wait_for_redis)
 from jobs.deadline import Deadline
 from jobs.settings import Settings
 
@@ -30,6 +31,20 @@ def test_deadline_spends_one_timeout_across_waits():
 def test_the_retry_policy_is_injected_from_settings():
     assert queue_connection("redis://h:1/0", Settings(redis_retries=5)).get_retry().get_retries() == 5
     assert queue_connection("redis://h:1/0", Settings(redis_retries=0)).get_retry().get_retries() == 0
+
+
+def test_stop_retrying_ends_the_retries_of_every_connection_of_a_client(monkeypatch):
+    attempts = []
+    real_connect = redis.connection.Connection._connect
+    monkeypatch.setattr(redis.connection.Connection, "_connect",
+                        lambda self: attempts.append(1) or real_connect(self))
+    client = queue_connection(f"redis://127.0.0.1:{free_port()}/0", Settings(redis_retries=5))
+    made_before = client.connection_pool.make_connection()  # each connection copies the policy
+    stop_retrying(client)
+    with pytest.raises(RetriesStopped, match=r"Connection refused.*\(no more retries: stopping\)"):
+        client.ping()
+    assert len(attempts) == 1  # one attempt, no backoff
+    assert made_before.retry.stop is client.get_retry().stop and made_before.retry.stop.stopped
 
 
 def test_checked_connection_names_what_is_wrong():

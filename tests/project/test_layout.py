@@ -1,7 +1,8 @@
 """Imports run one way, read from the AST (every import statement, at any depth: a function-level
 import counts as much as one at the top of a module).
 
-specprefill_cli -> specprefill_server, worker, jobs, cache_store, specprefill's option objects; worker -> jobs, specprefill,
+specprefill_cli -> specprefill_server, worker, jobs, cache_store, specprefill's option objects and its error
+class; worker -> jobs, specprefill,
 cache_store; jobs -> cache_store's reply and key rules, specprefill's option objects;
 specprefill (MLX) and cache_store (storage) know neither each other nor anything above them;
 specprefill_server speaks to the queue (jobs, cache_store), never to the model; nothing shipped imports
@@ -45,8 +46,9 @@ NOBODY_IMPORTS = "specprefill_cli"  # the top of the stack
 # package -> {another package: the only modules of it it may import}
 ONLY = {"jobs": {"cache_store": {"cache_store.replies", "cache_store.keys"},
                  "specprefill": {"specprefill.options"}},
-        # the command line's option flags are the option objects' fields (pure Python)
-        "specprefill_cli": {"specprefill": {"specprefill.options"}}}
+        # the command line's option flags are the option objects' fields, and a model the worker
+        # cannot serve is bad input (exit status 2): both pure Python
+        "specprefill_cli": {"specprefill": {"specprefill.options", "specprefill.errors"}}}
 
 SERVER = "specprefill_server"
 APIS = ("openai", "anthropic", "responses")

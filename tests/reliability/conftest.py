@@ -56,16 +56,19 @@ def client_for(url: str, settings: dict[str, Any]) -> Client:
 def workers(tmp_path):
     """Start worker subprocesses; all are stopped at the end of the test.
 
-    ``workers.fake(url, settings, delay=...)`` runs the fake-backend harness;
+    ``workers.fake(url, settings, delay=...)`` runs the fake-backend harness (with
+    ``service_connection=True`` on the queue client `python -m worker` makes, retries and all);
     ``workers.real(url, settings, preload=...)`` runs ``python -m worker``.
     """
     started: list[WorkerProcess] = []
 
     class Starter:
         def fake(self, url: str, settings: dict[str, Any], *, delay: float = 0.0,
-                 name: str | None = None, env: dict[str, str] | None = None) -> WorkerProcess:
+                 name: str | None = None, env: dict[str, str] | None = None,
+                 service_connection: bool = False) -> WorkerProcess:
             name = name or f"fake{len(started)}-{os.getpid()}"
-            argv = [sys.executable, str(HERE / "worker_harness.py"), url, name, str(delay)]
+            argv = [sys.executable, str(HERE / "worker_harness.py"), url, name, str(delay),
+                    *(["--service-connection"] if service_connection else [])]
             w = WorkerProcess(argv, env_for(settings, **(env or {})), name, url,
                               tmp_path / f"{name}.log", 30)
             started.append(w)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import threading
 import time
 
@@ -193,3 +195,40 @@ def test_workers_are_listed_within_a_beat_after_a_restart(private_redis, workers
     for name in ("busy", "idle"):  # keys live for the worker's TTL, never the job's claim
         assert conn.ttl(f"rq:worker:{name}") > 60
     assert busy.alive() and idle.alive()
+
+
+def test_a_worker_told_to_stop_while_redis_is_gone_stops_within_a_few_chunks(private_redis, workers):
+    """Issue 41 item 3: Redis shut down under a busy and an idle worker, both on the queue
+    client `python -m worker` makes (8 retries with backoff: minutes of waiting per outage).
+    Two SIGTERMs stop the busy one's job at its next chunk and the worker exits; one SIGTERM
+    ends the idle one. Neither waits out the outage: both exit within a few chunk times."""
+    server = private_redis()
+    s = fake_settings(redis_retries=8)
+    busy = workers.fake(server.url, s, delay=0.5, name="busy", service_connection=True)
+    c = client_for(server.url, s)
+    h = c.submit(tokens=doc(0, n=16 * 400))  # 400 chunks of 0.5 s: it is mid-job throughout
+    scoring = wait_for(lambda: [e for e in stream_events(c.connection, h.id) if e.kind == "scoring"][3:] and
+                       [e for e in stream_events(c.connection, h.id) if e.kind == "scoring"],
+                       timeout=60, what="four chunks scored")
+    idle = workers.fake(server.url, s, name="idle", service_connection=True)
+    # One chunk's time as this machine runs it now (the bound scales with its load).
+    chunk_s = (scoring[-1].ts - scoring[0].ts) / ((scoring[-1].data["processed"] - scoring[0].data["processed"]) / 16)
+    server.stop()
+    time.sleep(chunk_s)  # both are in the outage now (a beat, a progress send failed)
+    stopped_at = time.monotonic()
+    busy.signal(signal.SIGTERM)
+    idle.signal(signal.SIGTERM)
+    time.sleep(1.1)  # RQ ignores a second signal within a second (worker pools send two)
+    busy.signal(signal.SIGTERM)
+    bound = 1.1 + 8 * chunk_s  # the second signal's second, the chunk it stops at, exiting
+    try:
+        for w in (busy, idle):
+            w.wait(timeout=bound + 60)  # a bound far past the assert's, so its message shows
+    except subprocess.TimeoutExpired:
+        pass
+    took = time.monotonic() - stopped_at
+    logs = f"{busy.text()[-2500:]}\n---\n{idle.text()[-1500:]}"
+    assert not busy.alive() and not idle.alive() and took <= bound, \
+        f"exited {took:.1f} s after the first SIGTERM, bound {bound:.1f} s (chunk {chunk_s:.2f} s):\n{logs}"
+    assert f"stopping job {h.id} at its next chunk" in busy.text()
+    assert "stopping on request" in busy.text() and "warm shut down requested" in idle.text()

@@ -1,6 +1,6 @@
 """A real RQ worker process running the fake scoring backend of tests/support/fake_worker.py.
 
-``python tests/reliability/worker_harness.py URL NAME CHUNK_DELAY_S`` with ``SPECPREFILL_*``
+``python tests/reliability/worker_harness.py URL NAME CHUNK_DELAY_S [--service-connection]`` with ``SPECPREFILL_*``
 settings in the environment. The fake scorer sleeps ``CHUNK_DELAY_S`` per 16-token chunk
 (so kill/timeout/restart timing is controllable) and gives deterministic importance. The
 model pool accepts only ``Settings.draft_model``; any other name goes through the real
@@ -62,9 +62,11 @@ def main() -> None:
                      identify=lambda n: "fake:" + n if n == known else model_identity(n),
                      warm=lambda m: None)
     backend = fake_backend(delay)
-    # A redis+sentinel:// URL through the service's own connection (it follows a failover);
-    # any other as the harness always made it.
-    conn = queue_connection(url, settings) if parse_url(url) else redis.Redis.from_url(url)
+    # A redis+sentinel:// URL through the service's own connection (it follows a failover), and
+    # with --service-connection any URL (with its retries, as `python -m worker` makes it);
+    # else as the harness always made it.
+    service = parse_url(url) or "--service-connection" in sys.argv[4:]
+    conn = queue_connection(url, settings) if service else redis.Redis.from_url(url)
     runtime = WorkerRuntime(settings, conn, conn, pool, backend_factory=lambda: backend)
     run_worker(runtime, settings.queues, name=name, logging_level="INFO")
 

@@ -216,10 +216,10 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
         kept = prompt.selection.kept_indices()
         protected = prompt.selection.protected_prefix
         try:
-            cache = _prefix(prompt, ctx, reporter, protected, timings)
+            cache, held = _prefix(prompt, ctx, reporter, protected, timings)
             logits, cache, state, keep = target_prefill.sparse_prefill(
                 stack, target.model, target.target_profile, tokens, kept, protected_prefix=protected,
-                kv_cache=cache, prefill_step=step, progress=reporter.begin(first_logits=True))
+                kv_cache=cache, cached_tokens=held, prefill_step=step, progress=reporter.begin(first_logits=True))
             return logits, cache, state, contiguous_prefix(keep), [(int(s), int(e)) for s, e in to_ranges(keep)]
         except Exception as exc:
             prompt.reason = prompt.fallback = fallback_reason(ctx, "sparse_prefill", exc)
@@ -230,27 +230,30 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
         # A hybrid target's prompt is restorable up to a checkpoint only: its last full block's
         # end is one, so the prefix steps (block steps) go on to there.
         end = max(end, (len(tokens) - 1) // ctx.settings.block_size * ctx.settings.block_size)
-    cache = _prefix(prompt, ctx, reporter, end, timings)
+    cache, held = _prefix(prompt, ctx, reporter, end, timings)
     from specprefill.sparse import full_prefill
 
     bits, group = ctx.settings.kv_quantization("target")
-    logits, cache, state = full_prefill(target.model, tokens, kv_cache=cache, prefill_step=step,
-                                        progress=reporter.begin(first_logits=True), kv_bits=bits,
-                                        kv_group_size=group)
+    logits, cache, state = full_prefill(target.model, tokens, kv_cache=cache, cached_tokens=held, prefill_step=step,
+                                        progress=reporter.begin(first_logits=True), kv_bits=bits, kv_group_size=group)
     return logits, cache, state, len(tokens), None
 
 
 def _prefix(prompt: _Prompt, ctx: JobContext, reporter: JobReporter, end: int,
-            timings: dict[str, float]) -> list | None:
+            timings: dict[str, float]) -> tuple[list | None, int | None]:
+    """The target's cache of the prompt's first ``end`` tokens on top of what it restored, and how
+    many tokens it holds (counted here: a recurrent-only cache cannot say; None: no cache)."""
     t = time.perf_counter()
     bits, group = ctx.settings.kv_quantization("target")
     system = (prompt.prompt.protected_prefix,)
     prompt.recorder = None if prompt.prefix is None else prompt.prefix.recorder(end, system)
+    restored = prompt.restored if prompt.restored_cache else 0
     cache = target_prefill.prefill_prefix(prompt.target.model, prompt.tokens, prompt.restored_cache, end,
                                           block_size=ctx.settings.block_size, progress=reporter.begin(),
-                                          kv_bits=bits, kv_group_size=group, on_step=prompt.recorder)
+                                          kv_bits=bits, kv_group_size=group, on_step=prompt.recorder,
+                                          cached_tokens=restored if prompt.restored_cache else None)
     timings["target_prefix"] = time.perf_counter() - t
-    return cache
+    return cache, (max(restored, end) if cache else None)
 
 
 def _prefill_and_decode(prompt: _Prompt, opts: GenerateOptions, ctx: JobContext, timings: dict[str, float],

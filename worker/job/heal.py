@@ -170,7 +170,7 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, board: "_Board", token
         stop = min(end, (pos // block + 1) * block)  # block ends (a restored tail, the heal's own: partial)
         cache = target_prefill.prefill_prefix(target.model, tokens, cache, stop, block_size=block,
                                               progress=reporter.begin(), kv_bits=bits, kv_group_size=group,
-                                              on_step=step)
+                                              on_step=step, cached_tokens=pos if cache else None)
         pos = stop
         ctx.publisher.progress("heal", pos, end)
         if waiting:

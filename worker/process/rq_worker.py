@@ -27,7 +27,7 @@ from rq.utils import now
 from rq.exceptions import StopRequested
 from rq.worker import DequeueStrategy
 
-from jobs.connection import REDIS_DOWN
+from jobs.connection import REDIS_DOWN, stop_retrying
 from jobs.log_format import set_worker
 from jobs.node_queues import rescue_stranded
 from worker import runtime as runtime_mod
@@ -252,6 +252,7 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
             self._redis_down("suspension check", exc)
 
     def teardown(self) -> None:
+        stop_retrying(self.connection)  # leaving: each last write gets one attempt, no outage waited out
         try:
             super().teardown()
         except REDIS_DOWN as exc:  # exiting anyway: the worker's key expires on its own
@@ -302,9 +303,11 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """Second SIGTERM/SIGINT: stop every job in flight at its next yield point (each ends
-        ``stopped``), then exit."""
+        ``stopped``), then exit; from now on no Redis command waits out an outage (the retries
+        end), so neither the jobs' last chunks nor the worker's exit does."""
         if (now() - self._shutdown_requested_date) < timedelta(seconds=1):
             return  # the same signal delivered twice (worker pools do that)
+        stop_retrying(self.connection)
         if not self.in_flight and not self._admitting:
             raise SystemExit()
         log.warning("Worker %s: second stop signal, stopping its %d job(s) at their next yield point",
