@@ -125,10 +125,11 @@ def test_a_job_that_fails_mid_batch_fails_alone(redis_url, workers):
 
 def test_sigkill_with_eight_in_flight_runs_each_once_more_elsewhere(redis_url, workers):
     s = fake_settings()
-    victim = workers.fake(redis_url, s, delay=0.1, name="victim8")
+    victim = workers.fake(redis_url, s, delay=0.5, name="victim8")  # its first job would end ~8 s in
     conn, handles = submit_and_fill(redis_url, s, victim, docs(8))
-    survivor = workers.fake(redis_url, s, delay=0.0, name="survivor8")  # idle: the queue is empty
     victim.kill()
+    assert all(h.status() == "started" for h in handles)  # all eight were cut off mid-job
+    survivor = workers.fake(redis_url, s, delay=0.0, name="survivor8")
     for h in handles:
         assert h.result(timeout=60).total == 250
         assert h._job().worker_name == survivor.name
