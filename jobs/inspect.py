@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 from rq import Queue, Worker
+from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import utcparse
@@ -99,6 +100,14 @@ class WorkerInfo:
     models: list[dict[str, Any]] = field(default_factory=list)
     # It also takes models it does not list (no allow-list): its folders, hub ids it has.
     accepts_unlisted: bool = False
+    # The jobs it holds now (RQ's executions index: all of them, ``current_job`` names one),
+    # how many it takes at once, how many decode together, the KV they hold of its budget.
+    current_jobs: list[str] = field(default_factory=list)
+    jobs_in_flight: int = 0
+    max_jobs_in_flight: int = 1
+    batch_size: int = 0
+    kv_reserved_bytes: int = 0
+    kv_budget_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,17 +123,37 @@ def workers(connection: redis.Redis, settings: Settings) -> list[WorkerInfo]:
     with connection.pipeline(transaction=False) as pipe:
         for n in names:
             pipe.get(advertised_models_key(settings.namespace, n))
-        adverts = pipe.execute()
+            pipe.smembers(seen[n].executions_key)
+            pipe.hmget(seen[n].key, *LOAD_FIELDS)
+        replies = pipe.execute()
     out = []
-    for n, raw in zip(names, adverts):
-        w = seen[n]
+    for i, n in enumerate(names):
+        w, (raw, executions, load) = seen[n], replies[3 * i:3 * i + 3]
         models, accepts_unlisted = decode_advert(raw)
+        current = sorted({as_text(e).partition(":")[0] for e in executions})
         out.append(WorkerInfo(
-            name=n, state=w.get_state(), queues=w.queue_names(), current_job=w.get_current_job_id(),
+            name=n, state=w.get_state(), queues=w.queue_names(), current_job=current[0] if current else None,
             successful_jobs=w.successful_job_count, failed_jobs=w.failed_job_count,
             busy_seconds=round(w.total_working_time, 3), hostname=w.hostname, pid=w.pid,
             birth=_ts(w.birth_date), last_heartbeat=_ts(w.last_heartbeat), models=models,
-            accepts_unlisted=accepts_unlisted))
+            accepts_unlisted=accepts_unlisted, current_jobs=current, **worker_load(load, len(current))))
+    return out
+
+
+# What a worker writes into its RQ hash about its load (worker.process.work_loop).
+LOAD_FIELDS = ("jobs_in_flight", "max_jobs_in_flight", "batch_size", "kv_reserved_bytes", "kv_budget_bytes")
+
+
+def worker_load(values: list[Any], running: int) -> dict[str, int]:
+    """The load fields of one worker's hash (``values`` in :data:`LOAD_FIELDS` order); a
+    worker that writes none holds ``running`` jobs in one slot."""
+    out = {"jobs_in_flight": running, "max_jobs_in_flight": 1, "batch_size": 0,
+           "kv_reserved_bytes": 0, "kv_budget_bytes": 0}
+    for name, value in zip(LOAD_FIELDS, values):
+        try:
+            out[name] = int(as_text(value))
+        except (TypeError, ValueError):
+            pass
     return out
 
 
@@ -287,6 +316,21 @@ def listening_workers(connection: redis.Redis, queue_name: str) -> list[str]:
     """Names of the RQ workers registered on ``queue_name`` (``Worker.all``, as ``rq info`` reads them)."""
     queue = Queue(queue_name, connection=connection, serializer=JSONSerializer)
     return sorted(w.name for w in Worker.all(queue=queue, serializer=JSONSerializer))
+
+
+def worker_loads(connection: redis.Redis, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each named worker's jobs in flight (ids, from RQ's executions index) and load fields,
+    in one round trip."""
+    with connection.pipeline(transaction=False) as pipe:
+        for n in names:
+            pipe.smembers(WORKER_EXECUTIONS_KEY_TEMPLATE.format(n))
+            pipe.hmget(Worker.redis_worker_namespace_prefix + n, *LOAD_FIELDS)
+        replies = pipe.execute()
+    out = {}
+    for i, n in enumerate(names):
+        current = sorted({as_text(e).partition(":")[0] for e in replies[2 * i]})
+        out[n] = {"current_jobs": current, **worker_load(replies[2 * i + 1], len(current))}
+    return out
 
 
 def jobs_by_state(connection: redis.Redis, queue_name: str, limit: int = 20) -> dict[str, list[str]]:

@@ -46,18 +46,23 @@ return n
 
 @dataclass(frozen=True)
 class NodeQueueState:
-    """One node queue now: how many jobs wait in it, how many live workers listen on it, and
-    how many of those run a job (RQ's worker ``state``: ``busy``)."""
+    """One node queue now: how many jobs wait in it, how many live workers listen on it, how
+    many of those run a job (RQ's worker ``state``: ``busy``) and how many more jobs they would
+    take at once (``room``: each worker's free slots, ``max_jobs_in_flight`` less its jobs in
+    flight, as its beats and job starts and ends write them; a worker that writes none has one
+    slot, free while it is not busy)."""
 
     name: str
     waiting: int
     live_listeners: int
     busy: int = 0
+    room: int = 0
 
     @property
     def load(self) -> int:
-        """Jobs this node has ahead of a new one: waiting and running."""
-        return self.waiting + self.busy
+        """Jobs waiting beyond what the node's workers would take at once (negative: room to
+        spare), the measure a router picks the least of."""
+        return self.waiting - self.room
 
 
 def queue_states(conn: redis.Redis, names: Iterable[str], stale_s: float) -> dict[str, NodeQueueState]:
@@ -74,15 +79,24 @@ def queue_states(conn: redis.Redis, names: Iterable[str], stale_s: float) -> dic
     with conn.pipeline(transaction=False) as pipe:
         for keys in members:
             for key in keys:
-                pipe.hmget(key, "last_heartbeat", "state")
+                pipe.hmget(key, "last_heartbeat", "state", "jobs_in_flight", "max_jobs_in_flight")
         beats = iter(pipe.execute())
     moment = now()
     states = {}
     for name, length, keys in zip(names, lengths, members):
-        live = [state for beat, state in (next(beats) for _ in keys) if _beat_age_s(beat, moment) <= stale_s]
-        busy = sum(1 for state in live if as_text(state or b"") == "busy")
-        states[name] = NodeQueueState(name, int(length), len(live), busy)
+        live = [fields for fields in (next(beats) for _ in keys) if _beat_age_s(fields[0], moment) <= stale_s]
+        busy = sum(1 for fields in live if as_text(fields[1] or b"") == "busy")
+        room = sum(_free_slots(*fields[1:]) for fields in live)
+        states[name] = NodeQueueState(name, int(length), len(live), busy, room)
     return states
+
+
+def _free_slots(state: bytes | None, in_flight: bytes | None, most: bytes | None) -> int:
+    """A live worker's free slots: what it wrote, else one while it is not busy."""
+    try:
+        return max(0, int(most) - int(in_flight))
+    except (TypeError, ValueError):
+        return 0 if as_text(state or b"") == "busy" else 1
 
 
 def _beat_age_s(raw: bytes | str | None, moment) -> float:
@@ -117,7 +131,13 @@ def rescue_stranded(conn: redis.Redis, shared: Iterable[str], stale_s: float) ->
     for name, base in node_queues.items():
         if states[name].live_listeners:
             continue
-        StartedJobRegistry(name, connection=conn, serializer=JSONSerializer).cleanup()
+        queue = Queue(name, connection=conn, serializer=JSONSerializer)
+        if not queue.acquire_maintenance_lock():  # another worker sweeps it now: its abandoned
+            continue  # jobs are retried once, by that sweep, never twice
+        try:
+            StartedJobRegistry(name, connection=conn, serializer=JSONSerializer).cleanup()
+        finally:
+            queue.release_maintenance_lock()
         count = int(conn.eval(_MOVE_ALL, 3, Queue.redis_queue_namespace_prefix + name,
                               Queue.redis_queue_namespace_prefix + base, Queue.redis_queues_keys,
                               base, Job.redis_job_namespace_prefix))

@@ -8,9 +8,10 @@ nodes that served a prompt with that prefix, by when (:func:`jobs.keys.route_ind
 A worker records its node under every cut of a job it finished (:func:`record_served`); the
 submitter (:class:`Router`) looks its prompt's cuts up, longest first, and picks, among the
 nodes holding the longest one that have a live worker on their node queue and at most
-``route_max_queue`` jobs waiting there, the least loaded (jobs waiting and running; then the
-most recent): every conversation's first turn shares the system prompt, and without the
-tiebreak they all went to whichever node served it last. No such node: the next shorter cut's
+``route_max_queue`` jobs waiting there, the least loaded (jobs waiting less the jobs its
+workers would take at once, their free slots of ``max_jobs_in_flight``; then the most
+recent): every conversation's first turn shares the system prompt, and without the tiebreak
+they all went to whichever node served it last. No such node: the next shorter cut's
 holders, and past the shortest the shared queue. A
 ``prompt_cache_key`` (the OpenAI field) replaces the text as the whole index entry.
 
@@ -119,8 +120,8 @@ class Router:
         for holders in ranked:
             open_nodes = [n for n in holders if states[node_queue_name(self.queue, n)].live_listeners
                           and waiting[n] <= self.settings.route_max_queue]
-            if open_nodes:  # min keeps the first of equals: the most recent
-                return min(open_nodes, key=lambda n: waiting[n] + states[node_queue_name(self.queue, n)].busy)
+            if open_nodes:  # the most free room; min keeps the first of equals: the most recent
+                return min(open_nodes, key=lambda n: waiting[n] - states[node_queue_name(self.queue, n)].room)
         return None
 
     def _candidates(self, texts: Sequence[str], route_keys: Sequence[str | None]) -> list[list[list[str]]]:

@@ -156,6 +156,13 @@ class Settings:
     max_decode_gap_s: float = 0.1
     prefill_chunk_tokens: int = 0
     prefill_order: str = "shortest"
+    # How many jobs a worker holds at once (worker/process/room.py): it takes jobs off its
+    # queues while it has a free slot, and, with kv_budget_bytes set, while the job's KV (its
+    # model's KV bytes per token times its prompt plus max_tokens) fits beside what its jobs in
+    # flight hold; a job that does not fit stays queued for another worker. 1: one job at a
+    # time. kv_budget_bytes 0: slots only.
+    max_jobs_in_flight: int = 8
+    kv_budget_bytes: int = 0
 
     # Limits.
     max_prompt_tokens: int = 131072

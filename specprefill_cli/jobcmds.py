@@ -136,7 +136,7 @@ def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run_list(args: argparse.Namespace, settings: Settings) -> int:
-    from jobs.inspect import jobs_by_state, listening_workers
+    from jobs.inspect import jobs_by_state, listening_workers, worker_loads
     from jobs.node_queues import node_queues_of
 
     client = _client(args, settings)
@@ -150,21 +150,33 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
     nodes = {name: jobs_by_state(conn, name, limit=args.limit) for name in sorted(node_queues_of(conn, [queue]))}
     heal = heal_queue_name(queue)
     heals = jobs_by_state(conn, heal, limit=args.limit) if heal != queue else None
+    node_workers = {name: listening_workers(conn, name) for name in nodes}
+    loads = worker_loads(conn, sorted({*workers, *(w for ws in node_workers.values() for w in ws)}))
     if args.json:
-        shown = {"queue": queue, "workers": workers, "jobs": by_state,
-                 "node_queues": {name: {"workers": listening_workers(conn, name), "jobs": jobs}
+        shown = {"queue": queue, "workers": workers, "jobs": by_state, "worker_load": loads,
+                 "node_queues": {name: {"workers": node_workers[name], "jobs": jobs}
                                  for name, jobs in nodes.items()}}
         print(json.dumps({**shown, "heal": {"queue": heal, "jobs": heals}} if heals is not None else shown))
         return DONE
-    _print_queue(queue, workers, by_state, args.limit)
+    _print_queue(queue, workers, by_state, args.limit, loads)
     for name, jobs in [*nodes.items(), *([(heal, heals)] if heals is not None else [])]:
         if any(jobs.values()):
-            _print_queue(name, listening_workers(conn, name), jobs, args.limit)
+            _print_queue(name, node_workers.get(name) or listening_workers(conn, name), jobs, args.limit, loads)
     return DONE
 
 
-def _print_queue(queue: str, workers: list[str], by_state: dict[str, list[str]], limit: int) -> None:
-    print(f"queue {queue}: {len(workers)} workers" + (f" ({', '.join(workers)})" if workers else ""))
+def _worker_line(name: str, load: dict[str, Any] | None) -> str:
+    """``NAME: 3 of 8 jobs in flight, 2 decoding`` (``specprefill list``)."""
+    if not load:
+        return name
+    return (f"{name}: {load['jobs_in_flight']} of {load['max_jobs_in_flight']} jobs in flight, "
+            f"{load['batch_size']} decoding")
+
+
+def _print_queue(queue: str, workers: list[str], by_state: dict[str, list[str]], limit: int,
+                 loads: dict[str, dict[str, Any]] | None = None) -> None:
+    shown = [_worker_line(w, (loads or {}).get(w)) for w in workers]
+    print(f"queue {queue}: {len(workers)} workers" + (f" ({'; '.join(shown)})" if workers else ""))
     for state, ids in by_state.items():
         print(f"{state} ({len(ids)}{'+' if len(ids) >= limit else ''})")
         for jid in ids:

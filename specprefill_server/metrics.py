@@ -86,15 +86,21 @@ class DeploymentCollector(Collector):
                                    "jobs (RQ's total working time)", labels=["worker"])
         done = CounterMetricFamily("specprefill_rq_worker_jobs", "Jobs each worker ended (RQ's counts)",
                                    labels=["worker", "outcome"])
+        in_flight = GaugeMetricFamily("specprefill_worker_jobs_in_flight", "Jobs each worker holds now "
+                                      "(at most its max_jobs_in_flight)", labels=["worker"])
+        batch = GaugeMetricFamily("specprefill_worker_batch_size", "Sequences each worker decodes "
+                                  "together now", labels=["worker"])
         states: dict[str, int] = {}
         for w in workers(self.connection, self.settings):
             states[w.state] = states.get(w.state, 0) + 1
             busy.add_metric([w.name], w.busy_seconds)
             done.add_metric([w.name, "finished"], w.successful_jobs)
             done.add_metric([w.name, "failed"], w.failed_jobs)
+            in_flight.add_metric([w.name], w.jobs_in_flight)
+            batch.add_metric([w.name], w.batch_size)
         for state in sorted(set(states) | {"busy", "idle"}):
             count.add_metric([state], states.get(state, 0))
-        return [count, busy, done]
+        return [count, busy, done, in_flight, batch]
 
     def _block_store(self) -> list[Any]:
         # per (model name, role); a name that is a worker's folder shows its last part

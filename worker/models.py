@@ -309,6 +309,10 @@ class ModelPool:
         loaded = self._find(name) or self._load(name, field, on_download)
         return self._verified(loaded, "target" if field == "target_model" else "draft", field)
 
+    def loaded_model(self, name: str) -> LoadedModel | None:
+        """The model a job names if it is loaded now (its LRU place kept), else None."""
+        return next((m for m in self._models.values() if m.name == name), None)
+
     def _find(self, name: str) -> LoadedModel | None:
         for path, m in self._models.items():  # a name asked for before: no hashing again
             if m.name == name:

@@ -154,10 +154,14 @@ class WorkerRuntime:
     cache_client: redis.Redis      # block store + memo (may be another Redis)
     models: ModelPool
     backend_factory: Callable[[], SelectionBackend] = SelectionBackend.default
+    # Stop every job in flight (a second SIGTERM); one job's stop: stop_job(job_id).
     stop_event: threading.Event = field(default_factory=threading.Event)
-    # The job that just ended by stopping itself (JobStopped): RQ must record it as stopped.
-    stopped_job_id: str | None = None
-    claim: Claim | None = None  # the running job's claim, kept by the worker's heartbeat thread
+    # Jobs asked to stop (RQ's stop-job command, a cancel): each stops at its next check.
+    stopping: set[str] = field(default_factory=set)
+    # Jobs that ended by stopping themselves (JobStopped): RQ must record them as stopped.
+    stopped_job_ids: set[str] = field(default_factory=set)
+    # The claim of each job in flight, by job id, kept by the worker's heartbeat thread.
+    claims: dict[str, Claim] = field(default_factory=dict)
     # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
     # one of them); empty: the settings' queues.
     listen_queues: tuple[str, ...] = ()
@@ -179,7 +183,19 @@ class WorkerRuntime:
         return self._backend
 
     def stop_requested(self) -> bool:
+        """Whether every job in flight is to stop (a second SIGTERM)."""
         return self.stop_event.is_set()
+
+    def stop_job(self, job_id: str) -> None:
+        """Ask job ``job_id`` to stop at its next check (any thread may call this)."""
+        self.stopping.add(job_id)
+
+    def job_stop_requested(self, job_id: str) -> bool:
+        return job_id in self.stopping
+
+    def claim_of(self, job_id: str) -> Claim | None:
+        """The claim of job ``job_id`` while it is in flight (None: run directly, or ended)."""
+        return self.claims.get(job_id)
 
     @classmethod
     def from_settings(cls, settings: Settings, connection: redis.Redis | None = None,

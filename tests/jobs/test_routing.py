@@ -107,6 +107,26 @@ def test_among_equal_holders_the_least_loaded_node_gets_the_job(conn):
     assert waiting(conn, "specprefill@b")[-1] == longer.id
 
 
+def test_among_equal_holders_the_node_with_the_most_free_room_gets_the_job(conn):
+    """A batching worker says how many more jobs it takes at once (its free slots of
+    max_jobs_in_flight): busy with 3 of 8 it has more room than an idle one-slot worker."""
+    from jobs.node_queues import queue_states
+
+    s = settings(route_max_queue=8)
+    for node in ("a", "b"):
+        listen(conn, node)
+    record_served(conn, s, "b", SYSTEM)
+    record_served(conn, s, "a", SYSTEM)
+    conn.hset("rq:worker:a-w", mapping={"state": "busy", "jobs_in_flight": 3, "max_jobs_in_flight": 8})
+    conn.hset("rq:worker:b-w", mapping={"state": "idle", "jobs_in_flight": 0, "max_jobs_in_flight": 1})
+    states = queue_states(conn, ["specprefill@a", "specprefill@b"], s.heartbeat_ttl_s)
+    assert (states["specprefill@a"].room, states["specprefill@b"].room) == (5, 1)
+    batch = Client(conn, s).submit_many([conversation(n, 1) for n in range(1, 7)])
+    # a's 5 free slots fill first (a ties b at the 5th: the most recent holder wins), then b's
+    assert waiting(conn, "specprefill@a") == batch.job_ids[:5]
+    assert waiting(conn, "specprefill@b") == batch.job_ids[5:]
+
+
 def test_a_node_without_a_live_worker_is_not_routed_to(conn):
     s = settings(heartbeat_interval_s=1.0, heartbeat_ttl_s=5.0)
     listen(conn, "a", beat_age_s=30)  # its worker's last beat: long past heartbeat_ttl_s

@@ -21,9 +21,10 @@ TESTS = HERE.parent
 ROOT = TESTS.parent
 
 # Settings that make faults show quickly: beats every 0.2 s, a silent worker's job is
-# abandoned after 2 s, registries are swept every second.
+# abandoned after 2 s, registries are swept every second. The workers batch: up to eight
+# jobs in flight each (the reliability tests run against the batching worker).
 FAST = dict(heartbeat_interval_s=0.2, heartbeat_ttl_s=2.0, maintenance_interval_s=1.0,
-            retry_max=3, job_timeout_s=60)
+            retry_max=3, job_timeout_s=60, max_jobs_in_flight=8)
 # The fake model's spec defaults (see tests/support/fake_worker.py).
 FAKE = dict(draft_model="fake-draft", threshold=64, tail_tokens=16, chunk_size=8, keep=0.25)
 

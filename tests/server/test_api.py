@@ -255,3 +255,8 @@ def test_metrics_after_a_job(openai_client, stack):
     assert [s.value for s in worker["specprefill_worker_busy_seconds"] if s.name.endswith("_total")][0] > 0
     assert value(worker["specprefill_worker_queue_wait_seconds"], "_count", kind="generate") >= 1
     assert value(worker["specprefill_worker_kept_ratio"], "_count", kind="generate") >= 1
+    # the jobs a worker holds and its decode batch, from the worker and from the deployment's view
+    assert [s.value for s in worker["specprefill_worker_jobs_in_flight"]] == [0]  # its job ended
+    assert [s.value for s in worker["specprefill_worker_batch_size"]] == [0]
+    assert [s.labels["worker"] for s in server["specprefill_worker_jobs_in_flight"]] == [stack.worker.name]
+    assert [s.labels["worker"] for s in server["specprefill_worker_batch_size"]] == [stack.worker.name]

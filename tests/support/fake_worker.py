@@ -104,12 +104,17 @@ class FakeMemo:
         self.shared[(tuple(tokens), tuple(sorted(settings.items())))] = list(ranges)
 
 
+POISON_TOKEN = 255  # a prompt holding it fails at its second chunk (a bad chunk mid-job)
+
+
 def make_fake_score(chunk_delay_s=0.0, step=16):
     def score_with_cache(profile, tokens, draft_cache, options, *, progress=None, prefill_step=2048,
                          checkpoints=()):
         cache, n = draft_cache.fetch(tokens) if draft_cache is not None else (None, 0)
         t0 = time.perf_counter()
         for p in range(n, len(tokens), step):
+            if POISON_TOKEN in tokens and p > n:
+                raise RuntimeError(f"bad chunk at token {p}: the poison token")
             time.sleep(chunk_delay_s)
             if progress:
                 progress(min(p + step, len(tokens)), len(tokens), "prefill")

@@ -56,15 +56,14 @@ class JobContext:
         claim = self.claim
         if claim is not None and self.publisher.fenced:  # Redis refused our events: not ours
             claim.lose()
-        if self.runtime.stop_requested() or (claim is not None and claim.lost):
-            if claim is not None and claim.lost:
-                raise ClaimLost(f"job {self.job_id}: this worker's claim on it was lost")
+        if claim is not None and claim.lost:
+            raise ClaimLost(f"job {self.job_id}: this worker's claim on it was lost")
+        if self.runtime.stop_requested() or self.runtime.job_stop_requested(self.job_id):
             raise JobStopped(f"job {self.job_id} stopped on request")
 
     @property
     def claim(self):
-        claim = self.runtime.claim
-        return claim if claim is not None and claim.job_id == self.job_id else None
+        return self.runtime.claim_of(self.job_id)
 
     def check_claim(self) -> None:
         """Raise :class:`ClaimLost` unless this worker still holds the job (read now)."""

@@ -82,7 +82,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
     job = get_current_job()
     rt = runtime_mod.current(job.connection if job else None)
     job_id = job.id if job else "direct"
-    claim = rt.claim if rt.claim is not None and rt.claim.job_id == job_id else None
+    claim = rt.claim_of(job_id)
     ctx = JobContext(job_id, rt, publisher_for(rt.connection, job_id, rt.settings,
                                                attempt=claim.attempt if claim else "",
                                                fence=claim.fence if claim else None),
@@ -103,7 +103,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
         raise  # RQ retries while retries_left > 0
     except BaseException as exc:
         if isinstance(exc, JobStopped) and not isinstance(exc, ClaimLost):
-            rt.stopped_job_id = job_id  # recorded as stopped, not failed (see InProcessWorker)
+            rt.stopped_job_ids.add(job_id)  # recorded as stopped, not failed (see InProcessWorker)
         if job is not None:
             job.retries_left = 0  # bad input, timeouts and stops are never retried
         raise

@@ -32,6 +32,9 @@ def add_worker_options(p: argparse.ArgumentParser, *, log_level_option: bool = T
     p.add_argument("--name", help="the worker's name in RQ (default: RQ's own)")
     p.add_argument("--burst", action="store_true", help="quit when the queues are empty (default: off)")
     p.add_argument("--max-jobs", type=int, help="quit after this many jobs (default: no limit)")
+    p.add_argument("--max-jobs-in-flight", type=int, metavar="N",
+                   help="jobs held at once, decoding together (default: settings max_jobs_in_flight, "
+                        "SPECPREFILL_MAX_JOBS_IN_FLIGHT, 8; 1: one at a time)")
     if log_level_option:
         p.add_argument("--log-level", type=log_level, default="INFO",
                        help="debug, info, warning or error, any case (default: INFO)")
@@ -51,6 +54,8 @@ def launch(args: argparse.Namespace, settings: Settings) -> int:
     configure_logging(args.log_level, args.log_format or settings.log_format)
     if args.preload:  # one source of truth: the allow-list admits what the worker preloads
         settings = settings.replace(preload_models=tuple(args.preload))
+    if getattr(args, "max_jobs_in_flight", None) is not None:  # checked as the setting is
+        settings = settings.replace(max_jobs_in_flight=args.max_jobs_in_flight)
     conn = checked_connection(args.redis_url, settings)
     runtime = WorkerRuntime.from_settings(settings, conn)
     warn_about_eviction(conn, runtime.cache_client, separate_cache=bool(settings.cache_redis_url))

@@ -1,16 +1,18 @@
-"""The worker's heartbeat thread: its beats, its claim on the running job, its registration.
+"""The worker's heartbeat thread: its beats, its claims on the jobs in flight, its registration.
 
 It runs for the worker's whole life on a Redis connection of its own (no retries, calls
 bounded by the beat interval), so a beat never waits out the queue client's backoff: once
 Redis answers again, the next beat lands within a fraction of the interval, well before
 the running job's claim (``heartbeat_ttl_s``) expires. Each beat:
 
-- reads the Redis epoch (:mod:`jobs.epoch`: run id + marker) and the running job's claim
-  (its execution in RQ's started registry, the job's status and worker);
+- reads the Redis epoch (:mod:`jobs.epoch`: run id + marker) and the claim of every job in
+  flight (its execution in RQ's started registry, the job's status and worker), all in one
+  pipelined round trip however many jobs the worker holds;
 - registers the worker again if the epoch changed (a restart, with or without data loss) or
   its hash is gone, and keeps the worker's key and registry entries alive while it lives;
-- renews the claim if it is still ours; else marks it lost: the job stops at its next
-  check and publishes nothing (another worker, or a resubmission, owns the job now).
+- renews each claim that is still ours (one more round trip for all of them); marks each
+  other one lost: that job alone stops at its next check and publishes nothing (another
+  worker, or a resubmission, owns it now).
 """
 from __future__ import annotations
 
@@ -39,24 +41,28 @@ class Liveness(threading.Thread):
         self.done = threading.Event()
         self.epoch: str | None = None
         self.beats = self.registrations = 0
-        self._job: tuple[Any, Any] | None = None  # (job, execution) being run
-        self.claim: Claim | None = None
+        # job id -> (job, execution, claim) of each job in flight
+        self._jobs: dict[str, tuple[Any, Any, Claim]] = {}
         self._lock = threading.Lock()
         self._down = False
 
-    # -- the running job ----------------------------------------------------------------
+    # -- the jobs in flight ---------------------------------------------------------------
 
     def watch(self, job: Any, execution: Any) -> Claim:
         """Keep ``job``'s claim from now on; returns the claim the job consults."""
         claim = Claim(job.id, execution.id, check=lambda: self.claim_held(job, execution),
                       fence=(job.started_job_registry.key, execution.composite_key))
         with self._lock:
-            self._job, self.claim = (job, execution), claim
+            self._jobs[job.id] = (job, execution, claim)
         return claim
 
-    def unwatch(self) -> None:
+    def unwatch(self, job_id: str) -> None:
         with self._lock:
-            self._job = None
+            self._jobs.pop(job_id, None)
+
+    def watched(self) -> list[str]:
+        with self._lock:
+            return list(self._jobs)
 
     def claim_held(self, job: Any, execution: Any, connection: Any = None) -> bool:
         """Whether ``execution`` still holds ``job``, read now."""
@@ -94,57 +100,59 @@ class Liveness(threading.Thread):
             self.done.wait(pause)
 
     def beat(self) -> None:
-        """One beat: two round trips on this thread's own connection."""
+        """One beat: two round trips on this thread's own connection, however many jobs."""
         w = self.worker
         with self._lock:
-            running = self._job
+            running = list(self._jobs.values())
         with self.connection.pipeline(transaction=False) as pipe:
             add_epoch_reads(pipe, w.runtime.settings.namespace)
             pipe.exists(w.key)
-            if running is not None:
-                self._add_claim_reads(pipe, *running)
+            for job, execution, _ in running:
+                self._add_claim_reads(pipe, job, execution)
             replies = pipe.execute(raise_on_error=False)
         epoch = epoch_of(replies)
         registered = bool(replies[EPOCH_REPLIES])
-        held = running is not None and self._claim_from(replies[EPOCH_REPLIES + 1:])
-        if running is not None and not held:
-            self._lose(*running)
+        held = []
+        for i, entry in enumerate(running):
+            at = EPOCH_REPLIES + 1 + 2 * i
+            if self._claim_from(replies[at:at + 2]):
+                held.append(entry)
+            else:
+                self._lose(*entry)
         changed = self.epoch is not None and epoch != self.epoch
-        self._write_beat(running if held else None, register=changed or not registered)
+        self._write_beat(held, register=changed or not registered)
         self.epoch = epoch
         self.beats += 1
 
-    def _write_beat(self, running: tuple[Any, Any] | None, register: bool) -> None:
+    def _write_beat(self, held: list[tuple[Any, Any, Claim]], register: bool) -> None:
         w = self.worker
         ttl = w.worker_ttl + 60
         with self.connection.pipeline(transaction=False) as pipe:
             if register:
                 pipe.hset(w.key, mapping=w.serialize())
-            pipe.hset(w.key, "last_heartbeat", utcformat(now()))
+            pipe.hset(w.key, mapping={"last_heartbeat": utcformat(now()), **w.load_fields()})
             worker_registration.register(w, pipe)  # a sweep may have dropped us during an outage
             pipe.expire(w.key, ttl)
             pipe.expire(w.executions_key, ttl)
-            if running is not None:
-                job, execution = running
+            for job, execution, _ in held:
                 claim_ttl = int(w.get_heartbeat_ttl(job))
                 execution.heartbeat(job.started_job_registry, claim_ttl, pipeline=pipe)
                 job.heartbeat(now(), claim_ttl, pipeline=pipe, xx=True)
-                if not is_heal_queue(job.origin):  # its node's heals keep yielding to it
-                    mark_busy(pipe, w.runtime.settings, w.name)
+            if any(not is_heal_queue(job.origin) for job, _, _ in held):  # its node's heals yield to them
+                mark_busy(pipe, w.runtime.settings, w.name)
             pipe.execute()
         if register:
             self.registrations += 1
             w.log.info("worker %s: Redis restarted or lost its data; registered again", w.name)
 
-    def _lose(self, job: Any, execution: Any) -> None:
+    def _lose(self, job: Any, execution: Any, claim: Claim) -> None:
         with self._lock:  # the job may have ended (and changed its status) since the read
-            claim = self.claim if self._job is not None and self._job[1] is execution else None
-        if claim is None or claim.lost:
+            current = self._jobs.get(job.id)
+        if current is None or current[1] is not execution or claim.lost:
             return
         self.worker.log.warning("worker %s: lost its claim on job %s (taken over or lost by "
                                 "Redis); stopping it without a result", self.worker.name, job.id)
-        claim.lose()
-        self.worker.runtime.stop_event.set()
+        claim.lose()  # that job alone stops at its next check (worker.job.context.check_stop)
 
     def stop(self) -> None:
         self.done.set()

@@ -58,6 +58,11 @@ class WorkerMetrics:
                                     "of those not restored (1: prefilled whole)", ("kind",), buckets=KEPT_BUCKETS,
                                     registry=registry)
         self.models_loaded = Gauge(p + "models_loaded", "Models in this worker's pool", registry=registry)
+        self.in_flight = Gauge(p + "jobs_in_flight", "Jobs this worker holds now (max_jobs_in_flight "
+                               "bounds it)", registry=registry)
+        self.batch_size = Gauge(p + "batch_size", "Sequences decoding together now", registry=registry)
+        self.kv_reserved = Gauge(p + "kv_reserved_bytes", "KV bytes the jobs in flight hold by their "
+                                 "estimate (kv_budget_bytes bounds it; 0 without a budget)", registry=registry)
 
     def job_ended(self, kind: str, status: str, seconds: float, result: Mapping[str, Any] | None,
                   queue_wait_s: float | None = None) -> None:
@@ -139,3 +144,12 @@ def observe_job(job: Any, models_loaded: int) -> None:
         _metrics.models_loaded.set(models_loaded)
     except Exception as exc:  # metrics must never fail a worker (Redis down, odd payload)
         log.warning("worker metrics: could not count job %s: %s", getattr(job, "id", "?"), exc)
+
+
+def observe_load(in_flight: int, batch_size: int, kv_reserved_bytes: int) -> None:
+    """The worker's load now: jobs in flight, its decode batch, its KV reserved (no-op when off)."""
+    if _metrics is None:
+        return
+    _metrics.in_flight.set(in_flight)
+    _metrics.batch_size.set(batch_size)
+    _metrics.kv_reserved.set(kv_reserved_bytes)

@@ -1,13 +1,14 @@
-"""The RQ worker: jobs run in this process on its main thread, with models kept warm.
+"""The RQ worker: jobs run in this process on its main thread, with models kept warm, many at once.
 
 RQ's forking ``Worker`` cannot hold a loaded model across jobs and forking after Metal
 starts crashes on macOS, so this is a ``SimpleWorker`` that adds what SimpleWorker lacks:
-heartbeats from a side thread on a connection of its own (:mod:`worker.process.liveness`; else RQ
-reaps a long job as abandoned and runs it twice, and a short Redis outage delays the beats
+heartbeats from a side thread on a connection of its own (:mod:`worker.process.liveness`; else
+RQ reaps a long job as abandoned and runs it twice, and a short Redis outage delays the beats
 past the claim), a job that stops without a word when its claim was nevertheless taken, a
-registration that survives Redis restarts, a cooperative stop (RQ's stop-job command and
-a second SIGTERM set an event the job checks between prefill chunks), and an explicit
-timeout for every job.
+registration that survives Redis restarts, a cooperative stop (RQ's stop-job command and a
+second SIGTERM stop a job at its next yield point), and an explicit timeout for every job.
+It holds up to ``max_jobs_in_flight`` jobs at once, each an engine task
+(:mod:`worker.process.work_loop`: its loop; :mod:`worker.engine`: the batch).
 """
 from __future__ import annotations
 
@@ -19,28 +20,34 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from rq import Queue, SimpleWorker, worker_registration
+from rq.command import handle_command, parse_payload
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.serializers import JSONSerializer
 from rq.utils import now
+from rq.exceptions import StopRequested
+from rq.worker import DequeueStrategy
 
 from jobs.connection import REDIS_DOWN, stop_retrying
-from jobs.log_format import log_context, set_worker
+from jobs.log_format import set_worker
 from jobs.node_queues import rescue_stranded
-from jobs.settings import is_heal_queue
 from worker import runtime as runtime_mod
+from worker.engine import Engine
 from worker.process import hooks
 from worker.process.liveness import Liveness
-from worker.models import release_cached_buffers
 from worker.process.node_busy import mark_busy, mark_idle
 from worker.process.orphans import drop_queued_copy, return_orphan
 from worker.process.queues import listen_order
+from worker.process.room import Room
+from worker.process.work_loop import JobsInFlight
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
-class InProcessWorker(SimpleWorker):
-    """A SimpleWorker (jobs run in this process, models stay loaded) with heartbeats,
-    cooperative stop, enforced job timeouts and a worker loop that survives Redis outages."""
+class InProcessWorker(JobsInFlight, SimpleWorker):
+    """A SimpleWorker (jobs run in this process, models stay loaded) holding many jobs at
+    once, with heartbeats, cooperative stop, enforced job timeouts and a worker loop that
+    survives Redis outages."""
 
     def __init__(self, queues: Sequence[str | Queue], *, runtime: WorkerRuntime, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
@@ -59,14 +66,30 @@ class InProcessWorker(SimpleWorker):
         runtime.listen_queues = tuple(self.queue_names())
         runtime.worker_name = self.name
         self.liveness: Liveness | None = None
+        self.room = Room(s, runtime.models)
+        self.engine = Engine.from_settings(s)
+        self._init_loop()
         runtime_mod.install(runtime)
 
-    def work(self, *args: Any, **kwargs: Any) -> bool:
-        """RQ's work loop, with the heartbeat thread running from the worker's birth to its
-        death (started after RQ registered it, stopped before RQ registers its death)."""
+    def work(self, burst: bool = False, logging_level: str | None = None,
+             date_format: str = DEFAULT_LOGGING_DATE_FORMAT, log_format: str = DEFAULT_LOGGING_FORMAT,
+             max_jobs: int | None = None, max_idle_time: int | None = None, with_scheduler: bool = False,
+             dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT) -> bool:
+        """RQ's ``work()`` (same arguments and meaning; ``max_jobs`` counts jobs taken) over
+        many jobs at once (:mod:`worker.process.work_loop`), with the heartbeat thread running
+        from the worker's birth to its death (started after RQ registered it, stopped before
+        RQ registers its death)."""
         self.liveness = Liveness(self, self.runtime.settings.heartbeat_interval_s)
         try:
-            return super().work(*args, **kwargs)
+            self.bootstrap(logging_level, date_format, log_format)
+            self._dequeue_strategy = dequeue_strategy
+            if with_scheduler:
+                self._start_scheduler(burst, logging_level, date_format, log_format)
+            self._install_signal_handlers()
+            try:
+                return self._work_loop(burst, max_jobs, max_idle_time)
+            finally:
+                self.teardown()
         finally:
             self._stop_liveness()
 
@@ -95,31 +118,6 @@ class InProcessWorker(SimpleWorker):
         """
         return max(1, math.ceil(self.runtime.settings.heartbeat_ttl_s)) + 1
 
-    def perform_job(self, job: Any, queue: Queue, execution: Any) -> bool:
-        self.runtime.stop_event.clear()
-        if not job.timeout or job.timeout < 0:  # never run unbounded (timeout -1 breaks reaping)
-            job.timeout = self.runtime.settings.job_timeout_s
-        self._execution = execution
-        user = not is_heal_queue(queue.name)
-        if user:  # heals on this node yield while it runs (worker.process.node_busy)
-            self._mark_busy(True)
-        try:
-            with log_context(job_id=job.id):  # every line logged while it runs names it
-                log.info("job %s started", job.id, extra={"event": "job_started"})
-                ok = super().perform_job(job, queue, execution)
-                status = getattr(job.get_status(refresh=False), "value", "unknown")  # a JobStatus
-                log.info("job %s ended %s", job.id, status, extra={"event": f"job_{status}"})
-                return ok
-        finally:
-            if self.liveness is not None:
-                self.liveness.unwatch()
-            if user:
-                self._mark_busy(False)
-            self.runtime.claim = None
-            self.runtime.stop_event.clear()
-            release_cached_buffers()
-            hooks.on_job_end(self, job)
-
     def _mark_busy(self, busy: bool) -> None:
         """Enter or leave this node's busy set; a Redis fault only costs a heal's yield (the
         entry expires on its own)."""
@@ -134,29 +132,28 @@ class InProcessWorker(SimpleWorker):
             self._redis_down("node busy set", exc)
 
     def prepare_job_execution(self, job: Any, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ's claim (status started, our name on it), then the failover check; the loop
+        starts the job's heartbeats right after (:meth:`JobsInFlight._claim`)."""
         super().prepare_job_execution(job, remove_from_intermediate_queue)
         try:
             drop_queued_copy(self.connection, job.id, job.origin, self.name)
         except REDIS_DOWN as exc:  # the claim just landed; a fault now only risks a rerun
             self._redis_down("queued copy check", exc)
-        # Claimed now (status started, our name on it): from here the beats keep the claim.
-        if self.liveness is not None:
-            self.runtime.claim = self.liveness.watch(job, self._execution)
 
     # -- a claim lost while the job ran: no result, no failure, nothing recorded ------------
 
-    def _claim_gone(self) -> bool:
-        """Whether the job that just ended had lost its claim (a fresh read decides)."""
+    def _claim_gone(self, job: Any) -> bool:
+        """Whether ``job``, which just ended, had lost its claim (a fresh read decides)."""
         if self.liveness is not None:
-            self.liveness.unwatch()
-        claim = self.runtime.claim
+            self.liveness.unwatch(job.id)  # no beat renews or loses it from here
+        claim = self.runtime.claims.get(job.id)
         return claim is not None and not claim.held()
 
     def _drop_execution(self, job: Any, execution: Any) -> None:
         """Remove only this worker's traces of the run: the job belongs to someone else."""
         self.log.warning("Worker %s: job %s was taken over or lost while it ran; its result "
                          "is dropped", self.name, job.id)
-        self.runtime.stopped_job_id = None
+        self.runtime.stopped_job_ids.discard(job.id)
         with self.connection.pipeline() as pipe:
             execution.delete(job=job, pipeline=pipe)
             pipe.execute()
@@ -166,12 +163,12 @@ class InProcessWorker(SimpleWorker):
         return_orphan(self.connection, job.id, job.origin, settle_s)
 
     def _finalize_success(self, job: Any, queue: Queue, execution: Any, return_value: Any) -> None:
-        if self._claim_gone():
+        if self._claim_gone(job):
             return self._drop_execution(job, execution)
         super()._finalize_success(job, queue, execution, return_value)
 
     def _finalize_failure(self, job: Any, queue: Queue, execution: Any, exc_info: Any) -> None:
-        if self._claim_gone():
+        if self._claim_gone(job):
             return self._drop_execution(job, execution)
         super()._finalize_failure(job, queue, execution, exc_info)
 
@@ -217,21 +214,22 @@ class InProcessWorker(SimpleWorker):
         except REDIS_DOWN as exc:
             self._redis_down("register", exc)
 
-    def execute_job(self, job: Any, queue: Queue) -> None:
-        try:
-            super().execute_job(job, queue)
-        except REDIS_DOWN as exc:
-            self._redis_down(f"ending job {job.id}", exc)
-            self.executions.clear()  # the execution RQ could not close is not running any more
-
     def set_state(self, state: str, pipeline: Any = None) -> None:
+        """RQ's state (busy while any job is in flight), with the worker's load beside it."""
         if pipeline is not None:
-            return super().set_state(state, pipeline=pipeline)
+            super().set_state(state, pipeline=pipeline)
+            pipeline.hset(self.key, mapping=self.load_fields())
+            return
         try:
-            super().set_state(state)
+            with self.connection.pipeline(transaction=False) as pipe:
+                self.set_state(state, pipeline=pipe)
+                pipe.execute()
         except REDIS_DOWN as exc:  # re-registering when Redis is back writes the state again
             self._state = state
             self._redis_down("state", exc)
+
+    def serialize(self) -> dict:
+        return {**super().serialize(), **self.load_fields()}
 
     def run_maintenance_tasks(self) -> None:
         try:
@@ -261,32 +259,60 @@ class InProcessWorker(SimpleWorker):
             self.log.warning("Worker %s: could not register its death: %s", self.name, exc)
 
     def handle_job_failure(self, job: Any, queue: Queue, *args: Any, **kwargs: Any) -> None:
-        if self.runtime.stopped_job_id == job.id:  # it stopped itself (e.g. canceled at start)
-            self._stopped_job_id = job.id
-        self.runtime.stopped_job_id = None
+        if job.id in self.runtime.stopped_job_ids:  # it stopped itself (a stop, a cancel at start)
+            self._stopped_job_id = job.id  # RQ records it stopped (no switch point until it reads it)
+        self.runtime.stopped_job_ids.discard(job.id)
         super().handle_job_failure(job, queue, *args, **kwargs)
 
-    def kill_horse(self, sig: Any = None) -> None:
-        """RQ's stop-job command lands here: ask the running job to stop between chunks."""
-        self.runtime.stop_event.set()
+    # -- stops: RQ's commands and signals never raise inside a job's task -----------------
 
-    def _running_job_id(self) -> str | None:
-        execution = next(iter(self.executions.values()), None)
-        return execution.job_id if execution else None
+    def handle_payload(self, message: Any) -> None:
+        """RQ's commands (its pubsub thread): a stop-job for any job in flight stops that job
+        alone at its next yield point (RQ's own handler knows one current job)."""
+        payload = parse_payload(message)
+        if payload.get("command") == "stop-job":
+            job_id = payload.get("job_id")
+            if job_id and self._stop_in_flight(job_id):
+                self.log.info("Worker %s: stopping job %s at its next yield point", self.name, job_id)
+            else:
+                self.log.warning("Worker %s: not working on job %s, command ignored", self.name, job_id)
+            return
+        handle_command(self, payload)
+
+    def request_stop_execution(self, execution_id: str) -> None:
+        """RQ's stop-execution command: stop the job of that execution, if in flight."""
+        slot = next((s for s in list(self.in_flight.values())
+                     if s.execution is not None and s.execution.id == execution_id), None)
+        if slot is None:
+            self.log.warning("Worker %s: not running execution %s, command ignored", self.name, execution_id)
+            return
+        self._stop_in_flight(slot.job.id)
+
+    def _shutdown(self) -> None:
+        """First SIGTERM/SIGINT: take no more jobs; those in flight finish (RQ raises
+        ``StopRequested`` only when none is, so never inside a job's task)."""
+        if not self.in_flight and not self._admitting:
+            raise StopRequested()
+        self._stop_requested = True
+        log.info("Worker %s: finishing its %d job(s) in flight, then exiting (stop again to stop them)",
+                 self.name, len(self.in_flight))
+        try:
+            self.set_shutdown_requested_date()
+        except REDIS_DOWN as exc:
+            self._redis_down("shutdown date", exc)
 
     def request_force_stop(self, signum: int, frame: Any) -> None:
-        """Second SIGTERM/SIGINT: stop the running job at its next chunk, then exit; from now on
-        no Redis command waits out an outage (the retries end), so neither the job's last chunk
-        nor the worker's exit does."""
+        """Second SIGTERM/SIGINT: stop every job in flight at its next yield point (each ends
+        ``stopped``), then exit; from now on no Redis command waits out an outage (the retries
+        end), so neither the jobs' last chunks nor the worker's exit does."""
         if (now() - self._shutdown_requested_date) < timedelta(seconds=1):
             return  # the same signal delivered twice (worker pools do that)
         stop_retrying(self.connection)
-        job_id = self._running_job_id()
-        if job_id is None:
+        if not self.in_flight and not self._admitting:
             raise SystemExit()
-        log.warning("Worker %s: second stop signal, stopping job %s at its next chunk", self.name, job_id)
-        self._stopped_job_id = job_id
-        self._stop_requested = True
+        log.warning("Worker %s: second stop signal, stopping its %d job(s) at their next yield point",
+                    self.name, len(self.in_flight))
+        self._cold = self._stop_requested = True
         self.runtime.stop_event.set()
 
 

@@ -94,7 +94,9 @@ function table(head, rows) {
 function renderOverview(data) {
   const workers = data.workers.map((w) => el("tr", {},
     el("td", { class: "mono", text: w.name }), el("td", {}, status(w.state)),
-    el("td", {}, jobLink(w.current_job)), el("td", { text: `${w.successful_jobs} / ${w.failed_jobs}` }),
+    el("td", {}, ...(w.current_jobs || (w.current_job ? [w.current_job] : [])).flatMap((id, i) => i ? [" ", jobLink(id)] : [jobLink(id)])),
+    el("td", { text: `${w.jobs_in_flight ?? 0} of ${w.max_jobs_in_flight ?? 1}, ${w.batch_size ?? 0} decoding` }),
+    el("td", { text: `${w.successful_jobs} / ${w.failed_jobs}` }),
     el("td", { text: w.busy_seconds.toFixed(1) + " s" }),
     el("td", { class: "mono", text: w.models.filter((m) => m.loaded).map((m) => m.name).join(", ") })));
   const queues = data.queues.map((q) => el("tr", {},
@@ -112,7 +114,7 @@ function renderOverview(data) {
     el("td", { class: "ttft", text: j.ttft_s === null || j.ttft_s === undefined ? "—" : (1000 * j.ttft_s).toFixed(0) + " ms" }),
     el("td", { class: "ended", text: ago(j.ended_at) })));
   show(
-    el("h2", { text: "Workers" }), table(["name", "state", "job", "done / failed", "busy", "loaded models"], workers),
+    el("h2", { text: "Workers" }), table(["name", "state", "jobs", "in flight", "done / failed", "busy", "loaded models"], workers),
     el("h2", { text: "Queues" }), table(["queue", "waiting", "running", "finished", "failed", "canceled"], queues),
     el("h2", { text: "Batches" }), table(["batch", "status", "progress", "requests", "created"], batches),
     el("h2", { text: "Recent jobs" }), table(["job", "input", "status", "kept", "TTFT", "ended"], jobs));
