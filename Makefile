@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/specprefill demo
 
+# The suite on every core: each test worker has its own Redis, ports and folders; tests that
+# share an expensive fixture run on one worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.scoring

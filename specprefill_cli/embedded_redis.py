@@ -48,6 +48,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """Another process listens on the port a server was to start on."""
+
+
 class EmbeddedRedis:
     """A Redis server child process on 127.0.0.1; use as a context manager."""
 
@@ -63,6 +67,7 @@ class EmbeddedRedis:
         unix_socket: bool = False,
     ) -> None:
         self.port = port or free_port()
+        self._port_chosen = port is None  # a port taken meanwhile (by another process) is chosen again
         self.password = password
         self.extra_args = list(extra_args)
         self._own_dir = data_dir is None
@@ -87,6 +92,18 @@ class EmbeddedRedis:
         return f"unix://{self.socket_path}?db=0{auth}"
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        """Start the server; a port chosen here that another process took between its choice and
+        this start (tests run in parallel) is chosen again, once the server is first started."""
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if not self._port_chosen or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "EmbeddedRedis":
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.data_dir), "--daemonize", "no",
@@ -114,17 +131,33 @@ class EmbeddedRedis:
                 err = stderr_path.read_text(errors="replace")
                 log = (self.data_dir / "redis.log")
                 err += log.read_text(errors="replace") if log.exists() else ""
-                raise RuntimeError(f"redis-server exited at start: {err.strip()[-500:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n" if not self.password else
-                              f"AUTH {self.password}\r\nPING\r\n".encode())
-                    if b"PONG" in s.recv(64) or self.password:
-                        return self
-            except OSError:
-                time.sleep(0.05)
+                kind = PortTaken if "Address already in use" in err else RuntimeError
+                raise kind(f"redis-server exited at start: {err.strip()[-500:]}")
+            pid = self._pid_answering()
+            if pid == self.process.pid:
+                return self
+            if pid is not None:  # another process's server answers on this port
+                self.stop()
+                raise PortTaken(f"port {self.port} is another Redis's (process {pid})")
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def _pid_answering(self) -> int | None:
+        """The process id of the Redis answering on the port (None: none answers yet)."""
+        hello = (f"AUTH {self.password}\r\n" if self.password else "") + "INFO server\r\n"
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(hello.encode())
+                reply = b""
+                while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        return None
+                    reply += chunk
+        except OSError:
+            return None
+        return int(reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -1,7 +1,8 @@
-"""Shared test fixtures. MLX gets the system OpenBLAS first (several times faster here)."""
-from specprefill.blas import preload_openblas
+"""Shared test fixtures. MLX gets the system OpenBLAS first (several times faster here), as the
+entry points do it: SPECPREFILL_OPENBLAS=0 runs the suite on MLX's bundled BLAS (docs/testing.md)."""
+from worker.process.boot import preload_blas
 
-preload_openblas()
+preload_blas()
 
 import signal
 
@@ -38,7 +39,30 @@ def pytest_addoption(parser):
                      help="also run the opt-in soak tests (marker 'soak'; several minutes)")
 
 
+# Session fixtures each test worker (pytest-xdist) may as well have its own: cheap to start.
+PER_WORKER_SESSION_FIXTURES = {"redis_server", "http_redis", "tmp_path_factory", "worker_id", "testrun_uid"}
+
+
+def shared_fixture_group(item) -> str | None:
+    """The group of tests that must run on one worker (``make test`` runs the suite with
+    pytest-xdist, ``--dist loadgroup``): those sharing an expensive session fixture (an HTTP stack,
+    a Redis Cluster, the agent's worker: by its name), else those of a module with a module-scoped
+    fixture (a server, models loaded once, a benchmark run: by the module). None: any worker."""
+    defs = item._fixtureinfo.name2fixturedefs
+    scopes = {name: defs[name][-1].scope for name in item.fixturenames if defs.get(name)}
+    shared = sorted(n for n, scope in scopes.items() if scope == "session" and n not in PER_WORKER_SESSION_FIXTURES)
+    if shared:
+        return f"session:{shared[0]}"
+    if "module" in scopes.values():
+        return item.module.__name__
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = shared_fixture_group(item)
+        if group is not None and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="soak test: opt in with --soak")

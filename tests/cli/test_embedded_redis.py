@@ -24,3 +24,20 @@ def test_password_protected_server():
         except redis.ResponseError as exc:
             assert "NOAUTH" in str(exc)
     assert server.process is None
+
+
+def test_a_port_another_server_took_is_never_shared(redis_server):
+    """Test workers run in parallel, each with its own Redis: a port chosen free that another
+    process took before the server started is chosen again; a port the caller named is refused.
+    Either way the server never reports the other process's Redis as its own."""
+    import pytest
+
+    from specprefill_cli.embedded_redis import PortTaken
+
+    raced = EmbeddedRedis()
+    raced.port = redis_server.port  # as if another worker's server took it after the choice
+    with raced:
+        assert raced.port != redis_server.port
+        assert redis.Redis(port=raced.port).info("server")["process_id"] == raced.process.pid
+    with pytest.raises(PortTaken, match=f"port {redis_server.port}|Address already in use"):
+        EmbeddedRedis(port=redis_server.port).start()

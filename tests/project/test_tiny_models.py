@@ -117,6 +117,12 @@ def test_draft_keeps_the_needle_chunk_at_keep_0_2(draft):
     assert kept >= len(DOC_SEEDS) - 1
 
 
+# The three tests that build the seed-0 induction circuit run on one test worker: its codes are
+# computed once per process (tools.induction_init.spread_codes), a minute each time.
+INDUCTION = pytest.mark.xdist_group("induction-codes")
+
+
+@INDUCTION
 def test_training_script_runs_end_to_end(tmp_path):
     # Seed 0, as the induction and re-base tests: the circuit's codes (a minute to repel) are
     # then built once per process (tools.induction_init.spread_codes).
@@ -146,6 +152,7 @@ def test_tokenizer_training_is_deterministic_and_matches_the_shipped_one():
     assert tok.encode(PARAGRAPH).ids == task.encode(PARAGRAPH)
 
 
+@INDUCTION
 def test_induction_init_answers_recall_before_any_training():
     from mlx_lm.models import llama
 

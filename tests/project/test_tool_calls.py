@@ -122,6 +122,7 @@ def test_target_calls_lookup_then_answers_from_the_result(target):
 
 
 @pytest.mark.slow  # builds the circuit once (as test_induction_init_answers_recall_before_any_training)
+@pytest.mark.xdist_group("induction-codes")  # beside the tests that build the same circuit
 def test_rope_rebase_at_the_same_base_reproduces_the_folder(tmp_path):
     """Rebuilding the circuit at the folder's own base changes no weight (so the frozen circuit
     of the shipped folder is exactly the builder's; rebase refuses a folder where it is not)."""
