@@ -105,10 +105,26 @@ class JobHandle:
 
     def status(self) -> str:
         """RQ status (queued, started, finished, failed, stopped, canceled, ...) or 'missing'."""
-        status = as_text(self.client.connection.hget(job_key(self.id), "status"))
+        return self._noted(as_text(self.client.connection.hget(job_key(self.id), "status")))
+
+    def _noted(self, status: str | None) -> str:
         if status and self.epoch is None:  # first sight: note the epoch the job lives in
             self.epoch = read_epoch(self.client.connection, self.client.settings.namespace)
         return status or "missing"
+
+    def _status_and_last_result(self, results_key: str) -> tuple[str, str]:
+        """The status and the id of the job's last result entry ("0-0": none), read at one
+        instant (RQ writes a result and the status it gives in one transaction)."""
+        with self.client.connection.pipeline(transaction=True) as pipe:
+            pipe.hget(job_key(self.id), "status")
+            pipe.xrevrange(results_key, count=1)
+            status, last = pipe.execute()
+        return self._noted(as_text(status)), as_text(last[0][0]) if last else "0-0"
+
+    def _value(self, value: Any) -> PrefillResult | GenerateResult | dict:
+        if isinstance(value, Mapping) and value.get("kind", "prefill") in ("prefill", "generate"):
+            return result_from_json(value)
+        return value
 
     def lost(self) -> bool:
         """Whether a missing job was lost by Redis: it existed in an epoch that has ended."""
@@ -136,22 +152,19 @@ class JobHandle:
         lines = [ln for ln in exc.strip().splitlines() if ln.strip()]
         return lines[-1] if lines else "unknown error"
 
-    def result(self, timeout: float | None = None,
-               poll_s: float = 0.05) -> PrefillResult | GenerateResult | dict:
+    def result(self, timeout: float | None = None) -> PrefillResult | GenerateResult | dict:
         """Wait for the job to end; return its result or raise :class:`JobFailed`.
 
-        Waits on RQ's per-job results stream (XREAD BLOCK), so a result is seen as soon as
-        it is written. Raises ``TimeoutError`` if the job has not ended within ``timeout``.
+        Blocks on RQ's per-job results stream (XREAD BLOCK after its last entry), so a result
+        is returned the moment it is written, from the entry that woke the wait (no further
+        read). Raises ``TimeoutError`` if the job has not ended within ``timeout``.
         """
         deadline = Deadline(timeout)
         results_key = Result.get_key(self.id)
         while True:
-            status = self.status()
+            status, last = self._status_and_last_result(results_key)
             if status == "finished":
-                value = self._job().return_value()
-                if isinstance(value, Mapping) and value.get("kind", "prefill") in ("prefill", "generate"):
-                    return result_from_json(value)
-                return value
+                return self._value(self._job().return_value())
             if status in TERMINAL_STATUSES:
                 raise JobFailed(self.id, status, self.error() if status == "failed" else ended_reason(status))
             if status == "missing":
@@ -162,15 +175,15 @@ class JobHandle:
                 raise JobFailed(self.id, status, "no such job (expired or never submitted)")
             if deadline.expired:
                 raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
+            # Only an entry after the last one wakes us: an earlier attempt's (a failure RQ
+            # retried) does not; the status read above was of the same instant.
             block_ms = int(1000 * deadline.cap(1.0)) or 1
-            t0 = time.monotonic()
-            # Only a new entry wakes us: "$" would miss a result written between the status
-            # read and here, so read from the start; an old entry (an earlier failed attempt
-            # that was retried) returns at once, hence the back-off below.
-            self.client.connection.xread({results_key: "0-0"}, count=1, block=block_ms)
-            if time.monotonic() - t0 < 0.001 * block_ms / 2:
-                time.sleep(poll_s)
-                poll_s = min(poll_s * 1.5, 0.5)
+            reply = self.client.connection.xread({results_key: last}, count=1, block=block_ms)
+            for entry_id, payload in (reply[0][1] if reply else ()):
+                result = Result.restore(self.id, as_text(entry_id), payload, connection=self.client.connection,
+                                        serializer=JSONSerializer)
+                if result.type == Result.Type.SUCCESSFUL:  # final: RQ never runs a finished job again
+                    return self._value(result.return_value)
 
     def cancel(self, *, force: bool = False) -> str:
         """Give up this handle's hold on the job; stop the job if nobody else holds it.

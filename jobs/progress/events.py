@@ -22,6 +22,9 @@ EVENT_KINDS = (
     "heal_queued", "heal",  # a generate job queued its heal; a heal job's blocks (worker.job.heal)
 )
 TERMINAL_KINDS = frozenset({"done", "failed", "stopped"})
+# The answer itself: a watcher waits on these, so each is sent the moment it is published
+# (with whatever is pending), never held for the throttle of rate events.
+ANSWER_KINDS = frozenset({"text", "reasoning", "tool_call"})
 STREAM_FIELD = "e"  # the one field of a stream entry: the event's JSON
 
 

@@ -15,7 +15,7 @@ import redis
 
 from jobs.connection import REDIS_DOWN
 from jobs.keys import channel_name, stream_key
-from jobs.progress.events import STREAM_FIELD, TERMINAL_KINDS, ProgressEvent, check_kind
+from jobs.progress.events import ANSWER_KINDS, STREAM_FIELD, TERMINAL_KINDS, ProgressEvent, check_kind
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -75,9 +75,11 @@ class ProgressPublisher:
     Events are numbered by Redis as they are sent (after the stream's last event, so every
     attempt of a job continues one sequence), in batches: the first event goes out at once,
     later ones at most every ``min_interval_s`` in one round trip, and a terminal event
-    flushes everything at once. Rate events (:meth:`progress`) are thinned to one per
-    send (the last of a phase always counts). That keeps publishing to a few round trips
-    per job. Storage faults never reach the job: a failed flush is logged and its events
+    flushes everything at once. The answer (``ANSWER_KINDS``: text, reasoning and tool-call
+    deltas) is sent the moment it is published, with what is pending, without resetting that
+    interval: a watcher waits on it. Rate events (:meth:`progress`) are thinned to one per
+    interval (the last of a phase always counts). That keeps publishing to a few round trips
+    per job plus one per decoded token that adds text. Storage faults never reach the job: a failed flush is logged and its events
     counted in ``dropped``. ``publish_seconds`` is the time spent publishing. ``attempt``
     tags every event with the run that sent it. ``fence`` (a sorted set's key and a member)
     makes every send conditional on the member being in the set: a worker passes its
@@ -145,15 +147,16 @@ class ProgressPublisher:
     def publish(self, kind: str, **data: Any) -> ProgressEvent | None:
         """Record one event; returns it, or None if dropped (after terminal, or a fault).
 
-        The event is sent now if it is terminal or the last send is ``min_interval_s`` old,
-        else with the next send.
+        The event is sent now if it is terminal or part of the answer (``ANSWER_KINDS``) or the
+        last send is ``min_interval_s`` old, else with the next send.
         """
         check_kind(kind)
         if self.finished:
             return None
         self._pending.append((kind, data))
-        if kind in TERMINAL_KINDS or self.due():
-            sent = self.flush()
+        due = self.due()
+        if kind in TERMINAL_KINDS or kind in ANSWER_KINDS or due:
+            sent = self.flush(answer=not due and kind in ANSWER_KINDS)
             return sent[-1] if sent else None
         # Not sent yet: its number is provisional (Redis assigns the real one at the send).
         return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time(),
@@ -171,12 +174,15 @@ class ProgressPublisher:
         self.dropped += len(self._pending)
         self._pending, self.finished = [], True
 
-    def flush(self) -> list[ProgressEvent]:
-        """Send every pending event in one round trip; returns them ([] on a fault)."""
+    def flush(self, answer: bool = False) -> list[ProgressEvent]:
+        """Send every pending event in one round trip; returns them ([] on a fault). ``answer``:
+        a send for the answer's sake, out of the interval: it neither restarts the interval
+        nor runs ``on_flush`` (the job's ``meta`` mirror follows the interval, not each token)."""
         if not self._pending:
             return []
         pending, self._pending = self._pending, []
-        self.throttle.mark()
+        if not answer:
+            self.throttle.mark()
         t0 = time.perf_counter()
         now = time.time()
         events = [ProgressEvent(self.job_id, 0, kind, data, now, self.attempt) for kind, data in pending]
@@ -197,7 +203,7 @@ class ProgressPublisher:
                 return []
             events = [dataclasses.replace(e, seq=first + i) for i, e in enumerate(events)]
             self.seq = events[-1].seq
-            if self.on_flush is not None:  # only once the events got through the fence
+            if self.on_flush is not None and not answer:  # only once the events got through the fence
                 with self.client.pipeline(transaction=False) as pipe:
                     self.on_flush(pipe, events)
                     pipe.execute()
@@ -214,10 +220,9 @@ def publisher_for(client: redis.Redis, job_id: str, settings: Settings, *,
                   start_seq: int | None = None, attempt: str = "",
                   fence: tuple[str, str] | None = None) -> ProgressPublisher:
     """The job's publisher with the deployment's stream settings (the one place that reads
-    them). It continues the sequence in the job's stream unless ``start_seq`` is given."""
-    kwargs = dict(namespace=settings.namespace, maxlen=settings.progress_stream_maxlen,
-                  ttl_s=settings.progress_ttl_s, min_interval_s=settings.progress_interval_s,
-                  attempt=attempt, fence=fence)
-    if start_seq is None:
-        return ProgressPublisher.resume(client, job_id, **kwargs)
-    return ProgressPublisher(client, job_id, start_seq=start_seq, **kwargs)
+    them). Its events continue the sequence in the job's stream (Redis numbers them at the
+    send; a new publisher's first event is sent at once), so it reads nothing first: no round
+    trip between taking a job and its first event. ``start_seq``: the number already known."""
+    return ProgressPublisher(client, job_id, start_seq=start_seq or 0, namespace=settings.namespace,
+                             maxlen=settings.progress_stream_maxlen, ttl_s=settings.progress_ttl_s,
+                             min_interval_s=settings.progress_interval_s, attempt=attempt, fence=fence)

@@ -126,13 +126,25 @@ def test_stop_string_cuts_text_and_is_never_streamed():
     assert streamed_text(events(rt, "b")) == res.text
 
 
-def test_throttled_text_deltas_are_batched_not_dropped():
+def test_each_decoded_token_leaves_as_its_own_text_delta_while_rate_events_stay_throttled():
+    """Issue 39 item 3: text is the answer a client waits on; the throttle of progress events
+    (here 10 s, the clock standing still) holds the decode rate events, never the text."""
     now = [0.0]
     rt, _ = runtime()
     res = run(rt, min_interval_s=10.0, clock=lambda: now[0], **{"max_tokens": 30, "greedy": True})
     evs = events(rt)
     text_events = [e for e in evs if e.kind == "text"]
-    assert res.generated_tokens > 3 and 1 <= len(text_events) <= 2
+    decode_events = [e for e in evs if e.kind == "decode"]
+    # The text each token adds, replayed through the worker's detokenizer: each is its own event.
+    replay, per_token = TextStream(TargetTokenizer()), []
+    for token in res.token_ids:
+        replay.add(token)
+        per_token.append(replay.take()[1])
+    replay.finish()
+    per_token.append(replay.take()[1])
+    assert res.generated_tokens == 30 and sum(map(bool, per_token)) >= 25
+    assert [e.data["delta"] for e in text_events] == [d for d in per_token if d]
+    assert len(decode_events) <= 2  # the last one, and one the throttle let through at most
     assert streamed_text(evs) == res.text
 
 

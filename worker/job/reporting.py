@@ -3,8 +3,8 @@
 Pipelines hand :class:`JobReporter` to specprefill as the ``progress(processed, total,
 phase)`` callback of every scoring, prefill and decode call: it runs the stop check first
 (the points where a job may stop) and turns the phases into events. Rate events are
-thinned by the publisher's one throttle; the generated text goes out as ``text`` deltas at
-the publisher's sends, so no character is dropped by throttling. It is also the ``on_fetch`` /
+thinned by the publisher's one throttle; the generated text goes out as ``text`` deltas the
+moment a token adds to it (the publisher sends the answer at once), none dropped. It is also the ``on_fetch`` /
 ``on_store`` of the job's draft block store (``specprefill.draft_cache.BlockDraftCache``): the
 ``cache_lookup`` and ``cache_store`` events, their timings and the blocks written.
 """
@@ -110,17 +110,20 @@ class JobReporter:
         self.decode_started = time.perf_counter()
 
     def token(self, token: int) -> None:
-        """One generated token: into the text; text and decode events at the next send."""
+        """One generated token: the text it adds goes out now (the publisher sends the answer
+        as it is made); the decode rate event at the interval's pace."""
         self.tokens += 1
         self.stream.add(token)
+        self._send_text()
         if self.pub.due():
-            self._send()
+            self._publish_decode()
 
     def finish_decode(self) -> None:
         self.stream.finish()
-        self._send(last=True)
+        self._send_text(last=True)
+        self._publish_decode()
 
-    def _send(self, last: bool = False) -> None:
+    def _send_text(self, last: bool = False) -> None:
         offset, delta = self.stream.take()
         if self.splitter is None:
             if delta:
@@ -128,6 +131,8 @@ class JobReporter:
         else:
             pieces = self.splitter.feed(delta) if delta else []
             self._publish_pieces(pieces + (self.splitter.finish() if last else []))
+
+    def _publish_decode(self) -> None:
         self.pub.publish("decode", tokens=self.tokens, max_tokens=self.max_tokens,
                          tokens_per_s=round(_per_s(self.tokens, self.decode_started), 1))
 
