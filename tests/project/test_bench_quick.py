@@ -30,7 +30,8 @@ SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--tu
 # Each script's quick arguments: quality.py's CI-sized --quick is minutes here, so smaller still.
 QUICK = {
     "block_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "engine.py": ["--quick"],
-    "families.py": ["--quick"], "far_probe.py": ["--quick"], "http_api.py": ["--quick"], "jobqueue.py": ["--quick"],
+    "families.py": ["--quick"], "far_probe.py": ["--quick"], "first_text.py": ["--quick"], "http_api.py": ["--quick"],
+    "jobqueue.py": ["--quick"],
     # --quick prefills two 7B-shaped layers: 27 s with OpenBLAS, over 600 s without (a fresh
     # machine, docs/testing.md); the same path on one layer and smaller turns: 39 s without.
     "heal_shapes.py": ["--layers", "1", "--plain", "32", "128", "--heal", "144", "16", "--step", "64"],
