@@ -24,6 +24,7 @@ OTHER_ERRORS = {
     "SettingsError": "the worker's own settings, refused at its start",
     "RedisUnreachable": "Redis, not the input",
     "RetriesStopped": "a stop request ended the Redis retries",
+    "TaskCancelled": "the engine ended a job it held (a stop, a cancel, the worker closing)",
     "EnqueueConflict": "a client-side race",
     "StreamDiverged": "a client-side stream check",
     "JobFailed": "the client's wrapper of a failure",
