@@ -11,22 +11,21 @@ answer is the rule's ``say`` encoded by the model's own tokenizer, then EOS, so 
 a matching rule (a prefill) sleep X seconds first: a prefill as long as a test needs (warm-up
 and profiling match no rule, so they do not wait).
 
-The model tracks what its cache holds and forces the token after the longest tail of that
-which is a prefix of the answer, so it is right whatever the prefill's chunking. A restored
-cache (the target's prefix store: another job's blocks and tail) holds tokens this call never
-sees; the loader has the worker's prompt tokenization tell the model each job's prompt
-(:func:`_see_prompts`), so what a restore put before the fed tokens is read from the prompt.
-A sparse prefill still feeds only the kept tokens: a test keeps the ``when`` text in the part
-of the prompt the target prefills (the tail, or a plain prefill).
+The model reads what each sequence's cache holds, as a real model does, so it is right whatever
+the prefill's chunking, however many jobs run at once, whether a sequence decodes alone or as a
+row of a decode batch (mlx-lm's ``BatchKVCache``: left-padded rows, a RoPE offset per row), and
+after a restore (the target's prefix store puts another job's blocks and tail before the fed
+tokens). It reads the token ids off its first layer's values: a llama's value vector there is
+``v_proj(input_layernorm(embedding))`` of one token, the same at every position (no RoPE), so
+each cached position is the vocabulary entry whose vector it equals (:class:`CacheReader`). A
+sparse prefill's cache holds only the kept tokens: a test keeps the ``when`` text in the part of
+the prompt the target prefills (the tail, or a plain prefill).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
-
-
-_PROMPT: list[list[int]] = [[]]  # the prompt of the job this process runs (set by _see_prompts)
 
 
 def _ends_with(seq: list[int], tail: list[int]) -> bool:
@@ -64,35 +63,71 @@ class Script:
         return say[k]
 
 
+class CacheReader:
+    """The token ids a scripted llama's caches hold, one list per sequence, read off layer 0's values."""
+
+    def __init__(self, model: Any) -> None:
+        import mlx.core as mx
+        import numpy as np
+
+        inner = model.model
+        layer = inner.layers[0]
+        vocab = inner.embed_tokens.weight.shape[0]
+        values = layer.self_attn.v_proj(layer.input_layernorm(inner.embed_tokens(mx.arange(vocab))))
+        self.table = np.array(values.astype(mx.float32)).astype(np.float64)  # one row per token id
+        self.norms = (self.table ** 2).sum(axis=1)
+
+    def sequences(self, first: Any) -> list[list[int]]:
+        """Per sequence of ``first`` (layer 0's cache: a ``KVCache`` or a ``BatchKVCache``) its tokens."""
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        if isinstance(first, BatchKVCache):
+            pads = first.left_padding.tolist()
+            return [self._tokens(first.values[i, :, pad:first._idx]) for i, pad in enumerate(pads)]
+        if isinstance(first, KVCache):
+            return [self._tokens(first.values[0, :, :first.offset]) if first.values is not None else []]
+        raise TypeError(f"scripted target: no rule to read a {type(first).__name__} (a llama's KV caches only)")
+
+    def _tokens(self, values: Any) -> list[int]:
+        """The token of each position of ``values`` (kv heads, positions, head dim)."""
+        import mlx.core as mx
+        import numpy as np
+
+        if values.shape[1] == 0:
+            return []
+        rows = np.array(values.astype(mx.float32)).astype(np.float64).transpose(1, 0, 2).reshape(values.shape[1], -1)
+        dist = self.norms[None, :] - 2 * rows @ self.table.T + (rows ** 2).sum(axis=1, keepdims=True)
+        tokens = dist.argmin(axis=1)
+        worst = float((dist[np.arange(len(tokens)), tokens] / np.maximum(self.norms[tokens], 1e-12)).max())
+        if worst > 1e-6:  # a position holding no token's value: the reader's premise broke
+            raise AssertionError(f"scripted target: a cached value is no token's (relative distance {worst:.2g})")
+        return tokens.tolist()
+
+
 def scripted(model: Any, script: Script, prefill_delay_s: float = 0.0) -> Any:
-    """``model`` (an mlx-lm model) answering by ``script``; its weights and layers unchanged.
+    """``model`` (an mlx-lm llama) answering by ``script``; its weights and layers unchanged.
     A prefill for a matching rule first sleeps ``prefill_delay_s``."""
     import time
 
     import mlx.core as mx
 
     base = type(model)
+    reader = CacheReader(model)
 
     class ScriptedModel(base):  # type: ignore[misc, valid-type]
         def __call__(self, inputs, cache=None, **kwargs):
             logits = base.__call__(self, inputs, cache=cache, **kwargs)
-            offsets = [int(c.offset) for c in cache or () if hasattr(c, "offset")]
-            fed = inputs.reshape(-1).tolist()
-            fresh = not offsets or min(offsets) <= len(fed)  # this call filled the cache from 0
-            before, prompt, seen = (min(offsets) - len(fed) if offsets else 0), _PROMPT[0], getattr(self, "_seen", [])
-            if fresh:
-                self._seen = fed
-            elif len(seen) != before and prompt[before:before + len(fed)] == fed:
-                self._seen = prompt[:before] + fed  # a restored cache: it holds the prompt's start
-            else:  # the next step of what it saw (a prefill's, a decode's, a sparse prefill's kept tokens)
-                self._seen = seen + fed
-            forced = script.next_token(self._seen)
-            if forced is None:
+            held = reader.sequences(cache[0]) if cache else inputs.tolist()
+            forced = [script.next_token(seen) for seen in held]
+            if all(f is None for f in forced):
                 return logits
-            if prefill_delay_s and len(fed) > 1:
+            if prefill_delay_s and inputs.shape[1] > 1:
                 time.sleep(prefill_delay_s)
-            row = mx.where(mx.arange(logits.shape[-1]) == forced, 0.0, -1e9).astype(logits.dtype)
-            return mx.broadcast_to(row, logits.shape)
+            vocab = mx.arange(logits.shape[-1])
+            rows = [logits[i] if f is None else mx.broadcast_to(
+                mx.where(vocab == f, 0.0, -1e9).astype(logits.dtype), logits.shape[1:])
+                for i, f in enumerate(forced)]
+            return mx.stack(rows)
 
     model.__class__ = ScriptedModel
     return model
@@ -105,25 +140,6 @@ def scripted_loader(name: str) -> tuple[Any, Any]:
     model, tokenizer = mlx_lm.load(name)
     path = Path(name) / "script.json"
     if path.is_file():
-        _see_prompts()
         script = json.loads(path.read_text())
         model = scripted(model, Script(script["rules"], tokenizer), script.get("prefill_delay_s", 0.0))
     return model, tokenizer
-
-
-def _see_prompts() -> None:
-    """Have the worker's prompt tokenization (``worker.job.generate_pipeline.tokenize_prompt``) tell
-    :data:`_PROMPT` each job's prompt (once per process)."""
-    import worker.job.generate_pipeline as pipeline
-
-    tokenize = pipeline.tokenize_prompt
-    if getattr(tokenize, "tells_script", False):
-        return
-
-    def telling(spec, tokenizer):
-        prompt = tokenize(spec, tokenizer)
-        _PROMPT[0] = [int(t) for t in prompt.tokens]
-        return prompt
-
-    telling.tells_script = True
-    pipeline.tokenize_prompt = telling
