@@ -46,13 +46,19 @@ def _settings() -> Settings:
     return Settings(draft_model="d", target_model="t")
 
 
+def checked(fields: dict) -> list:
+    """The conversation a converter's fields carry, as the job spec's one check accepts it
+    (``fields["messages"]`` is the unchecked ``FromRequest``)."""
+    return list(build_spec(_settings(), kind="generate", **fields).messages)
+
+
 def test_claude_code_first_turn_is_accepted_and_converted():
     env = {"role": "system", "content": "<env>cwd: /repo</env>"}
     req = parse(MessagesRequest, claude_code([env, {"role": "user", "content": "Say hello."}]))
     fields = message_fields(req)
     # the system message before the first turn joins the system field: one leading system block
-    assert fields["messages"][:2] == [{"role": "system", "content": "You are an agent.\n\n<env>cwd: /repo</env>"},
-                                     {"role": "user", "content": "Say hello."}]
+    assert checked(fields)[:2] == [{"role": "system", "content": "You are an agent.\n\n<env>cwd: /repo</env>"},
+                                   {"role": "user", "content": "Say hello."}]
     assert [t["function"]["name"] for t in fields["tools"]] == ["Bash", "ToolSearch"]  # deferred and server out
     assert fields["template_args"] == {"enable_thinking": True, "reasoning_effort": "high"}
     assert message_notes(req) == ("tools[3] (web_search_20250305): an Anthropic tool this server cannot run "
@@ -70,8 +76,9 @@ def test_a_deferred_tool_loads_where_a_tool_reference_names_it_and_the_prompt_st
                 {"type": "tool_reference", "tool_name": "mcp__notes__search"}]}]}]
     second = message_fields(parse(MessagesRequest, claude_code(turn)))
     assert second["tools"] == first["tools"]  # the system block (and its restored KV) is unchanged
-    loaded = json.loads(second["messages"][-1]["content"])
-    assert second["messages"][-1]["role"] == "tool" and loaded["function"]["name"] == "mcp__notes__search"
+    last = checked(second)[-1]
+    loaded = json.loads(last["content"])
+    assert last["role"] == "tool" and loaded["function"]["name"] == "mcp__notes__search"
     assert loaded["function"]["parameters"] == SCHEMA
 
 
@@ -81,7 +88,7 @@ def test_a_later_system_message_stays_in_place_and_clear_at_hides_a_past_one():
                 {"role": "user", "content": "Two."},
                 {"role": "system", "content": "Be terse.", "output_config": {"effort": "low"}}]
     fields = message_fields(parse(MessagesRequest, claude_code(messages)))
-    assert [(m["role"], m["content"]) for m in fields["messages"]] == [
+    assert [(m["role"], m["content"]) for m in checked(fields)] == [
         ("system", "You are an agent."), ("user", "One."), ("assistant", "Done one."), ("user", "Two."),
         ("system", "Be terse.")]
     assert fields["template_args"]["reasoning_effort"] == "low"  # this turn's system message says so
@@ -112,7 +119,7 @@ def test_codex_turn_is_accepted_with_its_namespace_flattened_and_web_search_left
     search = fields["tools"][1]["function"]
     assert [t["function"]["name"] for t in fields["tools"]] == ["shell", "mcp__docs.search"]
     assert search["description"] == "The docs server.\n\nSearch the docs."
-    assert fields["messages"][2]["tool_calls"][0]["function"]["name"] == "mcp__docs.search"  # as the model saw it
+    assert checked(fields)[2]["tool_calls"][0]["function"]["name"] == "mcp__docs.search"  # as the model saw it
     assert "max_tokens" not in fields  # the route fills in the room: max_generate_tokens, then the window
     assert response_notes(req) == ("tools[2] (web_search): a built-in tool this server cannot run; left out of "
                                    "the prompt",)
