@@ -92,7 +92,11 @@ class JobsInFlight:
             while True:
                 try:
                     if not self.in_flight:
-                        if self._stop_requested or (max_jobs is not None and taken >= max_jobs):
+                        if self._stop_requested:
+                            self.log.info("Worker %s: stopping on request", self.name)
+                            break
+                        if max_jobs is not None and taken >= max_jobs:
+                            self.log.info("Worker %s: finished executing %d jobs, quitting", self.name, taken)
                             break
                         result = self._wait_for_a_job(burst, max_idle_time)
                         if result is None:
@@ -107,6 +111,7 @@ class JobsInFlight:
                         self.run_maintenance_tasks()
                 except StopRequested:
                     if not self.in_flight:
+                        self.log.info("Worker %s: stopping on request", self.name)
                         break
                     self._stop_requested = True  # warm: the jobs in flight finish
                 except SystemExit:
