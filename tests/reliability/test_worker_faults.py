@@ -32,7 +32,7 @@ def running_job(conn: redis.Redis, worker_name: str) -> str | None:
 
 def test_sigkill_mid_job_is_retried_and_finishes_on_another_worker(redis_url, workers):
     s = fake_settings()
-    w1 = workers.fake(redis_url, s, delay=0.05, name="victim")
+    w1 = workers.fake(redis_url, s, delay=0.2, name="victim")  # 32 chunks: it outlasts the survivor's start
     c = client_for(redis_url, s)
     h = c.submit(tokens=DOC)
     wait_for(lambda: h.status() == "started", what="job started")

@@ -86,3 +86,32 @@ def test_the_worker_flag_is_checked_as_the_setting_is():
     shown = subprocess.run([sys.executable, "-m", "worker", "--help"], cwd=root, capture_output=True,
                            text=True, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(root)}).stdout
     assert "--max-jobs-in-flight" in shown
+
+
+@pytest.mark.parametrize("claim_held", [True, False])
+def test_a_job_popped_while_a_copy_of_it_is_in_flight_is_never_held_twice(claim_held):
+    """Still claimed here: the popped copy is a stale duplicate, dropped (the job runs once).
+    Its claim lost (Redis lost the job, its client submitted it again): the popped copy goes
+    back to the front of its queue until the old one has ended."""
+    import fakeredis
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from jobs.client import Client
+    from tests.support.fake_worker import fake_runtime
+    from worker.process.claims import Claim
+    from worker.process.rq_worker import InProcessWorker
+    from worker.process.work_loop import InFlight
+
+    r = fakeredis.FakeRedis()
+    rt = fake_runtime(r)
+    handle = Client(r, rt.settings).submit(tokens=list(range(2, 100)))
+    worker = InProcessWorker(["specprefill"], runtime=rt, name="dup")
+    queue = Queue("specprefill", connection=r, serializer=JSONSerializer)
+    job, _ = Queue.dequeue_any([queue], None, connection=r, serializer=JSONSerializer)
+    worker.in_flight[job.id] = InFlight(job, queue, user=True)  # the copy already here
+    rt.claims[job.id] = Claim(job.id, "earlier", check=lambda: claim_held)
+    assert worker._admit(job, queue) == 0
+    assert list(worker.in_flight) == [handle.id] and worker.engine.tasks() == []
+    assert queue.job_ids == ([] if claim_held else [handle.id])
+    assert worker._full is not claim_held  # given back: nothing more taken until a job ends

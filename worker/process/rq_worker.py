@@ -310,8 +310,8 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
         stop_retrying(self.connection)
         if not self.in_flight and not self._admitting:
             raise SystemExit()
-        log.warning("Worker %s: second stop signal, stopping its %d job(s) at their next yield point",
-                    self.name, len(self.in_flight))
+        for job_id in list(self.in_flight):
+            self.log.warning("Worker %s: second stop signal, stopping job %s at its next chunk", self.name, job_id)
         self._cold = self._stop_requested = True
         self.runtime.stop_event.set()
 

@@ -92,7 +92,11 @@ class JobsInFlight:
             while True:
                 try:
                     if not self.in_flight:
-                        if self._stop_requested or (max_jobs is not None and taken >= max_jobs):
+                        if self._stop_requested:
+                            self.log.info("Worker %s: stopping on request", self.name)
+                            break
+                        if max_jobs is not None and taken >= max_jobs:
+                            self.log.info("Worker %s: finished executing %d jobs, quitting", self.name, taken)
                             break
                         result = self._wait_for_a_job(burst, max_idle_time)
                         if result is None:
@@ -107,6 +111,7 @@ class JobsInFlight:
                         self.run_maintenance_tasks()
                 except StopRequested:
                     if not self.in_flight:
+                        self.log.info("Worker %s: stopping on request", self.name)
                         break
                     self._stop_requested = True  # warm: the jobs in flight finish
                 except SystemExit:
@@ -195,9 +200,12 @@ class JobsInFlight:
         fit (0). The claim is made here, at once: a popped job is nobody's until claimed."""
         self._admitting = True
         try:
+            if job.id in self.in_flight:
+                return self._popped_again(job, queue)
             size = self.room.size_of(_payload_of(job))
             if not self.room.admits(size, self._held_sizes()):
-                self._give_back(job, queue, size)
+                self._give_back(job, queue, f"does not fit beside the {len(self.in_flight)} in flight"
+                                            f"{self._kv_note(size)}")
                 return 0
             slot = InFlight(job, queue, user=not is_heal_queue(queue.name), size=size)
             self.in_flight[job.id] = slot
@@ -235,9 +243,28 @@ class JobsInFlight:
         if slot.user and not any(o.user for o in self.in_flight.values() if o is not slot):
             self._mark_busy(True)  # heals on this node yield while user jobs run (worker.process.node_busy)
 
-    def _give_back(self, job: Any, queue: Any, size: JobSize | None) -> None:
-        """Return a job that does not fit to the front of its queue (another worker may take
-        it); this worker takes nothing more until one of its jobs ends."""
+    def _popped_again(self, job: Any, queue: Any) -> int:
+        """A job popped while a copy of it is still in flight here. If that copy still holds
+        its claim, the popped one is a stale duplicate (a failover left it queued): dropped, so
+        the job runs once. Else that copy is winding down (its claim lost: Redis lost the job
+        and its client submitted it again) and stops at its next yield point: the popped one
+        goes back to the front of its queue, taken once the old copy has ended (here or by
+        another worker). Returns 0: nothing taken."""
+        claim = self.runtime.claims.get(job.id)
+        try:
+            held = claim is not None and claim.held()
+        except REDIS_DOWN:
+            held = False  # unknown: keeping the popped copy risks a rerun, dropping it a loss
+        if held:
+            self.log.warning("Worker %s: job %s popped again while it runs here: the copy is dropped, so it "
+                             "runs once", self.name, job.id)
+            return 0
+        self._give_back(job, queue, "is still winding down here (its claim was lost)")
+        return 0
+
+    def _give_back(self, job: Any, queue: Any, why: str) -> None:
+        """Return a job this worker does not take now to the front of its queue (another worker
+        may take it); this worker takes nothing more until one of its jobs ends."""
         self._full = True
         try:
             with self.connection.pipeline() as pipe:
@@ -247,8 +274,7 @@ class JobsInFlight:
                 pipe.execute()
         except REDIS_DOWN as exc:
             self._redis_down(f"giving back job {job.id}", exc)
-        self.log.info("Worker %s: job %s does not fit beside the %d in flight%s: back to the front of %s",
-                      self.name, job.id, len(self.in_flight), self._kv_note(size), queue.name,
+        self.log.info("Worker %s: job %s %s: back to the front of %s", self.name, job.id, why, queue.name,
                       extra={"event": "job_given_back"})
 
     def _held_sizes(self) -> list[JobSize | None]:
