@@ -113,12 +113,15 @@ def plan(run: Run, texts: Texts, workload: str, level: int, seed: int) -> tuple[
         requests = texts.decode_bound(seed, max(sizes.min_requests, 2 * level))
     else:
         requests = texts.prefill_bound(seed, max(sizes.min_requests, level))
+    assert len({r.key for r in requests}) == len(requests), "a key names one request (texts are compared by key)"
     run.requests[(workload, str(level))] = requests
     return str(level), lambda server: _closed(server, requests, level)
 
 
 def measure(run: Run, servers: list[Server], texts: Texts, workload: str, level: int, seed: int) -> None:
     """One workload at one level on every server, in turn (the order rotates with the seed)."""
+    if run.late(f"{workload} c{level}"):
+        return
     label, load = plan(run, texts, workload, level, seed)
     for server in servers[seed % len(servers):] + servers[:seed % len(servers)]:
         if run.late(f"{workload} c{label} on {server.name}"):
@@ -137,9 +140,9 @@ def alone_check(run: Run, modes: list[Mode], level: int, logs: Path) -> None:
     """The decode and prefill requests of ``level`` again, one at a time, on a fresh stack of each
     of this service's modes (nothing stored by the loaded run: no restored prefix, no healed
     conversation, no shared job), for their texts to be compared with the loaded ones."""
-    for mode in modes:
+    for mode in modes:  # bounded by its request count, not by --max-minutes
         sets = [(w, run.requests[(w, str(level))]) for w in ("decode", "prefill") if (w, str(level)) in run.requests]
-        if not sets or run.late(f"alone check on {mode.name}"):
+        if not sets:
             continue
         server = start_service(mode, logs, "-alone")
         try:
@@ -153,7 +156,8 @@ COLUMNS = ("completed", "request_throughput", "output_throughput", "p50_ttft", "
            "p50_itl", "p99_itl", "p50_e2el", "p99_e2el", "goodput")
 
 
-def _cell(value) -> str:
+def _cell(value: float | int | None) -> str:
+    """A table cell: integers as they are, figures to 3 significant digits, '-' for none."""
     if value is None:
         return "-"
     return str(value) if isinstance(value, int) else f"{value:.3g}"
@@ -176,6 +180,7 @@ def rows(run: Run) -> list[tuple[str, str, str, list[Record]]]:
 
 
 def print_table(run: Run, slo_ttft_s: float) -> None:
+    """One row per workload, level and server (``vllm bench serve``'s figures), then the units."""
     print(f"\n| workload | c | server | in tok | out tok | {' | '.join(COLUMNS)} |")
     print("|---|---:|---|" + "---:|" * (len(COLUMNS) + 2))
     for workload, label, server, records in rows(run):
@@ -190,7 +195,8 @@ def print_table(run: Run, slo_ttft_s: float) -> None:
           f"{slo_ttft_s} s); output tokens/s for output_throughput; c: clients (agent: conversations) at once")
 
 
-def figure(run: Run, workload: str, label: str, server: str, name: str, slo: float, part: str = ""):
+def figure(run: Run, workload: str, label: str, server: str, name: str, slo: float, part: str = "") -> float:
+    """One summary figure of one run (its requests whose key starts with ``part``); NaN if not run."""
     records = run.records.get((workload, label, server))
     if records is None:
         return math.nan
@@ -208,13 +214,20 @@ def nearest(run: Run, workload: str, want: int, servers: tuple[str, str]) -> str
 
 
 def ratio(ours: float, theirs: float) -> float:
+    """``ours / theirs``; infinite when only theirs is 0, NaN when both are (no ratio: the target fails)."""
     if theirs == 0:
         return math.inf if ours > 0 else math.nan
     return ours / theirs
 
 
+def _first_difference(a: str, b: str) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{len(a)} vs {len(b)} characters, first difference at {at}: {a[at:at + 40]!r} vs {b[at:at + 40]!r}"
+
+
 def same_texts(run: Run, server: str) -> tuple[int, int]:
-    """(requests whose text alone equals their text batched, requests compared)."""
+    """(requests whose text alone equals their text batched, requests compared); each one that
+    differs is printed."""
     equal = total = 0
     for (workload, label, name), alone in run.records.items():
         if label != "alone" or name != server:
@@ -226,6 +239,9 @@ def same_texts(run: Run, server: str) -> tuple[int, int]:
             if record.ok and record.key in batched:
                 total += 1
                 equal += record.text == batched[record.key].text
+                if record.text != batched[record.key].text:
+                    print(f"{server}: {record.key} under load vs alone: "
+                          f"{_first_difference(batched[record.key].text, record.text)}")
     return equal, total
 
 
@@ -264,13 +280,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--levels", nargs="+", type=int, default=list(LEVELS), help="clients (conversations) at once")
     p.add_argument("--slo-ttft", type=float, default=SLO_TTFT_S, help="goodput's TTFT bound, seconds")
     p.add_argument("--in-flight", type=int, default=max(LEVELS), help="max_jobs_in_flight of the batching modes")
-    p.add_argument("--max-minutes", type=float, default=60.0, help="the run's bound: what is left is skipped")
+    p.add_argument("--max-minutes", type=float, default=60.0,
+                   help="the loads' bound: what is left is skipped, highest levels first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sizes at concurrency 2 (the suite's run)")
     args = p.parse_args(argv)
     if args.quick:
         args.levels, args.max_minutes = [2], min(args.max_minutes, 10.0)
     return args
+
+
+def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """(level, workload) in run order: the mixed workload once, then each level for every workload."""
+    out = [(2, "mixed")] if "mixed" in args.workloads else []
+    return out + [(level, w) for level in sorted(args.levels) for w in args.workloads if w != "mixed"]
 
 
 def start_servers(args: argparse.Namespace, logs: Path, servers: list[Server]) -> tuple[list[Mode], list[str]]:
@@ -296,12 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         modes, skipped_modes = start_servers(args, logs, servers)
         print(f"servers: {', '.join(s.name for s in servers)} (logs in {logs})", flush=True)
-        for i, workload in enumerate(args.workloads):
-            for level in ([2] if workload == "mixed" else args.levels):
-                measure(run, servers, texts, workload, level, args.seed + 1000 * i + level)
-        check_level = TARGET_LEVEL if TARGET_LEVEL in args.levels else max(args.levels)
-        if check_level > 1:
-            alone_check(run, modes, check_level, logs)
+        for level, workload in schedule(args):  # level by level: a bound cuts the highest levels first
+            measure(run, servers, texts, workload, level, args.seed + 1000 * WORKLOADS.index(workload) + level)
+        loaded = sorted({int(level) for _, level in run.requests if int(level) > 1}, key=lambda lv: abs(lv - TARGET_LEVEL))
+        if loaded:  # the level nearest the targets' that ran under load
+            alone_check(run, modes, loaded[0], logs)
     finally:
         for server in servers:
             server.stop()

@@ -77,10 +77,11 @@ class Texts:
 
     def decode_bound(self, seed: int, n: int) -> list[Request]:
         """``n`` short prompts that the target answers to ``decode_tokens`` tokens, greedy."""
-        rng, out = random.Random(seed), []
+        rng, out, drawn = random.Random(seed), [], 0
         while len(out) < n:
-            batch = [self.user(f"decode-{seed}-{len(out) + i}", self.passage(rng, self.sizes.short_tokens),
+            batch = [self.user(f"decode-{seed}-{drawn + i}", self.passage(rng, self.sizes.short_tokens),
                                self.sizes.decode_tokens) for i in range(2 * (n - len(out)))]
+            drawn += len(batch)  # keys name candidates, never two prompts alike
             out += [r for r, full in zip(batch, self.answered_in_full(batch)) if full][:n - len(out)]
         return out
 
