@@ -136,7 +136,7 @@ def measure(run: Run, servers: list[Server], texts: Texts, workload: str, level:
         run.settled += waited
 
 
-def alone_check(run: Run, modes: list[Mode], level: int, logs: Path) -> None:
+def alone_check(run: Run, modes: list[Mode], level: int, logs: Path, engine: bool) -> None:
     """The decode and prefill requests of ``level`` again, one at a time, on a fresh stack of each
     of this service's modes (nothing stored by the loaded run: no restored prefix, no healed
     conversation, no shared job), for their texts to be compared with the loaded ones."""
@@ -144,7 +144,7 @@ def alone_check(run: Run, modes: list[Mode], level: int, logs: Path) -> None:
         sets = [(w, run.requests[(w, str(level))]) for w in ("decode", "prefill") if (w, str(level)) in run.requests]
         if not sets:
             continue
-        server = start_service(mode, logs, "-alone")
+        server = start_service(mode, logs, engine, "-alone")
         try:
             for workload, requests in sets:
                 run.records[(workload, "alone", mode.name)] = asyncio.run(_closed(server, requests, 1))
@@ -296,17 +296,17 @@ def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
     return out + [(level, w) for level in sorted(args.levels) for w in args.workloads if w != "mixed"]
 
 
-def start_servers(args: argparse.Namespace, logs: Path, servers: list[Server]) -> tuple[list[Mode], list[str]]:
+def start_servers(args: argparse.Namespace, logs: Path, servers: list[Server],
+                  engine: bool) -> tuple[list[Mode], list[str]]:
     """Start the peer and every mode the worker supports (into ``servers``): (those modes, a line
     for each mode skipped)."""
-    engine = engine_present()
     servers.append(start_peer(logs))
     modes, skipped = [], []
     for mode in service_modes(args.in_flight):
-        if mode.in_flight is not None and not engine:
+        if mode.batching and not engine:
             skipped.append(f"{mode.name}: skipped: engine not present (the worker has no --max-jobs-in-flight)")
             continue
-        servers.append(start_service(mode, logs))
+        servers.append(start_service(mode, logs, engine))
         modes.append(mode)
     return modes, skipped
 
@@ -316,14 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     texts = Texts(QUICK if args.quick else Sizes())
     logs = Path(tempfile.mkdtemp(prefix="bench-load-"))
     run, servers = Run(deadline=time.monotonic() + 60 * args.max_minutes), []
+    engine = engine_present()
     try:
-        modes, skipped_modes = start_servers(args, logs, servers)
+        modes, skipped_modes = start_servers(args, logs, servers, engine)
         print(f"servers: {', '.join(s.name for s in servers)} (logs in {logs})", flush=True)
         for level, workload in schedule(args):  # level by level: a bound cuts the highest levels first
             measure(run, servers, texts, workload, level, args.seed + 1000 * WORKLOADS.index(workload) + level)
         loaded = sorted({int(level) for _, level in run.requests if int(level) > 1}, key=lambda lv: abs(lv - TARGET_LEVEL))
         if loaded:  # the level nearest the targets' that ran under load
-            alone_check(run, modes, loaded[0], logs)
+            alone_check(run, modes, loaded[0], logs, engine)
     finally:
         for server in servers:
             server.stop()

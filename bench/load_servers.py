@@ -5,7 +5,8 @@ this service (a private Redis, one worker preloading the shipped draft and targe
 
 The batching modes need the worker's ``max_jobs_in_flight`` setting (``--max-jobs-in-flight``,
 ``SPECPREFILL_MAX_JOBS_IN_FLIGHT``); a worker without it has no batching engine, and those modes
-are skipped, said so, never run as something else.
+are skipped, said so, never run as something else. With the engine, ``in-flight 1`` sets it to 1
+(the setting's default holds several jobs).
 """
 from __future__ import annotations
 
@@ -36,16 +37,20 @@ SPECPREFILL_OFF = {"threshold": MAX_TOKENS}
 
 @dataclass(frozen=True)
 class Mode:
-    """One way this service runs: jobs in flight per worker (None: the setting's absent, one at a
-    time as today) and whether SpecPrefill selects (else every prompt is prefilled in full)."""
+    """One way this service runs: jobs in flight per worker (1: one at a time, as before the
+    engine) and whether SpecPrefill selects (else every prompt is prefilled in full)."""
 
     name: str
-    in_flight: int | None
+    in_flight: int
     specprefill: bool
+
+    @property
+    def batching(self) -> bool:
+        return self.in_flight > 1
 
 
 def service_modes(in_flight: int) -> list[Mode]:
-    return [Mode("in-flight 1", None, True), Mode("batching", in_flight, False),
+    return [Mode("in-flight 1", 1, True), Mode("batching", in_flight, False),
             Mode("batching+SpecPrefill", in_flight, True)]
 
 
@@ -146,11 +151,12 @@ def settle(servers: list[Server], timeout_s: float = 600.0) -> float:
     return time.monotonic() - started
 
 
-def start_service(mode: Mode, logs: Path, tag: str = "") -> Server:
-    """This service in ``mode``: its own Redis, one worker, ``specprefill serve``."""
+def start_service(mode: Mode, logs: Path, engine: bool, tag: str = "") -> Server:
+    """This service in ``mode``: its own Redis, one worker, ``specprefill serve``. A worker without
+    the ``engine`` gets no ``max_jobs_in_flight`` (it runs one job at a time anyway)."""
     redis_server = EmbeddedRedis().start()
     tag = mode.name.replace(" ", "-").replace("+", "-").lower() + tag
-    settings = {} if mode.in_flight is None else {"max_jobs_in_flight": mode.in_flight}
+    settings = {"max_jobs_in_flight": mode.in_flight} if engine else {}
     env = child_env(**settings)
     server = Server(mode.name, "", "target", SPECPREFILL_ON if mode.specprefill else SPECPREFILL_OFF,
                     redis=redis_server, worker=f"load-{tag}")
