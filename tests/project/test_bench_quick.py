@@ -21,9 +21,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
-# The package's start-up, the shared verdict lines, the bare RQ job of jobqueue.py, and scale.py's
-# two-node trace (a module of it).
-NOT_SCRIPTS = {"__init__.py", "benchlib.py", "bare_job.py", "routing_trace.py"}
+# The package's start-up, the shared verdict lines, the bare RQ job of jobqueue.py, scale.py's
+# two-node trace, and load.py's parts (its client, servers, workloads, and the peer's launcher).
+NOT_SCRIPTS = {"__init__.py", "benchlib.py", "bare_job.py", "routing_trace.py", "load_client.py",
+               "load_servers.py", "load_workloads.py", "peer.py"}
 # scale.py's --quick sizes (16 blocks, 2 repeats, 2 turns) with 2 conversations instead of 6:
 # its --quick sets the conversations after parsing, so "--quick --conversations 2" ran 6.
 SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--turns", "2"]
@@ -31,7 +32,7 @@ SCALE_QUICK = ["--blocks", "16", "--repeats", "2", "--conversations", "2", "--tu
 QUICK = {
     "block_store.py": ["--quick"], "chat.py": ["--quick"], "conversation.py": ["--quick"], "engine.py": ["--quick"],
     "families.py": ["--quick"], "far_probe.py": ["--quick"], "first_text.py": ["--quick"], "http_api.py": ["--quick"],
-    "jobqueue.py": ["--quick"],
+    "jobqueue.py": ["--quick"], "load.py": ["--quick"],
     # --quick prefills two 7B-shaped layers: 27 s with OpenBLAS, over 600 s without (a fresh
     # machine, docs/testing.md); the same path on one layer and smaller turns: 39 s without.
     "heal_shapes.py": ["--layers", "1", "--plain", "32", "128", "--heal", "144", "16", "--step", "64"],
