@@ -117,16 +117,17 @@ class Served:
         return len(self.log.read_text(errors="replace").splitlines())
 
     def generate_results(self) -> list[dict[str, Any]]:
-        """Every finished generate job's result, oldest first."""
+        """Every finished generate job's result (of the shared and the node queues), oldest first."""
         from rq.job import Job
-        from rq.registry import FinishedJobRegistry
         from rq.serializers import JSONSerializer
 
+        from jobs.inspect import recent_jobs
+        from jobs.settings import Settings
+
         conn = redis.Redis.from_url(self.redis_url)
-        ids = FinishedJobRegistry("specprefill", connection=conn, serializer=JSONSerializer).get_job_ids()
-        jobs = [Job.fetch(i, connection=conn, serializer=JSONSerializer) for i in ids]
-        done = sorted((j for j in jobs if j.ended_at), key=lambda j: j.ended_at)
-        return [r for r in (j.return_value() for j in done) if isinstance(r, dict) and "target_tokens" in r]
+        ids = recent_jobs(conn, Settings(), limit=1000)[::-1]
+        results = [Job.fetch(i, connection=conn, serializer=JSONSerializer).return_value() for i in ids]
+        return [r for r in results if isinstance(r, dict) and "target_tokens" in r]
 
     def wait_for_heals(self, timeout: float = 240) -> float:
         """Wait until no heal waits or runs (a person reads the answer before the next turn);
