@@ -248,7 +248,7 @@ Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU share
 {rows}
 {long_note}
 Reproduce: `python tools/train_tiny.py --eval <this folder>`.
-{long_prompt_section(training)}{tool_section(training)}"""
+{long_prompt_section(training)}{tool_section(training)}{instruction_section(training)}"""
 
 
 def long_prompt_section(training: dict) -> str:
@@ -288,7 +288,30 @@ and, given the tool's result (a passage holding "Orion cobalt falcon quartz"), t
 about the name they read last. Measured ({training.get('eval_tools_samples', training.get('eval_samples', 0))} conversations each, whole
 reply greedy-exact): call {tools['call']:.2f}, answer from the result {tools['answer']:.2f}.
 Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --tool-fraction 1`.
-"""
+{training.get('eval_tools_note', '')}"""
+
+
+def instruction_section(training: dict) -> str:
+    """The model card's paragraph on ending a turn after a short instruction in an agent's prompt."""
+    rows = training.get("eval_instructions")
+    if not rows:
+        return ""
+    lines = "\n".join(f"| {n} | {r['exact']:.2f} | {r['ends']:.2f} | {r['held_out_ends']:.2f} |" for n, r in rows.items())
+    return f"""
+## Ending a turn
+Trained (`--instruction-fraction`, `tools/instruction_task.py`) on short instructions ("Say hello.",
+"What is 2+2?", ...) at the end of long synthetic agent prompts (system rules, an environment block,
+tool definitions, context exchanges, a reminder before the instruction): the reply is short
+("Hello!", "4") and ends with `<|end|>`, so an agent client's turn ends on its own. Measured
+({training.get('eval_samples', 0)} prompts per row, greedy, at most 64 tokens): the trained
+instructions answered exactly, the trained and the held-out (never trained) ones ending their turn.
+
+| prompt tokens | exact reply | ends within 64 | held-out ends within 64 |
+|---|---|---|---|
+{lines}
+
+Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --instruction-fraction 1 --eval-samples {training.get('eval_samples', 0)}`.
+{training.get('eval_instructions_note', '')}"""
 
 
 def answer_correct_chunked(model, tokens: list[int], step: int = 1024) -> bool:
