@@ -90,7 +90,8 @@ def check(served: Served, name: str, turns: list[Turn], min_restored_share: floa
         assert t.requests, f"turn {i}: the client made no request\n{t.run.explain()}"
         assert t.run.returncode == 0, f"turn {i}:\n{t.run.explain()}"
         said = t.answer["text"].strip()[:40]
-        assert said and (said in t.run.stdout or json.dumps(said)[1:-1] in t.run.stdout), t.run.explain()
+        shown = (said, json.dumps(said, ensure_ascii=False)[1:-1])  # as text, or inside stream-json
+        assert said and any(s in t.run.stdout for s in shown), t.run.explain()
     one, two = turns[0].answer, turns[1].opening
     restored, total = two["target_tokens"]["restored"], two["total"]
     # The first turn whole (its prompt, answer and end of turn, as its heal stored them), as far
