@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from jobs.settings import SHIPPED_MODELS, Settings
-from tests.clients.conftest import API_KEY, MODEL, ROOT, Run, Served, client_env, client_path, run_client
+from tests.clients.conftest import (API_KEY, CLIENT_TIMEOUT_S, MODEL, ROOT, Run, Served, client_env, client_path,
+                                    run_client)
 
 ARTIFACTS = ROOT / "test-artifacts" / "clients"
 FIRST, SECOND = "Say hello.", "What is 2+2?"
@@ -52,14 +53,16 @@ class Turn:
         return self.results[0]
 
 
-def two_turns(served: Served, argvs: list[list[str]], env: dict[str, str], cwd: Path) -> list[Turn]:
+def two_turns(served: Served, argvs: list[list[str]], env: dict[str, str], cwd: Path,
+              size: str = "small") -> list[Turn]:
     """Run each client invocation in turn; after each, wait for its heal (as a person reading
-    the answer would) so the next turn finds the conversation stored."""
-    turns = []
+    the answer would) so the next turn finds the conversation stored. A full prompt's cold turn
+    and heal take minutes on a CPU."""
+    turns, patience = [], 1 if size == "small" else 5
     for argv in argvs:
         mark, before = served.mark(), len(served.generate_results())
-        run = run_client(argv, env, cwd)
-        waited = served.wait_for_heals()
+        run = run_client(argv, env, cwd, timeout=CLIENT_TIMEOUT_S * patience)
+        waited = served.wait_for_heals(timeout=240 * patience)
         turns.append(Turn(run, served.requests(mark), served.generate_results()[before:], waited))
     return turns
 
@@ -143,7 +146,7 @@ def test_claude_code_answers_and_continues(served, tmp_path, size):
     flags = ["--model", MODEL, *(["--bare"] if size == "small" else [])]
     turns = two_turns(served, [[claude, "-p", FIRST, *flags],
                                [claude, "-p", SECOND, "--continue", "--output-format", "stream-json", "--verbose",
-                                *flags]], env, work)
+                                *flags]], env, work, size)
     check(served, f"claude-code-{size}", turns, min_restored_share=0.99)
     events = [json.loads(line) for line in turns[1].run.stdout.splitlines() if line.startswith("{")]
     result = [e for e in events if e.get("type") == "result"]
@@ -188,7 +191,7 @@ def test_codex_exec_answers_and_resumes(served, tmp_path, size):
         flags += ["--disable", "multi_agent", "--disable", "goals", "--disable", "apps", "-c", 'web_search="disabled"',
                   "-c", f'model_instructions_file="{instructions}"']
     turns = two_turns(served, [[codex, "exec", *flags, FIRST],
-                               [codex, "exec", *flags, "resume", "--last", SECOND]], env, work)
+                               [codex, "exec", *flags, "resume", "--last", SECOND]], env, work, size)
     check(served, f"codex-{size}", turns)
 
 
@@ -204,5 +207,6 @@ def test_qwen_code_answers_and_continues(served, tmp_path, size):
                      QWEN_TELEMETRY_ENABLED="false")
     flags = ["--bare", "--system-prompt", "You are Qwen Code, a coding agent in a terminal. Answer briefly.",
              "--exclude-tools", "run_shell_command,edit,notebook_edit,update_goal,get_goal"] if size == "small" else []
-    turns = two_turns(served, [[qwen, *flags, "-p", FIRST], [qwen, *flags, "--continue", "-p", SECOND]], env, work)
+    turns = two_turns(served, [[qwen, *flags, "-p", FIRST], [qwen, *flags, "--continue", "-p", SECOND]], env, work,
+                      size)
     check(served, f"qwen-code-{size}", turns)
