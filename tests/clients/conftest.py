@@ -41,7 +41,7 @@ def client_path(name: str) -> Path:
         pytest.skip("npm is not installed: the agent CLI tests need Node and npm (.ci/run installs them)")
     path = BIN / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed: run `npm ci --prefix tests/clients` (.ci/run does)")
+        pytest.skip(f"{name} is not installed: run `npm install --prefix tests/clients` (.ci/run does)")
     return path
 
 
