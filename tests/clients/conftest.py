@@ -1,7 +1,7 @@
 """The real agent CLIs (issue 40 item 8) against ``specprefill serve`` on the shipped models.
 
 ``tests/clients/package.json`` pins Claude Code, Codex CLI, Qwen Code and the node they need;
-``.ci/run`` installs them into ``tests/clients/node_modules`` (``npm ci``). Without it, or
+``.ci/run`` installs them into ``tests/clients/node_modules`` (``npm install``). Without it, or
 without npm, the tests skip saying so.
 
 ``served`` is one stack for the module: a private Redis, one worker on the shipped draft and
