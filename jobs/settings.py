@@ -123,18 +123,17 @@ class Settings:
     # Store the target's KV of fully prefilled prompt prefixes (system prompt, tools, short
     # earlier turns) as blocks under its fingerprint, and restore them for the next job.
     target_prefix_cache: bool = True
-    # Heal jobs (worker.job.heal): after a generate job answered from a sparse prefill, a full
-    # target prefill of the conversation as the next turn renders it, stored as target blocks,
-    # queued on "<queue>-heal" (workers listen there after their own queues, so a heal runs
-    # only when no user job waits). heal: this worker enqueues and runs them (a job turns its
-    # own off with the generate option heal). heal_min_sparse_share: the least share of the
-    # prompt the target did not prefill in order that is worth a heal. heal_ttl_s: how long a
+    # Heal jobs (worker.job.heal): after every generate job, the target's prefill of what the store
+    # lacks of the conversation as the next turn renders it (a sparse prompt's holes, the
+    # answer and the template's end of turn), stored as target blocks, queued on
+    # "<queue>-heal" (workers listen there after their own queues, so a heal runs only when no
+    # user job waits). heal: this worker enqueues and runs them (a job turns its own off with
+    # the generate option heal). heal_ttl_s: how long a
     # queued heal may wait before RQ drops it (a stale conversation is not worth it).
     # heal_wait_ms: how long a turn that would go sparse may wait for the running heal of its
     # conversation when that heal's ETA is under this and shorter than the turn's own sparse
     # prefill at the heal's rate (0: never wait; it uses what is stored).
     heal: bool = True
-    heal_min_sparse_share: float = 0.05
     heal_ttl_s: int = 3600
     heal_wait_ms: int = 0
 

@@ -38,7 +38,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "http_request_timeout_s": (0, None), "http_sdk_timeout_share": (0.01, 1),
     "http_workers_refresh_s": (0, None), "http_probe_timeout_s": (0.001, 0.9),
     "http_response_ttl_s": (1, None), "stream_keepalive_s": (0, 3600),
-    "heal_min_sparse_share": (0, 1), "heal_ttl_s": (1, None), "heal_wait_ms": (0, None),
+    "heal_ttl_s": (1, None), "heal_wait_ms": (0, None),
     "max_decode_gap_s": (0.001, 60), "prefill_chunk_tokens": (0, None),
     "max_jobs_in_flight": (1, 256), "kv_budget_bytes": (0, None),
 }

@@ -44,6 +44,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from tools import english_tokenizer, recall_task  # noqa: E402
 from tools.induction_init import init_induction_circuit  # noqa: E402
 from tools.recall_task import VALUE_LEN, RecallTask  # noqa: E402
+from tools.instruction_task import HELD_OUT, INSTRUCTIONS, InstructionTask  # noqa: E402
 from tools.tool_task import ToolTask  # noqa: E402
 
 PRESETS = {
@@ -100,23 +101,31 @@ def parse_phases(spec: str) -> list[tuple[list[int], int]]:
     return phases
 
 
-def tool_row(tools: ToolTask, rng: random.Random, length: int) -> tuple[list[int], list[int]] | None:
-    """A tool-call or tool-answer example right-padded to ``length`` (None if it is longer)."""
-    ex = tools.example(rng, rng.choice(TOOL_TURNS))
+def padded_row(ex, pad: int, length: int) -> tuple[list[int], list[int]] | None:
+    """A tool or instruction example right-padded to ``length`` (None if it is longer)."""
     if len(ex.tokens) > length:
         return None
-    return ex.tokens + [tools.task.id["<pad>"]] * (length - len(ex.tokens)), ex.answer_positions
+    return ex.tokens + [pad] * (length - len(ex.tokens)), ex.answer_positions
 
 
 def sample_batch(task: RecallTask, rng: random.Random, length: int, batch: int, *,
                  chat_fraction: float = CHAT_FRACTION, max_needles: int = 8,
                  max_queries: int = 1, tools: ToolTask | None = None,
-                 tool_fraction: float = 0.0) -> tuple[mx.array, mx.array]:
+                 tool_fraction: float = 0.0, instructions: InstructionTask | None = None,
+                 instruction_fraction: float = 0.0) -> tuple[mx.array, mx.array]:
     """Token rows (batch, length) and the mask of answer targets (batch, length - 1);
-    with ``tools``, a ``tool_fraction`` share of rows are tool turns (``tools/tool_task.py``)."""
+    with ``tools``, a ``tool_fraction`` share of rows are tool turns (``tools/tool_task.py``),
+    with ``instructions`` an ``instruction_fraction`` share short instructions in agent prompts
+    (``tools/instruction_task.py``)."""
     rows, mask = [], np.zeros((batch, length - 1), dtype=np.float32)
+    pad = task.id["<pad>"]
     for b in range(batch):
-        row = tool_row(tools, rng, length) if tools is not None and rng.random() < tool_fraction else None
+        # No draw without tools or instructions: older recipes replay the same rows.
+        draw, row = (rng.random() if tools is not None or instructions is not None else 1.0), None
+        if tools is not None and draw < tool_fraction:
+            row = padded_row(tools.example(rng, rng.choice(TOOL_TURNS)), pad, length)
+        elif instructions is not None and draw < tool_fraction + instruction_fraction:
+            row = padded_row(instructions.example(rng, length), pad, length)
         if row is not None:
             rows.append(row[0])
             mask[b, np.array(row[1]) - 1] = 1.0
@@ -175,6 +184,8 @@ def model_card(config: dict, training: dict) -> str:
         if "rope_rebase" in t else
         f"phases {t['phases']} at lr {t['lr']:g}, {t['tokens_per_step']} tokens per step, seed {t['seed']}"
         + (f", {t['tool_fraction']:.0%} of rows lookup-tool turns" if t.get("tool_fraction") else "")
+        + (f", {t['instruction_fraction']:.0%} short instructions in agent prompts"
+           if t.get("instruction_fraction") else "")
         for t in chain)
     acc = {**next((t["eval"] for t in chain[::-1] if t.get("eval")), {}), **training.get("eval_long", {})}
     rows = "\n".join(f"| {L} | {r['plain']:.2f} | {r['chat']:.2f} |" for L, r in acc.items())
@@ -237,7 +248,7 @@ Trained in {training['train_seconds'] / 60:.1f} min on a 2-core x86_64 CPU share
 {rows}
 {long_note}
 Reproduce: `python tools/train_tiny.py --eval <this folder>`.
-{long_prompt_section(training)}{tool_section(training)}"""
+{long_prompt_section(training)}{tool_section(training)}{instruction_section(training)}"""
 
 
 def long_prompt_section(training: dict) -> str:
@@ -277,7 +288,30 @@ and, given the tool's result (a passage holding "Orion cobalt falcon quartz"), t
 about the name they read last. Measured ({training.get('eval_tools_samples', training.get('eval_samples', 0))} conversations each, whole
 reply greedy-exact): call {tools['call']:.2f}, answer from the result {tools['answer']:.2f}.
 Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --tool-fraction 1`.
-"""
+{training.get('eval_tools_note', '')}"""
+
+
+def instruction_section(training: dict) -> str:
+    """The model card's paragraph on ending a turn after a short instruction in an agent's prompt."""
+    rows = training.get("eval_instructions")
+    if not rows:
+        return ""
+    lines = "\n".join(f"| {n} | {r['exact']:.2f} | {r['ends']:.2f} | {r['held_out_ends']:.2f} |" for n, r in rows.items())
+    return f"""
+## Ending a turn
+Trained (`--instruction-fraction`, `tools/instruction_task.py`) on short instructions ("Say hello.",
+"What is 2+2?", ...) at the end of long synthetic agent prompts (system rules, an environment block,
+tool definitions, context exchanges, a reminder before the instruction): the reply is short
+("Hello!", "4") and ends with `<|end|>`, so an agent client's turn ends on its own. Measured
+({training.get('eval_samples', 0)} prompts per row, greedy, at most 64 tokens): the trained
+instructions answered exactly, the trained and the held-out (never trained) ones ending their turn.
+
+| prompt tokens | exact reply | ends within 64 | held-out ends within 64 |
+|---|---|---|---|
+{lines}
+
+Reproduce: `python tools/train_tiny.py --eval <this folder> --eval-lengths '' --instruction-fraction 1 --eval-samples {training.get('eval_samples', 0)}`.
+{training.get('eval_instructions_note', '')}"""
 
 
 def answer_correct_chunked(model, tokens: list[int], step: int = 1024) -> bool:
@@ -338,6 +372,46 @@ def evaluate_tools(model, tools: ToolTask, samples: int, seed: int) -> dict:
     return out
 
 
+def greedy_reply(model, prompt: list[int], end: int, max_tokens: int = 64, step: int = 1024) -> list[int]:
+    """The greedy reply to ``prompt`` (prefilled through a KV cache in ``step``-token pieces), up to
+    and including ``end`` or ``max_tokens`` tokens."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    for start in range(0, len(prompt), step):
+        logits = model(mx.array([prompt[start:start + step]]), cache=cache)
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = logits[0, -1].argmax().item()
+        out.append(token)
+        if token == end:
+            break
+        logits = model(mx.array([[token]]), cache=cache)
+    return out
+
+
+def evaluate_instructions(model, instructions: InstructionTask, lengths: list[int], samples: int,
+                          seed: int) -> dict:
+    """Per prompt length: the share of trained instructions answered exactly (reply, then
+    ``<|end|>``), and the shares of trained and held-out ones whose greedy reply ends (``<|end|>``)
+    within 64 tokens."""
+    task, out = instructions.task, {}
+    for length in lengths:
+        rng = random.Random(seed * 13 + length)
+        exact = ended = held_ended = 0
+        for i in range(samples):
+            ex = instructions.example(rng, length, INSTRUCTIONS[i % len(INSTRUCTIONS)])
+            reply = greedy_reply(model, ex.tokens[:ex.prompt_len], task.end)
+            exact += reply == ex.tokens[ex.prompt_len:]
+            ended += reply[-1:] == [task.end]
+            held = instructions.example(rng, length, (HELD_OUT[i % len(HELD_OUT)], ""))
+            held_ended += greedy_reply(model, held.tokens[:held.prompt_len], task.end)[-1:] == [task.end]
+        out[str(length)] = {"exact": exact / samples, "ends": ended / samples, "held_out_ends": held_ended / samples}
+        print(f"eval instructions len {length:5d}: exact {exact / samples:.3f}  ends within 64 "
+              f"{ended / samples:.3f}  held-out ends {held_ended / samples:.3f}", flush=True)
+    return out
+
+
 def freeze_circuit(model) -> None:
     """Keep the built-in recall circuit exactly: the embedding (codes), all of layer 0 and the
     attention (with its input norm) of layer 1; layer 1's MLP, the final norm and deeper layers
@@ -392,6 +466,7 @@ def train(args: argparse.Namespace) -> None:
     print(f"{n_params:,} parameters; BLAS: {blas_in_use()}", flush=True)
 
     tools = ToolTask(task) if args.tool_fraction > 0 else None
+    instructions = InstructionTask(task) if args.instruction_fraction > 0 else None
     phases = parse_phases(args.phases)
     total = sum(s for _, s in phases)
     warmup = min(args.warmup, max(1, total // 10))
@@ -426,7 +501,8 @@ def train(args: argparse.Namespace) -> None:
             tokens, mask = sample_batch(task, rng, length, max(1, args.tokens_per_step // length),
                                         chat_fraction=args.chat_fraction if length > 64 else 0.0,
                                         max_needles=args.max_needles, max_queries=args.max_queries,
-                                        tools=tools, tool_fraction=args.tool_fraction)
+                                        tools=tools, tool_fraction=args.tool_fraction,
+                                        instructions=instructions, instruction_fraction=args.instruction_fraction)
             loss, (lm, ans, acc) = step(tokens, mask)
             mx.eval(state, loss, lm, ans, acc)
             window.append((lm.item(), ans.item(), acc.item()))
@@ -445,7 +521,7 @@ def train(args: argparse.Namespace) -> None:
         "seed": args.seed, "lr": args.lr, "warmup": warmup, "weight_decay": args.weight_decay,
         "lm_weight": args.lm_weight, "freeze_circuit": args.freeze_circuit,
         "tokens_per_step": args.tokens_per_step, "phases": args.phases, "init": args.init,
-        "tool_fraction": args.tool_fraction,
+        "tool_fraction": args.tool_fraction, "instruction_fraction": args.instruction_fraction,
         "induction_init": bool(args.induction_init and not args.init),
         "parameters": n_params, "train_seconds": round(train_seconds, 1), "blas": blas_in_use(),
     }
@@ -461,8 +537,15 @@ def train(args: argparse.Namespace) -> None:
         training["eval_samples"] = args.eval_samples
         if tools is not None:
             training["eval_tools"] = evaluate_tools(model, tools, args.eval_samples, seed=10_000 + args.seed)
+        if instructions is not None:
+            training["eval_instructions"] = evaluate_instructions(
+                model, instructions, _lengths(args.instruction_eval_lengths), args.eval_samples, seed=10_000)
     save_folder(model, config, Path(args.out), training, tokenizer)
     print(f"wrote {args.out} in {train_seconds:.0f}s of training", flush=True)
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -497,6 +580,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="question/answer pairs per plain training document (more recalls per step)")
     p.add_argument("--tool-fraction", type=float, default=0.0,
                    help="share of rows that are lookup-tool turns (call or answer), right-padded")
+    p.add_argument("--instruction-fraction", type=float, default=0.0,
+                   help="share of rows that are short instructions in agent prompts (tools/instruction_task.py)")
+    p.add_argument("--instruction-eval-lengths", default="1024,4096",
+                   help="prompt lengths the instruction turns are measured at")
     p.add_argument("--grad-clip", type=float, default=1.0, help="0 turns clipping off")
     p.add_argument("--out", help="model folder to write")
     p.add_argument("--log-every", type=int, default=50)
@@ -519,6 +606,9 @@ def main(argv: list[str] | None = None) -> None:
             evaluate(model, task, [int(x) for x in args.eval_lengths.split(",")], args.eval_samples, seed=10_000)
         if args.tool_fraction > 0:
             evaluate_tools(model, ToolTask(task), args.eval_samples, seed=10_000)
+        if args.instruction_fraction > 0:
+            evaluate_instructions(model, InstructionTask(task), _lengths(args.instruction_eval_lengths),
+                                  args.eval_samples, seed=10_000)
         return
     if not args.out:
         p.error("--out is required when training")

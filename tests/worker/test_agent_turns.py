@@ -2,6 +2,8 @@
 a tool result longer than the threshold is scored over what is new only (the draft restores its
 own blocks of the earlier turn, the target the healed conversation), sparsely prefilled over the
 restored conversation, and healed after; one no longer than it is prefilled in full on it.
+Every turn, a full prefill's too, queues the heal that stores its answer (issue 40 item 5): the
+next turn restores the whole conversation and prefills only its new message.
 The real block store and RQ's heal queue on fakeredis; jobs run in this process."""
 from __future__ import annotations
 
@@ -96,4 +98,27 @@ def test_a_short_tool_result_is_prefilled_in_full_on_the_healed_conversation(mod
     t = two.target_tokens
     assert t["restored"] == healed["stored"] and "threshold of 96" in two.reason
     assert t["prefilled_full"] == two.total - t["restored"] and t["prefilled_sparse"] == 0
-    assert two.cached_tokens == 0 and not two.heal["queued"]  # no draft work; nothing to heal
+    assert two.cached_tokens == 0  # no draft work
+    assert two.heal["queued"] and two.heal["tokens"] > two.total  # its heal stores its answer
+
+
+@pytest.mark.parametrize("first_prefill", ["full", "sparse"])
+def test_the_next_turn_restores_the_conversation_with_the_answer(models, first_prefill):
+    rt = runtime(models)
+    task, rng = recall_task.load(), random.Random(7)
+    doc = task.make_document(rng, 1024, 2)
+    first = [{"role": "system", "content": task.decode(task.haystack(rng, 64))},
+             {"role": "user", "content": doc.text + recall_task.QUESTION.format(doc.needles[0].key)}]
+    spec = build_spec(rt.settings, kind="generate", messages=first, max_tokens=8, greedy=True,
+                      full_prefill=first_prefill == "full")
+    one = GenerateResult.from_json(run(rt, "t1", spec.to_payload()))
+    assert (one.target_tokens["prefilled_sparse"] > 0) == (first_prefill == "sparse")
+    healed = heal(rt, one)
+    # What the heal prefilled: a sparse turn's holes and its answer; a full one's answer only.
+    assert healed["stored"] == healed["total"] == one.heal["tokens"] > one.total + len(one.token_ids)
+    assert (healed["restored"] == one.total) == (first_prefill == "full")
+    two = turn(rt, "t2", first + [{"role": "assistant", "content": one.text},
+                                  {"role": "user", "content": "And the other one?"}])
+    t = two.target_tokens
+    assert t["restored"] == healed["total"] and t["restored"] / two.total >= 0.99, (t, two.total)
+    assert t["prefilled_full"] == two.total - t["restored"] and t["prefilled_sparse"] == 0

@@ -70,7 +70,10 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
     assert t["restored"] == healed["stored"] and t["healed"] == healed["healed"]
     assert "keep all" in second.reason and t["prefilled_sparse"] == 0  # a short new turn: plain
     assert t["restored"] + t["prefilled_full"] == second.total
-    assert not second.heal["queued"]  # prefilled in order: nothing to heal
+    # Prefilled in order and stored: its heal restores all of it and prefills only its answer.
+    again = run_heal(rt, second.heal["job_id"])
+    assert again["restored"] == second.total and again["stored"] == again["total"] == second.heal["tokens"]
+    assert again["healed"] == again["total"] - second.total > len(second.token_ids)  # and the end of turn
     # The restored blocks the heal made, as ranges the page draws (jobs.layout)
     assert first.healed_ranges == [] and second.healed_ranges == [(healed["restored"], healed["stored"])]
     assert [(g.kind, g.start, g.end) for g in regions(second)][:2] == [
@@ -178,9 +181,9 @@ def test_heal_off_per_worker_and_per_job():
     assert "setting heal" in run(off, "a", messages=chat(0), **GREEDY).heal["reason"]
     on, _ = runtime(r, **SPARSE)
     assert "option heal" in run(on, "b", messages=chat(1), heal=False, **GREEDY).heal["reason"]
-    whole, _ = runtime(r, keep=1.0)
-    assert "heal_min_sparse_share" in run(whole, "c", messages=chat(2), **GREEDY).heal["reason"]
     assert Queue(HEAL_QUEUE, connection=r).job_ids == []
+    whole, _ = runtime(r, keep=1.0)  # prefilled in order: the heal stores its answer
+    assert run(whole, "c", messages=chat(2), **GREEDY).heal["queued"]
 
 
 def test_heal_payloads_are_checked():
@@ -439,7 +442,9 @@ def test_a_fully_stored_block_aligned_conversation_is_restored_not_healed_again(
     turn = run(rt, "whole", tokens=tokens, **GREEDY)
     t = turn.target_tokens
     assert t["restored"] == stored - 1 and t["prefilled_full"] == 1 and t["prefilled_sparse"] == 0
-    assert not turn.heal["queued"]  # prefilled in order: no second heal of it
+    # Prefilled in order: its heal holds only what follows, the answer.
+    assert turn.heal["queued"] and turn.heal["tokens"] == stored + len(turn.token_ids)
+    assert run_heal(rt, turn.heal["job_id"])["restored"] == stored
     fresh, _ = runtime(**SPARSE)
     alone = run(fresh, "cold", tokens=tokens, full_prefill=True, **GREEDY)
     assert np.allclose(seen[0], seen[1], rtol=0, atol=1e-5) and turn.token_ids == alone.token_ids

@@ -13,8 +13,9 @@ the target, decode, stream, store the target's prefix.
    positions on top of the restored prefix; a failure of the draft or of the sparse prefill
    falls back to a plain prefill (``worker.job.fallback``).
 5. The target decodes; then the full blocks of the prompt's contiguously prefilled prefix
-   are stored for the next job (after the answer, so they cost no TTFT), and a prompt the
-   target did not prefill in order queues a heal of the conversation (``worker.job.heal``).
+   are stored for the next job (after the answer, so they cost no TTFT), and the job queues a
+   heal of the conversation (``worker.job.heal``, low priority): the next turn's start, i.e. the
+   prompt with its sparse holes and the answer with the template's end of turn, stored whole.
 
 The reporter's stop check runs after every target prefill chunk and before every generated
 token; the sparse session restores the model on any exit. The target's prefix and sparse
@@ -111,12 +112,14 @@ def run_generate(spec: JobSpec, ctx: JobContext) -> dict[str, Any]:
 
 
 def _heal(spec: JobSpec, ctx: JobContext, prompt: _Prompt, decoded: _Decoded) -> dict[str, Any]:
-    """Queue the heal of this turn (``worker.job.heal``), or say why not."""
-    reason = heal_skip_reason(spec, ctx, len(prompt.tokens), decoded.contiguous, prompt.prefix is not None)
+    """Queue the heal of this turn's conversation (``worker.job.heal``), or say why not: after any
+    prefill the next turn starts with the answer, which the store does not hold yet."""
+    reason = heal_skip_reason(spec, ctx, prompt.prefix is not None)
     if reason is not None:
         return {"queued": False, "reason": reason}
-    return queue_heal(spec, ctx, prompt.target, prompt.tokens, decoded.contiguous, _assistant_message(decoded),
-                      list(decoded.stream.ids))
+    stored = max(prompt.restored, prompt.prefix.saved_to)
+    return queue_heal(spec, ctx, prompt.target, prompt.tokens, stored, _assistant_message(decoded),
+                      list(decoded.stream.ids), keeps_tails=prompt.prefix.keeps_tails)
 
 
 def _target_prompt(spec: JobSpec, opts: GenerateOptions, ctx: JobContext,

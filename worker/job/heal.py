@@ -1,9 +1,12 @@
-"""Heal jobs: after a sparse prefill, the conversation's target KV made whole off the critical path.
+"""Heal jobs: after every answer, the conversation's target KV stored whole off the critical path.
 
-A generate job whose target did not prefill its prompt in order (a sparse prefill, or a fallback
-that prefilled only part) queues a heal (:func:`queue_heal`): the tokens the next turn will
-start with (``worker.job.next_turn``), on ``<queue>-heal``, behind every user queue (RQ takes a
-worker's queues in order, so a heal starts only when no user job waits). The heal job
+Every generate job queues a heal (:func:`queue_heal`) of the tokens the next turn will start
+with (``worker.job.next_turn``: the prompt, the answer and the template's end of turn as the next
+render holds them) when its target's prefix store lacks some of them: the holes of a sparse
+prefill (or of a fallback that prefilled only part), and after any prefill the answer, whose
+KV the job's own store never holds (the next render re-tokenizes it and adds the end of turn).
+It goes on ``<queue>-heal``, behind every user queue (RQ takes a worker's queues in order, so a
+heal starts only when no user job waits); the job's result does not wait for it. The heal job
 (:func:`run_heal`) restores what the target's prefix store holds, prefills the rest in block
 steps (the steps every job prefills its protected prefix in, so a healed block is bit for bit
 what a job would compute) and stores the blocks through the same target-prefix path, marked
@@ -17,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from jobs.heal import HealSpec
 from jobs.keys import healing_key
@@ -29,7 +32,7 @@ from worker.engine import sleep as engine_sleep
 from worker.models import LoadedModel
 from worker.job.next_turn import next_turn
 from worker.process.node_busy import add_busy_read, others_busy
-from worker.job.prompt import check_prompt
+from worker.job.prompt import _common_prefix_len, check_prompt
 from worker.job.reporting import JobReporter
 from worker.job.selection_pipeline import load_model
 from worker.job.target_prefix import TargetPrefixCache, prefix_cache
@@ -38,35 +41,35 @@ log = logging.getLogger(__name__)
 _pause = engine_sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
 
 
-def heal_skip_reason(spec: JobSpec, ctx: JobContext, total: int, contiguous: int,
-                     has_store: bool) -> str | None:
-    """Why a generate job that prefilled ``contiguous`` of its ``total`` prompt tokens in order
-    queues no heal (None: it queues one)."""
+def heal_skip_reason(spec: JobSpec, ctx: JobContext, has_store: bool) -> str | None:
+    """Why a generate job queues no heal of its conversation (None: it may queue one;
+    :func:`queue_heal` still finds whether the next turn holds anything not stored)."""
     if not ctx.settings.heal:
         return "heal is off on this worker (setting heal)"
     if spec.generate is not None and not spec.generate.heal:
         return "heal is off for this job (option heal)"
     if not has_store:
         return "no target prefix store (setting target_prefix_cache, or none could be made)"
-    share = (total - contiguous) / total if total else 0.0
-    if share < ctx.settings.heal_min_sparse_share or share == 0:
-        return (f"the target prefilled {contiguous} of {total} prompt tokens in order: {share:.1%} left "
-                f"to heal, under heal_min_sparse_share={ctx.settings.heal_min_sparse_share}")
     return None
 
 
 def queue_heal(spec: JobSpec, ctx: JobContext, target: LoadedModel, prompt_tokens: list[int],
-               contiguous: int, answer: str | Mapping[str, Any], answer_ids: list[int]) -> dict[str, Any]:
+               stored: int, answer: str | Mapping[str, Any], answer_ids: list[int],
+               keeps_tails: bool = False) -> dict[str, Any]:
     """Queue the heal of this turn's conversation (``answer``: its text, or the assistant message
-    with its tool calls and reasoning); what the result says of it."""
+    with its tool calls and reasoning) unless the store holds all of its next turn: the store
+    holds the first ``stored`` prompt tokens (to the last full block unless ``keeps_tails``),
+    as far as the next render repeats them. What the result says of it."""
     turn = next_turn(spec, target.tokenizer, prompt_tokens, answer, answer_ids)
     block = ctx.settings.block_size
     out: dict[str, Any] = {"queued": False, "tokens": len(turn.tokens), "rendered": turn.rendered}
     if turn.note:
         out["note"] = turn.note
-    if len(turn.tokens) // block <= contiguous // block:
+    held = min(stored, _common_prefix_len(turn.tokens, prompt_tokens))
+    end = len(turn.tokens) if keeps_tails else len(turn.tokens) // block * block
+    if end <= held:
         out["reason"] = (f"nothing to heal: the next turn's {len(turn.tokens)} stable tokens end within "
-                         f"the {contiguous // block * block} stored in order")
+                         f"the {held} stored")
         return out
     heal = HealSpec(spec.target_model or "", tuple(turn.tokens), 0, turn.note, ctx.job_id)
     try:

@@ -103,6 +103,7 @@ class TargetPrefixCache:
         self.restored = 0
         self.stored_all = False  # the last restore found every token stored
         self.blocks_written = 0
+        self.saved_to = 0  # leading tokens of the prompt the last save put in the store
         self.timings: dict[str, float] = {}
 
     def restore(self, tokens: Sequence[int]) -> tuple[list[Any] | None, int]:
@@ -170,6 +171,7 @@ class TargetPrefixCache:
         t = time.perf_counter()
         try:
             self.blocks_written += self.store.store(list(tokens[:n_tokens]), view, recorder)
+            self.saved_to = n_tokens if self.keeps_tails else n_tokens // self.store.block_size * self.store.block_size
             if self.keeps_tails:
                 for end in sorted({e for e in also if 0 < e < n_tokens and e % self.store.block_size}):
                     self.blocks_written += self.store.store_tail(list(tokens[:end]), view)
