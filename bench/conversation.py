@@ -123,7 +123,7 @@ class Runner:
 
     def turn(self, messages: list) -> tuple[dict, float]:
         """One turn: its result, and (heal) the seconds its heal took after it."""
-        from jobs.spec import build_spec
+        from jobs.contract.spec import build_spec
 
         if self.mode == "plain":
             self._keep_system_blocks(messages)
@@ -151,7 +151,7 @@ class Runner:
     def _keep_system_blocks(self, messages: list) -> None:
         """Drop every target block and tail but the system prefix's (plain: only the system is cached)."""
         from cache_store.keys import block_digests, tail_digest
-        from jobs.spec import build_spec
+        from jobs.contract.spec import build_spec
         from worker.job.prompt import tokenize_prompt
         from worker.runtime import _target_store
 
@@ -285,8 +285,8 @@ def _wait_idle(conn, settings: Settings) -> None:
 
 def one_delay(client, heal_client, rng: random.Random, args, heals: int) -> float:
     """B's wait (seconds) behind a running user job A, with ``heals`` heal jobs queued meanwhile."""
-    from jobs.heal import HealSpec
-    from jobs.inspect import job_times
+    from jobs.client.inspect import job_times
+    from jobs.contract.heal import HealSpec
 
     words = recall_task.load()
     long_text = words.decode(words.haystack(rng, args.delay_tokens)[:args.delay_tokens])

@@ -19,8 +19,8 @@ import time
 import fakeredis
 
 from bench.benchlib import SETTINGS, blas_in_use, report
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.spec import build_spec
 from worker.engine import Engine
 from worker.job.context import JobContext
 from worker.job.tasks import execute

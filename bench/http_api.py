@@ -175,7 +175,7 @@ def callers(port: int, client) -> dict:
 def run_bench(server_url: str, conn: redis.Redis, tmp: Path, reps: int, vocab: list) -> tuple[dict, dict]:
     """(path -> request seconds, API -> first-chunk delays), against one worker and server."""
     from jobs.client import Client
-    from jobs.keys import channel_name
+    from jobs.contract.keys import channel_name
     from jobs.settings import Settings
     from specprefill_cli.embedded_redis import free_port
 

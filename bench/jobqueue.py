@@ -68,17 +68,17 @@ def measure(reps: int, n_docs: int) -> int:
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    from specprefill_cli.embedded_redis import EmbeddedRedis
     from jobs.client import Client
+    from jobs.contract.spec import build_spec
     from jobs.progress import ProgressPublisher
     from jobs.settings import Settings
-    from jobs.spec import build_spec
     from specprefill.profile import profile_model
     from specprefill.reuse import score_with_cache
+    from specprefill_cli.embedded_redis import EmbeddedRedis
     from worker.job.context import JobContext
+    from worker.job.tasks import execute
     from worker.models import ModelPool
     from worker.runtime import WorkerRuntime
-    from worker.job.tasks import execute
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-queue-"))
     model_dir = model_folder(tmp)

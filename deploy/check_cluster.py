@@ -25,8 +25,8 @@ from rq import Worker  # noqa: E402
 from rq.serializers import JSONSerializer  # noqa: E402
 
 from jobs.client import Client, JobFailed  # noqa: E402
+from jobs.client.inspect import job_record, workers  # noqa: E402
 from jobs.connection import RedisUnreachable, checked_connection, safe_url  # noqa: E402
-from jobs.inspect import job_record, workers  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
 
 PREFIX_TOKENS, SUFFIX_TOKENS = 768, 256  # ids 10..249: inside any model's vocabulary

@@ -1,6 +1,6 @@
 """Which incarnation of Redis's data a reader sees: the server's run id plus a marker key.
 
-Redis picks a new run id on every start, and the marker (``jobs.keys.epoch_key``, set once
+Redis picks a new run id on every start, and the marker (``jobs.contract.keys.epoch_key``, set once
 by whoever reads it first, never expiring) is gone after a flush or a restart without
 persistence. A job known to exist under one epoch and missing under another was lost by
 Redis, not "never submitted"; a worker that sees the epoch change registers itself again.
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import redis
 
 from cache_store.replies import as_text
-from jobs.keys import epoch_key
+from jobs.contract.keys import epoch_key
 
 EPOCH_REPLIES = 3  # replies that add_epoch_reads queues on a pipeline
 

@@ -11,13 +11,13 @@ import os
 import sys
 from typing import Sequence
 
+from jobs.client.client import EnqueueConflict
+from jobs.connection import REDIS_DOWN, RedisUnreachable
+from jobs.settings import Settings
 from specprefill_cli import batch, cache, demo, generate, jobcmds, serve, submit, watch, worker
 from specprefill_cli.options import HelpFormatter, check_timeout_waits, shared_options
 from specprefill_cli.outcome import (BAD_INPUT, DONE, EXIT_STATUS_HELP, INTERRUPTED, REDIS_UNREACHABLE, TIMED_OUT,
                          Interrupted)
-from jobs.client import EnqueueConflict
-from jobs.connection import REDIS_DOWN, RedisUnreachable
-from jobs.settings import Settings
 
 # in --help order
 COMMANDS = (worker, submit, watch, jobcmds, batch, generate, cache, serve, demo)

@@ -24,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from jobs.client.rate import worked_tokens
+from jobs.connection import REDIS_DOWN, wait_for_redis
+from jobs.deadline import Deadline
+from jobs.progress import BatchProgress
+from jobs.settings import Settings
 from specprefill_cli.display import ProgressDisplay, Row, running_rows, total_row
 from specprefill_cli.documents import Document, generate_documents, iter_documents
 from specprefill_cli.options import (CliError, SharedOptions, add_generate_options, cli_holder, add_queue_option, add_timeout_option,
                          connect, generate_options, result_json, spec_fields)
 from specprefill_cli.outcome import BAD_INPUT, DONE, JOB_FAILED, Interrupted, is_bad_input, split_error
 from specprefill_cli.waiting import no_worker_note
-from jobs.connection import REDIS_DOWN, wait_for_redis
-from jobs.deadline import Deadline
-from jobs.progress import BatchProgress
-from jobs.rate import worked_tokens
-from jobs.settings import Settings
 
 ENDED = ("finished", "failed", "stopped", "canceled", "missing")
 

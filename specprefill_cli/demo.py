@@ -26,13 +26,13 @@ from typing import Any, TextIO
 
 import redis
 
-from specprefill_cli.display import ProgressDisplay, Row, running_rows, total_row
-from specprefill_cli.options import SharedOptions
+from jobs.client.rate import worked_tokens
 from jobs.connection import queue_connection
 from jobs.deadline import Deadline
 from jobs.progress import BatchProgress
-from jobs.rate import worked_tokens
 from jobs.settings import REPO_ROOT, SHIPPED_MODELS, Settings
+from specprefill_cli.display import ProgressDisplay, Row, running_rows, total_row
+from specprefill_cli.options import SharedOptions
 
 DEMO_DIR = SHIPPED_MODELS / "demo"
 # The demo documents are ~1.5-2K tokens: admit them (threshold below their length) and
@@ -284,7 +284,7 @@ class DemoRedis:
             return
         if conn is None:
             return
-        from jobs.keys import job_key
+        from jobs.contract.keys import job_key
         from jobs.settings import heal_queue_name
 
         try:  # a shared Redis: remove the demo's own keys (its namespace and its jobs)

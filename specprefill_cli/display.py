@@ -132,7 +132,7 @@ def describe(ev: ProgressEvent) -> str:
 
 def total_row(name: str, view: BatchProgress, finished_tokens: int, elapsed_s: float) -> Row:
     """The total row of a batch: the prompt tokens finished jobs got through by running
-    (memo hits excluded: :func:`jobs.rate.worked_tokens`) per wall second (cumulative, so
+    (memo hits excluded: :func:`jobs.client.rate.worked_tokens`) per wall second (cumulative, so
     it does not flicker between completions), the counts and the ETA."""
     eta = f", eta {human_seconds(view.eta_s)}" if view.eta_s else ""
     overall = finished_tokens / max(elapsed_s, 1e-9)

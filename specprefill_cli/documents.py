@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from jobs.spec import CLI_SPELLINGS, SPEC_KEYWORDS
+from jobs.contract.spec import CLI_SPELLINGS, SPEC_KEYWORDS
 
 INPUT_FIELDS = ("text", "tokens", "messages")
-# What a JSONL line may set besides its input (what jobs.spec.build_spec takes, and its
+# What a JSONL line may set besides its input (what jobs.contract.spec.build_spec takes, and its
 # question); anything else is metadata.
 SPEC_FIELDS = SPEC_KEYWORDS - {"v", *CLI_SPELLINGS} | {"question"}
 

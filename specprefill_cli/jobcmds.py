@@ -40,7 +40,7 @@ def _client(args: argparse.Namespace, settings: Settings) -> Any:
 
 
 def run_status(args: argparse.Namespace, settings: Settings) -> int:
-    from jobs.inspect import job_statuses
+    from jobs.client.inspect import job_statuses
 
     client = _client(args, settings)
     jobs = targets(client, args.target)
@@ -77,7 +77,7 @@ def status_exit(client: Any, rows: list[dict[str, Any]]) -> int:
 
 def _last_events(client: Any, job_ids: list[str]) -> dict[str, str]:
     """Each job's last progress event in words, read in one round trip."""
-    from jobs.keys import stream_key
+    from jobs.contract.keys import stream_key
     from jobs.progress import ProgressEvent
 
     with client.connection.pipeline(transaction=False) as pipe:
@@ -136,8 +136,8 @@ def run_cancel(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run_list(args: argparse.Namespace, settings: Settings) -> int:
-    from jobs.inspect import jobs_by_state, listening_workers, worker_loads
-    from jobs.node_queues import node_queues_of
+    from jobs.client.inspect import jobs_by_state, listening_workers, worker_loads
+    from jobs.client.node_queues import node_queues_of
 
     client = _client(args, settings)
     queue = args.queue or client.queue.name
@@ -146,7 +146,7 @@ def run_list(args: argparse.Namespace, settings: Settings) -> int:
     conn = client.connection
     by_state = jobs_by_state(conn, queue, limit=args.limit)
     workers = listening_workers(conn, queue)
-    # routed jobs wait and run in the node queues of it (jobs.routing), heals behind it (worker.job.heal)
+    # routed jobs wait and run in the node queues of it (jobs.client.routing), heals behind it (worker.job.heal)
     nodes = {name: jobs_by_state(conn, name, limit=args.limit) for name in sorted(node_queues_of(conn, [queue]))}
     heal = heal_queue_name(queue)
     heals = jobs_by_state(conn, heal, limit=args.limit) if heal != queue else None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from jobs.client import Client, JobFailed
-from jobs.inspect import job_statuses
+from jobs.client.inspect import job_statuses
 from specprefill_server.batch.lines import BatchLine, error_line, plan_lines, result_lines
 
 JOB_ENDED = frozenset({"finished", "failed", "stopped", "canceled", "missing"})

@@ -21,13 +21,13 @@ from typing import Any
 import redis
 
 from jobs.connection import checked_connection
-from jobs.model_names import job_default
+from jobs.contract.model_names import job_default
+from jobs.contract.spec import option_names
 from jobs.settings import Settings
-from jobs.spec import option_names
 from specprefill.options import GenerateOptions
 
 # The CLI's own spellings: argparse dest -> job spec field (every other option's dest is
-# its spelling in jobs.spec.option_names). --seed seeds the lookahead of a prefill job; a
+# its spelling in jobs.contract.spec.option_names). --seed seeds the lookahead of a prefill job; a
 # generate job takes it as its own seed, which seeds the lookahead too.
 CLI_FIELDS = {"model": "draft_model", "seed": "lookahead_seed"}
 REDIS_URL_HELP = ("the queue's Redis: redis://[user:password@]host:port/db, rediss:// (TLS) or "

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-from jobs.conversation import ConversationError
-from jobs.model_names import UnknownModelError
-from jobs.spec import JobSpecError
+from jobs.contract.conversation import ConversationError
+from jobs.contract.model_names import UnknownModelError
+from jobs.contract.spec import JobSpecError
 from specprefill.errors import UnsupportedModelError
 from specprefill.options import OptionError
 

@@ -11,8 +11,8 @@ def no_worker_note(client: Any, job_id: str | None = None) -> str:
     """A sentence when no worker listens on the job's queue (else the client's), by RQ's
     ``Worker.all``; else ''."""
     from cache_store.replies import as_text
-    from jobs.inspect import listening_workers
-    from jobs.keys import job_key
+    from jobs.client.inspect import listening_workers
+    from jobs.contract.keys import job_key
 
     origin = as_text(client.connection.hget(job_key(job_id), "origin")) if job_id else None
     queue = origin or client.queue.name

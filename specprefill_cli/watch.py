@@ -52,7 +52,7 @@ def ended_status(handle: Any, last: ProgressEvent | None) -> tuple[int, str | No
     certain, and RQ marks the job finished a moment later, so RQ's status is not read then.
     Otherwise RQ's status says how it ended (the terminal event's words when RQ has not
     marked it yet)."""
-    from jobs.client import ended_reason
+    from jobs.client.client import ended_reason
 
     if last is not None and last.kind == "done" and not last.data.get("synthetic"):
         return DONE, None

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jobs.client import JobFailed, JobHandle, StreamDiverged
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import JobSpec
 from jobs.deadline import Deadline
-from jobs.results import GenerateResult
-from jobs.spec import JobSpec
 from specprefill_server.deadline import RequestDeadline, request_deadline
 from specprefill_server.errors import APIError, from_job_failure, redis_down, request_timeout
 from specprefill_server.runner import ClientGone, DeadlinePassed
@@ -165,7 +165,7 @@ async def with_keepalive(frames: AsyncIterator[str], interval: float, keepalive:
 
 
 async def events(ex: Exchange, on_result: OnResult | None = None) -> AsyncIterator[Any]:
-    """Opened, the answer's events as they are published (jobs.answer_stream: reasoning,
+    """Opened, the answer's events as they are published (jobs.client.answer_stream: reasoning,
     text and tool-call deltas), then its Finish (counted in the metrics) or Failed: a job
     failure after the headers went out, or the deadline (its hold released). A client that
     goes away releases this request's hold on the job."""

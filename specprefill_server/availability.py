@@ -18,8 +18,8 @@ from typing import Callable, Mapping
 
 import redis
 
-from jobs.inspect import advertised_names, workers
-from jobs.model_names import looks_like_path, public_name
+from jobs.client.inspect import advertised_names, workers
+from jobs.contract.model_names import looks_like_path, public_name
 from jobs.settings import Settings
 from specprefill_server.errors import APIError, REQUEST_NAMES, model_not_available, model_not_found
 

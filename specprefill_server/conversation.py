@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.conversation import FromRequest
+from jobs.contract.conversation import FromRequest
 from specprefill_server.errors import bad_request
 
 
@@ -64,7 +64,7 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> d
 
 def spec_messages(conversation: Conversation) -> FromRequest:
     """The conversation as the job spec takes it: the messages and the request field each came
-    from, so that the spec's one check of the conversation (``jobs.conversation.check_messages``,
+    from, so that the spec's one check of the conversation (``jobs.contract.conversation.check_messages``,
     when the spec is built, within the deployment's limits) names the request's own field
     (``messages[2].content[0]`` of an Anthropic request, ``input[3]`` of a Responses one), not a
     place in the converted list. Nothing is checked here."""

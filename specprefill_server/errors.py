@@ -15,7 +15,7 @@ import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from jobs.spec import JobSpecError
+from jobs.contract.spec import JobSpecError
 
 # The field a JobSpecError names: "messages[2].content: ...", "keep: ...".
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*):\s")

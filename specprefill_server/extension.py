@@ -7,8 +7,8 @@ from typing import Any
 
 from pydantic import ConfigDict, create_model
 
-from jobs.results import GenerateResult
-from jobs.spec import option_names
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import option_names
 
 # Phases before the first token, in the order they run (GenerateResult.timings keys), for
 # results of workers that do not report ``ttft_phases`` themselves.
@@ -17,7 +17,7 @@ TTFT_PHASES = ("load_models", "tokenize", "draft_scoring", "selection", "target_
 # Fields of OpenAI's own that carry a generate job's options (each API's convert.py maps its own names).
 OPENAI_OPTIONS = frozenset({"max_tokens", "temperature", "top_p", "seed", "stop"})
 # The SpecPrefill knobs a request may set as extra body fields (unset: the deployment's
-# settings): the draft model and every option of a generate job (jobs.spec.option_names)
+# settings): the draft model and every option of a generate job (jobs.contract.spec.option_names)
 # OpenAI has no name for. Typed Any: the job spec checks each (its error names the field).
 SPECPREFILL_FIELDS = ("draft_model", *(n for n in option_names("generate") if n not in OPENAI_OPTIONS))
 SpecPrefillOptions = create_model(

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import redis
 
 from jobs.connection import side_connection
-from jobs.model_names import job_default
+from jobs.contract.model_names import job_default
 from jobs.settings import Settings
 from specprefill_server.availability import read_live_models
 from specprefill_server.runner import DaemonPool

@@ -19,9 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cache_store.inventory import counters_by_name
-from jobs.inspect import queue_kind, queue_stats, workers
-from jobs.model_names import public_name
-from jobs.results import GenerateResult
+from jobs.client.inspect import queue_kind, queue_stats, workers
+from jobs.contract.model_names import public_name
+from jobs.contract.results import GenerateResult
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 from starlette.requests import Request
 
-from jobs.answer_stream import AnswerEvent, answer_events
 from jobs.client import Client, JobHandle
-from jobs.node_queues import waiting_jobs
-from jobs.spec import JobSpec
+from jobs.client.answer_stream import AnswerEvent, answer_events
+from jobs.client.node_queues import waiting_jobs
+from jobs.contract.spec import JobSpec
 from specprefill_server.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def give_up(handle: JobHandle) -> None:
     """The one place this server cancels a job it submitted: a client that disconnected,
     a canceled batch. Identical requests share one job; ``handle.cancel()`` releases only
     this request's hold (its token, or the batch's id) and stops the job only when no
-    other submitter holds it (:mod:`jobs.holders`)."""
+    other submitter holds it (:mod:`jobs.client.holders`)."""
     try:
         handle.cancel()
     except Exception as exc:  # Redis down: the job runs to its end and nobody reads it
@@ -193,7 +193,7 @@ class JobRunner:
         return self.iterate(partial(handle.stream_text, timeout))
 
     def stream_answer(self, handle: JobHandle, timeout: float | None = None) -> AsyncIterator[AnswerEvent]:
-        """A generate job's answer events (jobs.answer_stream) as the worker publishes them,
+        """A generate job's answer events (jobs.client.answer_stream) as the worker publishes them,
         ending with ``Finish`` (JobFailed, ... raised; ``TimeoutError`` once ``timeout`` passed)."""
         return self.iterate(partial(answer_events, handle, timeout))
 

@@ -1,7 +1,7 @@
 """The neutral events of one streamed answer, which each API's formatter turns into its own
 server-sent events (OpenAI chunks, Anthropic's message events, Responses events).
 
-The answer's own events are :mod:`jobs.answer_stream`'s (reasoning, text and tool-call
+The answer's own events are :mod:`jobs.client.answer_stream`'s (reasoning, text and tool-call
 deltas, then ``Finish``); this module adds the two a request's stream has besides them.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 # The answer's events: the stream contract (Finish last, exactly once), re-exported here.
-from jobs.answer_stream import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart  # noqa: F401
+from jobs.client.answer_stream import Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart  # noqa: F401
 from specprefill_server.errors import APIError
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from jobs.spec import ContextLengthError
+from jobs.contract.spec import ContextLengthError
 
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
 EXTENDING_ROPES = ("yarn", "dynamic", "llama3", "longrope", "su")

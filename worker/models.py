@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from jobs.model_names import ModelCatalog, UnknownModelError, looks_like_path
+from jobs.contract.model_names import ModelCatalog, UnknownModelError, looks_like_path
 from worker.context_window import ContextWindow, context_window, model_config
 
 if TYPE_CHECKING:  # imported for annotations only: the worker starts without mlx
@@ -235,7 +235,7 @@ def release_cached_buffers() -> None:
 class ModelPool:
     """At most ``capacity`` loaded models, least recently used evicted first.
 
-    Jobs name models; ``catalog`` (the worker's ``jobs.model_names.ModelCatalog``, set by
+    Jobs name models; ``catalog`` (the worker's ``jobs.contract.model_names.ModelCatalog``, set by
     its runtime) resolves the names, so two names of one folder share one loaded model.
     The seams (``loader``, ``profile``, ``target_profile``, ``fingerprint``, ``identify``,
     ``warm``) default to mlx-lm, :func:`draft_profiler` and :func:`target_profiler` (each

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import redis
 
-from jobs.model_names import ModelCatalog
 from jobs.connection import cache_connection, queue_connection
+from jobs.contract.model_names import ModelCatalog
 from jobs.settings import Settings
 from worker.models import LoadedModel, ModelPool, draft_profiler, target_profiler
 from worker.process.claims import Claim

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import redis
 
 from cache_store.replies import as_text
-from jobs.keys import job_key as rq_job_key, stream_key
+from jobs.contract.keys import job_key as rq_job_key, stream_key
 from jobs.progress.events import ProgressEvent
 from jobs.settings import Settings
 

@@ -14,7 +14,7 @@ EVENT_KINDS = (
     # the generated text as ``text`` deltas (``offset`` = characters before ``delta``)
     "target_prefill", "decode", "text",
     # a chat job's reasoning text (offset, delta) and each tool call once it is complete
-    # (index, id, name, arguments): jobs.answer_stream
+    # (index, id, name, arguments): jobs.client.answer_stream
     "reasoning", "tool_call",
     # admission kept the prompt whole (reason); the draft's part failed and was skipped
     # (stage, reason); the target's prefix KV looked up and stored in the block store

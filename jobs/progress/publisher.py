@@ -14,7 +14,7 @@ from typing import Any, Callable
 import redis
 
 from jobs.connection import REDIS_DOWN
-from jobs.keys import channel_name, stream_key
+from jobs.contract.keys import channel_name, stream_key
 from jobs.progress.events import ANSWER_KINDS, STREAM_FIELD, TERMINAL_KINDS, ProgressEvent, check_kind
 from jobs.settings import Settings
 

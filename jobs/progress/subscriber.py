@@ -16,8 +16,8 @@ import redis
 
 from cache_store.replies import as_text
 from jobs.connection import REDIS_DOWN, wait_for_redis
+from jobs.contract.keys import channel_name, stream_key
 from jobs.deadline import Deadline
-from jobs.keys import channel_name, stream_key
 from jobs.progress.events import ProgressEvent
 from jobs.progress.pubsub import close_pubsub, open_pubsub
 from jobs.settings import Settings

@@ -14,8 +14,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
-from jobs.results import GenerateResult
-from jobs.spec import JobSpec, JobSpecError
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import JobSpec, JobSpecError
 from specprefill_server.apis.openai.convert import endpoint
 from specprefill_server.errors import APIError, bad_request, from_job_failure, from_spec_error
 from specprefill_server.parse import parse

@@ -14,13 +14,13 @@ from collections import Counter
 from typing import Any, Callable
 
 from jobs.client import BatchHandle, Client, JobFailed
-from jobs.inspect import job_statuses
-from jobs.results import GenerateResult
-from jobs.spec import Limits, check_batch_size
+from jobs.client.inspect import job_statuses
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import Limits, check_batch_size
+from specprefill_server.apis.openai.types import BatchCreateRequest
 from specprefill_server.batch.lines import BatchLine, jsonl, plan_lines, result_lines
 from specprefill_server.batch.store import TERMINAL, BatchStore, new_id
 from specprefill_server.errors import APIError, not_found
-from specprefill_server.apis.openai.types import BatchCreateRequest
 from specprefill_server.runner import give_up
 
 JOB_ENDED = frozenset({"finished", "failed", "stopped", "canceled", "missing"})

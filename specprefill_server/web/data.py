@@ -2,7 +2,7 @@
 
 A finished job's view is read from its result alone: the worker keeps what the page shows
 with the result when the job runs (the draft's importance downsampled, the kept text; the
-layout is the result's own fields, read by ``jobs.layout``), so opening a job never queues
+layout is the result's own fields, read by ``jobs.contract.layout``), so opening a job never queues
 work or runs a model.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from jobs.inspect import JobRecord, job_record, job_rows, job_statuses, queue_stats, recent_jobs, workers
-from jobs.layout import regions
-from jobs.results import GenerateResult, PrefillResult
+from jobs.client.inspect import JobRecord, job_record, job_rows, job_statuses, queue_stats, recent_jobs, workers
+from jobs.contract.layout import regions
+from jobs.contract.results import GenerateResult, PrefillResult
 from specprefill_server.errors import APIError, not_found
-from specprefill_server.web.jobview import document_text, segments
 from specprefill_server.state import ServerState
+from specprefill_server.web.jobview import document_text, segments
 
 TERMINAL_ROWS = ("finished", "failed", "stopped", "canceled")
 _ROWS: OrderedDict[str, dict[str, Any]] = OrderedDict()  # rows of ended jobs: they do not change

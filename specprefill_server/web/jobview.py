@@ -1,6 +1,6 @@
 """What the web page shows for one finished job: the document cut into kept and dropped
 segments, each marked with the regions it holds (restored, prefix, tail, healed: see
-``jobs.layout``) (pure functions).
+``jobs.contract.layout``) (pure functions).
 
 The worker keeps the kept token ranges and the text of each kept range with the result. The server has no tokenizer, so the dropped text between two kept
 spans is found by locating each span's text in the document, in order. When every span is
@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from jobs.layout import Region
+from jobs.contract.layout import Region
 
 # Tokens such as <|user|>, <s>, </s>, <|end|>: in a span's text, not in the document.
 _SPECIAL = re.compile(r"<\|?/?[A-Za-z0-9_.-]{1,32}\|?>")

@@ -11,14 +11,14 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from jobs.layout import regions
-from specprefill_server.batch.store import TERMINAL
+from jobs.contract.layout import regions
 from specprefill_server.answering import SSE_HEADERS
-from specprefill_server.stream_events import sse
+from specprefill_server.batch.store import TERMINAL
 from specprefill_server.errors import not_found
 from specprefill_server.state import ServerState, state
-from specprefill_server.web.svg import importance_svg
+from specprefill_server.stream_events import sse
 from specprefill_server.web.data import importance_source, job_view, overview
+from specprefill_server.web.svg import importance_svg
 
 STATIC = files("specprefill_server.web") / "static"
 OVERVIEW_EVERY_S = 1.0

@@ -1,17 +1,17 @@
 """The importance curve as an SVG the server renders (no plotting library in the page).
 
 x is the token position, y the draft's importance. The result keeps the importance as the
-maximum of each bin of ``tokens_per_bin`` positions (``jobs.results.ImportanceCurve``; said
+maximum of each bin of ``tokens_per_bin`` positions (``jobs.contract.results.ImportanceCurve``; said
 in the caption), so a token that mattered is never averaged away. Every region but the
-dropped ones is a band of its own colour (``jobs.layout``: restored, prefix, kept, tail, healed).
+dropped ones is a band of its own colour (``jobs.contract.layout``: restored, prefix, kept, tail, healed).
 """
 from __future__ import annotations
 
 from html import escape
 from typing import Sequence
 
-from jobs.layout import Region
-from jobs.results import ImportanceCurve
+from jobs.contract.layout import Region
+from jobs.contract.results import ImportanceCurve
 
 WIDTH, HEIGHT, PAD_L, PAD_B, PAD_T = 900, 220, 48, 28, 12
 BAND_LABELS = {"restored": "restored from the block store", "prefix": "protected prefix", "kept": "kept",

@@ -83,7 +83,7 @@ def test_worker_preload_flag_is_admitted_by_the_allow_list(monkeypatch):
 
     import worker.process.launcher as launcher
     import worker.process.rq_worker as rq_worker
-    from jobs.spec import Limits
+    from jobs.contract.spec import Limits
 
     seen = {}
     monkeypatch.setenv("SPECPREFILL_ALLOWED_MODELS", "org/other")
@@ -99,8 +99,8 @@ def test_generate_stream_shows_the_final_text_when_a_retry_diverged(monkeypatch,
     import fakeredis
 
     import specprefill_cli.options as options
-    import jobs.client as client_mod
-    from jobs.results import GenerateResult
+    import jobs.client.client as client_mod
+    from jobs.contract.results import GenerateResult
 
     final = GenerateResult(job_id="j", text="abXY", finish_reason="length", token_ids=[1, 2],
                            ttft_s=0.1, kept=4, total=4)

@@ -81,7 +81,7 @@ def test_item5_a_rate_reads_as_tokens_per_second():
 
 
 def test_item7_batch_throughput_leaves_out_memo_hits():
-    from jobs.rate import SmoothedRate, worked_tokens
+    from jobs.client.rate import SmoothedRate, worked_tokens
     from specprefill_cli.display import total_row
 
     assert worked_tokens({"total": 8000, "memo_hit": True}) == 0
@@ -125,7 +125,7 @@ def test_item7_a_duplicate_custom_id_names_the_first_line():
 
 
 def _spec(**fields):
-    from jobs.spec import build_spec
+    from jobs.contract.spec import build_spec
 
     return build_spec(Settings(), kind="generate", **fields)
 

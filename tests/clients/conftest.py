@@ -121,7 +121,7 @@ class Served:
         from rq.job import Job
         from rq.serializers import JSONSerializer
 
-        from jobs.inspect import recent_jobs
+        from jobs.client.inspect import recent_jobs
         from jobs.settings import Settings
 
         conn = redis.Redis.from_url(self.redis_url)

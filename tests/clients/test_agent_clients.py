@@ -124,7 +124,7 @@ def job_payload(job_id: str, redis_url: str) -> dict[str, Any]:
 def repeated_prefix(redis_url: str, one: dict[str, Any], two: dict[str, Any]) -> tuple[list[int], int]:
     """Turn 1's stored conversation (its heal's tokens) and how many of its leading tokens turn 2's
     prompt (tokenized as the worker does) repeats."""
-    from jobs.spec import spec_from_payload
+    from jobs.contract.spec import spec_from_payload
     from tests.support.chat_folders import load_tokenizer
     from worker.job.prompt import _common_prefix_len, tokenize_prompt
 

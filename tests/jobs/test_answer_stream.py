@@ -1,12 +1,12 @@
-"""The answer stream contract (jobs.answer_stream) over scripted progress events: order,
+"""The answer stream contract (jobs.client.answer_stream) over scripted progress events: order,
 deltas never repeated or lost, retries, tool calls, the finish event."""
 import pytest
 
-from jobs.answer_stream import (Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, Usage,
-                                answer_events)
 from jobs.client import JobFailed, JobHandle, StreamDiverged
+from jobs.client.answer_stream import (Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, Usage,
+                                       answer_events)
+from jobs.contract.results import GenerateResult
 from jobs.progress import ProgressEvent
-from jobs.results import GenerateResult
 
 CALL = {"id": "a1b2c3d4e", "name": "lookup", "arguments": {"key": "alpha"}}
 

@@ -7,10 +7,10 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs.client import Client, JobFailed
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
+from jobs.contract.spec import JobSpecError
 from jobs.progress import parse_stream_events
 from jobs.settings import Settings
-from jobs.spec import JobSpecError
 
 S = Settings(draft_model="m", max_batch_documents=50, result_ttl_s=3600, job_timeout_s=77)
 

@@ -42,7 +42,7 @@ def test_cli_option_names_are_accepted_from_python(redis_url):
     assert same.id == h.id  # the two spellings are one job
     import pytest
 
-    from jobs.spec import JobSpecError
+    from jobs.contract.spec import JobSpecError
     with pytest.raises(JobSpecError, match="spans: the CLI's name of return_spans"):
         c.submit(tokens=[3], spans=True, return_spans=False)
 

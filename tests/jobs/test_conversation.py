@@ -1,9 +1,9 @@
-"""The conversation format of chat jobs (jobs.conversation): what is accepted, its canonical
+"""The conversation format of chat jobs (jobs.contract.conversation): what is accepted, its canonical
 form, and a refusal naming the field for everything else."""
 import pytest
 
+from jobs.contract.spec import JobSpecError, build_spec, spec_from_payload
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec, spec_from_payload
 
 S = Settings(draft_model="models/draft-tiny")
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {

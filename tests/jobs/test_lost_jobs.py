@@ -4,8 +4,8 @@ import fakeredis
 import pytest
 
 from jobs.client import Client, JobFailed, JobLost
+from jobs.contract.keys import epoch_key
 from jobs.epoch import read_epoch
-from jobs.keys import epoch_key
 from jobs.settings import Settings
 
 S = Settings(draft_model="m")

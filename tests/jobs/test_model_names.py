@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.model_names import ModelCatalog, job_default, parse_aliases
+from jobs.contract.model_names import ModelCatalog, job_default, parse_aliases
+from jobs.contract.spec import JobSpecError, build_spec, spec_from_payload
 from jobs.settings import SHIPPED_MODELS, Settings
-from jobs.spec import JobSpecError, build_spec, spec_from_payload
-from worker.models import ModelPool, locate
 from tests.support.worker_procs import WorkerProcess
+from worker.models import ModelPool, locate
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = ("specprefill", "cache_store", "jobs", "worker", "specprefill_cli", "specprefill_server", "models", "pyproject.toml")

@@ -6,7 +6,7 @@ import fakeredis
 import pytest
 import redis
 
-from jobs.keys import channel_name, stream_key
+from jobs.contract.keys import channel_name, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, ProgressTimeout,
                            batch_progress, iter_events, parse_stream_events)
 

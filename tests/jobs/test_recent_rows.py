@@ -1,11 +1,11 @@
-"""The recent-jobs rows the page lists (jobs.inspect.job_rows): each job by its document name or
+"""The recent-jobs rows the page lists (jobs.client.inspect.job_rows): each job by its document name or
 its input's first words, with its kept share and TTFT from its done event (fakeredis, no worker)."""
 import fakeredis
 
-from jobs.client import Client, describe, described_name
-from jobs.inspect import input_label, job_rows
+from jobs.client.client import Client, describe, described_name
+from jobs.client.inspect import input_label, job_rows
+from jobs.contract.spec import build_spec
 from jobs.settings import Settings
-from jobs.spec import build_spec
 
 S = Settings(draft_model="fake-draft")
 
@@ -49,7 +49,7 @@ def test_recent_jobs_are_ordered_by_when_they_ended_not_by_registry_expiry():
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
-    from jobs.inspect import recent_jobs
+    from jobs.client.inspect import recent_jobs
 
     r = fakeredis.FakeRedis()
     q = Queue(S.queues[0], connection=r, serializer=JSONSerializer)

@@ -1,4 +1,4 @@
-"""Prefix-aware routing (jobs/routing.py): the submitter picks the node queue of the node that
+"""Prefix-aware routing (jobs/client/routing.py): the submitter picks the node queue of the node that
 served the longest prefix of a prompt, or the shared queue; dedup works whichever queue."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from rq.utils import now, utcformat
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from jobs.client import Client
-from jobs.routing import FIRST_CUT, prefix_cuts, record_served, routing_text
+from jobs.client.routing import FIRST_CUT, prefix_cuts, record_served, routing_text
 from jobs.settings import Settings
-from jobs.settings_check import SettingsError
+from jobs.settings.check import SettingsError
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1K characters every conversation shares
 
@@ -110,7 +110,7 @@ def test_among_equal_holders_the_least_loaded_node_gets_the_job(conn):
 def test_among_equal_holders_the_node_with_the_most_free_room_gets_the_job(conn):
     """A batching worker says how many more jobs it takes at once (its free slots of
     max_jobs_in_flight): busy with 3 of 8 it has more room than an idle one-slot worker."""
-    from jobs.node_queues import queue_states
+    from jobs.client.node_queues import queue_states
 
     s = settings(route_max_queue=8)
     for node in ("a", "b"):
@@ -195,7 +195,7 @@ def _job(conn, job_id):
 
 def test_routing_text_of_a_conversation_grows_with_it():
     s = Settings(draft_model="fake-draft")
-    from jobs.spec import build_spec
+    from jobs.contract.spec import build_spec
 
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi " * 200}]
     turn2 = turn1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
@@ -204,7 +204,7 @@ def test_routing_text_of_a_conversation_grows_with_it():
 
 
 def test_waiting_jobs_counts_the_node_queues_of_the_shared_queue(conn):
-    from jobs.node_queues import waiting_jobs
+    from jobs.client.node_queues import waiting_jobs
 
     s = settings()
     listen(conn, "a")

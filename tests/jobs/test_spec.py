@@ -4,9 +4,9 @@ import math
 import numpy as np
 import pytest
 
-from jobs.results import KeptSpan, PrefillResult, rates
+from jobs.contract.results import KeptSpan, PrefillResult, rates
+from jobs.contract.spec import JobSpecError, Limits, build_spec, check_batch_size, spec_from_payload
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, Limits, build_spec, check_batch_size, spec_from_payload
 
 S = Settings(draft_model="models/draft-tiny")
 
@@ -176,7 +176,7 @@ def test_version_1_and_2_payloads_still_read():
 
 
 def test_payload_kind_reads_every_version():
-    from jobs.spec import payload_kind
+    from jobs.contract.spec import payload_kind
 
     generate = build_spec(S.replace(target_model="t"), tokens=[1], kind="generate")
     assert payload_kind(generate.to_payload()) == "generate" == payload_kind(V2_GENERATE)
@@ -269,7 +269,7 @@ def test_fuzzed_payloads_only_raise_jobspecerror(payload):
 def test_both_results_share_the_selection_fields_of_one_base():
     from dataclasses import fields
 
-    from jobs.results import GenerateResult, JobResult
+    from jobs.contract.results import GenerateResult, JobResult
 
     shared = {f.name for f in fields(JobResult)}
     assert {"kept_ranges", "protected_prefix", "cached_tokens", "memo_hit", "timings"} <= shared

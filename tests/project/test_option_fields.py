@@ -8,8 +8,8 @@ from dataclasses import fields
 import fakeredis
 
 from cache_store import SelectionMemo
+from jobs.contract.spec import OPTION_GROUPS, build_spec, option_names, spelled_option
 from jobs.settings import OPTION_SETTINGS, Settings
-from jobs.spec import OPTION_GROUPS, build_spec, option_names, spelled_option
 from specprefill_cli.documents import SPEC_FIELDS
 from specprefill_server.extension import OPENAI_OPTIONS, SPECPREFILL_FIELDS
 

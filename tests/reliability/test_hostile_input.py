@@ -13,7 +13,7 @@ from rq import Queue, Retry
 from rq.serializers import JSONSerializer
 
 from jobs.client import JobFailed
-from jobs.spec import JobSpecError
+from jobs.contract.spec import JobSpecError
 from tests.reliability.conftest import client_for, fake_settings
 
 pytestmark = pytest.mark.timeout(180)  # every reliability test is bounded

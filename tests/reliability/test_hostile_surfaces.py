@@ -18,8 +18,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from jobs.contract.spec import JobSpecError, build_spec, spec_from_payload
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from tests.reliability.conftest import fake_settings
 from tests.reliability.test_hostile_input import CLIENT_EXAMPLES, HOSTILE, LIMITS, VALID, WORKER_EXAMPLES, bad_number
 

@@ -11,7 +11,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from jobs.client import JobFailed, JobLost
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
 from jobs.progress import parse_stream_events
 from tests.reliability.conftest import client_for, fake_settings, read_jsonl
 from tests.reliability.test_redis_restart import doc_tokens, finished_lines, run_batch_cli
@@ -88,7 +88,7 @@ def test_batch_through_a_data_losing_restart_finishes_every_document_once(privat
 
 def _most_running(client, job_ids, stop) -> int:
     """The most of ``job_ids`` seen running at once until ``stop`` is set (polled)."""
-    from jobs.inspect import job_statuses
+    from jobs.client.inspect import job_statuses
 
     most = 0
     while not stop.is_set():

@@ -17,7 +17,7 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from jobs.client import JobFailed
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
 from jobs.progress import parse_stream_events
 from tests.reliability.conftest import client_for, fake_settings
 from tests.support.fake_worker import POISON_TOKEN
@@ -243,7 +243,7 @@ def test_generate_jobs_in_flight_decode_together_and_the_worker_says_so(redis_ur
     s = {**FAST, "block_size": 64, "heal": False}
     w = workers.real(redis_url, s, preload="target")
     conn, c = redis.Redis.from_url(redis_url), client_for(redis_url, s)
-    from jobs.spec import build_spec
+    from jobs.contract.spec import build_spec
     from jobs.settings import Settings
 
     settings = Settings().replace(**s)
@@ -284,7 +284,7 @@ def test_max_jobs_in_flight_1_runs_one_job_at_a_time(redis_url, workers):
 
 
 def test_a_queued_heal_waits_for_an_idle_worker_not_in_a_slot_beside_user_jobs(redis_url, workers):
-    from jobs.heal import HealSpec
+    from jobs.contract.heal import HealSpec
 
     s = fake_settings()
     w = workers.fake(redis_url, s, delay=0.1)

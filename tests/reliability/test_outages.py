@@ -21,7 +21,7 @@ from rq.registry import StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
 from jobs.progress import parse_stream_events
 from tests.reliability.conftest import client_for, fake_settings
 from tests.support.worker_procs import wait_for

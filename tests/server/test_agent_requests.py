@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
+from jobs.contract.spec import build_spec
 from jobs.settings import Settings
-from jobs.spec import build_spec
 from specprefill_server.apis.anthropic.convert import message_fields, notes as message_notes
 from specprefill_server.apis.anthropic.types import MessagesRequest
 from specprefill_server.apis.openai.convert import chat_fields
@@ -175,9 +175,9 @@ def test_qwen_code_shaped_request_through_the_sdk(openai_client):
 
 
 def test_thinking_display_omitted_sends_the_blocks_without_their_text():
-    from jobs.results import GenerateResult
+    from jobs.client.answer_stream import Usage
+    from jobs.contract.results import GenerateResult
     from specprefill_server.apis.anthropic.reply import MessageFrames, message
-    from jobs.answer_stream import Usage
     from specprefill_server.stream_events import Finish, Opened, ReasoningDelta, TextDelta
 
     result = GenerateResult(job_id="generate-x", text="Hi.", reasoning="secret plan", finish_reason="eos",

@@ -181,7 +181,7 @@ def test_queue_full_429_and_disconnect_cancels(idle, stack):
 def test_disconnect_releases_only_its_own_hold_on_a_shared_job(idle, http_redis):
     """The server's cancel on disconnect follows the client's rule: another submitter of
     the same work still holds the job, so the leaving request does not stop it."""
-    from jobs import holders
+    from jobs.client import holders
     from jobs.settings import Settings
 
     body = {"model": TARGET, "messages": [{"role": "user", "content": words(50, seed=8)}],

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from jobs.answer_stream import Usage
-from jobs.results import GenerateResult
+from jobs.client.answer_stream import Usage
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import JobSpecError, build_spec
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec
 from specprefill_server.apis.anthropic.convert import conversation, tools_of
 from specprefill_server.apis.anthropic.reply import MessageFrames, message
 from specprefill_server.apis.anthropic.types import MessagesRequest
@@ -211,8 +211,8 @@ def test_answers_with_reasoning_and_tool_calls():
 
 @pytest.mark.parametrize("heal", [False, True])
 def test_the_heal_field_reaches_the_job_option_on_every_generate_endpoint(heal):
+    from jobs.contract.spec import build_spec
     from jobs.settings import Settings
-    from jobs.spec import build_spec
     from specprefill_server.apis.anthropic.convert import message_fields
     from specprefill_server.apis.openai.convert import chat_fields
     from specprefill_server.apis.openai.types import ChatCompletionRequest
@@ -234,7 +234,7 @@ def test_the_heal_field_reaches_the_job_option_on_every_generate_endpoint(heal):
 
     said = {"queued": True, "job_id": "heal-abc", "tokens": 300}
     assert specprefill_info(result(heal=said))["heal"] == said  # the reply says what became of it
-    from jobs.spec import JobSpecError
+    from jobs.contract.spec import JobSpecError
 
     with pytest.raises(JobSpecError, match="^heal: "):  # checked once, by the spec (a 400 naming it)
         build_spec(Settings(draft_model="d"), kind="generate", **chat_fields(

@@ -16,7 +16,7 @@ import pytest
 import redis
 from openai import APIStatusError, BadRequestError, NotFoundError, OpenAI
 
-from jobs import holders
+from jobs.client import holders
 from jobs.client import Client
 from jobs.settings import Settings
 from tests.server.conftest import SELECTION, TARGET, Server, chat, job_status, queued_jobs, raw_request, words

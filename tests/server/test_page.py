@@ -154,7 +154,7 @@ def test_job_view_shows_target_tokens_and_the_heal(stack, page):
     import redis as redis_py
 
     from jobs.client import Client
-    from jobs.heal import HealSpec
+    from jobs.contract.heal import HealSpec
     from jobs.settings import Settings
 
     client = OpenAI(base_url=stack.base, api_key=API_KEY, max_retries=0)

@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from jobs.results import GenerateResult
+from jobs.contract.layout import Region, layout, regions
+from jobs.contract.results import GenerateResult
+from jobs.contract.results import ImportanceCurve, PrefillResult
+from jobs.contract.spec import JobSpecError, build_spec
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec
-from specprefill_server.batch.lines import plan_lines, result_lines
 from specprefill_server.apis.openai.convert import chat_fields, chat_messages, completion_fields
 from specprefill_server.apis.openai.reply import ChunkMaker
-from specprefill_server.errors import APIError, from_job_failure, from_spec_error
-from jobs.layout import Region, layout, regions
-from jobs.results import ImportanceCurve, PrefillResult
-from specprefill_server.web.jobview import segments
 from specprefill_server.apis.openai.types import ChatCompletionRequest, CompletionRequest
+from specprefill_server.batch.lines import plan_lines, result_lines
+from specprefill_server.errors import APIError, from_job_failure, from_spec_error
 from specprefill_server.parse import parse
+from specprefill_server.web.jobview import segments
 from specprefill_server.web.svg import importance_svg
 
 
@@ -53,7 +53,7 @@ def test_chat_request_maps_to_generate_fields():
 
 
 def test_every_job_option_is_a_request_field():
-    from jobs.spec import option_names
+    from jobs.contract.spec import option_names
     from specprefill_server.extension import OPENAI_OPTIONS, SPECPREFILL_FIELDS
 
     assert set(option_names("generate")) <= set(SPECPREFILL_FIELDS) | OPENAI_OPTIONS
@@ -105,7 +105,7 @@ def test_openai_tool_conversations_convert_to_the_conversation_format():
 
 
 def test_tool_call_results_and_chunks_in_openai_form():
-    from jobs.answer_stream import Finish, ReasoningDelta, ToolCallArguments, ToolCallStart, Usage
+    from jobs.client.answer_stream import Finish, ReasoningDelta, ToolCallArguments, ToolCallStart, Usage
     from specprefill_server.apis.openai.reply import chat_completion
 
     res = result(text="", reasoning="hmm", finish_reason="tool_calls",
@@ -136,7 +136,7 @@ def test_completion_prompts():
 def test_spec_errors_use_the_request_names():
     err = from_spec_error(JobSpecError("target_model: 'x' is not an allowed model"))
     assert err.param == "model" and err.message.startswith("model: ")
-    worker = from_job_failure("failed", "jobs.spec.JobSpecError: input: 200000 tokens, the limit is 131072")
+    worker = from_job_failure("failed", "jobs.contract.spec.JobSpecError: input: 200000 tokens, the limit is 131072")
     assert worker.status == 400 and worker.param == "input"
     model = from_job_failure("failed", "ValueError: target_model: '/x' is neither a model folder nor ...")
     assert model.status == 400 and model.param == "model"
@@ -354,11 +354,11 @@ def test_every_error_has_a_code():
     assert (err.value.param, err.value.code) == ("messages", "missing_required_parameter")
     assert from_spec_error(JobSpecError("keep: 2 is outside")).code == "invalid_value"
     assert APIError(500, "x").code == "internal_error" and APIError(418, "x").code == "error"
-    target = from_job_failure("failed", "jobs.model_names.UnknownModelError: target_model: 'x': is a hub model not "
+    target = from_job_failure("failed", "jobs.contract.model_names.UnknownModelError: target_model: 'x': is a hub model not "
                                         "downloaded on this worker")
     assert (target.status, target.param, target.code) == (404, "model", "model_not_found")
     assert target.message.startswith("model: 'x'")
-    draft = from_job_failure("failed", "jobs.model_names.UnknownModelError: draft_model: 'd': its folder is missing")
+    draft = from_job_failure("failed", "jobs.contract.model_names.UnknownModelError: draft_model: 'd': its folder is missing")
     assert (draft.status, draft.param, draft.code) == (400, "draft_model", "model_not_found")
 
 

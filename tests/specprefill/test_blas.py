@@ -62,7 +62,7 @@ def test_entry_points_take_the_preload_choice_from_settings(entry):
 
 
 def test_importing_the_entry_points_preloads_nothing_and_imports_no_mlx():
-    code = ("import sys, specprefill_cli.main, specprefill_cli.app, worker.process.launcher, worker.job.tasks, jobs.client; "
+    code = ("import sys, specprefill_cli.main, specprefill_cli.app, worker.process.launcher, worker.job.tasks, jobs.client.client; "
             "import specprefill.blas as b; print(b._decided, any(m.startswith('mlx') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

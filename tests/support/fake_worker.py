@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
 from jobs.progress import ProgressPublisher, parse_stream_events
 from jobs.settings import Settings
 from specprefill.selection import plan_selection, to_ranges
 from worker.job.context import JobContext
+from worker.job.tasks import execute
 from worker.models import ModelPool
 from worker.runtime import SelectionBackend, WorkerRuntime
-from worker.job.tasks import execute
 
 class FakeTokenizer:
     chat_template = "fake"

@@ -12,7 +12,7 @@ import redis
 from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 
-from jobs.inspect import advertised_models_key, encode_advert
+from jobs.client.inspect import advertised_models_key, encode_advert
 
 
 @contextmanager

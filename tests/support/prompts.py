@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.spec import JobSpec
+from jobs.contract.spec import JobSpec
 from worker.job.prompt import Template, system_boundary, tokenize_prompt
 
 

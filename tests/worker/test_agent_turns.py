@@ -14,15 +14,15 @@ import pytest
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult
 from jobs.settings import SHIPPED_MODELS, Settings
-from jobs.spec import build_spec
 from tools import recall_task
 from worker.job.context import JobContext
+from worker.job.tasks import execute
 from worker.models import ModelPool
 from worker.runtime import WorkerRuntime
-from worker.job.tasks import execute
 
 DRAFT, TARGET = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")
 BLOCK = 32

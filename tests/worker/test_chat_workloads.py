@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from cache_store import model_fingerprint
-from jobs.keys import stream_key
-from jobs.model_names import UnknownModelError
+from jobs.contract.keys import stream_key
+from jobs.contract.model_names import UnknownModelError
+from jobs.contract.results import GenerateResult, PrefillResult
+from jobs.contract.spec import JobSpecError, build_spec
 from jobs.progress import ProgressPublisher, parse_stream_events
-from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec
 from specprefill.profile import profile_model
 from specprefill.sparse import full_prefill
 import specprefill_testkit.families as F

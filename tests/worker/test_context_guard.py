@@ -6,9 +6,9 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
+from jobs.contract.spec import ContextLengthError, build_spec
 from jobs.progress import ProgressPublisher
 from jobs.settings import Settings
-from jobs.spec import ContextLengthError, build_spec
 from specprefill_server.errors import from_job_failure
 from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, _events, fake_backend
@@ -107,7 +107,7 @@ def test_allow_beyond_context_runs_past_both_windows():
 def test_http_answers_the_workers_refusal_as_400_context_length_exceeded():
     rt = runtime()
     message = failure(rt, kind="generate", tokens=list(range(2, 2 + 150)), max_tokens=20, full_prefill=True)
-    error = from_job_failure("failed", f"jobs.spec.ContextLengthError: {message}")
+    error = from_job_failure("failed", f"jobs.contract.spec.ContextLengthError: {message}")
     assert error.status == 400 and error.code == "context_length_exceeded"
     assert error.param == "max_tokens" and "150 tokens" in error.message and "160 tokens" in error.message
     # a prompt field is named as the request names it

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jobs.spec import ContextLengthError, JobSpecError
+from jobs.contract.spec import ContextLengthError, JobSpecError
 from specprefill_testkit.families import FAMILIES
 from worker.context_window import ContextWindow, check_context, context_window, model_config
 

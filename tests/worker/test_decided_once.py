@@ -13,15 +13,15 @@ from collections import Counter
 import fakeredis
 import pytest
 
-import jobs.conversation
+import jobs.contract.conversation
 import specprefill.plan
 import specprefill.selection
 import worker.job.prompt
 from jobs.client import Client
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult
 from jobs.settings import SHIPPED_MODELS, Settings
-from jobs.spec import build_spec
 from specprefill.options import SelectionOptions
 from specprefill.plan import PrefillPlan
 from specprefill_server.apis.anthropic.convert import message_fields
@@ -88,7 +88,7 @@ def spies(monkeypatch):
     from transformers import PreTrainedTokenizerFast
 
     s = Spies(monkeypatch)
-    s.function(jobs.conversation, "check_messages")
+    s.function(jobs.contract.conversation, "check_messages")
     s.function(specprefill.plan, "plan_prefill")
     s.function(specprefill.plan, "chunk_budget")
     s.function(specprefill.plan, "admission_reason")

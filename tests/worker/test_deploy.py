@@ -13,15 +13,15 @@ import fakeredis
 import pytest
 import redis
 
-from specprefill_cli.embedded_redis import EmbeddedRedis
 from jobs.client import Client
 from jobs.connection import cache_connection, safe_url
-from jobs.results import PrefillResult
+from jobs.contract.results import PrefillResult
+from jobs.contract.spec import build_spec
 from jobs.settings import Settings
-from jobs.spec import build_spec
+from specprefill_cli.embedded_redis import EmbeddedRedis
+from tests.support.worker_procs import WorkerProcess
 from worker.job.prompt import unknown_token_warning
 from worker.process.rq_worker import default_worker_name
-from tests.support.worker_procs import WorkerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_launchd_plist_is_valid_and_runs_the_worker():
     assert plist["ProgramArguments"][1:3] == ["-m", "worker"]
     env = plist["EnvironmentVariables"]
     assert {"REDIS_URL", "SPECPREFILL_NAMESPACE", "SPECPREFILL_MODELS"} <= set(env)
-    from jobs.model_names import ModelCatalog
+    from jobs.contract.model_names import ModelCatalog
 
     settings = Settings.from_env(env)  # every value parses as the worker will read it
     catalog = ModelCatalog.from_settings(settings)

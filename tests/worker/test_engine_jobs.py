@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult
-from jobs.spec import build_spec
 from tests.worker.test_generate_tasks import DOC, events, runtime, streamed_text
 from worker.engine import Engine
 from worker.job.context import JobContext, JobStopped

@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from jobs.contract.results import GenerateResult, PrefillResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult, PrefillResult
 from jobs.settings import Settings
-from jobs.spec import build_spec
 from specprefill.options import ScoringOptions
 from specprefill.profile import profile_model
 from specprefill.scoring import score_tokens

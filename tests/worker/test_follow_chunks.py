@@ -2,8 +2,8 @@
 ranges equal the plain-Python reference of the rule, and the memo tells the options apart."""
 import fakeredis
 
-from jobs.results import PrefillResult
-from jobs.spec import build_spec
+from jobs.contract.results import PrefillResult
+from jobs.contract.spec import build_spec
 from specprefill.selection import to_ranges
 from tests.support.fake_worker import _run, fake_runtime
 from tests.support.selection_reference import reference_selection

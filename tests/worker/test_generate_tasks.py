@@ -7,11 +7,11 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import JobSpecError, build_spec, spec_from_payload
 from jobs.progress import ProgressPublisher, parse_stream_events
-from jobs.results import GenerateResult
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec, spec_from_payload
 from specprefill.wrapping import Wrapper
 from specprefill_testkit.tiny_models import make_model
 from tests.support.fake_worker import FakeModel, FakeTokenizer, fake_backend, identify_all_but

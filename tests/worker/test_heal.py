@@ -15,12 +15,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from jobs.client import Client
-from jobs.heal import HealSpec, heal_spec_from_payload
-from jobs.layout import regions
+from jobs.client.routing import node_of
+from jobs.contract.heal import HealSpec, heal_spec_from_payload
+from jobs.contract.layout import regions
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import JobSpecError, build_spec, payload_kind
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult
-from jobs.routing import node_of
-from jobs.spec import JobSpecError, build_spec, payload_kind
 import specprefill_testkit.families as F
 from tests.support.first_logits import record_decode_logits
 from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime
@@ -74,7 +74,7 @@ def test_a_sparse_turn_queues_a_heal_and_the_next_turn_restores_it():
     again = run_heal(rt, second.heal["job_id"])
     assert again["restored"] == second.total and again["stored"] == again["total"] == second.heal["tokens"]
     assert again["healed"] == again["total"] - second.total > len(second.token_ids)  # and the end of turn
-    # The restored blocks the heal made, as ranges the page draws (jobs.layout)
+    # The restored blocks the heal made, as ranges the page draws (jobs.contract.layout)
     assert first.healed_ranges == [] and second.healed_ranges == [(healed["restored"], healed["stored"])]
     assert [(g.kind, g.start, g.end) for g in regions(second)][:2] == [
         ("restored", 0, healed["restored"]), ("healed", healed["restored"], healed["stored"])]
@@ -203,7 +203,7 @@ def test_heal_jobs_show_in_the_list_rq_and_the_job_record(redis_url):
 
     import redis as redis_py
 
-    from jobs.inspect import job_record
+    from jobs.client.inspect import job_record
     from jobs.settings import Settings
     from tests.support.real_worker import run_cli
 
@@ -245,7 +245,7 @@ def test_a_long_new_turn_on_a_healed_conversation_is_sparse_and_healed_after():
 def test_the_page_and_the_queue_stats_show_heal_jobs():
     from types import SimpleNamespace
 
-    from jobs.inspect import queue_stats, recent_jobs
+    from jobs.client.inspect import queue_stats, recent_jobs
     from specprefill_server.web.data import job_view
 
     r = fakeredis.FakeRedis()

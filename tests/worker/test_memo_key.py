@@ -1,7 +1,7 @@
 """The selection memo key covers everything that changes the selection, the protected prefix too."""
 import fakeredis
 
-from jobs.spec import build_spec
+from jobs.contract.spec import build_spec
 from tests.support.fake_worker import FakeTokenizer, _run, fake_runtime
 from tests.support.prompts import tokenize
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jinja2
 
-from jobs.spec import build_spec
+from jobs.contract.spec import build_spec
 from jobs.settings import Settings
 from tests.support.fake_worker import FakeTokenizer
 from worker.job.next_turn import next_turn

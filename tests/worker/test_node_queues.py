@@ -7,7 +7,7 @@ from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.routing import Router, prefix_cuts, record_served
+from jobs.client.routing import Router, prefix_cuts, record_served
 from tests.support.fake_worker_process import client_for, start_worker  # noqa: F401
 from tests.support.worker_procs import wait_for
 

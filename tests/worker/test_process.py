@@ -59,7 +59,7 @@ def test_cancel_queued_job(redis_url):
 def test_job_taken_while_being_canceled_ends_stopped_without_running(redis_url, start_worker):
     """The race cancel() closes: the client sets the cancel flag, a worker takes the job
     before Job.cancel() removes it from the queue. The worker must not run it."""
-    from jobs.holders import release
+    from jobs.client.holders import release
 
     c = client_for(redis_url)
     h = c.submit(tokens=DOC)

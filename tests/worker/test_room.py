@@ -67,7 +67,7 @@ def test_a_job_larger_than_the_budget_runs_alone():
 
 @pytest.mark.parametrize("value", [0, 257])
 def test_max_jobs_in_flight_is_range_checked(value):
-    from jobs.settings_check import SettingsError
+    from jobs.settings.check import SettingsError
 
     with pytest.raises(SettingsError, match="max_jobs_in_flight"):
         Settings(max_jobs_in_flight=value)

@@ -10,7 +10,7 @@ from pathlib import Path
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from jobs.keys import stream_key
+from jobs.contract.keys import stream_key
 from jobs.progress import parse_stream_events
 from tests.support.fake_worker_process import DOC, client_for, first_scoring_event, start_worker  # noqa: F401
 from tests.support.worker_procs import wait_for

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import fakeredis
 
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
-from jobs.results import GenerateResult
 from jobs.settings import Settings
-from jobs.spec import build_spec
 from tests.support.agent_script import RULES, TOOLS
 from tests.support.chat_folders import save_chat_model
 from tests.support.fake_worker import fake_backend

@@ -8,14 +8,14 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from jobs.results import PrefillResult
+from jobs.contract.results import PrefillResult
+from jobs.contract.spec import JobSpecError, build_spec
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, build_spec
-from worker.models import ModelPool
-from worker.job.context import JobStopped
-from tests.support.prompts import protected_prefix_length, tokenize
 from tests.support.fake_worker import (FakeMemo, FakeModel, FakeScore, FakeStore, FakeTokenizer,  # noqa: F401
                                        _events, _run, fake_backend, fake_pool, fake_runtime, make_fake_score)
+from tests.support.prompts import protected_prefix_length, tokenize
+from worker.job.context import JobStopped
+from worker.models import ModelPool
 
 
 def test_prefill_job_events_and_result():

@@ -10,21 +10,21 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from jobs.answer_stream import ToolCallArguments, ToolCallStart, answer_events
-from jobs.keys import stream_key
+from jobs.client.answer_stream import ToolCallArguments, ToolCallStart, answer_events
+from jobs.contract.keys import stream_key
+from jobs.contract.results import GenerateResult
+from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher, parse_stream_events
-from jobs.results import GenerateResult
 from jobs.settings import Settings
-from jobs.spec import build_spec
 from tests.support.chat_folders import load_tokenizer, save_chat_model
 from tests.support.fake_worker import fake_backend
 from tests.support.scripted_target import scripted_loader
 from worker.job.answer_split import AnswerSplitter
 from worker.job.context import JobContext
-from worker.models import ModelPool
 from worker.job.prompt import tokenize_prompt
-from worker.runtime import WorkerRuntime
 from worker.job.tasks import execute
+from worker.models import ModelPool
+from worker.runtime import WorkerRuntime
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Look a key up.",

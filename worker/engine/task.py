@@ -23,7 +23,7 @@ PHASES = ("prefill", "decode", "waiting")
 def job_priority(payload: Any) -> int:
     """The priority of a queued job's payload: :data:`HEAL` for a heal (off the critical path),
     :data:`USER` for everything else."""
-    from jobs.heal import is_heal_payload
+    from jobs.contract.heal import is_heal_payload
 
     return HEAL if is_heal_payload(payload) else USER
 _order = itertools.count()

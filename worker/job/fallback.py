@@ -17,8 +17,8 @@ import logging
 from rq.timeouts import BaseTimeoutException
 
 from jobs.connection import REDIS_DOWN
-from jobs.model_names import UnknownModelError
-from jobs.spec import ContextLengthError
+from jobs.contract.model_names import UnknownModelError
+from jobs.contract.spec import ContextLengthError
 from worker.job.context import JobContext, JobStopped
 
 log = logging.getLogger(__name__)

@@ -29,25 +29,25 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jobs.results import GenerateResult, PrefillResult, rates
-from jobs.spec import JobSpec
+from jobs.contract.results import GenerateResult, PrefillResult, rates
+from jobs.contract.spec import JobSpec
 from specprefill.options import GenerateOptions
 from specprefill.plan import PrefillPlan, plan_prefill
 from specprefill.selection import to_ranges
+from worker.context_window import check_context, fit_max_tokens
+from worker.engine import batched_decode, chunk_tokens, yield_point
 from worker.job import target_prefill
 from worker.job.answer_split import AnswerSplitter, splits_answer
 from worker.job.context import JobContext
 from worker.job.detokenize import TextStream, stop_token_ids
 from worker.job.fallback import fallback_reason
 from worker.job.heal import heal_skip_reason, healed_ranges, queue_heal, wait_for_heal
-from worker.engine import batched_decode, chunk_tokens, yield_point
-from worker.models import LoadedModel
-from worker.context_window import check_context, fit_max_tokens
 from worker.job.prompt import PromptTokens, check_positions, check_prompt, tokenize_prompt
 from worker.job.reporting import JobReporter
 from worker.job.selection_pipeline import kept_spans, load_model, prompt_warnings, select_prompt
 from worker.job.target_prefix import TargetPrefixCache, contiguous_prefix, prefix_cache
 from worker.job.tokenizer_pair import check_pair_once
+from worker.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

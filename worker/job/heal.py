@@ -22,20 +22,20 @@ import logging
 import time
 from typing import Any, Mapping, Sequence
 
-from jobs.heal import HealSpec
-from jobs.keys import healing_key
+from jobs.contract.heal import HealSpec
+from jobs.contract.keys import healing_key
+from jobs.contract.spec import JobSpec
 from jobs.settings import heal_queue_name, is_heal_queue
-from jobs.spec import JobSpec
+from worker.engine import sleep as engine_sleep
 from worker.job import target_prefill
 from worker.job.context import JobContext
-from worker.engine import sleep as engine_sleep
-from worker.models import LoadedModel
 from worker.job.next_turn import next_turn
-from worker.process.node_busy import add_busy_read, others_busy
 from worker.job.prompt import _common_prefix_len, check_prompt
 from worker.job.reporting import JobReporter
 from worker.job.selection_pipeline import load_model
 from worker.job.target_prefix import TargetPrefixCache, prefix_cache
+from worker.models import LoadedModel
+from worker.process.node_busy import add_busy_read, others_busy
 
 log = logging.getLogger(__name__)
 _pause = engine_sleep  # a waiting turn's pause between looks (tests script a heal's progress here)
@@ -184,7 +184,7 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, board: "_Board", token
 
 
 class _Board:
-    """Where a running heal stands (:func:`jobs.keys.healing_key`, under the first block it
+    """Where a running heal stands (:func:`jobs.contract.keys.healing_key`, under the first block it
     prefills), for a next turn that may wait for it (:func:`wait_for_heal`). Best effort."""
 
     def __init__(self, ctx: JobContext, prefix: TargetPrefixCache, tokens: list[int], start: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.keys import job_key
+from jobs.contract.keys import job_key
 from jobs.progress import ProgressEvent, ProgressPublisher
 
 _MAX_TEXT = 200  # longer strings (error tracebacks, text deltas) are cut in the mirror

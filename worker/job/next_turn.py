@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from jobs.spec import JobSpec
+from jobs.contract.spec import JobSpec
 from worker.job.prompt import Template, _common_prefix_len, chat_messages, render_tokens
 
 # Throwaway next turns: different roles, lengths and first characters, so their renders share

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from jobs.contract.spec import JobSpec, JobSpecError
 from jobs.settings import Settings
-from jobs.spec import JobSpec, JobSpecError
 from worker.models import LoadedModel
 
 CHAT_PROBES = ("probe-A: 17 apples?", "probe-Z: what is 42")  # two throwaway user turns

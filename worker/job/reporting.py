@@ -104,7 +104,7 @@ class JobReporter:
 
     def begin_decode(self, stream: TextStream, max_tokens: int, splitter: AnswerSplitter | None = None) -> None:
         """Decoding starts; with ``splitter`` (a chat answer) the text goes out split into
-        ``text``, ``reasoning`` and ``tool_call`` events (jobs.answer_stream)."""
+        ``text``, ``reasoning`` and ``tool_call`` events (jobs.client.answer_stream)."""
         self.stream, self.max_tokens, self.splitter = stream, max_tokens, splitter
         self._said = {"text": 0, "reasoning": 0}
         self.decode_started = time.perf_counter()

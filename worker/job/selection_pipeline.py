@@ -15,16 +15,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.results import ImportanceCurve, KeptSpan, PrefillResult, rates
-from jobs.spec import JobSpec
+from jobs.contract.results import ImportanceCurve, KeptSpan, PrefillResult, rates
+from jobs.contract.spec import JobSpec
 from specprefill.plan import PrefillPlan, plan_prefill
-from worker.job.context import JobContext
 from worker.context_window import check_context
-from worker.job.fallback import fallback_reason
 from worker.engine import chunk_tokens
-from worker.models import LoadedModel
+from worker.job.context import JobContext
+from worker.job.fallback import fallback_reason
 from worker.job.prompt import PromptTokens, check_prompt, tokenize_prompt, unknown_token_warning
 from worker.job.reporting import JobReporter
+from worker.models import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The RQ job functions: ``run_job`` (every job names it on the queue) and the failure callback.
 
 ``run_job`` validates the payload once (anything read off a queue may be stale, hand-written
-or hostile; the same validation the client ran, ``jobs.spec.spec_from_payload``), dispatches on
+or hostile; the same validation the client ran, ``jobs.contract.spec.spec_from_payload``), dispatches on
 the spec's ``kind`` to a runner (``RUNNERS``; a new kind adds a function and an entry), publishes
 exactly one terminal progress event and returns the JSON result. What runs after the job
 (``note_served``) takes the spec it validated. Transient Redis errors keep RQ's retries;
@@ -16,19 +16,19 @@ from typing import Any, Callable
 import redis
 
 from cache_store.trailing import BOOKKEEPING
+from jobs.client.holders import cancel_requested
+from jobs.client.routing import node_of, record_served, route_key_of, routing_text
 from jobs.connection import REDIS_DOWN
-from jobs.holders import cancel_requested
+from jobs.contract.heal import HealSpec, heal_spec_from_payload, is_heal_payload
+from jobs.contract.spec import JobSpec, spec_from_payload
 from jobs.progress import publisher_for
-from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
-from jobs.routing import node_of, record_served, route_key_of, routing_text
-from jobs.spec import JobSpec, spec_from_payload
 from worker import runtime as runtime_mod
 from worker.job.context import ClaimLost, JobContext, JobStopped
 from worker.job.generate_pipeline import run_generate
 from worker.job.heal import run_heal
 from worker.job.job_meta import mirror_progress
-from worker.process.metrics import queue_wait_s
 from worker.job.selection_pipeline import run_prefill
+from worker.process.metrics import queue_wait_s
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
 
 def note_served(rt: Any, spec: JobSpec | HealSpec, job: Any) -> None:
     """With ``routing=prefix``: index this node as holding the finished job's prompt prefixes
-    (:mod:`jobs.routing`), from the ``spec`` the job ran. Routing is a hint: a failure here is
+    (:mod:`jobs.client.routing`), from the ``spec`` the job ran. Routing is a hint: a failure here is
     logged, the result stands."""
     if rt.settings.routing != "prefix" or isinstance(spec, HealSpec):  # a heal is no prompt a client routes
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.spec import JobSpecError
+from jobs.contract.spec import JobSpecError
 from worker.models import LoadedModel
 from worker.runtime import WorkerRuntime
 

@@ -1,7 +1,7 @@
 """A worker lists the model names it serves, so the HTTP front door can answer
 ``GET /v1/models`` with the names jobs use (never the server's own paths).
 
-The list goes to one Redis key per worker (``jobs.inspect.advertised_models_key``), written
+The list goes to one Redis key per worker (``jobs.client.inspect.advertised_models_key``), written
 when the worker starts and after every job (its loaded models change); a reader keeps only
 workers RQ still has registered, so a dead worker's list is ignored and later expires. The
 advert also says whether the worker takes models it does not list (no ``allowed_models``:
@@ -22,8 +22,8 @@ from typing import Any
 
 import redis
 
-from jobs.inspect import advertised_models_key, encode_advert
-from jobs.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path
+from jobs.client.inspect import advertised_models_key, encode_advert
+from jobs.contract.model_names import DEFAULT_DRAFT, DEFAULT_TARGET, ModelCatalog, looks_like_path
 from worker.context_window import context_window
 from worker.models import hub_snapshot
 from worker.runtime import WorkerRuntime

@@ -14,8 +14,8 @@ from typing import Any, Mapping
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from jobs.contract.spec import payload_kind
 from jobs.settings import Settings
-from jobs.spec import payload_kind
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Workers of one node share its CPU cores (on a Mac, its one GPU), so a heal running on one
 worker slows a user job running on another of the same node, even when no user job waits in
-a queue. Each worker records itself in its node's busy set (:func:`jobs.keys.node_busy_key`)
+a queue. Each worker records itself in its node's busy set (:func:`jobs.contract.keys.node_busy_key`)
 while it runs a user job (not a heal), with an expiry its beats renew (``heartbeat_ttl_s``),
 so a worker that died mid-job stops counting when its entry expires. A heal reads the set at
 each block boundary (:func:`worker.job.heal.user_job_ahead`) and yields while another worker of
@@ -14,8 +14,8 @@ import time
 from typing import Any
 
 from cache_store.replies import as_text
-from jobs.keys import node_busy_key
-from jobs.routing import node_of
+from jobs.client.routing import node_of
+from jobs.contract.keys import node_busy_key
 from jobs.settings import Settings
 
 

@@ -22,7 +22,7 @@ import threading
 import redis
 from rq import Queue
 
-from jobs.keys import job_key as job_key_of
+from jobs.contract.keys import job_key as job_key_of
 
 log = logging.getLogger(__name__)
 

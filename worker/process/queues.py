@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jobs.keys import node_queue_name
-from jobs.routing import node_of
+from jobs.client.routing import node_of
+from jobs.contract.keys import node_queue_name
 from jobs.settings import Settings, heal_queue_name, is_heal_queue
 
 
 def listen_order(settings: Settings, queues: Sequence[str] | None = None) -> list[str]:
     """RQ's order of this worker's queues (``queues``, default the deployment's): this node's
-    queue of each (jobs routed here for their prefix, :mod:`jobs.routing`), then the shared
+    queue of each (jobs routed here for their prefix, :mod:`jobs.client.routing`), then the shared
     ones (anyone's), then, with ``heal`` on, each shared queue's heal queue, so a heal is taken
     only when no user job waits (a heal queue named outright is kept, last). The node queues
     are listened on whatever ``routing`` says, so a submitter may turn it on."""

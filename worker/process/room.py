@@ -19,9 +19,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from jobs.heal import heal_spec_from_payload, is_heal_payload
+from jobs.contract.heal import heal_spec_from_payload, is_heal_payload
+from jobs.contract.spec import spec_from_payload
 from jobs.settings import Settings
-from jobs.spec import spec_from_payload
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from rq.utils import now
 from rq.exceptions import StopRequested
 from rq.worker import DequeueStrategy
 
+from jobs.client.node_queues import rescue_stranded
 from jobs.connection import REDIS_DOWN, stop_retrying
 from jobs.log_format import set_worker
-from jobs.node_queues import rescue_stranded
 from worker import runtime as runtime_mod
 from worker.engine import Engine
 from worker.process import hooks

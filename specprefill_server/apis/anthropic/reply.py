@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.results import GenerateResult
+from jobs.contract.results import GenerateResult
 from specprefill_server.extension import specprefill_info
 from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningDelta, StreamEvent, TextDelta,
                                               ToolCallArguments, ToolCallStart, sse)

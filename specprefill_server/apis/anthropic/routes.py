@@ -8,7 +8,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jobs.spec import JobSpecError
+from jobs.contract.spec import JobSpecError
 from specprefill_server import answering
 from specprefill_server.apis.anthropic.convert import count_fields, message_fields, notes
 from specprefill_server.apis.anthropic.reply import PING, MessageFrames, message

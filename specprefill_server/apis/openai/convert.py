@@ -44,7 +44,7 @@ def _tool_calls(calls: Any, where: str) -> Any:
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages in the conversation format (jobs.conversation), one for one, so the
+    """OpenAI messages in the conversation format (jobs.contract.conversation), one for one, so the
     spec's errors name the request's own fields: tool-call arguments parsed from their JSON
     text, ``reasoning`` (mlx-lm's and vLLM's name) as ``reasoning_content``, and the empty
     fields an SDK echoes back in an assistant message (``refusal``, ``audio``, ...) dropped."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.answer_stream import AnswerEvent, Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, \
+from jobs.client.answer_stream import AnswerEvent, Finish, ReasoningDelta, TextDelta, ToolCallArguments, ToolCallStart, \
     arguments_json
-from jobs.results import GenerateResult
+from jobs.contract.results import GenerateResult
 from specprefill_server.extension import specprefill_info
 from specprefill_server.stream_events import Failed, Frames, Opened, StreamEvent, sse
 
@@ -89,7 +89,7 @@ class ChunkMaker:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
     def event(self, ev: AnswerEvent) -> dict[str, Any] | None:
-        """The chunk of one answer event (jobs.answer_stream); None for :class:`Finish`
+        """The chunk of one answer event (jobs.client.answer_stream); None for :class:`Finish`
         (:meth:`last` and :meth:`usage` make its chunks). A tool call streams as OpenAI's
         ``delta.tool_calls``: index, id and name first, then its argument fragments."""
         if isinstance(ev, TextDelta):

@@ -8,7 +8,7 @@ refused by name with the reason (:data:`REFUSED`), so a request is answered as a
 refused. Fields clients send unasked that change nothing here (``user``, ``metadata``,
 ``service_tier``, ``verbosity``, ``prediction``, ...) are accepted and ignored (docs/http.md,
 the field table); ``prompt_cache_key`` routes the job with ``routing=prefix``
-(jobs/routing.py); ``web_search_options`` asks for a search this server cannot run (a note
+(jobs/client/routing.py); ``web_search_options`` asks for a search this server cannot run (a note
 in the answer's warnings). SpecPrefill options are extra body fields
 (``extra_body={"keep": 0.2}`` in the SDK); any other unknown field is refused by name.
 """

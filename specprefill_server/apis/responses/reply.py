@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.answer_stream import arguments_json
-from jobs.results import GenerateResult
-from specprefill_server.extension import specprefill_info
+from jobs.client.answer_stream import arguments_json
+from jobs.contract.results import GenerateResult
 from specprefill_server.apis.responses.types import ResponsesRequest
+from specprefill_server.extension import specprefill_info
 from specprefill_server.stream_events import (Failed, Finish, Opened, ReasoningDelta, StreamEvent, TextDelta,
                                               ToolCallArguments, ToolCallStart, sse)
 

@@ -3,7 +3,7 @@ or streamed as Responses events), ``GET`` and ``DELETE /v1/responses/{id}``.
 
 A response stored (``store``, the default) keeps its body and its conversation (the input
 after the previous response's, and the answer; not the ``instructions``, which do not carry
-over) in the server's Redis for ``http_response_ttl_s``, under :func:`jobs.keys.response_key`,
+over) in the server's Redis for ``http_response_ttl_s``, under :func:`jobs.contract.keys.response_key`,
 so ``previous_response_id`` continues it from any server sharing that Redis.
 """
 from __future__ import annotations
@@ -16,14 +16,14 @@ import redis
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jobs.keys import response_key
-from jobs.results import GenerateResult
+from jobs.contract.keys import response_key
+from jobs.contract.results import GenerateResult
 from specprefill_server import answering
-from specprefill_server.errors import APIError, not_found
-from specprefill_server.parse import parse
 from specprefill_server.apis.responses.convert import conversation, namespaces, notes, response_fields
 from specprefill_server.apis.responses.reply import ResponseFrames, ResponseShape, answer_messages, response_id
 from specprefill_server.apis.responses.types import ResponsesRequest
+from specprefill_server.errors import APIError, not_found
+from specprefill_server.parse import parse
 from specprefill_server.state import ServerState, read_json, state
 
 ENDPOINT = "/v1/responses"

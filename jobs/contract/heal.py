@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from jobs.contract.spec import JobSpecError, Limits, _model_name, _tokens
 from jobs.settings import Settings
-from jobs.spec import JobSpecError, Limits, _model_name, _tokens
 
 HEAL_KIND = "heal"
 HEAL_PAYLOAD_VERSION = 1

@@ -21,11 +21,11 @@ from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
 from cache_store.replies import as_text
-from jobs.client import described_name
+from jobs.client.client import described_name
+from jobs.client.node_queues import node_queues_of
+from jobs.contract.heal import HealSpec, heal_spec_from_payload, is_heal_payload
+from jobs.contract.spec import JobSpec, spec_from_payload
 from jobs.settings import Settings, is_heal_queue
-from jobs.heal import HealSpec, heal_spec_from_payload, is_heal_payload
-from jobs.node_queues import node_queues_of
-from jobs.spec import JobSpec, spec_from_payload
 
 REGISTRIES = ("started", "finished", "failed", "deferred", "scheduled", "canceled")
 

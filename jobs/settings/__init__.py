@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from cache_store.keys import check_namespace
-from jobs import settings_check
-from jobs.settings_check import SettingsError
 from jobs.log_format import LOG_FORMATS
+from jobs.settings import check as settings_check
+from jobs.settings.check import SettingsError
 from specprefill.options import (COMPUTE_DTYPES, PREFILL_STEP, STATE_CHECKPOINT_BLOCKS, OptionError, ScoringOptions,
                                  SelectionOptions)
 
 ENV_PREFIX = "SPECPREFILL_"
 KV_BITS = (0, 2, 3, 4, 5, 6, 8)  # what mx.quantize takes (0: a plain cache)
 KV_GROUP_SIZES = (32, 64, 128)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # The settings named by option fields: setting (and SPECPREFILL_<NAME>) -> (group, field).
 OPTION_GROUPS = {"scoring": ScoringOptions, "selection": SelectionOptions}
 OPTION_SETTINGS = {f.name: (group, f.name) for group, cls in OPTION_GROUPS.items() for f in fields(cls)}
@@ -68,13 +68,13 @@ class Settings:
     # Models a job may name. Empty: any local folder or hub id. Otherwise these plus
     # draft_model, target_model and preload_models; a job naming another one is refused.
     allowed_models: tuple[str, ...] = ()
-    # Model names (jobs.model_names): aliases NAME=PATH_OR_HUB_ID a job may name, and whether
+    # Model names (jobs.contract.model_names): aliases NAME=PATH_OR_HUB_ID a job may name, and whether
     # a hub id missing from this worker's hub cache is downloaded (else refused, saying how
     # to pre-download it). Worker name: empty is "<host>.<pid>".
     models: tuple[str, ...] = ()
     allow_downloads: bool = False
     worker_name: str = ""
-    # Prefix-aware routing (jobs/routing.py). A node is one machine with its own local tier; its
+    # Prefix-aware routing (jobs/client/routing.py). A node is one machine with its own local tier; its
     # workers listen on its node queue (``<queue>@<node>``) before the shared queue. "prefix":
     # the submitter sends a job to the node that last served the longest prefix of its prompt
     # while that node's queue holds at most route_max_queue jobs; "off": the shared queue.
@@ -178,7 +178,7 @@ class Settings:
     failure_ttl_s: int = 7 * 24 * 3600
     retry_max: int = 3
     # A submission of work whose last holder just canceled it waits this long for the stop,
-    # then enqueues it afresh (identical submissions share one job; see jobs/holders.py).
+    # then enqueues it afresh (identical submissions share one job; see jobs/client/holders.py).
     stop_wait_s: float = 30.0
     progress_stream_maxlen: int = 1000
     progress_ttl_s: int = 24 * 3600
@@ -323,7 +323,7 @@ def is_heal_queue(queue: str | None) -> bool:
 
 
 def heal_queue_name(queue: str) -> str:
-    """The heal queue behind user queue ``queue``. A node queue's (``<queue>@<node>``, jobs.routing)
+    """The heal queue behind user queue ``queue``. A node queue's (``<queue>@<node>``, jobs.client.routing)
     is its shared queue's: any node may heal, the blocks go to the shared store, and a heal
     queue of a node nobody listens on would strand its heals."""
     if is_heal_queue(queue):

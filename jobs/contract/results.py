@@ -75,7 +75,7 @@ class JobResult:
     warnings: list[str] = field(default_factory=list)
     # What the job page shows, kept when the job runs (the page never runs a model). The
     # layout of the prompt is these fields with kept_ranges, protected_prefix, tail_start and
-    # the target's restored tokens, read by one function (jobs.layout.regions).
+    # the target's restored tokens, read by one function (jobs.contract.layout.regions).
     # The draft's importance, downsampled (None: the draft did not score this prompt).
     importance_curve: ImportanceCurve | None = None
     # Text of each kept range: when the spec asked (return_spans), else when the kept tokens
@@ -147,7 +147,7 @@ class GenerateResult(JobResult):
     tool calls). For a chat job ``text`` is the answer's content; ``reasoning`` the reasoning
     text and ``tool_calls`` the calls (``{"id", "name", "arguments"}``, arguments an object),
     separated and parsed with the model's own mlx-lm markers and tool parser
-    (``jobs.answer_stream`` is how they stream).
+    (``jobs.client.answer_stream`` is how they stream).
     """
 
     text: str

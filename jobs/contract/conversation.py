@@ -57,7 +57,7 @@ class ChatMessages(tuple):
     chars: int
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ChatMessages":
-        raise TypeError("ChatMessages are made by jobs.conversation.check_messages only")
+        raise TypeError("ChatMessages are made by jobs.contract.conversation.check_messages only")
 
     @classmethod
     def _checked(cls, messages: list[dict[str, Any]], chars: int) -> "ChatMessages":

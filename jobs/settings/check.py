@@ -42,7 +42,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_decode_gap_s": (0.001, 60), "prefill_chunk_tokens": (0, None),
     "max_jobs_in_flight": (1, 256), "kv_budget_bytes": (0, None),
 }
-ROUTING_MODES = ("off", "prefix")  # jobs/routing.py
+ROUTING_MODES = ("off", "prefix")  # jobs/client/routing.py
 PREFILL_ORDERS = ("shortest", "fifo")  # worker/engine/scheduler.py
 # SPECPREFILL_* variables read elsewhere (not settings): never warned about.
 OTHER_VARIABLES = frozenset({"ENV_FILE", "REDIS_SERVER", "HARNESS_FORBID_PICKLE", "CHROMIUM"})

@@ -50,13 +50,13 @@ def response_key(namespace: str, response_id: str) -> str:
 
 def node_queue_name(queue: str, node: str) -> str:
     """The RQ queue of one node's workers (they listen on it before the shared ``queue``):
-    jobs routed to the node whose local tier holds their prefix (:mod:`jobs.routing`)."""
+    jobs routed to the node whose local tier holds their prefix (:mod:`jobs.client.routing`)."""
     return f"{queue}@{node}"
 
 
 def route_index_key(namespace: str, digest: str) -> str:
     """The nodes that recently served a prompt prefix with this digest (a sorted set: node ->
-    when, unix seconds; expiring), the approximate prefix index of :mod:`jobs.routing`."""
+    when, unix seconds; expiring), the approximate prefix index of :mod:`jobs.client.routing`."""
     return f"{namespace}:route:{digest}"
 
 

@@ -4,7 +4,7 @@ An approximate prefix index in Redis, as SGLang's router keeps one (there a radi
 recent prompts per worker; here hashes): a prompt's *routing text* (its text, its token ids,
 or its conversation rendered message by message) is cut at a few lengths (``FIRST_CUT``
 characters, doubling, and the whole text), and each cut's digest names a sorted set of the
-nodes that served a prompt with that prefix, by when (:func:`jobs.keys.route_index_key`).
+nodes that served a prompt with that prefix, by when (:func:`jobs.contract.keys.route_index_key`).
 A worker records its node under every cut of a job it finished (:func:`record_served`); the
 submitter (:class:`Router`) looks its prompt's cuts up, longest first, and picks, among the
 nodes holding the longest one that have a live worker on their node queue and at most
@@ -28,8 +28,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import redis
 
-from jobs.keys import node_queue_name, route_index_key
-from jobs.node_queues import queue_states
+from jobs.client.node_queues import queue_states
+from jobs.contract.keys import node_queue_name, route_index_key
 from jobs.settings import Settings
 
 FIRST_CUT = 256  # characters of the shortest indexed prefix; each next cut doubles

@@ -12,7 +12,7 @@ Each side of the queue validates once, with the same function (:func:`_validate`
 client when it builds the spec (:func:`build_spec`), the worker when it reads the payload
 (:func:`spec_from_payload`), because anything read off a queue may be stale, hand-written or
 hostile. What it validated travels validated: the options objects, and the conversation as
-``jobs.conversation.ChatMessages``; nothing after the spec checks them again. Every rejection
+``jobs.contract.conversation.ChatMessages``; nothing after the spec checks them again. Every rejection
 is a :class:`JobSpecError` naming the field as the user spelled it and its allowed range.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from types import MappingProxyType
 from typing import Any
 
 from cache_store.keys import MAX_TOKEN_ID
-from jobs.conversation import (CHAT_ROLES, MAX_CHAT_MESSAGES, ChatMessages, ConversationError,  # noqa: F401
-                               check_messages, check_size)
-from jobs.model_names import ModelCatalog, job_default, looks_like_path, public_name
+from jobs.contract.conversation import (CHAT_ROLES, MAX_CHAT_MESSAGES, ChatMessages, ConversationError,  # noqa: F401
+                                        check_messages, check_size)
+from jobs.contract.model_names import ModelCatalog, job_default, looks_like_path, public_name
 from jobs.settings import Settings
 from specprefill.options import (GenerateOptions, OptionError, Sampling, ScoringOptions,
                                  SelectionOptions, check_flag)
@@ -158,7 +158,7 @@ class JobSpec:
     draft_model: str
     tokens: tuple[int, ...] | None = None
     text: str | None = None
-    # The conversation (jobs.conversation): Hugging Face chat-template message dicts, checked
+    # The conversation (jobs.contract.conversation): Hugging Face chat-template message dicts, checked
     # once, when the spec was built (ChatMessages: nothing after that checks them again).
     messages: ChatMessages | None = None
     # Rendered by the chat template with the messages (and so part of the system block):
@@ -175,7 +175,7 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.messages is not None and not isinstance(self.messages, ChatMessages):
             raise TypeError("JobSpec.messages: build the spec with build_spec or spec_from_payload, "
-                            "which check the conversation (jobs.conversation.check_messages)")
+                            "which check the conversation (jobs.contract.conversation.check_messages)")
 
     @property
     def kind(self) -> str:
@@ -435,7 +435,7 @@ def _merged(group: str, given: Any, flat: dict[str, Any]) -> Any:
 
 def payload_kind(payload: Mapping[str, Any]) -> str:
     """The kind of job a payload of any version asks for, without validating it:
-    ``"prefill"``, ``"generate"``, ``"heal"`` (``jobs.heal``) or ``"invalid"``."""
+    ``"prefill"``, ``"generate"``, ``"heal"`` (``jobs.contract.heal``) or ``"invalid"``."""
     if payload.get("kind") == "heal":
         return "heal"
     if payload.get("v") == 3:

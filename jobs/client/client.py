@@ -5,7 +5,7 @@ returns the existing job instead of running it twice; only jobs that ended faile
 or canceled are enqueued afresh. A batch is checked in one pipelined round trip and
 enqueued (jobs + their ``queued`` events) in another.
 
-Shared work, private control (:mod:`jobs.holders`): every handle holds the job with its own
+Shared work, private control (:mod:`jobs.client.holders`): every handle holds the job with its own
 token, and ``cancel()`` stops the job only when no other submitter holds it any more.
 
 Each handle remembers the Redis epoch (:mod:`jobs.epoch`) its job was known to exist in, so
@@ -28,18 +28,18 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from cache_store.replies import as_text
-from jobs import holders
+from jobs.client import holders
+from jobs.client.rate import SmoothedRate
+from jobs.client.routing import Router, routing_text
 from jobs.connection import queue_connection
+from jobs.contract.keys import cancel_key, job_key, stream_key
+from jobs.contract.results import GenerateResult, PrefillResult, result_from_json
+from jobs.contract.spec import JobSpec, Limits, build_spec, check_batch_size
 from jobs.deadline import Deadline
 from jobs.epoch import add_epoch_reads, epoch_of, read_epoch
-from jobs.keys import cancel_key, job_key, stream_key
 from jobs.progress import (BatchProgress, ProgressEvent, ProgressPublisher, batch_progress,
                            iter_events, publisher_for)
-from jobs.rate import SmoothedRate
-from jobs.routing import Router, routing_text
-from jobs.results import GenerateResult, PrefillResult, result_from_json
 from jobs.settings import Settings
-from jobs.spec import JobSpec, Limits, build_spec, check_batch_size
 
 JOB_FUNCTION = "worker.tasks.run_job"
 FAILURE_CALLBACK = "worker.tasks.on_job_failure"
@@ -313,7 +313,7 @@ class BatchHandle:
 
     def progress(self) -> BatchProgress:
         """Counts by status, ETA and ``tokens_per_s`` (smoothed over the calls on this
-        handle: prompt tokens got through per second, see :mod:`jobs.rate`). ``print()``
+        handle: prompt tokens got through per second, see :mod:`jobs.client.rate`). ``print()``
         shows one line; ``last_events`` holds each job's latest event."""
         view = batch_progress(self.client.connection, self.job_ids,
                               namespace=self.client.settings.namespace)
@@ -447,7 +447,7 @@ class Client:
 
     def spec(self, **fields: Any) -> JobSpec:
         """A validated spec with this client's settings as defaults (fields as for
-        :func:`jobs.spec.build_spec`: the input, models, ``keep=``, ``lookahead_seed=``, ...,
+        :func:`jobs.contract.spec.build_spec`: the input, models, ``keep=``, ``lookahead_seed=``, ...,
         or options objects such as ``selection=SelectionOptions(...)``)."""
         return build_spec(self.settings, **fields)
 

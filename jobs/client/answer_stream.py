@@ -18,7 +18,7 @@ thing every HTTP formatter (chat completions, Anthropic Messages, OpenAI Respons
   ``"length"`` (``max_tokens``) or ``"tool_calls"`` (the turn ended with tool calls).
   OpenAI says stop/stop/length/tool_calls; Anthropic end_turn/stop_sequence/max_tokens/tool_use.
   ``usage`` counts prompt, generated and block-store-restored prompt tokens; ``result`` is
-  the :class:`jobs.results.GenerateResult` (``text``, ``reasoning``, ``tool_calls``).
+  the :class:`jobs.contract.results.GenerateResult` (``text``, ``reasoning``, ``tool_calls``).
 
 Guarantees: a call's :class:`ToolCallStart` comes before its arguments, calls come in index
 order, each complete before the next starts; deltas are never repeated and never lost
@@ -34,8 +34,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
-from jobs.client import JobHandle, StreamDiverged, check_same
-from jobs.results import GenerateResult
+from jobs.client.client import JobHandle, StreamDiverged, check_same
+from jobs.contract.results import GenerateResult
 
 FINISH_REASONS = ("eos", "stop", "length", "tool_calls")
 CHANNELS = ("reasoning", "text")  # the progress event kinds of the two text channels

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 import redis
 
 from cache_store.replies import as_text
-from jobs.keys import cancel_key, holders_key, job_key
+from jobs.contract.keys import cancel_key, holders_key, job_key
 from jobs.settings import Settings
 
 

@@ -1,0 +1,40 @@
+"""The client: submit, follow and cancel jobs, and read the queue.
+
+- :mod:`jobs.client.client`: ``Client`` and its job and batch handles.
+- :mod:`jobs.client.answer_stream`: a generate job's answer as neutral events (what the HTTP
+  formatters consume).
+- :mod:`jobs.client.holders`: who holds a shared job, and when a cancel stops it.
+- :mod:`jobs.client.routing`: prefix-aware routing to the node holding a prompt's prefix;
+  :mod:`jobs.client.node_queues`: who listens on a node queue, moving a dead node's jobs.
+- :mod:`jobs.client.inspect`: read-only views of the queue for operators.
+- :mod:`jobs.client.rate`: a batch's smoothed tokens/s.
+
+``from jobs.client import Client`` (and the handles and errors) works as before the split.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# module -> the public names it defines (what ``from jobs.client import NAME`` finds), loaded on first use
+_EXPORTS = {
+    "jobs.client.client": ("Client", "JobHandle", "BatchHandle", "JobFailed", "JobLost", "StreamDiverged"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+    from jobs.client.client import Client, JobHandle, BatchHandle, JobFailed, JobLost, StreamDiverged
+
+
+def __getattr__(name: str) -> Any:
+    # Looked up on every use, never cached here: a name patched on its module (a test's
+    # monkeypatch of jobs.client.client.Client) is what ``from jobs.client import NAME`` gets.
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
