@@ -9,10 +9,12 @@ specprefill_server speaks to the queue (jobs, cache_store), never to the model; 
 specprefill_cli. Inside specprefill_server, each API (``apis/<api>/``) has the same files and
 imports no other API, and the machinery they share (the package's top-level modules) and the
 web page import no API: only ``app`` (which routes to them) and ``batch`` (OpenAI's Batch API
-runs chat completions and completions) do. Beside the shipped packages, the source checkout's
-``bench`` (run as ``python -m bench.<name>``) and ``specprefill_testkit`` (what tests and
-benchmarks share): no shipped package imports them or ``tests``; neither imports ``tests``;
-bench edits no import path.
+runs chat completions and completions) do. Inside jobs, the contract (``jobs/contract/``) is data
+both sides agree on: it imports neither the client, nor the progress channel, nor anything that
+talks to Redis; the settings (``jobs/settings/``) sit below every other part. Beside the shipped
+packages, the source checkout's ``bench`` (run as ``python -m bench.<name>``) and
+``specprefill_testkit`` (what tests and benchmarks share): no shipped package imports them or
+``tests``; neither imports ``tests``; bench edits no import path.
 """
 from __future__ import annotations
 
@@ -137,12 +139,12 @@ WORKER_PARTS = {
 }
 
 
-def worker_part_violations(root: Path) -> dict[str, list[str]]:
-    """Module path -> the imports it makes across the worker's parts that WORKER_PARTS forbids."""
+def part_violations(root: Path, package: str, parts: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Module path -> the imports it makes across ``package``'s parts that ``parts`` forbids."""
     bad: dict[str, list[str]] = {}
-    for path in sorted((root / "worker").rglob("*.py")):
+    for path in sorted((root / package).rglob("*.py")):
         module = module_name(path, root)
-        rules = [no for part, no in WORKER_PARTS.items() if module == part or module.startswith(part + ".")]
+        rules = [no for part, no in parts.items() if module == part or module.startswith(part + ".")]
         wrong = sorted(t for t in imports_of(path, root) for no in rules for n in no
                        if t == n or t.startswith(n + "."))
         if wrong:
@@ -155,7 +157,47 @@ def test_the_worker_folders_show_its_parts():
         assert (ROOT / "worker" / part / "__init__.py").is_file(), part
     loose = sorted(p.stem for p in (ROOT / "worker").glob("*.py"))
     assert loose == ["__init__", "__main__", "context_window", "models", "runtime", "tasks"]
-    assert worker_part_violations(ROOT) == {}
+    assert part_violations(ROOT, "worker", WORKER_PARTS) == {}
+
+
+# The parts of jobs (jobs/__init__.py): module prefix -> the prefixes it may not import.
+REDIS_SIDE = ("jobs.connection", "jobs.epoch", "redis")
+JOBS_PARTS = {
+    # what a client and a worker agree on, as data: no client, no progress channel, no Redis calls
+    "jobs.contract": ("jobs.client", "jobs.progress", *REDIS_SIDE),
+    # the settings sit below everything else in jobs (the contract reads them)
+    "jobs.settings": ("jobs.contract", "jobs.client", "jobs.progress", *REDIS_SIDE, "rq"),
+    # progress travels for both sides; the client follows it, never the other way round
+    "jobs.progress": ("jobs.client",),
+    # the small utilities serve the parts above them
+    "jobs.connection": ("jobs.contract", "jobs.client", "jobs.progress"),
+    "jobs.epoch": ("jobs.client", "jobs.progress", "jobs.settings"),
+    "jobs.deadline": ("jobs", "redis", "rq"),
+    "jobs.log_format": ("jobs", "redis", "rq"),
+}
+JOBS_LOOSE = ["__init__", "connection", "deadline", "epoch", "log_format"]
+
+
+def test_the_jobs_folders_show_its_jobs():
+    for part in ("contract", "client", "progress", "settings"):
+        assert (ROOT / "jobs" / part / "__init__.py").is_file(), part
+    assert sorted(p.stem for p in (ROOT / "jobs").glob("*.py")) == JOBS_LOOSE
+    assert part_violations(ROOT, "jobs", JOBS_PARTS) == {}
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("contract/spec.py", "from jobs.client.client import Client\n", ["jobs.client.client.Client"]),
+    ("contract/keys.py", "def f():\n    import redis\n", ["redis"]),
+    ("contract/heal.py", "from jobs.connection import queue_connection\n", ["jobs.connection.queue_connection"]),
+    ("contract/spec.py", "from jobs.settings import Settings\n", []),
+    ("settings/worker.py", "from jobs.contract.spec import Limits\n", ["jobs.contract.spec.Limits"]),
+    ("progress/batch.py", "from jobs.client import holders\n", ["jobs.client.holders"]),
+    ("client/routing.py", "from jobs.contract.keys import route_index_key\n", []),
+], ids=["contract-client", "contract-redis", "contract-connection", "contract-settings", "settings-contract",
+        "progress-client", "client-contract"])
+def test_a_planted_import_across_the_jobs_parts_fails(tmp_path, module, source, expected):
+    _plant(tmp_path, "jobs", module, source)
+    assert part_violations(tmp_path, "jobs", JOBS_PARTS) == ({f"jobs/{module}": expected} if expected else {})
 
 
 @pytest.mark.parametrize("module, source, expected", [
@@ -167,7 +209,7 @@ def test_the_worker_folders_show_its_parts():
 ], ids=["engine-process", "engine-rq", "job-rq-worker", "job-node-busy", "models-job"])
 def test_a_planted_import_across_the_worker_parts_fails(tmp_path, module, source, expected):
     _plant(tmp_path, "worker", module, source)
-    assert worker_part_violations(tmp_path) == ({f"worker/{module}": expected} if expected else {})
+    assert part_violations(tmp_path, "worker", WORKER_PARTS) == ({f"worker/{module}": expected} if expected else {})
 
 
 def _plant(root: Path, package: str, module: str, source: str) -> None:

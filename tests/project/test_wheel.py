@@ -72,6 +72,8 @@ def test_wheel_holds_the_shipped_models_and_demo_documents(installed):
     # the server's subpackages (find_packages takes them by the "specprefill*" pattern)
     assert {f"specprefill_server/apis/{api}/{f}.py" for api in ("openai", "anthropic", "responses")
             for f in ("types", "convert", "reply", "routes")} <= names
+    # jobs' parts (find_packages takes them by the "jobs*" pattern)
+    assert {f"jobs/{part}/__init__.py" for part in ("contract", "client", "progress", "settings")} <= names
 
 
 def test_wheel_installs_no_module_another_project_may_own(installed):
