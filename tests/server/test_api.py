@@ -87,7 +87,9 @@ def test_streamed_text_equals_the_non_streamed_text(openai_client, stack):
 
 
 def test_completions_text_and_token_prompts(openai_client):
-    r = openai_client.completions.create(model=TARGET, prompt=words(300, seed=4), max_tokens=5, seed=1)
+    # sampling seed 2: with the turn-ending target (5d98aba) seeds 1 and 7 draw <|end|> first after
+    # this prompt's sparse prefill (an empty text, rightly); seed 2 draws 'mo cactus'
+    r = openai_client.completions.create(model=TARGET, prompt=words(300, seed=4), max_tokens=5, seed=2)
     assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 5
     t = openai_client.completions.create(model=TARGET, prompt=list(range(10, 300)), max_tokens=3, seed=1)
     assert t.usage.prompt_tokens == 290
