@@ -60,8 +60,9 @@ V3_HOSTILE = st.one_of(
     *[bad_number(SPELLED.get(n, n)).map(lambda v, n=n: _nested("scoring", n, v)) for n in SCORING],
     *[bad_number("keep" if n == "keep" else "chunk_size").map(lambda v, n=n: _nested("selection", n, v))
       for n in SELECTION],
+    # (None is no hostile value here: an unset (None) field takes its default, spec._upgrade)
     st.sampled_from(["scoring", "selection"]).flatmap(
-        lambda g: st.sampled_from(["x", 1, [], None]).map(lambda v: (g, {**v3_payload(), g: v}))),
+        lambda g: st.sampled_from(["x", 1, [], 0.5]).map(lambda v: (g, {**v3_payload(), g: v}))),
     st.sampled_from(["bogus", "kep", "chunk"]).map(lambda k: _nested("selection", k, 1)),
     st.sampled_from(["x", [], {}, 1.5, -3]).map(lambda v: _replace("tokens", v)),
     st.sampled_from(["", "   ", 5, [], "m" * 1025, "a\x00b"]).map(lambda v: _replace("draft_model", v)),
