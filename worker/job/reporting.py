@@ -114,9 +114,9 @@ class JobReporter:
         as it is made); the decode rate event at the interval's pace."""
         self.tokens += 1
         self.stream.add(token)
-        self._send_text()
-        if self.pub.due():
+        if self.pub.due():  # before the text: a text send at a due moment takes the interval's slot
             self._publish_decode()
+        self._send_text()
 
     def finish_decode(self) -> None:
         self.stream.finish()
