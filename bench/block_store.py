@@ -49,7 +49,7 @@ from mlx_lm.models.cache import KVCache
 from redis._parsers import _HiredisParser, _RESP2Parser
 
 from bench import scoring  # its draft model and prompts are the reference
-from bench.benchlib import blas_in_use, report
+from bench.benchlib import blas_in_use, parse_quick, report
 from cache_store import SelectionMemo, is_token_array, model_fingerprint
 from cache_store.block_reader import OVERLAP
 from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum
@@ -487,11 +487,9 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-sizes", action="store_true", help="skip the per-model block sizes (4.)")
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds: a 16-block chain, one 2048-token prompt twice, no sizes (the same code)")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.lengths, opts.repeats, opts.no_sizes = [2048], 2, True
+    opts = parse_quick(parser, None,
+                       "seconds: a 16-block chain, one 2048-token prompt twice, no sizes (the same code)",
+                       lengths=[2048], repeats=2, no_sizes=True)
 
     print(f"BLAS: {blas_in_use()}")
     rows: list[tuple[str, str, str, str]] = []
