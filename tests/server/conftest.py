@@ -25,7 +25,7 @@ import pytest
 import redis
 from openai import OpenAI
 
-from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
+from specprefill_cli.embedded_redis import EmbeddedRedis, free_port, stop_process
 from jobs.settings import SHIPPED_MODELS
 from tests.support.parked_worker import parked_worker
 from tests.support.worker_procs import WorkerProcess
@@ -121,13 +121,9 @@ class Server:
                 time.sleep(0.1)
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        stop_process(self.proc, 10)
 
 
 @dataclass
