@@ -1,6 +1,6 @@
 """The worker's engine in-process: 8 generate jobs batched vs one at a time, and the prefill order.
 
-Runs real generate jobs (``worker.tasks.execute``: the shipped ``models/target-tiny`` and
+Runs real generate jobs (``worker.job.tasks.execute``: the shipped ``models/target-tiny`` and
 ``models/draft-tiny``, progress into fakeredis) side by side in one process:
 
 1. decode-bound: 8 short greedy prompts, all started at once in one engine, vs the same 8 jobs

@@ -162,7 +162,7 @@ def kept_indices(T, seed=0):
     return np.array(sorted(keep))
 
 
-# Sliding-window families (gemma3, gpt-oss, ...) against true positions: tests/test_attention_target.py.
+# Sliding-window families (gemma3, gpt-oss, ...) against true positions: tests/specprefill/test_attention_target.py.
 @pytest.mark.parametrize("name", ["llama-llama3", "qwen2-yarn", "qwen3-linear", "phi3-longrope", "mistral-plain"])
 def test_sparse_decode_attends_kept_tokens_at_original_positions(name):
     model = variant_model(name)
