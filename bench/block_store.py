@@ -68,7 +68,7 @@ from worker.runtime import wire_block_store
 
 GB = 1e9
 BLOCK = 256
-FP = hashlib.sha256(b"bench/cache_store").hexdigest()
+FP = hashlib.sha256(b"bench/block_store").hexdigest()
 DIGEST = hashlib.sha256(b"a block's chain digest").digest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
 GOALS = {"codec": 0.5, "transport": 0.9, "warm": 0.25, "memo": 0.02, "hiredis": 1.2,
