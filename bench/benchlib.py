@@ -1,15 +1,28 @@
-"""Shared verdict lines and the settings the benchmarks run under (the package's ``__init__``
-has loaded the OpenBLAS the service uses before any benchmark imports mlx)."""
+"""Shared verdict lines, the ``--quick`` flag and the settings the benchmarks run under (the
+package's ``__init__`` has loaded the OpenBLAS the service uses before any benchmark imports mlx)."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+from typing import Any
 
 from bench import SETTINGS
 from specprefill.blas import blas_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["ROOT", "SETTINGS", "blas_in_use", "report", "verdict"]
+__all__ = ["ROOT", "SETTINGS", "blas_in_use", "parse_quick", "report", "verdict"]
+
+
+def parse_quick(parser: argparse.ArgumentParser, argv: list[str] | None, quick_help: str,
+                **quick: Any) -> argparse.Namespace:
+    """``parser``'s arguments with a ``--quick`` flag (``quick_help`` says what it runs): a quick
+    run is the same code at the sizes ``quick`` gives (option -> value, over the options' own)."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(quick)
+    return args
 
 
 def verdict(name: str, value: float, op: str, bound: float, shown: str | None = None) -> bool:

@@ -49,7 +49,7 @@ from mlx_lm.models.cache import KVCache
 from redis._parsers import _HiredisParser, _RESP2Parser
 
 from bench import scoring  # its draft model and prompts are the reference
-from bench.benchlib import blas_in_use, report
+from bench.benchlib import blas_in_use, parse_quick, report
 from cache_store import SelectionMemo, is_token_array, model_fingerprint
 from cache_store.block_reader import OVERLAP
 from cache_store.codec import RawArray, decode_block, encode_block, payload_checksum
@@ -68,7 +68,7 @@ from worker.runtime import wire_block_store
 
 GB = 1e9
 BLOCK = 256
-FP = hashlib.sha256(b"bench/cache_store").hexdigest()
+FP = hashlib.sha256(b"bench/block_store").hexdigest()
 DIGEST = hashlib.sha256(b"a block's chain digest").digest()
 SELECT = SelectionOptions(keep=0.2, chunk_size=32, tail_tokens=512, threshold=0)
 GOALS = {"codec": 0.5, "transport": 0.9, "warm": 0.25, "memo": 0.02, "hiredis": 1.2,
@@ -487,11 +487,9 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-sizes", action="store_true", help="skip the per-model block sizes (4.)")
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds: a 16-block chain, one 2048-token prompt twice, no sizes (the same code)")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.lengths, opts.repeats, opts.no_sizes = [2048], 2, True
+    opts = parse_quick(parser, None,
+                       "seconds: a 16-block chain, one 2048-token prompt twice, no sizes (the same code)",
+                       lengths=[2048], repeats=2, no_sizes=True)
 
     print(f"BLAS: {blas_in_use()}")
     rows: list[tuple[str, str, str, str]] = []

@@ -33,7 +33,7 @@ from pathlib import Path
 import redis
 
 from bench import benchlib
-from bench.benchlib import ROOT
+from bench.benchlib import ROOT, parse_quick
 
 GEN = {"max_tokens": 4, "greedy": True}
 TOOLS = [{"type": "function", "function": {
@@ -145,11 +145,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short-pairs", type=int, default=4,
                         help="admission / plain pairs of short prompts per round (each its own text, same length)")
-    parser.add_argument("--quick", action="store_true",
-                        help="seconds: a 512-token system prompt, 768-token documents, one round")
-    args = parser.parse_args()
-    if args.quick:
-        args.system_tokens, args.doc_tokens, args.short_tokens, args.threshold, args.rounds = 512, 768, 256, 384, 1
+    args = parse_quick(parser, None, "seconds: a 512-token system prompt, 768-token documents, one round",
+                       system_tokens=512, doc_tokens=768, short_tokens=256, threshold=384, rounds=1)
     if not args.short_tokens < args.threshold < args.doc_tokens:
         parser.error("need --short-tokens < --threshold < --doc-tokens")
     draft, target = str(SHIPPED_MODELS / "draft-tiny"), str(SHIPPED_MODELS / "target-tiny")

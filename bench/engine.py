@@ -1,6 +1,6 @@
 """The worker's engine in-process: 8 generate jobs batched vs one at a time, and the prefill order.
 
-Runs real generate jobs (``worker.tasks.execute``: the shipped ``models/target-tiny`` and
+Runs real generate jobs (``worker.job.tasks.execute``: the shipped ``models/target-tiny`` and
 ``models/draft-tiny``, progress into fakeredis) side by side in one process:
 
 1. decode-bound: 8 short greedy prompts, all started at once in one engine, vs the same 8 jobs
@@ -18,7 +18,7 @@ import time
 
 import fakeredis
 
-from bench.benchlib import SETTINGS, blas_in_use, report
+from bench.benchlib import SETTINGS, blas_in_use, parse_quick, report
 from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
 from worker.engine import Engine
@@ -139,10 +139,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the mixed workload per order")
     ap.add_argument("--gaps", type=float, nargs="*", default=[],
                     help="also run the mixed workload (shortest) at these max_decode_gap_s")
-    ap.add_argument("--quick", action="store_true", help="32 tokens per job, 1500-token long prompts, 1 round")
-    args = ap.parse_args()
-    if args.quick:
-        args.max_tokens, args.long_tokens, args.rounds = 32, 1500, 1
+    args = parse_quick(ap, None, "32 tokens per job, 1500-token long prompts, 1 round",
+                       max_tokens=32, long_tokens=1500, rounds=1)
     rt = runtime()
     print(f"BLAS: {blas_in_use()}; max_decode_gap_s {rt.settings.max_decode_gap_s}")
     d = decode_bound(rt, args.jobs, args.max_tokens)

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import Callable
 
-from bench.benchlib import verdict
+from bench.benchlib import parse_quick, verdict
 import specprefill_testkit.families as F
 import specprefill_testkit.family_coverage as C
 
@@ -99,11 +99,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=list(C.DTYPES), choices=list(C.DTYPES))
     parser.add_argument("--only", nargs="+", default=list(F.FAMILIES), choices=list(F.FAMILIES))
-    parser.add_argument("--quick", action="store_true",
-                        help=f"seconds: float32 rows of {', '.join(QUICK)} only")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.only, args.dtypes = QUICK, ["float32"]
+    args = parse_quick(parser, argv, f"seconds: float32 rows of {', '.join(QUICK)} only",
+                       only=QUICK, dtypes=["float32"])
     logging.getLogger("specprefill.draft_cache").setLevel(logging.ERROR)  # unstorable caches are in the table
     rows, notes = [], []
     started = time.perf_counter()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.benchlib import verdict
+from bench.benchlib import parse_quick, verdict
 import specprefill_testkit.families as F
 from specprefill_testkit.far_prefix import prefill_prefix
 
@@ -46,10 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threshold", type=int, default=16384, help="original_max_position_embeddings")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="seconds: threshold 2048, hidden 64, one repeat")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.threshold, args.hidden, args.repeats = 2048, 64, 1
+    args = parse_quick(parser, argv, "seconds: threshold 2048, hidden 64, one repeat",
+                       threshold=2048, hidden=64, repeats=1)
     model = ministral3_draft(args.threshold, args.hidden)
     times = {"prefill": [], "synthetic": []}
     profiles = {}

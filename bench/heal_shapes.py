@@ -35,7 +35,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.benchlib import SETTINGS, report
+from bench.benchlib import SETTINGS, parse_quick, report
 from jobs.settings import SHIPPED_MODELS
 from specprefill.prefill import run_prefill
 from specprefill_testkit.tiny_models import make_model
@@ -84,10 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plain", type=int, nargs=2, default=[4349, 15844], metavar=("RESTORED", "NEW"))
     p.add_argument("--heal", type=int, nargs=2, default=[18496, 1697], metavar=("RESTORED", "NEW"))
     p.add_argument("--step", type=int, default=SETTINGS.prefill_step)
-    p.add_argument("--quick", action="store_true", help="seconds: small shapes")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.plain, args.heal, args.step = [256, 1024], [1152, 128], 512
+    args = parse_quick(p, argv, "seconds: small shapes",
+                       plain=[256, 1024], heal=[1152, 128], step=512)
     return args
 
 

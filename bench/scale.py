@@ -45,7 +45,7 @@ import numpy as np
 import redis
 
 from bench import block_store, routing_trace, scoring
-from bench.benchlib import report
+from bench.benchlib import parse_quick, report
 from cache_store.local_tier import FileValue, LocalTier
 from cache_store.trailing import BOOKKEEPING, SHARED_WRITES
 from jobs.connection import cache_connection
@@ -251,11 +251,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--only", choices=[f.__name__.removeprefix("bench_") for f in SECTIONS], action="append",
                         help="run only this section (repeatable; default all)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a 16-block chain, 2 repeats, 4 fetch rounds, 6 conversations of 2 turns (the same code)")
-    opts = parser.parse_args()
-    if opts.quick:
-        opts.blocks, opts.repeats, opts.fetch_rounds, opts.conversations, opts.turns = 16, 2, 4, 6, 2
+    opts = parse_quick(parser, None,
+                       "a 16-block chain, 2 repeats, 4 fetch rounds, 6 conversations of 2 turns (the same code)",
+                       blocks=16, repeats=2, fetch_rounds=4, conversations=6, turns=2)
     chain = Chain(opts.blocks)
     rows, verdicts = [], []
     for section in SECTIONS:

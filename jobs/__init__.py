@@ -17,10 +17,32 @@ importing one part (``jobs.contract.spec``) does not load the client, RQ or Redi
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+
+def lazy_exports(package: str, exports: dict[str, tuple[str, ...]]
+                 ) -> tuple[dict[str, str], Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's names loaded on first use, from ``exports`` (module -> the public names it
+    defines): (name -> its module, the package's ``__getattr__``, its ``__dir__``)."""
+    module_of = {name: module for module, names in exports.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        # Looked up on every use, never cached in the package: a name patched on its module (a
+        # test's monkeypatch of jobs.client.client.Client) is what ``from PACKAGE import NAME`` gets.
+        module = module_of.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *module_of})
+
+    return module_of, __getattr__, __dir__
+
 
 # module -> the public names it defines (what ``from jobs import NAME`` finds), loaded on first use
-_EXPORTS = {
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, {
     "jobs.client.client": ("Client", "JobHandle", "BatchHandle", "JobFailed", "JobLost", "StreamDiverged"),
     "jobs.client.answer_stream": ("answer_events",),
     "jobs.contract.spec": ("JobSpec", "JobSpecError", "ContextLengthError", "build_spec"),
@@ -30,8 +52,7 @@ _EXPORTS = {
     "jobs.progress.batch": ("BatchProgress",),
     "jobs.settings": ("Settings", "SettingsError"),
     "specprefill.options": ("ScoringOptions", "SelectionOptions", "GenerateOptions"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+})
 __all__ = sorted(_MODULE_OF)
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
@@ -45,15 +66,3 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from jobs.settings import Settings, SettingsError
     from specprefill.options import ScoringOptions, SelectionOptions, GenerateOptions
 
-
-def __getattr__(name: str) -> Any:
-    # Looked up on every use, never cached here: a name patched on its module (a test's
-    # monkeypatch of jobs.client.client.Client) is what ``from jobs import NAME`` gets.
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})

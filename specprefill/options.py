@@ -197,7 +197,7 @@ class GenerateOptions:
     or before the first occurrence of any ``stop`` string (one string or a list).
     ``full_prefill`` prefills the target with every prompt token (no draft scoring), for
     comparison. ``heal``: after a sparse prefill, queue a heal job (a full prefill of the
-    conversation the next turn renders, off the critical path; ``worker.heal``).
+    conversation the next turn renders, off the critical path; ``worker.job.heal``).
     ``fit_context``: ``max_tokens`` is a ceiling the worker lowers to the room the prompt leaves
     in the target's context window, instead of refusing a prompt plus ``max_tokens`` past it
     (the answer then ends with the length reason); a prompt that leaves no room is refused.

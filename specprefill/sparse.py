@@ -52,7 +52,7 @@ from specprefill.options import PREFILL_STEP, Sampling
 from specprefill.prefill import PrefillState, Progress, as_tokens, held_tokens, run_prefill
 from specprefill.sampling import sample
 
-__all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens"]
+__all__ = ["PrefillState", "Sampling", "full_prefill", "generate_tokens", "next_token"]
 
 
 def full_prefill(
@@ -112,12 +112,24 @@ def generate_tokens(
     for n in range(1, max_tokens + 1):
         if state.session is not None and not state.session.active:
             raise RuntimeError("generate_tokens: a sparse prefill decodes only inside its target_session")
-        key, step_key = mx.random.split(key)
-        token = int(sample(logits, step_key, sampling).item())
-        if token in stops:
+        token, key = next_token(logits, key, sampling, n=n, max_tokens=max_tokens, stops=stops, progress=progress)
+        if token is None:
             return
-        if progress is not None:
-            progress(n, max_tokens, "decode")
         yield token
         if n < max_tokens:
             logits = model(mx.array([[token]]), cache=kv_cache)[:, -1, :]
+
+
+def next_token(logits: mx.array, key: mx.array, sampling: Sampling, *, n: int, max_tokens: int,
+               stops: set[int], progress: Optional[Progress]) -> tuple[int | None, mx.array]:
+    """Token ``n`` of ``max_tokens`` drawn from ``logits`` with a fresh split of ``key``, and the key
+    for the next draw. None for a token in ``stops`` (not reported); any other is reported to
+    ``progress`` before the caller yields it. ``generate_tokens`` and the worker's engine decode
+    both draw with it, so a seed gives the same answer on either path."""
+    key, step_key = mx.random.split(key)
+    token = int(sample(logits, step_key, sampling).item())
+    if token in stops:
+        return None, key
+    if progress is not None:
+        progress(n, max_tokens, "decode")
+    return token, key

@@ -173,15 +173,9 @@ class ServerProcess:
         raise RuntimeError(f"the HTTP server did not answer /healthz within {timeout}s")
 
     def stop(self) -> None:
-        import subprocess
+        from specprefill_cli.embedded_redis import stop_process
 
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
 
 
 def run_agent_round(base_url: str, model: str, documents: list[Any], out: TextIO) -> dict[str, int]:

@@ -48,6 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM ``proc`` if it runs, and SIGKILL it if it has not exited ``grace_s`` later."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class PortTaken(RuntimeError):
     """Another process listens on the port a server was to start on."""
 
@@ -160,13 +171,8 @@ class EmbeddedRedis:
         return int(reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_process(self.process, 5)
         self.process = None
 
     def kill(self) -> None:

@@ -1,19 +1,19 @@
 """Per-family checks of the serving path, shared by ``bench/families.py`` (the table) and
-``tests/test_family_coverage.py`` (a claimed family that regresses fails there).
+``tests/specprefill/test_family_coverage.py`` (a claimed family that regresses fails there).
 
-Each check builds a tiny random instance of the family (``tests/families.py``, its own mlx-lm
+Each check builds a tiny random instance of the family (``specprefill_testkit/families.py``, its own mlx-lm
 ``ModelArgs``) and runs what the worker runs:
 
 * ``draft``: ``worker.models.draft_profiler`` (``specprefill.profile.profile_model``) then
   ``specprefill.scoring.score_tokens`` on a 70-token prompt past every position threshold of
-  the config; importance against the float64 oracle (``tests/attention_oracle.py``), 1e-4.
+  the config; importance against the float64 oracle (``specprefill_testkit/attention_oracle.py``), 1e-4.
 * ``kv4``: the same with a 4-bit quantized KV cache (heads widened to 32 dims).
 * ``store``: the worker's block store (``worker.runtime._block_store``: ``RedisBlockStore`` on
   fakeredis) behind ``specprefill.reuse.score_with_cache``: a warm run must restore tokens and
   equal the cold one (1e-5).
 * ``target``: ``worker.models.target_profiler`` then the session the generate pipeline opens:
   keep-all against a plain prefill, keep ≈ 0.5 (the last window kept) against every kept token
-  run at its true position (``tests/true_positions.py``), logits within 1e-5.
+  run at its true position (``specprefill_testkit/true_positions.py``), logits within 1e-5.
 """
 from __future__ import annotations
 

@@ -69,14 +69,18 @@ def _set_offsets(cache: list, position: int) -> None:
 def true_position_logits(model: nn.Module, tokens: Sequence[int], keep: Sequence[int],
                          continuation: Sequence[int] = ()) -> list[mx.array]:
     """Logits after the last kept token and after each ``continuation`` token (at ``T``, ``T+1``, ...)."""
-    cache = reference_cache(model)
     feed = [(int(tokens[i]), int(i)) for i in keep]
     feed += [(int(t), len(tokens) + j) for j, t in enumerate(continuation)]
+    return logits_at_positions(model, feed)[len(keep) - 1:]
+
+
+def logits_at_positions(model: nn.Module, feed: Sequence[tuple[int, int]]) -> list[mx.array]:
+    """The logits after each (token, position) of ``feed``, run one at a time in order."""
+    cache = reference_cache(model)
     out = []
-    for step, (token, position) in enumerate(feed):
+    for token, position in feed:
         _set_offsets(cache, position)
         logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
         mx.eval(logits)
-        if step >= len(keep) - 1:
-            out.append(logits)
+        out.append(logits)
     return out

@@ -18,8 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from tools import english_tokenizer
-from tools.recall_task import RecallTask
+from tools.recall_task import ChatExample, ChatTask
 
 # Trained instructions and their replies.
 INSTRUCTIONS = (
@@ -79,23 +78,13 @@ CONTEXT_REPLIES = ("Got it. Thanks for the context!", "Understood.", "OK.")
 
 
 @dataclass
-class InstructionExample:
-    tokens: list[int]            # the prompt followed by the reply and <|end|>
-    prompt_len: int              # tokens[:prompt_len] is the prompt (ends in <|assistant|>)
+class InstructionExample(ChatExample):  # the reply ends in <|end|>
     instruction: str
     reply: str
 
-    @property
-    def answer_positions(self) -> list[int]:
-        return list(range(self.prompt_len, len(self.tokens)))
 
-
-class InstructionTask:
+class InstructionTask(ChatTask):
     """Short-instruction turns in agent-like prompts, in the tokens and template of a recall task."""
-
-    def __init__(self, task: RecallTask) -> None:
-        self.task = task
-        self.template = english_tokenizer.wrap(task.tok)
 
     def tool(self, rng: random.Random) -> dict:
         """A function tool as an agent defines one (random name, rules as its description)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tools import english_tokenizer
 from tools.english_tokenizer import END, SPECIAL_TOKENS, VOCAB_SIZE  # noqa: F401 - re-exported
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,6 +261,26 @@ def load(tokenizer_path: str | None = None) -> RecallTask:
     from tokenizers import Tokenizer
 
     return RecallTask(Tokenizer.from_file(str(tokenizer_path or SHIPPED_TOKENIZER)))
+
+
+@dataclass
+class ChatExample:
+    """A chat turn for training: a prompt rendered by the shipped template, then the reply."""
+
+    tokens: list[int]            # the prompt followed by the assistant's reply
+    prompt_len: int              # tokens[:prompt_len] is the prompt (ends in <|assistant|>)
+
+    @property
+    def answer_positions(self) -> list[int]:
+        return list(range(self.prompt_len, len(self.tokens)))
+
+
+class ChatTask:
+    """Chat turns in the tokens of a recall task, rendered by the shipped chat template."""
+
+    def __init__(self, task: RecallTask) -> None:
+        self.task = task
+        self.template = english_tokenizer.wrap(task.tok)
 
 
 VERBATIM_QUESTION = "\n\nQuote the {} lines after {}"

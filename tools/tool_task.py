@@ -22,8 +22,7 @@ import random
 from dataclasses import dataclass
 
 from specprefill_cli.agent import ASK, LOOKUP_TOOL  # the tool the demo's agent offers: one definition
-from tools import english_tokenizer
-from tools.recall_task import RecallTask
+from tools.recall_task import ChatExample, ChatTask
 
 SYSTEMS = ("", "You are a helpful assistant.", "Answer briefly.", "Use the tools when asked to look something up.")
 
@@ -41,24 +40,14 @@ def call_message(key: str, call_id: str = "call_0") -> dict:
 
 
 @dataclass
-class ToolExample:
-    tokens: list[int]            # the prompt followed by the assistant's reply
-    prompt_len: int              # tokens[:prompt_len] is the prompt (ends in <|assistant|>)
+class ToolExample(ChatExample):
     key: str
     value: list[str]
     turn: str                    # "call" or "answer"
 
-    @property
-    def answer_positions(self) -> list[int]:
-        return list(range(self.prompt_len, len(self.tokens)))
 
-
-class ToolTask:
+class ToolTask(ChatTask):
     """Tool-call and tool-answer examples in the tokens (and template) of a recall task."""
-
-    def __init__(self, task: RecallTask) -> None:
-        self.task = task
-        self.template = english_tokenizer.wrap(task.tok)
 
     def render(self, messages: list[dict], *, generation_prompt: bool) -> str:
         return self.template.apply_chat_template(messages, tools=[LOOKUP_TOOL], tokenize=False,

@@ -252,14 +252,15 @@ Reproduce: `python tools/train_tiny.py --eval <this folder>`.
 
 
 def long_prompt_section(training: dict) -> str:
-    """The model card's long-prompt rows (measured by bench/quality.py's positioned needles and
-    recorded in training.json's ``long_prompts``: what was measured, at which length, how often)."""
+    """The model card's long-prompt rows (measured by ``python -m bench.quality``'s positioned
+    needles and recorded in training.json's ``long_prompts``: what was measured, at which length,
+    how often)."""
     rows = training.get("long_prompts")
     if not rows:
         return ""
     lines = "\n".join(f"| {r['tokens']} | {r['what']} | {r['value']} | {r['n']} |" for r in rows)
     return f"""
-## Long prompts (`bench/quality.py --positions-only`: one needle in each third of a document)
+## Long prompts (`python -m bench.quality --positions-only`: one needle in each third of a document)
 | tokens | measured | value | needles |
 |---|---|---|---|
 {lines}

@@ -13,28 +13,15 @@
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from jobs import lazy_exports
 
 # module -> the public names it defines (what ``from jobs.client import NAME`` finds), loaded on first use
-_EXPORTS = {
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, {
     "jobs.client.client": ("Client", "JobHandle", "BatchHandle", "JobFailed", "JobLost", "StreamDiverged"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+})
 __all__ = sorted(_MODULE_OF)
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from jobs.client.client import Client, JobHandle, BatchHandle, JobFailed, JobLost, StreamDiverged
-
-
-def __getattr__(name: str) -> Any:
-    # Looked up on every use, never cached here: a name patched on its module (a test's
-    # monkeypatch of jobs.client.client.Client) is what ``from jobs.client import NAME`` gets.
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})

@@ -27,6 +27,14 @@ def llama():
     return make_model("llama", seed=4)
 
 
+def stored_blocks(client, model, n_blocks, seed):
+    """A prompt of ``n_blocks`` full blocks in the draft's block store: (tokens, store, block keys)."""
+    tokens = prompt(n_blocks * BS, seed=seed)
+    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
+    assert store.store(tokens, prefilled(model, tokens)[0]) == n_blocks
+    return tokens, store, store.raw_store.block_keys(tokens)
+
+
 def digest_of(key):
     return bytes.fromhex(key.rsplit(":", 1)[1])
 
@@ -58,12 +66,8 @@ def damage(client, keys, other_cache, fp):
 def test_cache_verify_finds_counts_and_removes_every_damaged_key(redis_url, llama, capsys):
     model = llama
     client = redis.Redis.from_url(redis_url)
-    tokens = prompt(12 * BS, seed=1)
-    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
+    tokens, store, keys = stored_blocks(client, model, 12, seed=1)
     fp = store.raw_store.fingerprint
-    cache, _ = prefilled(model, tokens)
-    assert store.store(tokens, cache) == 12
-    keys = store.raw_store.block_keys(tokens)
     other = prefilled(make_model("llama", seed=0, num_key_value_heads=1), tokens[:BS])[0]
     expected = damage(client, keys, other, fp)
     memo = SelectionMemo(client, fp)
@@ -96,12 +100,8 @@ def test_cache_verify_finds_counts_and_removes_every_damaged_key(redis_url, llam
 
 
 def test_dry_run_counts_and_keeps(redis_url, llama, capsys):
-    model = llama
     client = redis.Redis.from_url(redis_url)
-    tokens = prompt(3 * BS, seed=2)
-    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
-    store.store(tokens, prefilled(model, tokens)[0])
-    keys = store.raw_store.block_keys(tokens)
+    keys = stored_blocks(client, llama, 3, seed=2)[2]
     client.set(keys[1], client.get(keys[0]))
     assert main(["cache", "verify", "--dry-run", "--redis-url", redis_url]) == 0
     out = capsys.readouterr().out
@@ -111,12 +111,8 @@ def test_dry_run_counts_and_keeps(redis_url, llama, capsys):
 
 def test_a_block_rewritten_during_the_scan_is_kept(redis_url, llama, monkeypatch):
     """Live Redis: the value read was bad, but a worker rewrote the key before the delete."""
-    model = llama
     client = redis.Redis.from_url(redis_url)
-    tokens = prompt(2 * BS, seed=3)
-    store = draft_store(client, model, block_size=BS, identity="tiny-llama")
-    store.store(tokens, prefilled(model, tokens)[0])
-    keys = store.raw_store.block_keys(tokens)
+    keys = stored_blocks(client, llama, 2, seed=3)[2]
     real_get_many = verify_mod._get_many
     monkeypatch.setattr(verify_mod, "_get_many", lambda c, ks: [b"stale junk" for _ in real_get_many(c, ks)])
     report = verify_namespace(client, "specprefill")

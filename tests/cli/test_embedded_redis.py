@@ -1,8 +1,13 @@
+import signal
+import subprocess
+import sys
+
+import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from specprefill_cli.embedded_redis import EmbeddedRedis
+from specprefill_cli.embedded_redis import EmbeddedRedis, stop_process
 
 
 def test_embedded_redis_starts_on_a_free_port_and_stops(redis_url):
@@ -41,3 +46,16 @@ def test_a_port_another_server_took_is_never_shared(redis_server):
         assert redis.Redis(port=raced.port).info("server")["process_id"] == raced.process.pid
     with pytest.raises(PortTaken, match=f"port {redis_server.port}|Address already in use"):
         EmbeddedRedis(port=redis_server.port).start()
+
+
+@pytest.mark.parametrize("handler, ends_by", [("SIG_DFL", signal.SIGTERM), ("SIG_IGN", signal.SIGKILL)],
+                         ids=["stops-on-sigterm", "ignores-sigterm"])
+def test_stop_process_terminates_then_kills(handler, ends_by):
+    code = (f"import signal, time; signal.signal(signal.SIGTERM, signal.{handler}); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"ready\n"
+    stop_process(proc, 0.5)
+    assert proc.returncode == -ends_by
+    stop_process(proc, 0.5)  # an ended process: nothing to do
+    proc.stdout.close()

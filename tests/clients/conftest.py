@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import redis
 
-from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
+from specprefill_cli.embedded_redis import EmbeddedRedis, free_port, stop_process
 from tests.support.worker_procs import WorkerProcess, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,11 +163,7 @@ def served(tmp_path_factory):
             wait_for(lambda: _healthy(served), timeout=60, step=0.2, what="specprefill serve up")
             yield served
         finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 15)
             worker.stop()
 
 

@@ -1,4 +1,4 @@
-"""bench/scoring.py --quick runs every section it keeps in quick mode (the long-prompt rows and the
+"""``python -m bench.scoring --quick`` runs every section it keeps in quick mode (the long-prompt rows and the
 dtype comparison) and ends with their target lines; its figures are not the targets'."""
 import subprocess
 import sys

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from specprefill_cli import agent
 from specprefill_cli.demo import load_demo
-from tools import recall_task, rope_rebase, tool_task
+from tools import english_tokenizer, recall_task, rope_rebase, tool_task
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFT = REPO / "models" / "draft-tiny"
@@ -54,7 +54,7 @@ def test_template_offers_tools_to_mlx_lms_json_parser(folder):
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_template_without_tools_renders_as_before(generation_prompt):
     _, tokenizer = load(str(DRAFT))
-    old = tool_task.english_tokenizer.wrap(task.tok)
+    old = english_tokenizer.wrap(task.tok)
     old.chat_template = OLD_TEMPLATE
     for messages in ([{"role": "user", "content": "Which words came after Orion"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

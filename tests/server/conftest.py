@@ -16,14 +16,16 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, Sequence
 
 import pytest
 import redis
 from openai import OpenAI
 
-from specprefill_cli.embedded_redis import EmbeddedRedis, free_port
+from specprefill_cli.embedded_redis import EmbeddedRedis, free_port, stop_process
 from jobs.settings import SHIPPED_MODELS
 from tests.support.parked_worker import parked_worker
 from tests.support.worker_procs import WorkerProcess
@@ -119,13 +121,9 @@ class Server:
                 time.sleep(0.1)
 
     def stop(self, kill: bool = False) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        stop_process(self.proc, 10)
 
 
 @dataclass
@@ -204,19 +202,32 @@ def agent(http_redis, tmp_path_factory):
     the chat-completions, Messages and Responses agent loops share it."""
     from tests.support.agent_script import MODEL, RULES
     from tests.support.chat_folders import load_tokenizer, save_chat_model
+
+    folder = save_chat_model(tmp_path_factory.mktemp("agent-stack") / "qwen3-agent", "qwen3", script={"rules": RULES})
+    with scripted_stack(http_redis.url, folder, MODEL, "agent") as (url,):
+        yield OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), load_tokenizer(folder)
+
+
+@contextmanager
+def scripted_stack(redis_url: str, folder: Path, model: str, namespace: str,
+                   servers: Sequence[dict[str, str]] = ({},), **settings: str) -> Iterator[list[str]]:
+    """A scripted worker (tests/support/scripted_worker.py) serving ``folder`` as ``model`` on its
+    own ``namespace``, and a server for each of ``servers`` (its settings beside ``settings``):
+    their URLs. Logs beside ``folder``; all stopped at the end."""
     from tests.support.scripted_worker import scripted_worker
 
-    root = tmp_path_factory.mktemp("agent-stack")
-    folder = save_chat_model(root / "qwen3-agent", "qwen3", script={"rules": RULES})
+    root = folder.parent
     # A prompt is prefilled whole (admission below the threshold): the script sees all of it.
-    settings = dict(namespace="agent", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000")
-    worker = scripted_worker(http_redis.url, f"agent-worker-{os.getpid()}", root / "worker.log",
-                             target_model=MODEL, **settings)
+    settings = dict(namespace=namespace, models=f"{model}={folder}", preload_models=model, threshold="100000",
+                    **settings)
+    worker = scripted_worker(redis_url, f"{namespace}-worker-{os.getpid()}", root / "worker.log",
+                             target_model=model, **settings)
+    started: list[Server] = []
     try:
-        server = Server.start(http_redis.url, root / "server.log", **settings)
-    except BaseException:
+        for i, own in enumerate(servers):
+            started.append(Server.start(redis_url, root / f"server-{i}.log", **{**settings, **own}))
+        yield [server.url for server in started]
+    finally:
+        for server in started:
+            server.stop()
         worker.stop()
-        raise
-    yield OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120), load_tokenizer(folder)
-    server.stop()
-    worker.stop()

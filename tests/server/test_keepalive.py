@@ -8,12 +8,11 @@ give up after 1.5 s without a byte.
 from __future__ import annotations
 
 import json
-import os
 
 import httpx2 as httpx  # the SDKs' HTTP client
 import pytest
 
-from tests.server.conftest import Server, raw_request
+from tests.server.conftest import raw_request, scripted_stack
 
 MODEL = "slow"
 PREFILL_S, READ_TIMEOUT_S = 4.0, 1.5
@@ -25,23 +24,12 @@ def slow(http_redis, tmp_path_factory):
     """A scripted worker whose prefills take 4 s, a server with keep-alives every 0.5 s and
     one with none, on their own namespace."""
     from tests.support.chat_folders import save_chat_model
-    from tests.support.scripted_worker import scripted_worker
 
-    root = tmp_path_factory.mktemp("slow-stack")
-    folder = save_chat_model(root / "slow", "qwen3", script={"rules": RULES, "prefill_delay_s": PREFILL_S})
-    settings = dict(namespace="slow", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000")
-    worker = scripted_worker(http_redis.url, f"slow-worker-{os.getpid()}", root / "worker.log",
-                             target_model=MODEL, **settings)
-    servers = []
-    try:
-        for keepalive in ("0.5", "0"):
-            servers.append(Server.start(http_redis.url, root / f"server-{keepalive}.log",
-                                        stream_keepalive_s=keepalive, **settings))
-        yield {"on": servers[0].url, "off": servers[1].url}
-    finally:
-        for server in servers:
-            server.stop()
-        worker.stop()
+    folder = save_chat_model(tmp_path_factory.mktemp("slow-stack") / "slow", "qwen3",
+                             script={"rules": RULES, "prefill_delay_s": PREFILL_S})
+    servers = ({"stream_keepalive_s": "0.5"}, {"stream_keepalive_s": "0"})
+    with scripted_stack(http_redis.url, folder, MODEL, "slow", servers) as (on, off):
+        yield {"on": on, "off": off}
 
 
 def _openai(url: str):

@@ -7,11 +7,10 @@ refused in the shape each client acts on, and ``GET /v1/models`` says the window
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from tests.server.conftest import Server, raw_request
+from tests.server.conftest import raw_request, scripted_stack
 
 MODEL, WINDOW, MAX_GENERATE = "windowed", 256, 64
 LONG = " ".join(["alpha"] * 200)  # an answer longer than any room here
@@ -23,24 +22,12 @@ def windowed(http_redis, tmp_path_factory):
     """A scripted worker on a model whose config says 256 positions, and its server
     (``max_generate_tokens`` 64)."""
     from tests.support.chat_folders import save_chat_model
-    from tests.support.scripted_worker import scripted_worker
 
-    root = tmp_path_factory.mktemp("windowed-stack")
-    folder = save_chat_model(root / "windowed", "qwen3", script={"rules": RULES})
+    folder = save_chat_model(tmp_path_factory.mktemp("windowed-stack") / "windowed", "qwen3", script={"rules": RULES})
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": WINDOW}))
-    settings = dict(namespace="windowed", models=f"{MODEL}={folder}", preload_models=MODEL, threshold="100000",
-                    max_generate_tokens=str(MAX_GENERATE))
-    worker = scripted_worker(http_redis.url, f"windowed-worker-{os.getpid()}", root / "worker.log",
-                             target_model=MODEL, **settings)
-    try:
-        server = Server.start(http_redis.url, root / "server.log", **settings)
-    except BaseException:
-        worker.stop()
-        raise
-    yield server.url
-    server.stop()
-    worker.stop()
+    with scripted_stack(http_redis.url, folder, MODEL, "windowed", max_generate_tokens=str(MAX_GENERATE)) as (url,):
+        yield url
 
 
 def _openai(url):

@@ -12,6 +12,7 @@ from specprefill.pooling import average_pool
 from specprefill.profile import profile_model
 from specprefill.scoring import ScoreResult, score_tokens
 from specprefill.selection import plan_selection
+from specprefill_testkit.attention_oracle import pool
 from specprefill_testkit.tiny_models import FAMILIES, make_model
 from tests.support.model_state import model_state
 
@@ -57,16 +58,6 @@ def _rope(x, positions, base, traditional):
 
 def _rms(x, weight, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
-
-
-def _pool(x, k):
-    if k <= 1:
-        return x
-    n = x.shape[-1]
-    out = np.empty_like(x)
-    for i in range(n):
-        out[..., i] = x[..., max(0, i - (k - 1) // 2): min(n, i + k // 2 + 1)].mean(-1)
-    return out
 
 
 def oracle_importance(model, family, prompt, lookahead, pool_kernel=13, include_last=True):
@@ -115,7 +106,7 @@ def oracle_importance(model, family, prompt, lookahead, pool_kernel=13, include_
         logits = q[:, rows] @ k.transpose(0, 2, 1) * scale
         weights = np.exp(logits - logits.max(-1, keepdims=True))
         weights /= weights.sum(-1, keepdims=True)
-        layer_best = _pool(weights, pool_kernel).max(0)
+        layer_best = pool(weights, pool_kernel).max(0)
         best = layer_best if best is None else np.maximum(best, layer_best)
     return best.mean(0)
 
@@ -327,7 +318,7 @@ def test_bad_input_names_the_field(kwargs, field):
 def test_average_pool_and_the_fold_match_numpy():
     x = mx.random.uniform(shape=(2, 3, 30), key=mx.random.key(0))
     for k in (0, 1, 2, 5, 13, 40):
-        np.testing.assert_allclose(np.array(average_pool(x, k)), _pool(_f64(x), k), rtol=1e-5)
+        np.testing.assert_allclose(np.array(average_pool(x, k)), pool(_f64(x), k), rtol=1e-5)
     layers = [mx.softmax(mx.random.normal((6, 2, 30), key=mx.random.key(i)), axis=-1) for i in range(3)]
     got = np.array(fold(iter(layers), 0))
     expected = np.max([_f64(p).max(0) for p in layers], axis=0).mean(0)

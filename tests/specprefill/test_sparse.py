@@ -16,6 +16,7 @@ from specprefill.errors import UnsupportedModelError
 from specprefill.sparse import Sampling, full_prefill, generate_tokens
 from specprefill.wrapping import unwrap_rope
 from specprefill_testkit.tiny_models import FAMILIES, make_model
+from specprefill_testkit.true_positions import logits_at_positions
 
 # Every rope variant the supported families build in mlx-lm 0.32, by (family, overrides).
 VARIANTS = {
@@ -152,33 +153,6 @@ def test_keep_all_equals_plain_prefill(name):
 
 # --- decode positions continue at the true prompt length ---------------------------------
 
-class OriginalPositionCache:
-    """Reference cache: concatenates K/V; ``offset`` is set to the next token's original position."""
-
-    def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
-
-    def update_and_fetch(self, keys, values):
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
-        return self.keys, self.values
-
-
-def reference_logits(model, token_position_pairs):
-    """Feed tokens one at a time at the given positions through the genuine model."""
-    cache = [OriginalPositionCache() for _ in model.layers]
-    out = []
-    for token, position in token_position_pairs:
-        for c in cache:
-            c.offset = position
-        out.append(model(mx.array([[token]]), cache=cache)[:, -1, :])
-    return out
-
-
 def kept_indices(T, seed=0):
     rng = np.random.RandomState(seed)
     chunks = rng.choice(np.arange(1, T // 8 - 2), 3, replace=False)
@@ -188,7 +162,7 @@ def kept_indices(T, seed=0):
     return np.array(sorted(keep))
 
 
-# Sliding-window families (gemma3, gpt-oss, ...) against true positions: tests/test_attention_target.py.
+# Sliding-window families (gemma3, gpt-oss, ...) against true positions: tests/specprefill/test_attention_target.py.
 @pytest.mark.parametrize("name", ["llama-llama3", "qwen2-yarn", "qwen3-linear", "phi3-longrope", "mistral-plain"])
 def test_sparse_decode_attends_kept_tokens_at_original_positions(name):
     model = variant_model(name)
@@ -207,11 +181,11 @@ def test_sparse_decode_attends_kept_tokens_at_original_positions(name):
     assert generated == [int(mx.argmax(s).item()) for s in steps]
 
     feed = [(int(tokens[i]), int(i)) for i in keep]
-    true_positions = reference_logits(model, feed + [(t, T + i) for i, t in enumerate(generated[:-1])])
+    true_positions = logits_at_positions(model, feed + [(t, T + i) for i, t in enumerate(generated[:-1])])
     for got, want in zip(steps, true_positions[len(keep) - 1:]):
         assert rel_close(got, want, 1e-4)
     # Control: continuing at kept count + i (the bug this guards against) is detectably different.
-    wrong = reference_logits(model, feed + [(t, len(keep) + i) for i, t in enumerate(generated[:-1])])
+    wrong = logits_at_positions(model, feed + [(t, len(keep) + i) for i, t in enumerate(generated[:-1])])
     assert not rel_close(steps[1], wrong[len(keep)], 1e-3)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specprefill_testkit.model_folders import save_llama_folder
+
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 # style -> (template file, eos, bos, added tokens: (text, special))
 STYLES = {
@@ -50,27 +52,9 @@ def _tokenizer(style: str):
 def save_chat_model(folder: Path, style: str, script: dict | None = None) -> Path:
     """A random-weight llama folder with ``style``'s tokenizer and chat template (and
     ``script.json`` when given: the scripted target's rules)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from specprefill_testkit.tiny_models import make_model
-
-    folder.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(style)
     assert len(tokenizer) <= VOCAB_SIZE
-    model = make_model("llama", seed=5, vocab_size=VOCAB_SIZE)
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB_SIZE,
-                  tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    (folder / "config.json").write_text(json.dumps(config))
-    tokenizer.save_pretrained(str(folder))
-    cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = tokenizer.chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    save_llama_folder(folder, tokenizer, seed=5, vocab_size=VOCAB_SIZE, eos_token_id=tokenizer.eos_token_id)
     if script is not None:
         (folder / "script.json").write_text(json.dumps(script))
     return folder

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from jobs.settings import Settings
+from specprefill_cli.embedded_redis import stop_process
 from specprefill_testkit.model_folders import save_random_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +38,7 @@ def worker_proc(redis_url, model_dir, tmp_path):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     yield proc, log
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_process(proc, 10)
 
 
 def settings_for(model_dir):

@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import redis
 
+from specprefill_cli.embedded_redis import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -71,10 +73,4 @@ class WorkerProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after the grace period."""
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, self.stop_grace_s)

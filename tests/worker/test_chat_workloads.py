@@ -130,32 +130,18 @@ def _plain(rt_factory, messages):
     return run(rt, "plain", messages=messages, **GREEDY, full_prefill=True)
 
 
-def test_draft_scoring_failure_falls_back_to_a_plain_prefill():
+@pytest.mark.parametrize("part, error", [("score_with_cache", RuntimeError("scoring exploded")),
+                                         ("block_store", ConnectionRefusedError("block store gone"))],
+                         ids=["scoring", "block-store"])
+def test_a_draft_failure_falls_back_to_a_plain_prefill(part, error):
     be = fake_backend()
-
-    def broken(*a, **k):
-        raise RuntimeError("scoring exploded")
-
-    be.score_with_cache = broken
+    setattr(be, part, lambda *a, **k: (_ for _ in ()).throw(error))
     rt, _ = runtime(backend=be)
     res = run(rt, messages=chat(), **GREEDY)
-    assert res.fallback.startswith("fallback: draft failed: RuntimeError: scoring exploded")
+    assert res.fallback.startswith(f"fallback: draft failed: {type(error).__name__}: {error}")
     assert res.reason == res.fallback and res.kept == res.total
     ev = [e for e in events(rt) if e.kind == "fallback"]
     assert ev and ev[0].data["stage"] == "draft"
-    assert res.token_ids == _plain(runtime, chat()).token_ids
-
-
-def test_draft_block_store_failure_falls_back():
-    be = fake_backend()
-
-    def no_store(*a, **k):
-        raise ConnectionRefusedError("block store gone")
-
-    be.block_store = no_store
-    rt, _ = runtime(backend=be)
-    res = run(rt, messages=chat(), **GREEDY)
-    assert "ConnectionRefusedError: block store gone" in res.fallback
     assert res.token_ids == _plain(runtime, chat()).token_ids
 
 

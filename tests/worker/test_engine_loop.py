@@ -44,7 +44,7 @@ def prompt(n, seed=0):
 
 def generate(model, tokens, log, name, *, max_tokens=12, on_token=None, seen=None):
     """A job: a chunked full prefill (a yield point after each chunk), then batched decode."""
-    def progress(done, total, phase):  # as worker.reporting's: no yield once the first logits exist
+    def progress(done, total, phase):  # as worker.job.reporting's: no yield once the first logits exist
         log.append(("chunk", name))
         if done < total:
             yield_point(total - done)

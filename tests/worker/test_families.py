@@ -1,5 +1,5 @@
 """The worker serves the families through the kernel capture and the target profile: real
-tiny random instances of each family (tests/families.py) as draft and target, in-process
+tiny random instances of each family (specprefill_testkit/families.py) as draft and target, in-process
 runtime on fakeredis, the real selection backend (memo, block store, scoring, selection)."""
 from __future__ import annotations
 

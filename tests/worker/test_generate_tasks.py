@@ -1,4 +1,4 @@
-"""Generate jobs in-process: fake draft scoring (tests/test_worker_tasks.py fakes), a real tiny
+"""Generate jobs in-process: fake draft scoring (tests/support/fake_worker.py's fakes), a real tiny
 random target model, fakeredis. Events, text streaming, stop strings, stop, validation."""
 from __future__ import annotations
 

@@ -74,22 +74,24 @@ def test_job_taken_while_being_canceled_ends_stopped_without_running(redis_url, 
     assert again.created and again.result(timeout=30).kept < len(DOC)
 
 
-def test_first_sigterm_finishes_job_then_exits(redis_url, start_worker):
-    w = start_worker(0.05)
-    c = client_for(redis_url)
-    h = c.submit(tokens=DOC)  # ~1.5 s
+def _sigterm_mid_job(redis_url, start_worker, chunk_delay_s):
+    """A worker whose chunks take ``chunk_delay_s``, scoring a job of ``DOC`` when it gets a
+    SIGTERM: (the worker, the job)."""
+    w = start_worker(chunk_delay_s)
+    h = client_for(redis_url).submit(tokens=DOC)
     first_scoring_event(h)
     w.signal(signal.SIGTERM)
+    return w, h
+
+
+def test_first_sigterm_finishes_job_then_exits(redis_url, start_worker):
+    w, h = _sigterm_mid_job(redis_url, start_worker, 0.05)  # a job of ~1.5 s
     assert w.wait(20) == 0
     assert h.status() == "finished" and h.result(timeout=1).total == len(DOC)
 
 
 def test_second_sigterm_stops_at_next_chunk(redis_url, start_worker):
-    w = start_worker(0.2)
-    c = client_for(redis_url)
-    h = c.submit(tokens=DOC)  # ~6 s
-    first_scoring_event(h)
-    w.signal(signal.SIGTERM)
+    w, h = _sigterm_mid_job(redis_url, start_worker, 0.2)  # a job of ~6 s
     # RQ ignores a repeat within 1 s of the signal it handled, which a loaded machine may handle
     # late: repeat the second SIGTERM past that window while the job still runs. Never once it
     # stopped: the exiting worker has put the default handler back, and a third SIGTERM kills it.

@@ -1,4 +1,4 @@
-"""The generate pipeline's own target steps (worker.target_prefill): the protected prefix in
+"""The generate pipeline's own target steps (worker.job.target_prefill): the protected prefix in
 block steps, then the sparse prefill (or the plain one) on top of it, for every target family
 the tests build, against the references the sparse tests use (issue 41, item 5: a target of
 recurrent layers only, mamba2, could not say how many tokens its prefix cache held, so its

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Iterator
 
 import mlx.core as mx
 
-from specprefill.sampling import sample
+from specprefill.sparse import next_token
 from worker.engine.batch import Sequence, cache_length, unbatchable_reason
 
 
@@ -17,17 +17,15 @@ def decode_in_engine(engine: Any, task: Any, model: Any, cache: list, logits: mx
     if max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
     stops = {int(t) for t in stop_tokens}
-    key, step_key = mx.random.split(mx.random.key(sampling.seed))
     reason = unbatchable_reason(cache) or engine.batch_reason(model)
     if info is not None:
         info.update(batched=reason is None, unbatched_reason=reason)
     task.phase = "decode"
     try:
-        token = int(sample(logits, step_key, sampling).item())
-        if token in stops:
+        token, key = next_token(logits, mx.random.key(sampling.seed), sampling, n=1, max_tokens=max_tokens,
+                                stops=stops, progress=progress)
+        if token is None:
             return
-        if progress is not None:
-            progress(1, max_tokens, "decode")
         yield token
         if max_tokens == 1:
             return
@@ -60,15 +58,12 @@ def _batched(engine: Any, task: Any, model: Any, seq: Sequence, max_tokens: int,
 
 def _solo(engine: Any, task: Any, model: Any, cache: list, key: mx.array, token: int, sampling: Any,
           max_tokens: int, stops: set[int], progress: Any) -> Iterator[int]:
-    """``generate_tokens``' loop, one token per engine step, in the task's own greenlet (inside
-    its target session, if any: the positions are the session's)."""
+    """``generate_tokens``' loop (each draw ``next_token``), one token per engine step, in the task's
+    own greenlet (inside its target session, if any: the positions are the session's)."""
     for n in range(2, max_tokens + 1):
         engine.solo_turn(task)
         logits = model(mx.array([[token]]), cache=cache)[:, -1, :]
-        key, step_key = mx.random.split(key)
-        token = int(sample(logits, step_key, sampling).item())
-        if token in stops:
+        token, key = next_token(logits, key, sampling, n=n, max_tokens=max_tokens, stops=stops, progress=progress)
+        if token is None:
             return
-        if progress is not None:
-            progress(n, max_tokens, "decode")
         yield token
