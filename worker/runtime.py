@@ -167,6 +167,9 @@ class WorkerRuntime:
     listen_queues: tuple[str, ...] = ()
     # The RQ worker's name (its entry in its node's busy set, worker.process.node_busy); None: no worker.
     worker_name: str | None = None
+    # Where the jobs' answer sends wait during a decode step, sent together at its end
+    # (jobs.progress.SendBatch, the engine's ``sends``); None: each job sends its own at once.
+    sends: Any = None
     # (draft identity, target identity) pairs whose tokenizers were found to agree.
     tokenizer_pairs_checked: set[tuple[str, str]] = field(default_factory=set)
     _backend: SelectionBackend | None = None

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import redis
 
@@ -90,6 +91,7 @@ class ProgressPublisher:
     """
 
     on_flush: Callable[[Any, list[ProgressEvent]], None] | None = None
+    batch: "SendBatch | None" = None  # where answer sends wait while a decode step runs
 
     def __init__(self, client: redis.Redis, job_id: str, *, namespace: str = Settings.namespace,
                  maxlen: int = Settings.progress_stream_maxlen, ttl_s: int = Settings.progress_ttl_s,
@@ -155,12 +157,17 @@ class ProgressPublisher:
             return None
         self._pending.append((kind, data))
         due = self.due()
-        if kind in TERMINAL_KINDS or kind in ANSWER_KINDS or due:
+        sends = kind in TERMINAL_KINDS or kind in ANSWER_KINDS or due
+        if sends and kind not in TERMINAL_KINDS and self.batch is not None and self.batch.hold(self, due):
+            return self._provisional(kind, data)  # sent with the batch's others (SendBatch)
+        if sends:
             sent = self.flush(answer=not due and kind in ANSWER_KINDS)
             return sent[-1] if sent else None
-        # Not sent yet: its number is provisional (Redis assigns the real one at the send).
-        return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time(),
-                             self.attempt)
+        return self._provisional(kind, data)
+
+    def _provisional(self, kind: str, data: dict[str, Any]) -> ProgressEvent:
+        """An event not sent yet: its number is provisional (Redis assigns the real one at the send)."""
+        return ProgressEvent(self.job_id, self.seq + len(self._pending), kind, data, time.time(), self.attempt)
 
     def progress(self, kind: str, processed: int, total: int, **data: Any) -> bool:
         """A rate event (``processed`` of ``total``): recorded only when a send is due or it
@@ -178,43 +185,155 @@ class ProgressPublisher:
         """Send every pending event in one round trip; returns them ([] on a fault). ``answer``:
         a send for the answer's sake, out of the interval: it neither restarts the interval
         nor runs ``on_flush`` (the job's ``meta`` mirror follows the interval, not each token)."""
-        if not self._pending:
+        send = self._take(answer)
+        if send is None:
             return []
+        t0 = time.perf_counter()
+        try:
+            return self._sent(send, int(self.client.register_script(_APPEND_SCRIPT)(  # EVALSHA
+                keys=send.keys, args=send.args)))
+        except REDIS_DOWN as exc:
+            return self._lost(send, exc)
+        finally:
+            self.publish_seconds += time.perf_counter() - t0
+
+    def _take(self, answer: bool) -> "_Send | None":
+        """The pending events as one send (None: nothing pending); the interval restarts unless
+        ``answer``."""
+        if not self._pending:
+            return None
         pending, self._pending = self._pending, []
         if not answer:
             self.throttle.mark()
-        t0 = time.perf_counter()
         now = time.time()
         events = [ProgressEvent(self.job_id, 0, kind, data, now, self.attempt) for kind, data in pending]
         if any(e.terminal for e in events):
             self.finished = True
         keys = [stream_key(self.namespace, self.job_id)] + ([self.fence[0]] if self.fence else [])
-        try:
-            first = int(self.client.register_script(_APPEND_SCRIPT)(  # EVALSHA
-                keys=keys, args=[channel_name(self.namespace, self.job_id), self.maxlen, self.ttl_s,
-                                 STREAM_FIELD, self.fence[1] if self.fence else "",
-                                 *(e.body_json() for e in events)]))
-            if first < 0:
-                log.warning("progress: %s no longer holds job %s; its events are refused",
-                            self.attempt or "this sender", self.job_id)
-                self.fenced = True
-                self.close()
-                self.dropped += len(events)
-                return []
-            events = [dataclasses.replace(e, seq=first + i) for i, e in enumerate(events)]
-            self.seq = events[-1].seq
-            if self.on_flush is not None and not answer:  # only once the events got through the fence
-                with self.client.pipeline(transaction=False) as pipe:
-                    self.on_flush(pipe, events)
-                    pipe.execute()
-            return events
-        except REDIS_DOWN as exc:
-            self.dropped += len(pending)
-            log.warning("progress: dropped %d events of %s: %s", len(pending), self.job_id, exc)
-            return []
-        finally:
-            self.publish_seconds += time.perf_counter() - t0
+        args = [channel_name(self.namespace, self.job_id), self.maxlen, self.ttl_s, STREAM_FIELD,
+                self.fence[1] if self.fence else "", *(e.body_json() for e in events)]
+        return _Send(events, keys, args, answer)
 
+    def _sent(self, send: "_Send", first: int, pipe: Any = None) -> list[ProgressEvent]:
+        """What the script answered for ``send`` (its first number, or -1: fenced off).
+        ``pipe``: where ``on_flush`` adds its commands (None: a pipeline of its own, sent now)."""
+        if first < 0:
+            log.warning("progress: %s no longer holds job %s; its events are refused",
+                        self.attempt or "this sender", self.job_id)
+            self.fenced = True
+            self.close()
+            self.dropped += len(send.events)
+            return []
+        events = [dataclasses.replace(e, seq=first + i) for i, e in enumerate(send.events)]
+        self.seq = events[-1].seq
+        if self.on_flush is not None and not send.answer:  # only once the events got through the fence
+            if pipe is not None:
+                self.on_flush(pipe, events)
+            else:
+                with self.client.pipeline(transaction=False) as own:
+                    self.on_flush(own, events)
+                    own.execute()
+        return events
+
+    def _lost(self, send: "_Send", exc: BaseException) -> list[ProgressEvent]:
+        self.dropped += len(send.events)
+        log.warning("progress: dropped %d events of %s: %s", len(send.events), self.job_id, exc)
+        return []
+
+
+@dataclasses.dataclass
+class _Send:
+    """One publisher's pending events, ready for the append script."""
+
+    events: list[ProgressEvent]
+    keys: list[str]
+    args: list[Any]
+    answer: bool
+
+
+class SendBatch:
+    """The sends of many publishers, held while :meth:`holding` and made together at its end:
+    one round trip for what every job of a decode step published (its token's text, a rate
+    event at its interval), instead of one per job (each a wait on Redis inside the step). A
+    publisher whose ``batch`` is this one holds a send here (:meth:`ProgressPublisher.publish`)
+    while it is active, and sends at once otherwise (a terminal event always at once, with what
+    it held). Each publisher's events keep their order and numbering (the same script,
+    pipelined); a send due on its interval restarts it and mirrors ``on_flush`` as it would
+    alone (in a second pipeline, after the fence let it through)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.active = False
+        self.round_trips = 0  # pipelines sent (the scripts', and the on_flush mirrors')
+        self.held_sends = 0  # the publishers' sends they carried
+        self._held: dict[int, tuple[ProgressPublisher, bool]] = {}  # id -> (publisher, a due send)
+        self._sha: str | None = None
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold sends inside; make what was held at the end."""
+        if self.active:
+            yield
+            return
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            self.flush()
+
+    def hold(self, publisher: ProgressPublisher, due: bool = False) -> bool:
+        """Whether ``publisher``'s send waits for this batch's (active, the same Redis). ``due``:
+        the send is its interval's (else for the answer's sake only)."""
+        if not self.active or publisher.client is not self.client:
+            return False
+        held = self._held.get(id(publisher))
+        self._held[id(publisher)] = (publisher, due or (held is not None and held[1]))
+        return True
+
+    def flush(self) -> None:
+        """Make every held publisher's send, in one pipeline."""
+        held, self._held = list(self._held.values()), {}
+        sends = [(p, s) for p, due in held if not p.finished and (s := p._take(answer=not due)) is not None]
+        if not sends:
+            return
+        t0 = time.perf_counter()
+        try:
+            replies = self._execute([s for _, s in sends])
+        except REDIS_DOWN as exc:
+            replies = [exc] * len(sends)
+        self.held_sends += len(sends)
+        with self.client.pipeline(transaction=False) as mirror:
+            for (publisher, send), reply in zip(sends, replies):
+                self._settle(publisher, send, reply, mirror)
+            try:
+                if len(mirror):
+                    mirror.execute()
+                    self.round_trips += 1
+            except REDIS_DOWN as exc:
+                log.warning("progress: the jobs' meta mirrors not written: %s", exc)
+        spent = (time.perf_counter() - t0) / len(sends)
+        for publisher, _ in sends:
+            publisher.publish_seconds += spent
+
+    def _execute(self, sends: list[_Send]) -> list[Any]:
+        if self._sha is None:
+            self._sha = self.client.script_load(_APPEND_SCRIPT)
+        with self.client.pipeline(transaction=False) as pipe:
+            for send in sends:
+                pipe.evalsha(self._sha, len(send.keys), *send.keys, *send.args)
+            self.round_trips += 1
+            return pipe.execute(raise_on_error=False)
+
+    def _settle(self, publisher: ProgressPublisher, send: _Send, reply: Any, mirror: Any) -> None:
+        if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost its scripts: this one alone
+            self._sha = None
+            publisher._pending[:0] = [(e.kind, e.data) for e in send.events]
+            publisher.flush(answer=send.answer)
+        elif isinstance(reply, BaseException):
+            publisher._lost(send, reply)
+        else:
+            publisher._sent(send, int(reply), mirror)
 
 def publisher_for(client: redis.Redis, job_id: str, settings: Settings, *,
                   start_seq: int | None = None, attempt: str = "",

@@ -253,3 +253,86 @@ def test_watcher_skips_a_superseded_attempt_and_follows_a_recreated_stream(redis
     w.join(10)
     assert [(e.seq, e.attempt, e.kind) for e in seen] == [
         (1, "b1", "loading_model"), (1, "b2", "loading_model"), (2, "b2", "done")]
+
+
+def _count_pipelines(r):
+    """``r`` whose pipelines are counted (each one a round trip when executed)."""
+    sent = []
+    genuine = r.pipeline
+
+    def pipeline(*args, **kwargs):
+        pipe = genuine(*args, **kwargs)
+        execute = pipe.execute
+
+        def counted(*a, **k):
+            sent.append(len(pipe.command_stack))
+            return execute(*a, **k)
+        pipe.execute = counted
+        return pipe
+    r.pipeline = pipeline
+    return sent
+
+
+def test_a_send_batch_sends_every_jobs_token_of_a_step_in_one_round_trip():
+    """Eight jobs' text published while a decode step holds: nothing leaves until the step ends,
+    then one pipeline carries all eight, each job's events in its own order and numbering."""
+    from jobs.progress import SendBatch
+
+    r = fakeredis.FakeRedis()
+    batch = SendBatch(r)
+    pubs = [ProgressPublisher(r, f"j{i}", namespace="t", min_interval_s=60.0) for i in range(8)]
+    for pub in pubs:
+        pub.batch = batch
+        pub.publish("loading_model")  # the first event of each: at once (outside a step)
+    sent = _count_pipelines(r)
+    for step in range(3):
+        with batch.holding():
+            for i, pub in enumerate(pubs):
+                pub.publish("text", offset=step, delta=f"{i}-{step} ")
+            assert all(len(r.xrange(stream_key("t", f"j{i}"))) == 1 + step for i in range(8))  # held
+    assert len(sent) == 3 and sent == [8, 8, 8]  # one round trip per step, every job in it
+    assert batch.round_trips == 3 and batch.held_sends == 24
+    for i, pub in enumerate(pubs):
+        events = parse_stream_events(r.xrange(stream_key("t", f"j{i}")))
+        assert [e.seq for e in events] == [1, 2, 3, 4] and pub.seq == 4
+        assert "".join(e.data["delta"] for e in events[1:]) == f"{i}-0 {i}-1 {i}-2 "
+
+
+def test_a_send_batch_keeps_terminal_events_immediate_and_due_sends_mirrored():
+    from jobs.progress import SendBatch
+
+    r = fakeredis.FakeRedis()
+    batch = SendBatch(r)
+    mirrored = []
+    a = ProgressPublisher(r, "a", namespace="t", min_interval_s=0.0)  # every send due
+    a.on_flush = lambda pipe, events: (mirrored.append(events[-1].kind), pipe.set("meta-a", events[-1].kind))
+    b = ProgressPublisher(r, "b", namespace="t", min_interval_s=60.0)
+    a.batch = b.batch = batch
+    b.publish("loading_model")
+    with batch.holding():
+        a.publish("decode", tokens=1, max_tokens=4)  # due: held, then sent as its interval's send
+        b.publish("text", offset=0, delta="x")
+        b.publish("done")  # terminal: at once, with the text it held before it
+        assert [e.kind for e in parse_stream_events(r.xrange(stream_key("t", "b")))] == ["loading_model", "text",
+                                                                                          "done"]
+        assert not r.xrange(stream_key("t", "a")) and not mirrored
+    assert [e.kind for e in parse_stream_events(r.xrange(stream_key("t", "a")))] == ["decode"]
+    assert mirrored == ["decode"] and r.get("meta-a") == b"decode"
+    a.publish("decode", tokens=2, max_tokens=4)  # outside a step: at once, as without a batch
+    assert len(r.xrange(stream_key("t", "a"))) == 2
+
+
+def test_a_send_batch_refuses_a_fenced_publisher_alone():
+    from jobs.progress import SendBatch
+
+    r = fakeredis.FakeRedis()
+    r.zadd("wip", {"job:ok": 1})
+    batch = SendBatch(r)
+    ok = ProgressPublisher(r, "ok", namespace="t", min_interval_s=60.0, fence=("wip", "job:ok"))
+    gone = ProgressPublisher(r, "gone", namespace="t", min_interval_s=60.0, fence=("wip", "job:gone"))
+    ok.batch = gone.batch = batch
+    with batch.holding():
+        ok.publish("text", offset=0, delta="a")
+        gone.publish("text", offset=0, delta="b")
+    assert [e.data["delta"] for e in parse_stream_events(r.xrange(stream_key("t", "ok")))] == ["a"]
+    assert not r.xrange(stream_key("t", "gone")) and gone.fenced and gone.finished and not ok.fenced

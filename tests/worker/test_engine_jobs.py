@@ -185,3 +185,28 @@ def test_a_real_heal_yields_to_a_user_job_within_one_block(monkeypatch):
     assert log.count("heal") > 4 and heal.result["healed"] > 0
     between = log[user["at"]:user["done_at"]]
     assert between.count("heal") == 0  # the block in flight (before "at") was the only one
+
+
+def test_a_decode_steps_tokens_leave_in_one_round_trip_and_equal_alone(alone):
+    """With the worker's send batch (``Engine.sends``, each job's publisher on it) the tokens the
+    batch's jobs make in one decode step go to Redis together: many jobs' sends per round trip,
+    and every job's streamed text and result as alone."""
+    from jobs.progress import SendBatch
+
+    rt, _ = runtime()
+    e = engine()
+    e.sends = rt.sends = SendBatch(rt.connection)
+
+    def batched_job(name):
+        def run():
+            pub = ProgressPublisher(rt.connection, name, min_interval_s=0.0)
+            pub.batch = rt.sends
+            return GenerateResult.from_json(execute(spec(rt, name).to_payload(), JobContext(name, rt, pub)))
+        return run
+    tasks = {name: e.start(batched_job(name), name=name) for name in JOBS}
+    e.run_until_done()
+    for name, task in tasks.items():
+        assert task.exception is None and same(task.result, alone[name]), name
+        assert streamed_text(events(rt, name)) == task.result.text
+    assert e.sends.round_trips >= 1
+    assert e.sends.held_sends >= 4 * e.sends.round_trips  # eight jobs decoding: several sends per trip

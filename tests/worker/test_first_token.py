@@ -24,13 +24,14 @@ from worker.runtime import WorkerRuntime
 SETTINGS = Settings().replace(draft_model="fake-draft", target_model="tiny-target", threshold=64, tail_tokens=16,
                               chunk_size=8, keep=0.25, heal=False)
 # From taking the job off the queue to its first text event, on the worker's connection. Measured
-# with the engine's work loop (14-15 sends): RQ's own bookkeeping (the pop, the job's hash, the
+# with the engine's work loop (13-14 sends): RQ's own bookkeeping (the pop, the job's hash, the
 # worker's heartbeat in three unpipelined commands, the execution record and its claim), the
-# queued-copy check, this node's busy set, a second pop while the worker has room for more jobs
-# (and sometimes a heartbeat transaction), the cancel check, the first event (loading the model)
-# with its job.meta mirror, then, once the target decoded it, the first text. The job's own
-# progress path reads nothing before its first event (no XREVRANGE).
-MAX_QUEUE_HOP = 15
+# queued-copy check, this node's busy set (and sometimes a heartbeat transaction), the cancel
+# check, the first event (loading the model) with its job.meta mirror, then, once the target
+# decoded it, the first text. The job's own progress path reads nothing before its first event
+# (no XREVRANGE). Not counted: the worker's looks at its queues while it has room for more jobs
+# (one LLEN pipeline between engine steps, at most every POLL_S: more of them on a slower machine).
+MAX_QUEUE_HOP = 14
 
 class Sends:
     """A connection class recording the first word of each send (one per round trip)."""
@@ -85,8 +86,9 @@ def test_the_queue_hop_to_the_first_text_event_is_a_fixed_few_round_trips(worker
     start = next(i for i, (word, _) in enumerate(main) if word == "LMOVE")
     first_text = next(i for i, (word, blob) in enumerate(main) if word == "EVALSHA" and b'"kind":"text"' in blob)
     hop = [word for word, _ in main[start:first_text + 1]]
-    assert len(hop) <= MAX_QUEUE_HOP and "XREVRANGE" not in hop, " ".join(hop)
-    assert hop[-2:] == ["HSET", "EVALSHA"] and hop.count("EVALSHA") == 2, " ".join(hop)  # the text: the next send
+    own = [word for word in hop if word != "LLEN"]  # the worker's looks at its queues (see MAX_QUEUE_HOP)
+    assert len(own) <= MAX_QUEUE_HOP and "XREVRANGE" not in hop, " ".join(hop)
+    assert own[-2:] == ["HSET", "EVALSHA"] and hop.count("EVALSHA") == 2, " ".join(hop)  # the text: the next send
 
 
 def test_a_waiting_result_returns_from_the_write_that_wakes_it(worker, redis_url):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable
 
 from greenlet import getcurrent
@@ -69,6 +70,10 @@ class Engine:
         self._loop: Any = None
         self._current: Task | None = None
         self.stats = EngineStats()
+        # What holds the answers a decode step's tasks publish, to send them together at its
+        # end (jobs.progress.SendBatch: one Redis round trip per step, not one per job); None:
+        # each task sends its own at once.
+        self.sends: Any = None
 
     @classmethod
     def from_settings(cls, settings: Any) -> "Engine":
@@ -209,7 +214,12 @@ class Engine:
                 self._run(task)
 
     def _decode(self) -> bool:
-        """One decode step of every batch, then one token of every solo decoder."""
+        """One decode step of every batch, then one token of every solo decoder; what their
+        tasks publish while resumed leaves together at the end (:attr:`sends`)."""
+        with self.sends.holding() if self.sends is not None else nullcontext():
+            return self._decode_steps()
+
+    def _decode_steps(self) -> bool:
         stepped = False
         for key, batch in list(self._batches.items()):
             try:

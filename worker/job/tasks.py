@@ -87,6 +87,7 @@ def run_job(payload: dict[str, Any]) -> dict[str, Any]:
                                                attempt=claim.attempt if claim else "",
                                                fence=claim.fence if claim else None),
                      queue=(job.origin or "") if job else "")
+    ctx.publisher.batch = rt.sends  # its tokens leave with the decode step's others
     if claim is not None:
         claim.publisher = ctx.publisher
     if job is not None:

@@ -30,6 +30,7 @@ from rq.worker import DequeueStrategy
 from jobs.client.node_queues import rescue_stranded
 from jobs.connection import REDIS_DOWN, stop_retrying
 from jobs.log_format import set_worker
+from jobs.progress import SendBatch
 from worker import runtime as runtime_mod
 from worker.engine import Engine
 from worker.process import hooks
@@ -68,6 +69,7 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
         self.liveness: Liveness | None = None
         self.room = Room(s, runtime.models)
         self.engine = Engine.from_settings(s)
+        self.engine.sends = runtime.sends = SendBatch(runtime.connection)  # a step's tokens: one round trip
         self._init_loop()
         runtime_mod.install(runtime)
 

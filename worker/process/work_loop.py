@@ -159,6 +159,8 @@ class JobsInFlight:
         if any(slot.user for slot in self.in_flight.values()):
             queues = [q for q in queues if not is_heal_queue(q.name)]
         try:
+            if not self._anything_queued(queues):
+                return None
             result = self.queue_class.dequeue_any(
                 queues, None, connection=self.connection, job_class=self.job_class,
                 serializer=self.serializer, death_penalty_class=self.death_penalty_class)
@@ -169,6 +171,14 @@ class JobsInFlight:
         if result is not None:
             self.reorder_queues(reference_queue=result[1])
         return result
+
+    def _anything_queued(self, queues: list[Any]) -> bool:
+        """Whether any of ``queues`` holds a job: one round trip (RQ's non-blocking dequeue pops
+        each queue in turn, one round trip per queue, and this runs between engine steps)."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for queue in queues:
+                pipe.llen(queue.key)
+            return any(int(n) for n in pipe.execute())
 
     def _step(self) -> None:
         """One engine step, with each job's stop delivered before it and ended jobs after it."""
