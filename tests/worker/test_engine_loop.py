@@ -291,3 +291,46 @@ def test_a_failing_batched_pass_fails_its_jobs_not_the_loop(model, log, monkeypa
     other = engine.start(chunks(log, "other", 3), name="other")
     engine.run_until_done()
     assert all(isinstance(t.exception, MemoryError) for t in tasks) and other.result == "other"
+
+
+def test_a_chunk_fits_the_gap_at_the_context_it_attends_to():
+    """A chunk's tokens each attend to the prompt's cached tokens: the chunk that fits
+    ``max_decode_gap_s`` on an empty cache is many times too long at 16K tokens, so the chunk
+    follows the context (a power of two, at least MIN_CHUNK)."""
+    from worker.engine.loop import MIN_CHUNK, chunk_fitting
+
+    cost = (1e-4, 1e-7)  # 0.1 ms a token, and 0.1 us more for each cached token it attends to
+    assert chunk_fitting(cost, 0, 0.1) == 512  # 1000 fit: the power of two below
+    assert chunk_fitting(cost, 4096, 0.1) == 128  # 0.51 ms a token: 195 fit
+    assert chunk_fitting(cost, 16384, 0.1) == MIN_CHUNK  # 1.74 ms a token: 57 fit, the floor
+    assert chunk_fitting((1e-5, 0.0), 16384, 0.1) == 8192  # no attention cost measured: the context is free
+    sizes = [chunk_fitting(cost, c, 0.1) for c in range(0, 20000, 500)]
+    assert sizes == sorted(sizes, reverse=True) and all(s & (s - 1) == 0 for s in sizes)
+
+
+def test_the_prefills_chunk_is_asked_for_at_the_prompts_length(monkeypatch):
+    """The target's prefill and the draft's scoring ask the engine for their chunk at the prompt's
+    length (a long prompt's chunks are sized for what its last chunk attends to)."""
+    from jobs.contract.results import GenerateResult
+    from jobs.progress import ProgressPublisher
+    from tests.worker.test_generate_tasks import DOC, runtime
+    from jobs.contract.spec import build_spec
+    from worker.job.context import JobContext
+    from worker.job.tasks import execute
+
+    asked = []
+    genuine = Engine.chunk_tokens
+
+    def chunk_tokens(self, model, default, context=0):
+        asked.append(context)
+        return genuine(self, model, default, context)
+    monkeypatch.setattr(Engine, "chunk_tokens", chunk_tokens)
+    rt, _ = runtime()
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    spec = build_spec(rt.settings, kind="generate", text=DOC[:300], max_tokens=4, greedy=True)
+    task = engine.start(lambda: GenerateResult.from_json(execute(
+        spec.to_payload(), JobContext("j", rt, ProgressPublisher(rt.connection, "j", min_interval_s=0.0)))))
+    engine.run_until_done()
+    assert task.exception is None, task.exception
+    assert task.result.kept < task.result.total  # sparse: the draft scored, the target prefilled
+    assert len(asked) == 2 and set(asked) == {task.result.total}

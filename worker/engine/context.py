@@ -46,11 +46,12 @@ def sleep(seconds: float) -> None:
     engine.sleep(task, seconds)
 
 
-def chunk_tokens(model: Any, default: int) -> int:
-    """Prefill tokens per forward pass of ``model``: ``default`` outside an engine, else the
-    engine's chunk (``Engine.chunk_tokens``: sized to ``max_decode_gap_s``)."""
+def chunk_tokens(model: Any, default: int, context: int = 0) -> int:
+    """Prefill tokens per forward pass of ``model`` for a prompt of ``context`` tokens: ``default``
+    outside an engine, else the engine's chunk (``Engine.chunk_tokens``: sized to
+    ``max_decode_gap_s`` at that context)."""
     engine, task = current()
-    return default if task is None else engine.chunk_tokens(model, default)
+    return default if task is None else engine.chunk_tokens(model, default, context)
 
 
 def batched_decode(model: Any, cache: list, logits: Any, *, sampling: Any, max_tokens: int,

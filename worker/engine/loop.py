@@ -44,6 +44,7 @@ def length_bucket(tokens: int) -> int:
     forward passes per step (the weights read once per batch)."""
     return max(0, (max(tokens, 1) - 1) // PADDING_FLOOR).bit_length()
 CALIBRATION_TOKENS = 128  # tokens of the timed forward passes that size a model's chunks
+CONTEXT_PROBE = 2048  # cached tokens beside the second timed pass: how a chunk's cost grows with its context
 
 
 class Engine:
@@ -64,7 +65,7 @@ class Engine:
         self._ready: list[Task] = []  # tasks with a turn to run (new, or back from a yield point)
         self._solo: list[Task] = []  # unbatchable decoders waiting for their next token's turn
         self._batches: dict[tuple[int, int], Any] = {}  # (id(model), length bucket) -> DecodeBatch
-        self._chunks: dict[int, tuple[weakref.ref, int]] = {}
+        self._chunks: dict[int, tuple[weakref.ref, tuple[float, float]]] = {}  # id(model) -> its measured cost
         self._probed: dict[int, tuple[weakref.ref, str | None]] = {}
         self._mean_turn_s = 0.0  # a moving average of turn lengths (a new task's expected turn)
         self._loop: Any = None
@@ -300,56 +301,74 @@ class Engine:
 
     # ---- chunk sizes ----
 
-    def chunk_tokens(self, model: Any, default: int) -> int:
-        """Prefill tokens per forward pass of ``model`` in this engine: ``prefill_chunk_tokens``
-        if set, else what fits ``max_decode_gap_s`` at the model's measured rate
-        (:func:`measure_rate`, once per model in the process), a power of two in
-        [:data:`MIN_CHUNK`, ``default``]. Fixed per model for the engine's life, so a job's
-        prefill runs in the same chunks alone and beside others."""
+    def chunk_tokens(self, model: Any, default: int, context: int = 0) -> int:
+        """Prefill tokens per forward pass of ``model`` in this engine for a prompt of ``context``
+        tokens: ``prefill_chunk_tokens`` if set, else what fits ``max_decode_gap_s`` at the
+        model's measured cost (:func:`measure_cost`, once per model in the process) when every
+        token of the chunk attends to ``context`` cached tokens (its last chunk's), a power of two
+        in [:data:`MIN_CHUNK`, ``default``]. A chunk sized for an empty cache ran 10-20x over the
+        gap at 16K tokens (attention grows with the context). Fixed per model and prompt length
+        for the engine's life, so a job's prefill runs in the same chunks alone and beside others."""
         if self.prefill_chunk_tokens:
             return min(self.prefill_chunk_tokens, default)
         known = self._chunks.get(id(model))
-        if known is not None and known[0]() is model:
-            return min(known[1], default)
-        try:
-            rate = measure_rate(model)
-        except Exception as exc:  # not an mlx-lm model (a test's fake): its own chunks
-            log.info("engine: %s not measured (%s: %s): chunks of %d", type(model).__name__,
-                     type(exc).__name__, exc, default)
-            return default
-        fit = max(MIN_CHUNK, int(rate * self.max_decode_gap_s))
-        chunk = 1 << (fit.bit_length() - 1)
-        log.info("engine: %s prefills %.0f tokens/s: chunks of %d tokens fit max_decode_gap_s=%g",
-                 type(model).__module__, rate, chunk, self.max_decode_gap_s)
-        self._chunks[id(model)] = (weakref.ref(model), chunk)
-        return min(chunk, default)
+        if known is None or known[0]() is not model:
+            try:
+                cost = measure_cost(model)
+            except Exception as exc:  # not an mlx-lm model (a test's fake): its own chunks
+                log.info("engine: %s not measured (%s: %s): chunks of %d", type(model).__name__,
+                         type(exc).__name__, exc, default)
+                return default
+            known = self._chunks[id(model)] = (weakref.ref(model), cost)
+            log.info("engine: %s prefills %.0f tokens/s on an empty cache, %.0f beside %d cached tokens: "
+                     "chunks of %d tokens (empty) and %d (%d cached) fit max_decode_gap_s=%g",
+                     type(model).__module__, 1 / cost[0], 1 / (cost[0] + cost[1] * CONTEXT_PROBE), CONTEXT_PROBE,
+                     chunk_fitting(cost, 0, self.max_decode_gap_s), chunk_fitting(cost, 16384, self.max_decode_gap_s),
+                     16384, self.max_decode_gap_s)
+        return min(chunk_fitting(known[1], context, self.max_decode_gap_s), default)
 
 
-_rates: dict[int, tuple[weakref.ref, float]] = {}  # id(model) -> (model, tokens/s): one measure per process
+def chunk_fitting(cost: tuple[float, float], context: int, gap_s: float) -> int:
+    """The largest power of two (at least :data:`MIN_CHUNK`) whose tokens, each attending to
+    ``context`` cached tokens at ``cost`` (seconds per token, and per token per cached token),
+    take at most ``gap_s``."""
+    per_token = cost[0] + cost[1] * max(0, context)
+    fit = max(MIN_CHUNK, int(gap_s / max(per_token, 1e-9)))
+    return 1 << (fit.bit_length() - 1)
 
 
-def measure_rate(model: Any) -> float:
-    """Prefill tokens/s of ``model``: :data:`CALIBRATION_TOKENS` tokens on a fresh cache, the
-    fastest of three passes (a busy machine only ever adds time), measured once per model."""
+_costs: dict[int, tuple[weakref.ref, tuple[float, float]]] = {}  # id(model) -> (model, cost): one measure per process
+
+
+def measure_cost(model: Any) -> tuple[float, float]:
+    """What a prefill token of ``model`` costs: (seconds per token on an empty cache, seconds
+    per token per cached token it attends to), from :data:`CALIBRATION_TOKENS` tokens on a fresh
+    cache (the fastest of three passes: a busy machine only ever adds time) and beside
+    :data:`CONTEXT_PROBE` cached tokens (the fastest of two), measured once per model."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.models.cache import make_prompt_cache
 
-    known = _rates.get(id(model))
+    known = _costs.get(id(model))
     if known is not None and known[0]() is model:
         return known[1]
     if not isinstance(model, nn.Module):
         raise TypeError("not an mlx.nn.Module")
     tokens = mx.arange(1, CALIBRATION_TOKENS + 1, dtype=mx.int32)[None] % 2 + 1
-    seconds = []
-    for _ in range(3):
-        cache = make_prompt_cache(model)
+
+    def timed(cache: list) -> float:
         t = time.perf_counter()
         mx.eval(model(tokens, cache=cache))
-        seconds.append(time.perf_counter() - t)
-    rate = CALIBRATION_TOKENS / max(min(seconds), 1e-6)
-    _rates[id(model)] = (weakref.ref(model), rate)
-    return rate
+        return time.perf_counter() - t
+
+    empty = min(timed(make_prompt_cache(model)) for _ in range(3))
+    cache = make_prompt_cache(model)
+    for _ in range(CONTEXT_PROBE // CALIBRATION_TOKENS):
+        mx.eval(model(tokens, cache=cache))
+    beside = min(timed(cache) for _ in range(2))
+    cost = (empty / CALIBRATION_TOKENS, max(0.0, beside - empty) / (CALIBRATION_TOKENS * CONTEXT_PROBE))
+    _costs[id(model)] = (weakref.ref(model), cost)
+    return cost
 
 
 class EngineStats:

@@ -212,7 +212,7 @@ def _prefill(prompt: _Prompt, ctx: JobContext, stack: ExitStack, reporter: JobRe
     The protected prefix is prefilled first, in block steps
     (:func:`target_prefill.prefill_prefix`), on top of what was restored."""
     target, tokens = prompt.target, prompt.tokens
-    step = chunk_tokens(target.model, ctx.settings.prefill_step)  # the engine's chunk (its decode gap)
+    step = chunk_tokens(target.model, ctx.settings.prefill_step, len(tokens))  # the engine's chunk (its decode gap)
     if prompt.selection is not None:
         # The kept tokens go through the session also when the selection kept them all:
         # positions are then contiguous and the rope's own fast path runs.

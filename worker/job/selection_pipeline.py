@@ -174,7 +174,7 @@ def _score_and_select(spec: JobSpec, ctx: JobContext, draft: LoadedModel, tokens
     try:
         score = backend.score_with_cache(
             draft.profile, tokens, store, spec.scoring, progress=reporter.begin(),
-            prefill_step=chunk_tokens(draft.model, settings.prefill_step), checkpoints=(plan.start,))
+            prefill_step=chunk_tokens(draft.model, settings.prefill_step, len(tokens)), checkpoints=(plan.start,))
     finally:
         ctx.draft_deadline = None
     timings.update(score.timings)
