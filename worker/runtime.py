@@ -165,6 +165,8 @@ class WorkerRuntime:
     # The queues the worker takes jobs from, in order (a heal yields when a user job waits on
     # one of them); empty: the settings' queues.
     listen_queues: tuple[str, ...] = ()
+    # time.monotonic() when a user job last started or ended here (a heal waits heal_idle_s past it).
+    user_activity_at: float = float("-inf")
     # The RQ worker's name (its entry in its node's busy set, worker.process.node_busy); None: no worker.
     worker_name: str | None = None
     # Where the jobs' answer sends wait during a decode step, sent together at its end

@@ -114,6 +114,11 @@ class WorkerSettings:
     generate option ``heal``)."""
     heal_ttl_s: int = 3600
     """How long a queued heal may wait before RQ drops it (a stale conversation is not worth it)."""
+    heal_idle_s: float = 0.1
+    """A heal's next block waits until no user job has started or ended on its worker for this
+    long: a client's next request (a closed loop's next, an agent's turn after a quick tool)
+    arrives on the heels of the last answer and would otherwise wait for a heal block already on
+    the CPU. 0: a heal starts its blocks at once."""
     heal_wait_ms: int = 0
     """How long a turn that would go sparse may wait for the running heal of its conversation,
     when that heal's ETA is under this and shorter than the turn's own sparse prefill at the
@@ -189,7 +194,7 @@ class WorkerSettings:
 RANGES: dict[str, Bounds] = {
     "model_lru_size": (1, None), "prefill_step": (1, None), "block_size": (1, None), "block_ttl_s": (1, None),
     "state_checkpoint_blocks": (0, None), "local_cache_bytes": (1, None), "memo_ttl_s": (1, None),
-    "heal_ttl_s": (1, None), "heal_wait_ms": (0, None),
+    "heal_ttl_s": (1, None), "heal_idle_s": (0, 60), "heal_wait_ms": (0, None),
     "max_decode_gap_s": (0.001, 60), "prefill_chunk_tokens": (0, None),
     "max_jobs_in_flight": (1, 256), "kv_budget_bytes": (0, None),
     "page_curve_points": (1, None), "page_text_tokens": (0, None),

@@ -210,3 +210,41 @@ def test_a_decode_steps_tokens_leave_in_one_round_trip_and_equal_alone(alone):
         assert streamed_text(events(rt, name)) == task.result.text
     assert e.sends.round_trips >= 1
     assert e.sends.held_sends >= 4 * e.sends.round_trips  # eight jobs decoding: several sends per trip
+
+
+def test_a_heal_waits_heal_idle_s_after_a_user_job_so_the_next_request_finds_no_block_in_front(monkeypatch):
+    """A user job that just ended (the work loop marks ``user_activity_at``): its heal waits
+    ``heal_idle_s`` before its first block, and a request arriving in that window runs with no
+    heal block before it. With ``heal_idle_s`` 0 the heal's first block runs before it."""
+    import time
+
+    import fakeredis
+
+    from tests.worker.test_chat_workloads import GREEDY, chat, run, runtime as chat_runtime
+    from tests.worker.test_heal import run_heal
+    from worker.engine import HEAL, current
+    from worker.job import target_prefill
+
+    def order(idle_s):
+        rt, _ = chat_runtime(fakeredis.FakeRedis(), keep=0.25, heal_idle_s=idle_s)
+        monkeypatch.undo()
+        first = run(rt, "t1", messages=chat(0, n=600), **GREEDY)
+        rt.user_activity_at = time.monotonic()  # t1 has just ended
+        log, e = [], engine()
+        genuine = target_prefill.prefill_prefix
+
+        def prefix_step(*args, **kwargs):
+            log.append(current()[1].name)
+            return genuine(*args, **kwargs)
+        monkeypatch.setattr(target_prefill, "prefill_prefix", prefix_step)
+        heal = e.start(lambda: run_heal(rt, first.heal["job_id"]), priority=HEAL, name="heal")
+        e.step()  # the heal takes its turn first: nothing else is there
+        user = e.start(lambda: run(rt, "u", messages=chat(5, n=90), **GREEDY), name="user")
+        while not (heal.done and user.done):
+            e.step()
+        assert heal.exception is None and user.exception is None, (heal.exception, user.exception)
+        return log
+
+    assert order(0.0)[0] == "heal"  # its first block was already running when the request came
+    waited = order(0.5)
+    assert "heal" not in waited[:waited.index("user") + 1] and waited.count("heal") > 1

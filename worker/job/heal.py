@@ -111,9 +111,21 @@ def user_job_ahead(ctx: JobContext) -> str | None:
     return f"a user job runs on this node (worker {running[0]})" if running else None
 
 
+def wait_for_quiet(ctx: JobContext) -> None:
+    """Wait (letting the engine run the rest) until ``heal_idle_s`` has passed since a user job
+    last started or ended on this worker: the next request of the client just answered is likely
+    on its way, and a block started now would hold it for the block's length."""
+    while True:
+        left = ctx.runtime.user_activity_at + ctx.settings.heal_idle_s - time.monotonic()
+        if left <= 0:
+            return
+        _pause(left)
+
+
 def run_heal(spec: HealSpec, ctx: JobContext) -> dict[str, Any]:
     """A heal job: restore, prefill the rest in block steps (yielding to user jobs), store."""
     t0 = time.perf_counter()
+    wait_for_quiet(ctx)  # its restore too would hold a request arriving now
     target, load_s = load_model(ctx, spec.target_model, "target")
     tokens = list(spec.tokens)
     check_prompt(tokens, target, ctx.settings)
@@ -169,6 +181,7 @@ def _prefill_blocks(ctx: JobContext, target: LoadedModel, board: "_Board", token
             rec(lo, hi, step_cache)
 
     while pos < end:
+        wait_for_quiet(ctx)
         board.announce(pos)
         stop = min(end, (pos // block + 1) * block)  # block ends (a restored tail, the heal's own: partial)
         cache = target_prefill.prefill_prefix(target.model, tokens, cache, stop, block_size=block,

@@ -218,6 +218,8 @@ class JobsInFlight:
                                             f"{self._kv_note(size)}")
                 return 0
             slot = InFlight(job, queue, user=not is_heal_queue(queue.name), size=size)
+            if slot.user:
+                self.runtime.user_activity_at = time.monotonic()
             self.in_flight[job.id] = slot
             self._snapshot_load()  # its claim's pipeline writes the worker's load with it counted
             try:
@@ -369,6 +371,8 @@ class JobsInFlight:
         if slot.task.exception is not None:  # _perform catches the job's own: this is the loop's
             log.error("job %s: its task failed outside the job", job.id, exc_info=slot.task.exception)
         self._forget(slot)
+        if slot.user:
+            self.runtime.user_activity_at = time.monotonic()
         if slot.user and not any(o.user for o in self.in_flight.values()):
             self._mark_busy(False)
         hooks.on_job_end(self, job)
