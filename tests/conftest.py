@@ -58,11 +58,33 @@ def shared_fixture_group(item) -> str | None:
     return None
 
 
+def group_in_node_id(config, item) -> None:
+    """Put the test's ``xdist_group`` into its node id, where ``--dist loadgroup`` reads it.
+    pytest-xdist 3.8 appends ``@group`` to the node id's old string field, which pytest 9.2's
+    structured ids (``item._id``) no longer read: grouping was silently lost, every test went to
+    any worker (pytest-xdist issue 1386; its fix, PR 1388, unreleased, sets the structured id as
+    here). Older pytest: xdist's own hook does it."""
+    if not getattr(config.option, "loadgroup", False) or not item.get_closest_marker("xdist_group"):
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9.2: string node ids
+        return
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")})
+    if isinstance(getattr(item, "_id", None), NodeId) and "@" not in item.nodeid.rpartition("]")[2]:
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+# tryfirst: the groups must be set before pytest-xdist's own hook reads them (a conftest's hook of
+# the same rank runs after it): otherwise each test worker sets up every shared fixture again.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = shared_fixture_group(item)
         if group is not None and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(group))
+        group_in_node_id(config, item)
     if config.getoption("--soak"):
         return
     skip = pytest.mark.skip(reason="soak test: opt in with --soak")

@@ -2,7 +2,10 @@
 expensive fixture are grouped onto one test worker (issue 41, item 4)."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,3 +35,39 @@ def test_make_test_runs_in_parallel_with_xdist():
     assert re.search(r"^test: .*\n\t\$\(BIN\)/python -m pytest -n \$\(TEST_WORKERS\) --dist loadgroup", make, re.M)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert any(dep.startswith("pytest-xdist") for dep in extras)
+
+
+# Four tests sharing a module-scoped fixture that counts its set-ups; this suite's conftest hooks.
+TOY = {
+    "conftest.py": "from tests.conftest import *  # noqa: F401,F403 (the suite's grouping hook)\n",
+    "test_toy.py": """
+import os
+import pytest
+
+@pytest.fixture(scope="module")
+def built():
+    with open(os.environ["TOY_SETUPS"], "a") as fh:
+        fh.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + "\\n")
+
+@pytest.mark.parametrize("n", range(4))
+def test_uses_it(built, n):
+    pass
+""",
+}
+
+
+def test_a_module_fixture_is_set_up_once_under_make_test(tmp_path):
+    """The groups reach pytest-xdist: the four tests of a module with a module-scoped fixture run
+    on one test worker, which sets the fixture up once (a group marker added after xdist read the
+    markers grouped nothing: each worker set up the benchmark runs, the HTTP stack, ... again)."""
+    for name, text in TOY.items():
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOY_SETUPS=str(tmp_path / "setups"))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v",
+                          "-p", "no:cacheprovider", "test_toy.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d+)\].*PASSED.*test_uses_it\[\d\]@(\S+)", out.stdout)
+    assert len(ran) == 4 and {group for _, group in ran} == {"test_toy"}, out.stdout[-3000:]
+    assert len({worker for worker, _ in ran}) == 1, out.stdout[-3000:]
+    assert (tmp_path / "setups").read_text().split() == [ran[0][0]]
