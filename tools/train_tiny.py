@@ -373,13 +373,17 @@ def evaluate_tools(model, tools: ToolTask, samples: int, seed: int) -> dict:
     return out
 
 
-def greedy_reply(model, prompt: list[int], end: int, max_tokens: int = 64, step: int = 1024) -> list[int]:
+def greedy_reply(model, prompt: list[int], end: int, max_tokens: int = 64, step: int = 1024,
+                 cache: list | None = None) -> list[int]:
     """The greedy reply to ``prompt`` (prefilled through a KV cache in ``step``-token pieces), up to
-    and including ``end`` or ``max_tokens`` tokens."""
+    and including ``end`` or ``max_tokens`` tokens. ``cache``: a prompt cache that already holds
+    the prompt's first pieces (whole ones, as this prefill leaves them); the rest is prefilled."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
-    for start in range(0, len(prompt), step):
+    cache = make_prompt_cache(model) if cache is None else cache
+    held = cache[0].offset
+    assert held % step == 0 and held < len(prompt), "the cache holds whole pieces of the prompt, not all of it"
+    for start in range(held, len(prompt), step):
         logits = model(mx.array([prompt[start:start + step]]), cache=cache)
     out: list[int] = []
     while len(out) < max_tokens:
