@@ -42,8 +42,11 @@ WORKLOADS = ("decode", "prefill", "mixed", "agent")
 LEVELS = (1, 2, 4, 8, 16)
 SLO_TTFT_S = 2.0
 TARGET_LEVEL = 8  # the issue's throughput targets: 8 clients at once
-QUICK = Sizes(min_requests=2, decode_tokens=64, prefill_tokens=1024, prefill_answer=16, long_tokens=1024,
-              mixed_short=2, mixed_delay_s=0.5, system_tokens=256, tool_tokens=(256, 512), turns=2, answer_tokens=32)
+# --quick (the suite's run, on a CPU without OpenBLAS too): every workload and mode at half the
+# prompt sizes of before, SpecPrefill's threshold and tail scaled with them, so it still selects.
+QUICK = Sizes(min_requests=2, decode_tokens=64, prefill_tokens=512, prefill_answer=16, long_tokens=512,
+              mixed_short=2, mixed_delay_s=0.5, system_tokens=128, tool_tokens=(128, 256), turns=2, answer_tokens=32)
+QUICK_SPECPREFILL_ON = {**SPECPREFILL_ON, "threshold": 256, "tail_tokens": 64}
 
 
 @dataclass
@@ -136,7 +139,7 @@ def measure(run: Run, servers: list[Server], texts: Texts, workload: str, level:
         run.settled += waited
 
 
-def alone_check(run: Run, modes: list[Mode], level: int, logs: Path, engine: bool) -> None:
+def alone_check(run: Run, modes: list[Mode], level: int, logs: Path, engine: bool, on: dict) -> None:
     """The decode and prefill requests of ``level`` again, one at a time, on a fresh stack of each
     of this service's modes (nothing stored by the loaded run: no restored prefix, no healed
     conversation, no shared job), for their texts to be compared with the loaded ones."""
@@ -144,7 +147,7 @@ def alone_check(run: Run, modes: list[Mode], level: int, logs: Path, engine: boo
         sets = [(w, run.requests[(w, str(level))]) for w in ("decode", "prefill") if (w, str(level)) in run.requests]
         if not sets:
             continue
-        server = start_service(mode, logs, engine, "-alone")
+        server = start_service(mode, logs, engine, "-alone", on)
         try:
             for workload, requests in sets:
                 run.records[(workload, "alone", mode.name)] = asyncio.run(_closed(server, requests, 1))
@@ -297,16 +300,16 @@ def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 
 def start_servers(args: argparse.Namespace, logs: Path, servers: list[Server],
-                  engine: bool) -> tuple[list[Mode], list[str]]:
-    """Start the peer and every mode the worker supports (into ``servers``): (those modes, a line
-    for each mode skipped)."""
+                  engine: bool, on: dict) -> tuple[list[Mode], list[str]]:
+    """Start the peer and every mode the worker supports (into ``servers``; ``on``: the SpecPrefill
+    modes' request fields): (those modes, a line for each mode skipped)."""
     servers.append(start_peer(logs))
     modes, skipped = [], []
     for mode in service_modes(args.in_flight):
         if mode.batching and not engine:
             skipped.append(f"{mode.name}: skipped: engine not present (the worker has no --max-jobs-in-flight)")
             continue
-        servers.append(start_service(mode, logs, engine))
+        servers.append(start_service(mode, logs, engine, on=on))
         modes.append(mode)
     return modes, skipped
 
@@ -314,17 +317,18 @@ def start_servers(args: argparse.Namespace, logs: Path, servers: list[Server],
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     texts = Texts(QUICK if args.quick else Sizes())
+    on = QUICK_SPECPREFILL_ON if args.quick else SPECPREFILL_ON
     logs = Path(tempfile.mkdtemp(prefix="bench-load-"))
     run, servers = Run(deadline=time.monotonic() + 60 * args.max_minutes), []
     engine = engine_present()
     try:
-        modes, skipped_modes = start_servers(args, logs, servers, engine)
+        modes, skipped_modes = start_servers(args, logs, servers, engine, on)
         print(f"servers: {', '.join(s.name for s in servers)} (logs in {logs})", flush=True)
         for level, workload in schedule(args):  # level by level: a bound cuts the highest levels first
             measure(run, servers, texts, workload, level, args.seed + 1000 * WORKLOADS.index(workload) + level)
         loaded = sorted({int(level) for _, level in run.requests if int(level) > 1}, key=lambda lv: abs(lv - TARGET_LEVEL))
         if loaded:  # the level nearest the targets' that ran under load
-            alone_check(run, modes, loaded[0], logs, engine)
+            alone_check(run, modes, loaded[0], logs, engine, on)
     finally:
         for server in servers:
             server.stop()
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [s.name for s in servers]
     source = "batching+SpecPrefill" if "batching+SpecPrefill" in names else "in-flight 1"
     note = "" if source == "batching+SpecPrefill" else "; from in-flight 1: engine not present"
-    print(f"SpecPrefill on: {SPECPREFILL_ON} per request; off: every prompt prefilled whole; "
+    print(f"SpecPrefill on: {on} per request; off: every prompt prefilled whole; "
           f"targets from {source}")
     return report([], targets(run, source, note, args.slo_ttft))
 

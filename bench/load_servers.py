@@ -30,7 +30,8 @@ PEER = "mlx_lm.server"
 START_TIMEOUT_S = 240.0
 GREEDY = {"temperature": 0}
 # SpecPrefill on: an agent's selection (bench/conversation.py): prompts over 1K tokens are scored
-# and 20 % of their chunks kept, a 128-token tail first. Off: every prompt is prefilled whole.
+# and 20 % of their chunks kept, a 128-token tail first (--quick: its smaller prompts over 256
+# tokens, a 64-token tail). Off: every prompt is prefilled whole.
 SPECPREFILL_ON = {"keep": 0.2, "threshold": 1024, "tail_tokens": 128}
 SPECPREFILL_OFF = {"threshold": MAX_TOKENS}
 
@@ -151,14 +152,16 @@ def settle(servers: list[Server], timeout_s: float = 600.0) -> float:
     return time.monotonic() - started
 
 
-def start_service(mode: Mode, logs: Path, engine: bool, tag: str = "") -> Server:
-    """This service in ``mode``: its own Redis, one worker, ``specprefill serve``. A worker without
-    the ``engine`` gets no ``max_jobs_in_flight`` (it runs one job at a time anyway)."""
+def start_service(mode: Mode, logs: Path, engine: bool, tag: str = "",
+                  on: dict[str, Any] = SPECPREFILL_ON) -> Server:
+    """This service in ``mode``: its own Redis, one worker, ``specprefill serve``; ``on`` the
+    request fields of a SpecPrefill mode. A worker without the ``engine`` gets no
+    ``max_jobs_in_flight`` (it runs one job at a time anyway)."""
     redis_server = EmbeddedRedis().start()
     tag = mode.name.replace(" ", "-").replace("+", "-").lower() + tag
     settings = {"max_jobs_in_flight": mode.in_flight} if engine else {}
     env = child_env(**settings)
-    server = Server(mode.name, "", "target", SPECPREFILL_ON if mode.specprefill else SPECPREFILL_OFF,
+    server = Server(mode.name, "", "target", on if mode.specprefill else SPECPREFILL_OFF,
                     redis=redis_server, worker=f"load-{tag}")
     try:
         worker = _spawn([sys.executable, "-m", "worker", "--redis-url", redis_server.url, "--name", server.worker,
