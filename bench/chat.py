@@ -132,7 +132,7 @@ def admission_cost() -> str:
 def main() -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from specprefill_cli.embedded_redis import EmbeddedRedis
+    from specprefill_cli.embedded_redis import EmbeddedRedis, stop_process
     from jobs.client import Client
     from jobs.settings import SHIPPED_MODELS, Settings
 
@@ -162,8 +162,7 @@ def main() -> int:
             for i in range(args.rounds):
                 rounds.append(one_round(client, target, texts, args, flip=i % 2 == 1))
         finally:
-            worker.terminate()
-            worker.wait(30)
+            stop_process(worker, 30.0)  # SIGKILL after 30 s: a heal may outlast it on a loaded CPU
     return report(rounds, args)
 
 

@@ -40,8 +40,8 @@ shipped 256-wide target, at any context this trace reaches), a turn whose new pa
 in full costs its pairs' share of a plain turn, whatever the hardware. Ends with ``target ...`` lines.
 
     .venv/bin/python -m bench.conversation [--traces 3]
-    .venv/bin/python -m bench.conversation --quick     # seconds: smaller trace, one of each
-                                                      # (sizes given with it are kept)
+    .venv/bin/python -m bench.conversation --quick     # seconds: a smaller trace of 6 turns, one of
+                                                      # each (sizes given with it are kept)
 """
 import argparse
 import os
@@ -59,6 +59,7 @@ import redis
 from bench.benchlib import ROOT, report
 from jobs.settings import SHIPPED_MODELS, Settings
 from specprefill_cli.agent import LOOKUP_TOOL  # the tool the agent CLI offers
+from specprefill_cli.embedded_redis import stop_process
 from tools import recall_task
 
 
@@ -323,14 +324,15 @@ def user_job_delay(url: str, args, tmp: Path) -> tuple[float, float]:
                 _wait_idle(conn, settings)
                 waits[heals].append(one_delay(client, heal_client, rng, args, heals))
     finally:
-        worker.terminate()
-        worker.wait(30)
+        stop_process(worker, 30.0)  # SIGKILL after 30 s: a heal may outlast it on a loaded CPU
     return statistics.median(waits[0]), statistics.median(waits[args.delay_heals])
 
 
-# --quick's sizes: defaults only, so a size given with --quick is kept.
-QUICK = dict(traces=1, system_tokens=32, doc_tokens=384, tool_tokens=[80, 112], answer_tokens=16, tail_tokens=32,
-             threshold=64, plain_threshold=192, block_size=32, delay_reps=1, delay_heals=2, delay_tokens=256)
+# --quick's sizes: defaults only, so a size given with --quick is kept. Six turns: two recall turns
+# (3 and 6), every mode, and half the full prefills of ten (the suite runs it on CPUs without BLAS).
+QUICK = dict(traces=1, turns=6, system_tokens=32, doc_tokens=384, tool_tokens=[80, 112], answer_tokens=16,
+             tail_tokens=32, threshold=64, plain_threshold=192, block_size=32, delay_reps=1, delay_heals=2,
+             delay_tokens=256)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
