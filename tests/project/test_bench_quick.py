@@ -121,7 +121,7 @@ def test_conversation_bench_heals_recall_what_a_full_prefill_recalls(runs):
 
 
 def test_scoring_bench_quick_mode_prints_its_tables_and_target_lines(runs):
-    """bench/scoring.py --quick runs every section it keeps in quick mode (the long-prompt rows and
+    """``python -m bench.scoring --quick`` runs every section it keeps in quick mode (the long-prompt rows and
     the dtype comparison) and ends with their target lines; its figures are not the targets'.
     (It had a module of its own, which ran the same ``--quick`` a second time.)"""
     text = runs["scoring.py"].result().stdout
