@@ -115,3 +115,19 @@ def test_a_job_popped_while_a_copy_of_it_is_in_flight_is_never_held_twice(claim_
     assert list(worker.in_flight) == [handle.id] and worker.engine.tasks() == []
     assert queue.job_ids == ([] if claim_held else [handle.id])
     assert worker._full is not claim_held  # given back: nothing more taken until a job ends
+
+
+def test_a_worker_run_in_process_gives_back_the_signal_handlers_it_found():
+    """RQ installs its SIGINT/SIGTERM handlers for the worker's life; a process that goes on after
+    ``work()`` (a test, a script) gets its own back, so a later Ctrl-C is not a stop request
+    to a worker that is gone."""
+    import signal
+
+    import fakeredis
+
+    from tests.support.fake_worker import fake_runtime
+    from worker.process.rq_worker import InProcessWorker
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    InProcessWorker(["specprefill"], runtime=fake_runtime(fakeredis.FakeRedis()), name="gone").work(burst=True)
+    assert {sig: signal.getsignal(sig) for sig in before} == before

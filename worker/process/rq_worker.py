@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 from datetime import timedelta
 from typing import Any, Sequence
@@ -87,11 +88,14 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
             self._dequeue_strategy = dequeue_strategy
             if with_scheduler:
                 self._start_scheduler(burst, logging_level, date_format, log_format)
+            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
             self._install_signal_handlers()
             try:
                 return self._work_loop(burst, max_jobs, max_idle_time)
             finally:
                 self.teardown()
+                for sig, handler in handlers.items():  # a worker run in a process that goes on
+                    signal.signal(sig, handler)
         finally:
             self._stop_liveness()
 
