@@ -169,3 +169,38 @@ def test_kept_text_is_left_out_past_page_text_tokens_unless_asked():
     assert PrefillResult.from_json(_run(rt, build_spec(rt.settings, text="y" * 200).to_payload())).spans is None
     asked = build_spec(rt.settings, text="y" * 200, return_spans=True).to_payload()
     assert PrefillResult.from_json(_run(rt, asked, job_id="asked")).spans
+
+
+def test_a_job_end_waits_for_the_block_store_counters_without_holding_the_loop():
+    """The counters trail the fetches; a job waits for them at its end as a sleeper in the
+    engine, so another job's chunks run meanwhile (a blocking flush held the whole loop)."""
+    import threading
+    import time
+
+    from cache_store.trailing import BOOKKEEPING
+    from worker.engine import Engine, yield_point
+    from worker.job.tasks import await_bookkeeping
+
+    release, waits, others = threading.Event(), {}, []
+
+    def ending_job():
+        BOOKKEEPING.submit(lambda: release.wait(5))
+        threading.Timer(0.3, release.set).start()
+        waits["start"] = time.perf_counter()
+        waits["ran"] = await_bookkeeping()
+        waits["end"] = time.perf_counter()
+
+    def other_job():
+        for _ in range(10_000):
+            others.append(time.perf_counter())
+            if "end" in waits:
+                return
+            yield_point(1)
+
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=16)
+    engine.start(ending_job, name="ending")
+    engine.start(other_job, name="other")
+    engine.run_until_done()
+    assert waits["ran"] is True and waits["end"] - waits["start"] >= 0.25
+    assert sum(waits["start"] < t < waits["end"] for t in others) >= 10
+    assert await_bookkeeping(timeout_s=0.0) is True  # nothing pending: no wait

@@ -12,9 +12,15 @@ at its original positions with the genuine rope modules.
 Sampling is the project's own (:func:`specprefill.sampling.sample`, float32 logits), one
 seeded key per sequence split per token as ``specprefill.sparse.generate_tokens`` does, so a
 job's tokens equal its tokens alone. Not reused from mlx-lm's ``GenerationBatch``: its sampler
-reads log-probabilities in the model's dtype (see ``specprefill.sparse``), its stop sequences
-and token bookkeeping (the job's own detokenizer and stop strings run in the job), and its
-one-step-ahead ``async_eval`` (a step nobody reads for every stopped sequence).
+reads log-probabilities in the model's dtype (see ``specprefill.sparse``), and its stop
+sequences and token bookkeeping (the job's own detokenizer and stop strings run in the job).
+
+Like ``GenerationBatch``, a step runs one ahead: as soon as a step's tokens are read, the next
+step's forward pass is queued (``mx.async_eval``) with them as input, and it computes while the
+jobs publish their tokens, detokenize and check their stop strings (the host's share of a step,
+otherwise a pause of the device). A sequence that leaves meanwhile has one token too many in the
+batch cache: its extracted cache is trimmed by one, so it gets back exactly what it fed. A batch
+runs ahead only while that trim is exact (:func:`runs_ahead`); else its steps run one at a time.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, QuantizedKVCache
 
 from specprefill.options import Sampling
 from specprefill.sampling import sample
@@ -66,6 +72,22 @@ def _shift_offset(layer: Any, delta: mx.array) -> None:
             leaf.offset = leaf.offset + delta
 
 
+def runs_ahead(seqs: list[Sequence], cache: list) -> bool:
+    """Whether a batch may queue its next step before its tasks read this one's tokens: every
+    leaf is a ``BatchKVCache`` (a sequence that leaves gets its cache back trimmed by the extra
+    token, exactly), or no sequence wants its cache back. A recurrent state or a rotated window
+    cannot be trimmed."""
+    return not any(s.keep_cache for s in seqs) or all(
+        isinstance(leaf, BatchKVCache) for layer in cache for leaf in _leaves(layer))
+
+
+def _drop_last(leaf: Any) -> None:
+    """Take the last token out of an extracted ``KVCache`` (its arrays end at its offset, as
+    an extracted cache's do: ``trim`` alone would leave the slot in ``state``)."""
+    leaf.keys, leaf.values = leaf.keys[..., :-1, :], leaf.values[..., :-1, :]
+    leaf.offset -= 1
+
+
 def cache_length(cache: list) -> int:
     """Tokens a job's cache holds (its KV layers' offset)."""
     for layer in cache:
@@ -83,6 +105,7 @@ class DecodeBatch:
         self.seqs: list[Sequence] = []
         self.cache: list = []
         self._joining: list[Sequence] = []
+        self._ahead: tuple[mx.array, list[Sequence]] | None = None  # a queued step: its tokens, its rows
         self.broken = False  # its forward pass raised: leaving takes nothing back
 
     def __len__(self) -> int:
@@ -108,6 +131,10 @@ class DecodeBatch:
         if seq.keep_cache and not self.broken:
             index = self.seqs.index(seq)
             seq.cache[:] = [layer.extract(index) for layer in self.cache]
+            if self._ahead is not None:  # the queued step fed it one token it never read
+                for layer in seq.cache:
+                    for leaf in _leaves(layer):
+                        _drop_last(leaf)
 
     def _settle(self) -> None:
         """Apply the leaves (one ``filter``) and the joins (one ``merge``, one ``extend``)."""
@@ -145,16 +172,32 @@ class DecodeBatch:
         return self.model(inputs, cache=self.cache)[:, -1, :]
 
     def step(self) -> list[Sequence]:
-        """One forward pass of every sequence; each one's ``token`` is set. The sequences stepped."""
-        logits = self.logits()
-        if logits is None:
+        """One forward pass of every sequence; each one's ``token`` is set. The sequences stepped
+        (a sequence that left while its step was queued is not among them). With
+        :func:`runs_ahead`, the next step is queued before this returns."""
+        if self._ahead is None:
+            self._queue()
+        if self._ahead is None:
             return []
-        tokens = _sample_rows(logits, self.seqs)
-        mx.eval(tokens, [layer.state for layer in self.cache])
-        for seq, token in zip(self.seqs, tokens.tolist()):
+        (tokens, seqs), self._ahead = self._ahead, None
+        for seq, token in zip(seqs, tokens.tolist()):
             seq.token, seq.pending = int(token), int(token)
             seq.position += 1
-        return list(self.seqs)
+        self._queue(ahead=True)
+        return [s for s in seqs if not s.leaving]
+
+    def _queue(self, *, ahead: bool = False) -> None:
+        """The joins and leaves applied, the next step's forward pass and sampling queued (with
+        ``ahead``, only where :func:`runs_ahead`)."""
+        self._settle()
+        if ahead and not runs_ahead(self.seqs, self.cache):
+            return
+        logits = self.logits()
+        if logits is None:
+            return
+        tokens = _sample_rows(logits, self.seqs)
+        mx.async_eval(tokens, [layer.state for layer in self.cache])
+        self._ahead = (tokens, list(self.seqs))
 
 
 def _sample_rows(logits: mx.array, seqs: list[Sequence]) -> mx.array:

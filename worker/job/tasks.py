@@ -23,6 +23,7 @@ from jobs.contract.heal import HealSpec, heal_spec_from_payload, is_heal_payload
 from jobs.contract.spec import JobSpec, spec_from_payload
 from jobs.progress import publisher_for
 from worker import runtime as runtime_mod
+from worker.engine import sleep as engine_sleep
 from worker.job.context import ClaimLost, JobContext, JobStopped
 from worker.job.generate_pipeline import run_generate
 from worker.job.heal import run_heal
@@ -35,12 +36,25 @@ log = logging.getLogger(__name__)
 # A job kind names the function that runs it; both take (spec, ctx) and return JSON.
 RUNNERS: dict[str, Callable[[Any, JobContext], dict[str, Any]]] = {
     "prefill": run_prefill, "generate": run_generate, "heal": run_heal}
+BOOKKEEPING_WAIT_S = 2.0  # at most this long a job's end waits for the block store's counters
 
 
 def _done_summary(result: dict[str, Any], elapsed: float) -> dict[str, Any]:
     keys = ("kept", "total", "ratio", "restored_ratio", "reason", "keep_effect", "cached_tokens", "memo_hit",
             "generated_tokens", "ttft_s", "finish_reason")
     return {**{k: result.get(k) for k in keys if k in result}, "elapsed_s": round(elapsed, 4)}
+
+
+def await_bookkeeping(timeout_s: float = BOOKKEEPING_WAIT_S) -> bool:
+    """Wait for the block store's trailing counters (written before the job is seen done); False
+    if ``timeout_s`` passed first. Inside the engine the job waits as a sleeper: a blocking flush
+    would hold every other job's decode step for as long."""
+    deadline = time.monotonic() + timeout_s
+    while not BOOKKEEPING.flush(timeout=0):
+        if time.monotonic() >= deadline:
+            return False
+        engine_sleep(0.001)
+    return True
 
 
 def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str, Any]:
@@ -68,8 +82,7 @@ def execute(payload: Any, ctx: JobContext, *, retries_left: int = 0) -> dict[str
         raise
     finally:
         ctx.publisher.flush()  # a non-terminal last event (retrying) must not stay buffered
-    # The block store's counters trail its fetches: written before the job is seen done.
-    BOOKKEEPING.flush(timeout=2.0)
+    await_bookkeeping()
     ctx.check_claim()  # the last moment: a copy that lost its claim publishes no "done"
     ctx.publisher.publish("done", **_done_summary(result, time.perf_counter() - t0))
     return result
