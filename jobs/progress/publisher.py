@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -185,6 +187,8 @@ class ProgressPublisher:
         """Send every pending event in one round trip; returns them ([] on a fault). ``answer``:
         a send for the answer's sake, out of the interval: it neither restarts the interval
         nor runs ``on_flush`` (the job's ``meta`` mirror follows the interval, not each token)."""
+        if self.batch is not None:  # its earlier sends leave first: the stream keeps the job's order
+            self.batch.wait_for(self)
         send = self._take(answer)
         if send is None:
             return []
@@ -259,15 +263,28 @@ class SendBatch:
     while it is active, and sends at once otherwise (a terminal event always at once, with what
     it held). Each publisher's events keep their order and numbering (the same script,
     pipelined); a send due on its interval restarts it and mirrors ``on_flush`` as it would
-    alone (in a second pipeline, after the fence let it through)."""
+    alone (in a second pipeline, after the fence let it through).
 
-    def __init__(self, client: redis.Redis) -> None:
+    With ``background``, the step's pipeline is made by a sender thread of the batch's own and
+    the step goes on at once: a decode step does not wait for Redis's answer (on a CPU, where
+    the next step computes in the loop's own thread, that wait is time nothing computes). Sends
+    leave in the order the steps made them; a publisher's own send (a terminal event, one made
+    outside a step) first waits for its sends in the thread (:meth:`wait_for`), so a job's
+    stream keeps its order. What Redis answers (a fence refusal, a lost send) is settled in the
+    thread: a fenced publisher closes a step later than it would have."""
+
+    def __init__(self, client: redis.Redis, *, background: bool = False) -> None:
         self.client = client
+        self.background = background
         self.active = False
         self.round_trips = 0  # pipelines sent (the scripts', and the on_flush mirrors')
         self.held_sends = 0  # the publishers' sends they carried
         self._held: dict[int, tuple[ProgressPublisher, bool]] = {}  # id -> (publisher, a due send)
         self._sha: str | None = None
+        self._cond = threading.Condition()
+        self._queued: deque[list[tuple[ProgressPublisher, _Send]]] = deque()  # steps' sends, oldest first
+        self._in_thread: dict[int, int] = {}  # id(publisher) -> its sends queued or being made
+        self._thread: threading.Thread | None = None
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -297,6 +314,54 @@ class SendBatch:
         sends = [(p, s) for p, due in held if not p.finished and (s := p._take(answer=not due)) is not None]
         if not sends:
             return
+        if self.background:
+            self._hand_over(sends)
+        else:
+            self._make(sends)
+
+    def wait_for(self, publisher: ProgressPublisher, timeout: float | None = None) -> bool:
+        """Until none of ``publisher``'s sends waits in the sender thread (False: ``timeout``
+        passed first). At once in the thread itself (a send it settles may send again)."""
+        if threading.current_thread() is self._thread:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: id(publisher) not in self._in_thread, timeout)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Until every send handed to the sender thread was made (False: ``timeout`` passed first)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queued, timeout)
+
+    def _hand_over(self, sends: list[tuple[ProgressPublisher, _Send]]) -> None:
+        with self._cond:
+            for publisher, _ in sends:
+                self._in_thread[id(publisher)] = self._in_thread.get(id(publisher), 0) + 1
+            self._queued.append(sends)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._send_forever, name="progress-sends", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _send_forever(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queued))
+                sends = self._queued[0]
+            try:
+                self._make(sends)
+            except Exception:  # a bug, not Redis (its faults are settled per send): logged, the next step's go on
+                log.exception("progress: a decode step's sends failed")
+            finally:
+                with self._cond:
+                    self._queued.popleft()
+                    for publisher, _ in sends:
+                        left = self._in_thread.pop(id(publisher)) - 1
+                        if left:
+                            self._in_thread[id(publisher)] = left
+                    self._cond.notify_all()
+
+    def _make(self, sends: list[tuple[ProgressPublisher, _Send]]) -> None:
+        """One pipeline of the sends' scripts, each settled (numbers, fence, mirrors)."""
         t0 = time.perf_counter()
         try:
             replies = self._execute([s for _, s in sends])

@@ -336,3 +336,60 @@ def test_a_send_batch_refuses_a_fenced_publisher_alone():
         gone.publish("text", offset=0, delta="b")
     assert [e.data["delta"] for e in parse_stream_events(r.xrange(stream_key("t", "ok")))] == ["a"]
     assert not r.xrange(stream_key("t", "gone")) and gone.fenced and gone.finished and not ok.fenced
+
+
+def test_a_background_send_batch_does_not_hold_the_step_and_keeps_each_jobs_order():
+    """With ``background`` the step ends before Redis answers (its sends are made by the batch's
+    thread); a job's terminal event, sent by the job itself, waits for its sends in the thread,
+    so every stream keeps the job's order and numbering."""
+    import threading
+
+    from jobs.progress import SendBatch
+
+    r = fakeredis.FakeRedis()
+    batch = SendBatch(r, background=True)
+    order, release = [], threading.Event()
+    genuine = batch._execute
+
+    def slow(sends):
+        release.wait(10)
+        order.append("sent")
+        return genuine(sends)
+    batch._execute = slow
+    pubs = [ProgressPublisher(r, f"j{i}", namespace="t", min_interval_s=60.0) for i in range(4)]
+    for pub in pubs:
+        pub.batch = batch
+    for step in range(3):
+        with batch.holding():
+            for i, pub in enumerate(pubs):
+                pub.publish("text", offset=step, delta=f"{i}-{step} ")
+        order.append(f"step {step} ended")
+    assert order == ["step 0 ended", "step 1 ended", "step 2 ended"]  # none waited for Redis
+    assert not any(r.xrange(stream_key("t", f"j{i}")) for i in range(4))
+    threading.Timer(0.2, release.set).start()
+    pubs[0].publish("done")  # waits for its three sends, then goes after them
+    assert order[:4] == ["step 0 ended", "step 1 ended", "step 2 ended", "sent"]
+    assert batch.drain(10) and batch.round_trips == 3 and batch.held_sends == 12
+    for i, pub in enumerate(pubs):
+        events = parse_stream_events(r.xrange(stream_key("t", f"j{i}")))
+        assert [e.seq for e in events] == list(range(1, len(events) + 1)) and pub.seq == events[-1].seq
+        assert "".join(e.data["delta"] for e in events if e.kind == "text") == f"{i}-0 {i}-1 {i}-2 "
+    assert [e.kind for e in parse_stream_events(r.xrange(stream_key("t", "j0")))][-1] == "done"
+
+
+def test_a_background_send_batch_still_fences_a_publisher_off():
+    from jobs.progress import SendBatch
+
+    r = fakeredis.FakeRedis()
+    r.zadd("wip", {"job:ok": 1})
+    batch = SendBatch(r, background=True)
+    ok = ProgressPublisher(r, "ok", namespace="t", min_interval_s=60.0, fence=("wip", "job:ok"))
+    gone = ProgressPublisher(r, "gone", namespace="t", min_interval_s=60.0, fence=("wip", "job:gone"))
+    ok.batch = gone.batch = batch
+    with batch.holding():
+        ok.publish("text", offset=0, delta="a")
+        gone.publish("text", offset=0, delta="b")
+    assert batch.drain(10)
+    assert [e.data["delta"] for e in parse_stream_events(r.xrange(stream_key("t", "ok")))] == ["a"]
+    assert not r.xrange(stream_key("t", "gone")) and gone.fenced and gone.finished and not ok.fenced
+    assert gone.publish("done") is None  # closed by the thread's settle: nothing more leaves

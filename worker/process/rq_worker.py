@@ -70,7 +70,8 @@ class InProcessWorker(JobsInFlight, SimpleWorker):
         self.liveness: Liveness | None = None
         self.room = Room(s, runtime.models)
         self.engine = Engine.from_settings(s)
-        self.engine.sends = runtime.sends = SendBatch(runtime.connection)  # a step's tokens: one round trip
+        # a decode step's tokens: one round trip, made by a thread while the next step computes
+        self.engine.sends = runtime.sends = SendBatch(runtime.connection, background=True)
         self._init_loop()
         runtime_mod.install(runtime)
 
