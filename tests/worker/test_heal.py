@@ -496,3 +496,35 @@ def test_a_turn_waits_for_its_running_heal_only_when_it_pays(monkeypatch, case):
         assert w == {} and not healed and t["prefilled_sparse"] > 0
     else:
         assert not w["waited"] and "ETA" in w["reason"] and not healed and t["prefilled_sparse"] > 0
+
+
+def test_a_user_job_arriving_while_the_worker_holds_only_a_waiting_heal_is_taken_by_a_blocking_dequeue(
+        redis_url, monkeypatch):
+    """A heal waiting for a quiet moment leaves the engine nothing to run: the worker blocks on
+    its queues until the heal is due (``Engine.idle_for``) instead of polling every ``POLL_S``,
+    so a request arriving then is taken the moment it is queued."""
+    import threading
+
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(redis_url)
+    rt, _ = runtime(r, heal_idle_s=0.6, **SPARSE)
+    first = run(rt, "t1", messages=chat(0), **GREEDY)  # queues its heal
+    rt.user_activity_at = time.monotonic()  # t1 has just ended: the heal waits heal_idle_s
+    taken: list[tuple[float | None, str]] = []
+    genuine = Queue.dequeue_any.__func__
+
+    def dequeue_any(cls, queues, timeout, **kwargs):
+        result = genuine(cls, queues, timeout, **kwargs)
+        if result is not None:
+            taken.append((timeout, result[0].id))
+        return result
+    monkeypatch.setattr(Queue, "dequeue_any", classmethod(dequeue_any))
+    user = build_spec(rt.settings, kind="generate", messages=chat(3, n=90), **GREEDY)
+    submitted = threading.Timer(0.2, lambda: Client(r, rt.settings).submit(user))
+    submitted.start()
+    InProcessWorker(listen_order(rt.settings), runtime=rt, name="w-idle").work(burst=True)
+    submitted.join()
+    assert taken[0][1] == first.heal["job_id"]  # the heal first: nothing else was queued
+    user_take = next(timeout for timeout, job_id in taken if job_id == user.job_id(rt.settings.namespace))
+    assert user_take is not None and 0 < user_take <= 0.6  # taken by the blocking dequeue

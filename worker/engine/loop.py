@@ -281,6 +281,17 @@ class Engine:
             turns += 1
             self.stats.turn(decoded)
 
+    def idle_for(self, longest_s: float) -> float:
+        """Seconds the loop has nothing to run for (0: work is ready or decoding), at most
+        ``longest_s``: until its first sleeper is due. A caller may block that long on its own
+        wait (the worker on its queues) instead of stepping an idle loop."""
+        if self._ready or self._solo or any(len(b) for b in self._batches.values()):
+            return 0.0
+        wakes = [t.wake_at for t in self._tasks if t.wake_at is not None and not t.done]
+        if not wakes:
+            return 0.0  # tasks that neither sleep nor are ready: let the loop look at them
+        return max(0.0, min(longest_s, min(wakes) - time.perf_counter()))
+
     def _idle(self) -> None:
         """Nothing ran: sleep until the first sleeper is due (at most a few ms: the caller polls)."""
         wakes = [t.wake_at for t in self._tasks if t.wake_at is not None]

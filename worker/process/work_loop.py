@@ -29,7 +29,7 @@ from typing import Any
 from rq.suspension import is_suspended
 from rq.timeouts import JobTimeoutException
 from rq.utils import now
-from rq.exceptions import StopRequested
+from rq.exceptions import DequeueTimeout, StopRequested
 from rq.worker import WorkerStatus
 
 from jobs.connection import REDIS_DOWN
@@ -44,6 +44,9 @@ from worker.process.room import JobSize
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # the least time between two non-blocking dequeues while jobs are in flight
+# The longest blocking dequeue while the jobs in flight only sleep (heals waiting for a quiet
+# moment): a job that arrives meanwhile is taken at once instead of at the next poll.
+IDLE_WAIT_S = 0.1
 SUSPENSION_CHECK_S = 1.0  # how often `rq suspend` is looked for while jobs are in flight
 LOAD_SAMPLE_S = 0.1  # how often the batch size shown (metrics, the worker's hash) is sampled
 
@@ -151,19 +154,24 @@ class JobsInFlight:
         return not suspended
 
     def _poll(self) -> tuple[Any, Any] | None:
-        """A non-blocking dequeue from the worker's queues, in their order; not from the heal
-        queues while a user job is in flight (a heal taken then would wait in a slot for the
-        user work to end: left queued, an idle worker takes it)."""
+        """A dequeue from the worker's queues, in their order; not from the heal queues while a
+        user job is in flight (a heal taken then would wait in a slot for the user work to end:
+        left queued, an idle worker takes it). Non-blocking, unless the engine has nothing to
+        run for a while (:meth:`Engine.idle_for`): then a blocking one for that long."""
         self._next_poll = time.monotonic() + POLL_S
         queues = self._ordered_queues
         if any(slot.user for slot in self.in_flight.values()):
             queues = [q for q in queues if not is_heal_queue(q.name)]
+        wait_s = self.engine.idle_for(IDLE_WAIT_S)
         try:
-            if not self._anything_queued(queues):
+            if wait_s < 0.001 and not self._anything_queued(queues):
                 return None
             result = self.queue_class.dequeue_any(
-                queues, None, connection=self.connection, job_class=self.job_class,
-                serializer=self.serializer, death_penalty_class=self.death_penalty_class)
+                queues, wait_s if wait_s >= 0.001 else None, connection=self.connection,
+                job_class=self.job_class, serializer=self.serializer,
+                death_penalty_class=self.death_penalty_class)
+        except DequeueTimeout:
+            return None
         except REDIS_DOWN as exc:
             self._redis_down("dequeue", exc)
             self._next_poll = time.monotonic() + 1.0
