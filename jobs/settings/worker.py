@@ -143,7 +143,8 @@ class WorkerSettings:
     """A fixed prefill chunk instead. 0: sized from max_decode_gap_s."""
     prefill_order: str = "shortest"
     """Which ready prefill runs first: ``shortest`` (the fewest tokens left in its phase) or
-    ``fifo`` (arrival)."""
+    ``fifo`` (arrival); either way one that waited ``MAX_WAIT_S`` for a turn goes first
+    (worker/engine/scheduler.py)."""
     max_jobs_in_flight: int = 8
     """How many jobs a worker holds at once (worker/process/room.py): it takes jobs off its
     queues while it has a free slot. 1: one job at a time."""

@@ -144,6 +144,24 @@ def test_prefill_order(order, expected):
     assert [who for _, who in log] == expected
 
 
+def test_shortest_first_ages_a_long_prefill_past_max_wait_s():
+    """Under ``shortest`` a stream of short prefills goes first, until the long one has waited
+    ``MAX_WAIT_S`` for a turn; heals never jump user work by aging."""
+    from worker.engine import scheduler
+    from worker.engine.task import Task
+
+    def task(name, left, waited, priority=USER):
+        t = Task(lambda: None, priority=priority, name=name)
+        t.work_left, t.turn_ended = left, 100.0 - waited
+        return t
+    long, short = task("long", 4000, 0.5), task("short", 20, 0.0)
+    pick = lambda *ready: scheduler.next_task(ready, "shortest", user_busy=False, now=100.0).name  # noqa: E731
+    assert pick(long, short) == "short"
+    long.turn_ended = 100.0 - scheduler.MAX_WAIT_S
+    assert pick(long, short) == "long"
+    assert pick(task("heal", 10, 60.0, HEAL), short) == "short"
+
+
 def test_a_failure_mid_batch_fails_that_job_alone(model, log):
     def boom(n):
         if n == 5:

@@ -41,7 +41,7 @@ class Task:
         self.done = False
         self.result: Any = None
         self.exception: BaseException | None = None
-        self.created = time.perf_counter()
+        self.created = self.turn_ended = time.perf_counter()  # turn_ended: when its last turn ended
         self.service_s = 0.0  # time spent in its turns (prefill, scoring, set-up)
         self.turns = 0
         self.work_left: int | None = None  # tokens left in the current chunked phase (reported)
@@ -101,7 +101,8 @@ class Task:
             else:
                 self._greenlet.switch(value)
         finally:
-            self.last_turn_s = time.perf_counter() - started
+            self.turn_ended = time.perf_counter()
+            self.last_turn_s = self.turn_ended - started
             self.turns += 1
 
     def kill(self) -> None:
