@@ -118,3 +118,24 @@ def test_a_waiting_result_returns_from_the_write_that_wakes_it(worker, redis_url
     assert got and got[0].generated_tokens == 4 and me != "waiter"
     assert sent[-1] == "XREAD" and sent.count("XREAD") == 1, sent  # nothing read after the wake
     assert sent[:1] == ["MULTI"]  # the status and the stream's last entry, one instant
+
+
+def test_a_preloaded_target_is_measured_and_probed_before_the_first_job(redis_url, monkeypatch):
+    """The engine's chunk cost and batch probe of a preloaded model run at start-up, not in the
+    first job's time to first token."""
+    import worker.engine.loop as loop
+    import worker.engine.probe as probe
+    from worker.process import rq_worker
+
+    calls: list[tuple[str, object]] = []
+    for module, name in ((loop, "measure_cost"), (probe, "batch_reason")):
+        genuine = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda model, _g=genuine, _n=name: calls.append((_n, model)) or _g(model))
+    monkeypatch.setattr(rq_worker.InProcessWorker, "work", lambda self, **kw: calls.append(("work", None)) or False)
+    conn = redis.Redis.from_url(redis_url)
+    pool, _ = pool_with_target()
+    rt = WorkerRuntime(SETTINGS, conn, conn, pool, backend_factory=fake_backend)
+    rq_worker.run_worker(rt, SETTINGS.queues, preload=["tiny-target"], burst=True, name="preloaded")
+    target = pool.get("tiny-target", "target_model").model
+    assert [name for name, _ in calls] == ["measure_cost", "batch_reason", "work"]
+    assert all(model is target for name, model in calls if name != "work")

@@ -322,21 +322,35 @@ class Engine:
         for the engine's life, so a job's prefill runs in the same chunks alone and beside others."""
         if self.prefill_chunk_tokens:
             return min(self.prefill_chunk_tokens, default)
+        cost = self._cost(model)
+        return default if cost is None else min(chunk_fitting(cost, context, self.max_decode_gap_s), default)
+
+    def prepare(self, model: Any, *, decodes: bool) -> None:
+        """Measure ``model``'s prefill cost now and, if it ``decodes`` (a target), check that it
+        batches: what the first job of it would otherwise pay (a worker calls this for the
+        models it preloads)."""
+        if not self.prefill_chunk_tokens:
+            self._cost(model)
+        if decodes:
+            self.batch_reason(model)
+
+    def _cost(self, model: Any) -> tuple[float, float] | None:
+        """``model``'s measured prefill cost (:func:`measure_cost`, once); None: not measurable."""
         known = self._chunks.get(id(model))
         if known is None or known[0]() is not model:
             try:
                 cost = measure_cost(model)
             except Exception as exc:  # not an mlx-lm model (a test's fake): its own chunks
-                log.info("engine: %s not measured (%s: %s): chunks of %d", type(model).__name__,
-                         type(exc).__name__, exc, default)
-                return default
+                log.info("engine: %s not measured (%s: %s): its default chunks", type(model).__name__,
+                         type(exc).__name__, exc)
+                return None
             known = self._chunks[id(model)] = (weakref.ref(model), cost)
             log.info("engine: %s prefills %.0f tokens/s on an empty cache, %.0f beside %d cached tokens: "
                      "chunks of %d tokens (empty) and %d (%d cached) fit max_decode_gap_s=%g",
                      type(model).__module__, 1 / cost[0], 1 / (cost[0] + cost[1] * CONTEXT_PROBE), CONTEXT_PROBE,
                      chunk_fitting(cost, 0, self.max_decode_gap_s), chunk_fitting(cost, 16384, self.max_decode_gap_s),
                      16384, self.max_decode_gap_s)
-        return min(chunk_fitting(known[1], context, self.max_decode_gap_s), default)
+        return known[1]
 
 
 def chunk_fitting(cost: tuple[float, float], context: int, gap_s: float) -> int:

@@ -340,11 +340,12 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
     set_worker(name)  # every line from here names the worker
     log.info("BLAS in use: %s", blas_in_use())
     queues = listen_order(s, queues)
-    for model in preload:  # verified in the role the settings give it (a draft unless only the target)
-        as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
-        runtime.models.get(model, "target_model" if as_target else "draft_model")
-    log.info("worker %s works queues %s", name, ", ".join(queues), extra={"event": "worker_started"})
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)
+    for model in preload:  # verified in the role the settings give it (a draft unless only the target)
+        as_target = model in ("target", s.target_model) and s.target_model != s.draft_model
+        loaded = runtime.models.get(model, "target_model" if as_target else "draft_model")
+        w.engine.prepare(loaded.model, decodes=as_target)  # the first job does not pay for it
+    log.info("worker %s works queues %s", name, ", ".join(queues), extra={"event": "worker_started"})
     hooks.on_start(w)
     return w.work(burst=burst, logging_level=logging_level, max_jobs=max_jobs)
