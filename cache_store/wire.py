@@ -18,6 +18,7 @@ is read through its own parser, the value then copied out of the ``bytes`` it re
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Callable, Iterator, Protocol, Sequence
 
 import redis
@@ -27,6 +28,7 @@ import redis
 # chain of 20 MiB hybrid blocks keeps under 100 MiB in Redis's output buffer.
 WINDOW = 4
 _BUFFER = 1 << 16  # bytes read at a time for reply headers (payloads bypass it)
+_IOV_MAX = 512  # pieces per scatter call (IOV_MAX is at least 1024 on Linux and macOS)
 
 
 class ValueSource(Protocol):
@@ -82,6 +84,9 @@ class _SocketReader:
         self._sock = sock
         self._buf = bytearray(_BUFFER)
         self._start = self._end = 0
+        # One recvmsg_into fills a block's pieces (16 per 1 MiB draft block) where one recv_into
+        # per piece cost a system call and a Python round each; TLS sockets have no scatter read.
+        self.scatters = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -96,6 +101,17 @@ class _SocketReader:
     def _recv_into(self, view: memoryview) -> int:
         try:
             n = self._sock.recv_into(view)
+        except socket.timeout:
+            raise redis.TimeoutError("Timeout reading from socket") from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error while reading from socket: {exc}") from None
+        if not n:
+            raise redis.ConnectionError("Connection closed by server.")
+        return n
+
+    def _recvmsg_into(self, views: list[memoryview]) -> int:
+        try:
+            n = self._sock.recvmsg_into(views)[0]
         except socket.timeout:
             raise redis.TimeoutError("Timeout reading from socket") from None
         except OSError as exc:
@@ -139,6 +155,24 @@ class _SocketReader:
             n = self._recv_into(view)
             view = view[n:]
 
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in turn: what the buffer holds first, then scattered by the kernel."""
+        if not self.scatters:
+            for view in views:
+                self.readinto(view)
+            return
+        pending = []
+        for view in views:
+            have = min(len(view), self._end - self._start)
+            if have:
+                view[:have] = self._buf[self._start:self._start + have]
+                self._start += have
+            if have < len(view):
+                pending.append(view[have:] if have else view)
+        pending = [v for v in pending if len(v)]
+        while pending:
+            pending = advanced(pending, self._recvmsg_into(pending[:_IOV_MAX]))
+
     def skip(self, n: int) -> None:
         while n:
             if self._start == self._end:
@@ -155,6 +189,7 @@ class BulkValue:
         self._reader = reader
         self.length = length
         self.remaining = length
+        self.scatters = reader.scatters  # a block's pieces are read in one call (cache_store.block_reader)
 
     def readinto(self, view: memoryview) -> None:
         n = len(view)
@@ -164,8 +199,11 @@ class BulkValue:
         self.remaining -= n
 
     def readinto_many(self, views: Sequence[memoryview]) -> None:
-        for view in views:
-            self.readinto(view)
+        n = sum(len(view) for view in views)
+        if n > self.remaining:
+            raise ValueError("read past the end of the value")
+        self._reader.readinto_many(views)
+        self.remaining -= n
 
     def skip(self, n: int) -> None:
         n = min(n, self.remaining)
@@ -176,6 +214,15 @@ class BulkValue:
         """Drop what the caller left unread, and the reply's CRLF."""
         self._reader.skip(self.remaining + 2)
         self.remaining = 0
+
+
+def advanced(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` with their first ``n`` bytes done (a short read or write resumes there)."""
+    for i, view in enumerate(views):
+        if n < len(view):
+            return [view[n:], *views[i + 1:]] if n else views[i:]
+        n -= len(view)
+    return []
 
 
 def _raw_socket(conn) -> socket.socket | None:
