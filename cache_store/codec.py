@@ -82,6 +82,7 @@ _DIGEST_TAIL = DIGEST_BYTES + 5
 _SUM_TAIL = _DIGEST_TAIL + 2 + 7 + _SUM_BYTES
 
 
+@functools.lru_cache(maxsize=1024)  # a handful of names per model, asked per array of every block
 def is_token_array(name: str) -> bool:
     """Token-indexed (tokens on axis 2: ``keys``, ``values.packed``, ``1.keys``) rather than state."""
     return bool(TOKEN_PARTS & set(name.split(".")))
