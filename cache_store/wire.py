@@ -95,23 +95,13 @@ class _SocketReader:
             self._buf[:self._end - self._start] = self._buf[self._start:self._end]
             self._end -= self._start
             self._start = 0
-        n = self._recv_into(memoryview(self._buf)[self._end:])
+        n = self._receive(memoryview(self._buf)[self._end:])
         self._end += n
 
-    def _recv_into(self, view: memoryview) -> int:
+    def _receive(self, into: memoryview | list[memoryview]) -> int:
+        """Bytes read off the socket (at least one) into one buffer, or scattered over several."""
         try:
-            n = self._sock.recv_into(view)
-        except socket.timeout:
-            raise redis.TimeoutError("Timeout reading from socket") from None
-        except OSError as exc:
-            raise redis.ConnectionError(f"Error while reading from socket: {exc}") from None
-        if not n:
-            raise redis.ConnectionError("Connection closed by server.")
-        return n
-
-    def _recvmsg_into(self, views: list[memoryview]) -> int:
-        try:
-            n = self._sock.recvmsg_into(views)[0]
+            n = self._sock.recv_into(into) if isinstance(into, memoryview) else self._sock.recvmsg_into(into)[0]
         except socket.timeout:
             raise redis.TimeoutError("Timeout reading from socket") from None
         except OSError as exc:
@@ -152,7 +142,7 @@ class _SocketReader:
             self._start += have
         view = view[have:]
         while len(view):  # straight from the kernel into the caller's memory
-            n = self._recv_into(view)
+            n = self._receive(view)
             view = view[n:]
 
     def readinto_many(self, views: Sequence[memoryview]) -> None:
@@ -171,7 +161,7 @@ class _SocketReader:
                 pending.append(view[have:] if have else view)
         pending = [v for v in pending if len(v)]
         while pending:
-            pending = advanced(pending, self._recvmsg_into(pending[:_IOV_MAX]))
+            pending = advanced(pending, self._receive(pending[:_IOV_MAX]))
 
     def skip(self, n: int) -> None:
         while n:
