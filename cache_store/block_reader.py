@@ -139,7 +139,7 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
     if not whole and (state or source.length != start + fmt.token_length):
         raise CorruptBlockError(f"value: {source.length} bytes, payload says {end + _TRAILER} (truncated or padded)")
     read_state = state and whole
-    destinations = place(fmt.layout, read_state)
+    destinations = place(fmt.layout, read_state and fmt.payload_length > fmt.token_length)  # any state arrays
     leftover = memoryview(head)[start:]  # payload bytes read with the head (none when its size is known)
     reader = _Chained(leftover, source) if len(leftover) else source
     layers: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
