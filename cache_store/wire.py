@@ -6,7 +6,8 @@ it once more into the arrays the model uses. Here the replies of a streamed read
 this module off the connection's socket instead (``recv_into``): a bulk reply's header is
 parsed from a small buffer, and its payload goes from the kernel straight into memory the
 caller names (:meth:`BulkValue.readinto`), e.g. a block's place in MLX-owned arrays: one
-copy in all. Measured in ``bench/block_store.py`` against raw GETs read by hiredis.
+copy in all. A value read into many pieces at once (a block's arrays, one piece per head) is
+scattered by the kernel (``recvmsg_into``, :meth:`BulkValue.readinto_many`). Measured in ``bench/block_store.py`` against raw GETs read by hiredis.
 
 Keeping ``window`` requests in flight per connection streams the values: Redis writes the
 next replies while the caller works on the one it has, and each side holds a few values.
