@@ -151,8 +151,9 @@ def bench_codec() -> dict[str, float]:
 
 class _Clock:
     """Time a fetch spends inside its socket reads (the block store's wire reader), making its
-    MLX destinations (``MlxDestinations``: allocation, unfilled since issue 27) and in checksums run
-    on the helper thread; the rest is header checks, Python, the rebuild and the bookkeeping."""
+    MLX destinations (``MlxDestinations``: allocation, unfilled since issue 27) and in checksums (on
+    the helper thread, or inline after each block's read); the rest is header checks, Python, the
+    rebuild and the bookkeeping."""
 
     def __init__(self) -> None:
         self.socket = self.allocate = self.checksums = 0.0
@@ -170,9 +171,9 @@ class _Clock:
         from cache_store import block_reader, wire
         from specprefill import kv_arrays
 
-        self._saved = (wire._SocketReader._recv_into, kv_arrays.MlxDestinations.__call__, block_reader._hash)
+        self._saved = (wire._SocketReader._receive, kv_arrays.MlxDestinations.__call__, block_reader._hash)
         recv, allocate, hash_ = self._saved
-        wire._SocketReader._recv_into = self._timed(recv, "socket")
+        wire._SocketReader._receive = self._timed(recv, "socket")
         kv_arrays.MlxDestinations.__call__ = self._timed(allocate, "allocate")
         block_reader._hash = self._timed(hash_, "checksums")
         return self
@@ -181,7 +182,7 @@ class _Clock:
         from cache_store import block_reader, wire
         from specprefill import kv_arrays
 
-        wire._SocketReader._recv_into, kv_arrays.MlxDestinations.__call__, block_reader._hash = self._saved
+        wire._SocketReader._receive, kv_arrays.MlxDestinations.__call__, block_reader._hash = self._saved
 
 
 def bench_transport(clients: dict[str, redis.Redis], profile: ModelProfile, n_blocks: int = 64,
@@ -304,8 +305,8 @@ def transport_rows(server: EmbeddedRedis, profile: ModelProfile, rows: list, n_b
                      f"{t['streamed'] / t['store']:.2f}"))
         rows.append(("  a timed fetch: outside its socket reads / of which MLX allocation",
                      f"{(t['clocked'] - t['socket']) * 1e3:.1f} of {t['clocked'] * 1e3:.1f} ms",
-                     f"{t['allocate'] * 1e3:.1f} ms; " + (f"checksums {t['checksums'] * 1e3:.1f} ms on the helper "
-                                                        "thread" if OVERLAP else "checksums inline as pieces land"),
+                     f"{t['allocate'] * 1e3:.1f} ms; checksums {t['checksums'] * 1e3:.1f} ms "
+                     + ("on the helper thread" if OVERLAP else "inline, after each block's read"),
                      ""))
         rows.append(("  context: raw GETs, one pipeline", "", f"{t['bytes'] / t['raw'] / GB:.2f} GB/s "
                      f"({t['raw'] * 1e3:.0f} ms)", f"{t['raw'] / t['store']:.2f}"))

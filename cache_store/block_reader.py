@@ -31,14 +31,15 @@ _CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-checksums"
 OVERLAP = (os.cpu_count() or 1) > 2
 
 # (the block's layout, whether its state arrays are read) -> per (layer index, array name)
-# the array its bits go to: writable, C-ordered pieces, the array's shape and bits dtype.
-Place = Callable[[BlockLayout, bool], dict[tuple[int, str], np.ndarray]]
+# the array its bits go to (writable, the array's shape and bits dtype), or that array and its
+# C-contiguous byte pieces in C order (a placer that has them saves splitting it here).
+Place = Callable[[BlockLayout, bool], dict[tuple[int, str], "np.ndarray | tuple[np.ndarray, list[memoryview]]"]]
 
 
 class PendingBlock:
     """A block whose bytes are in place and whose checksums are being checked."""
 
-    def __init__(self, block: DecodedBlock, parts: list[memoryview], whole: bool, verdict: Future) -> None:
+    def __init__(self, block: DecodedBlock, parts: list[memoryview], whole: bool, verdict: "Future | _Checked") -> None:
         self._block = block
         self.parts = parts  # the value's bytes as read, in order (a copy can be written elsewhere)
         self.whole = whole  # parts are the whole value, else its header and token section
@@ -81,9 +82,15 @@ def _runs(a: np.ndarray) -> list[memoryview]:
     """``a`` as C-contiguous byte pieces in C order (a slot of a joined array: one per head)."""
     if a.flags.c_contiguous:
         return [memoryview(a).cast("B")]
-    if a.ndim > 1 and a.shape[0] == 1:  # the batch axis of a cache array: nothing to split
-        return _runs(a[0])
+    while a.ndim > 1 and a.shape[0] == 1:  # the batch axis of a cache array: nothing to split
+        a = a[0]
+    if a.ndim > 1 and a[0].flags.c_contiguous:  # the usual slot: one piece per head, no recursion
+        return [memoryview(sub).cast("B") for sub in a]
     return [run for sub in a for run in _runs(sub)]
+
+
+def _placed(place: "np.ndarray | tuple[np.ndarray, list[memoryview]]") -> tuple[np.ndarray, list[memoryview] | None]:
+    return place if type(place) is tuple else (place, None)
 
 
 def _head(source: ValueSource, head_bytes: int | None, *, fingerprint: str, n_tokens: int, digest: bytes):
@@ -132,7 +139,7 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
     if not whole and (state or source.length != start + fmt.token_length):
         raise CorruptBlockError(f"value: {source.length} bytes, payload says {end + _TRAILER} (truncated or padded)")
     read_state = state and whole
-    destinations = place(fmt.layout, read_state)
+    destinations = place(fmt.layout, read_state and fmt.payload_length > fmt.token_length)  # any state arrays
     leftover = memoryview(head)[start:]  # payload bytes read with the head (none when its size is known)
     reader = _Chained(leftover, source) if len(leftover) else source
     layers: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
@@ -141,10 +148,10 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
     for i, (name, dtype, bits_dtype, shape, _), token in fmt.payload_order:
         if not token and not read_state:
             break
-        out = destinations[(i, name)]
+        out, runs = _placed(destinations[(i, name)])
         if out.shape != shape or out.dtype != bits_dtype or not out.flags.writeable:
             raise ValueError(f"place: {name} of layer {i} needs a writable {bits_dtype} array of shape {shape}")
-        (token_runs if token else state_runs).extend(_runs(out))
+        (token_runs if token else state_runs).extend(_runs(out) if runs is None else runs)
         layers[i][name] = RawArray(dtype, out)
     trailer = bytearray(_TRAILER if read_state else 0)
     overlap = OVERLAP if background is None else background
@@ -170,14 +177,23 @@ def read_block(source: ValueSource, *, fingerprint: str, n_tokens: int, digest: 
     return PendingBlock(block, parts, read_state, _verdict(check, overlap))
 
 
-def _verdict(check: Callable[[], None], background: bool) -> Future:
+class _Checked:
+    """The verdict of checks that ran here: a done ``Future``'s ``result()``, without its lock."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self._error = error
+
+    def result(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _verdict(check: Callable[[], None], background: bool) -> "Future | _Checked":
     if background:
         return _CHECKS.submit(check)
-    done: Future = Future()
     try:
         check()
-        done.set_result(None)
     except BaseException as exc:
-        done.set_exception(exc)
-    return done
+        return _Checked(exc)
+    return _Checked(None)
 

@@ -82,6 +82,7 @@ _DIGEST_TAIL = DIGEST_BYTES + 5
 _SUM_TAIL = _DIGEST_TAIL + 2 + 7 + _SUM_BYTES
 
 
+@functools.lru_cache(maxsize=1024)  # a handful of names per model, asked per array of every block
 def is_token_array(name: str) -> bool:
     """Token-indexed (tokens on axis 2: ``keys``, ``values.packed``, ``1.keys``) rather than state."""
     return bool(TOKEN_PARTS & set(name.split(".")))
@@ -142,11 +143,16 @@ def ordered_arrays(layer: Mapping[str, Sequence]) -> list[tuple[str, RawArray]]:
         raise ValueError(f"layers: each layer is a mapping of named arrays, got {type(layer).__name__}")
     out = []
     for name in sorted(keys()):
-        if not isinstance(name, str) or not ARRAY_NAME.fullmatch(name):
+        if not isinstance(name, str) or not _valid_name(name):
             raise ValueError(f"layers: array name {name!r}; allowed dot-separated parts of letters, digits, '_'")
         a = layer[name]
         out.append((name, a if type(a) is RawArray else RawArray(*a)))
     return out
+
+
+@functools.lru_cache(maxsize=1024)  # a model's few names, checked for every block it stores
+def _valid_name(name: str) -> bool:
+    return ARRAY_NAME.fullmatch(name) is not None
 
 
 def payload_checksum(payload: memoryview) -> int:
@@ -193,45 +199,64 @@ def encode_block(fingerprint: str, n_tokens: int, layers: Sequence[Layer], *, di
     ``digest`` (its chain digest, the last part of its key).
 
     Copies each array once, straight into the value buffer (so a slice of a big
-    cache does not pin it). Returns a read-only memoryview redis-py sends as is.
+    cache does not pin it), and checksums it right after, while it is still in the cache.
+    Returns a read-only memoryview redis-py sends as is.
     """
     digest = _check_digest(digest)
     per_layer = [ordered_arrays(layer) for layer in layers]
-    # Payload order: the token section, then the state section (each in layer, name order).
-    arrays = ([a for named in per_layer for name, a in named if is_token_array(name)]
-              + [a for named in per_layer for name, a in named if not is_token_array(name)])
-    if not arrays:
-        raise ValueError("layers: a block needs at least one array")
-    payload_size = sum(a.bits.nbytes for a in arrays)
-    if payload_size >= 1 << 32:
-        raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
-    specs = tuple(tuple((name, a.dtype, a.bits.shape) for name, a in named) for named in per_layer)
-    _check_encodable(specs, tuple(a.bits.dtype.itemsize for named in per_layer for _, a in named), n_tokens)
-    prefix = _aligned_prefix(fingerprint, n_tokens, specs, payload_size)
-    start = len(prefix)
-    end = start + payload_size
+    flat = [a.bits for named in per_layer for _, a in named]
+    plan = _plan(fingerprint, n_tokens,
+                 tuple(tuple((name, a.dtype, a.bits.shape, a.bits.dtype) for name, a in named) for named in per_layer))
+    start, end = len(plan.prefix), len(plan.prefix) + plan.payload_size
     # np.empty, not bytearray: no zero-fill pass over memory that is overwritten next.
     out = np.empty(end + 9, dtype=np.uint8)
-    out[:start] = np.frombuffer(prefix, dtype=np.uint8)
-    out[start - _DIGEST_TAIL:start - 5] = np.frombuffer(digest, dtype=np.uint8)
-    token_end = start + sum(a.bits.nbytes for named in per_layer for name, a in named if is_token_array(name))
-    first = arrays[0].bits
-    if all(a.bits.dtype == first.dtype and a.bits.shape == first.shape for a in arrays):
-        # The usual K/V block: one stacked view, one copy per array.
-        stacked = out[start:end].view(first.dtype).reshape((len(arrays),) + first.shape)
-        for i, a in enumerate(arrays):
-            np.copyto(stacked[i], a.bits)
-    else:
-        pos = start
-        for a in arrays:
-            np.copyto(out[pos:pos + a.bits.nbytes].view(a.bits.dtype).reshape(a.bits.shape), a.bits)
-            pos += a.bits.nbytes
     view = memoryview(out)
-    token_sum = payload_checksum(view[start:token_end]).to_bytes(_SUM_BYTES, "big")
-    out[start - _SUM_TAIL:start - _SUM_TAIL + _SUM_BYTES] = np.frombuffer(token_sum, dtype=np.uint8)
-    checksum = payload_checksum(view[token_end:end])
-    out[end:] = np.frombuffer(bytes([_UINT64]) + checksum.to_bytes(8, "big"), dtype=np.uint8)
+    view[:start] = plan.prefix
+    view[start - _DIGEST_TAIL:start - 5] = digest
+    arrays = [flat[i] for i in plan.order]  # payload order: the token section, then the state section
+    if plan.stacked is not None:  # the usual K/V block: one stacked view, one copy per array
+        places = out[start:end].view(plan.stacked[0]).reshape((len(arrays),) + plan.stacked[1])
+    else:
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]) + start
+        places = [out[a:b].view(x.dtype).reshape(x.shape) for a, b, x in zip(offsets, offsets[1:], arrays)]
+    sums = xxhash.xxh3_64(), xxhash.xxh3_64()  # token section, state section
+    for i, (place, a) in enumerate(zip(places, arrays)):
+        np.copyto(place, a)
+        sums[i >= plan.n_token].update(place)
+    view[start - _SUM_TAIL:start - _SUM_TAIL + _SUM_BYTES] = sums[0].intdigest().to_bytes(_SUM_BYTES, "big")
+    view[end] = _UINT64
+    view[end + 1:] = sums[1].intdigest().to_bytes(8, "big")
     return view.toreadonly()
+
+
+class _Plan(NamedTuple):
+    """How a block of given arrays is laid out (one per distinct set of array specs)."""
+
+    prefix: bytes  # ``_aligned_prefix``: everything before the payload, zero digest and checksum
+    order: tuple[int, ...]  # the arrays (flat, layer then name order) in payload order
+    n_token: int  # how many of them (the first in ``order``) make the token section
+    payload_size: int
+    stacked: tuple | None  # (bits dtype, shape) when every array has both the same
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(fingerprint: str, n_tokens: int, specs: tuple) -> _Plan:
+    """The :class:`_Plan` of a block whose layers hold ``specs`` (per layer, ``(name, dtype name,
+    shape, bits dtype)`` of each array in name order); ``ValueError`` if it cannot be stored."""
+    flat = [spec for layer in specs for spec in layer]
+    if not flat:
+        raise ValueError("layers: a block needs at least one array")
+    order = ([i for i, spec in enumerate(flat) if is_token_array(spec[0])]
+             + [i for i, spec in enumerate(flat) if not is_token_array(spec[0])])
+    payload_size = sum(bits.itemsize * math.prod(shape) for _, _, shape, bits in flat)
+    if payload_size >= 1 << 32:
+        raise ValueError(f"block payload: {payload_size} bytes; allowed < 4 GiB")
+    named = tuple(tuple((name, dtype, shape) for name, dtype, shape, _ in layer) for layer in specs)
+    _check_encodable(named, tuple(bits.itemsize for *_, bits in flat), n_tokens)
+    first = flat[0][2:]
+    return _Plan(_aligned_prefix(fingerprint, n_tokens, named, payload_size), tuple(order),
+                 sum(is_token_array(spec[0]) for spec in flat), payload_size,
+                 (first[1], first[0]) if all(spec[2:] == first for spec in flat) else None)
 
 
 def token_section_end(fingerprint: str, n_tokens: int, layout: BlockLayout) -> int:
@@ -356,6 +381,16 @@ class ValueFormat:
     token_length: int  # bytes of the token section (the payload's first part)
     masked: bool  # the token checksum and digest sit where the encoder puts them (see _SUM_TAIL)
     uniform: bool  # every array has one dtype and shape (a plain K/V block)
+
+    @functools.cached_property
+    def flat(self) -> tuple[tuple[int, tuple], ...]:
+        """``(layer index, array spec)`` of every array, in layer then name order."""
+        return tuple((i, spec) for i, layer in enumerate(self.specs) for spec in layer)
+
+    @functools.cached_property
+    def stacked(self) -> bool:
+        """Every array a token array of one dtype and shape (a plain K/V block): one view holds them all."""
+        return self.uniform and all(is_token_array(spec[0]) for _, spec in self.flat)
 
     @functools.cached_property
     def payload_order(self) -> tuple[tuple[int, tuple, bool], ...]:
@@ -520,12 +555,12 @@ def decode_block(value: bytes | memoryview, *, fingerprint: str, n_tokens: int,
 def _payload_arrays(data: np.ndarray, fmt: ValueFormat, state: bool = True) -> list[dict[str, RawArray]]:
     """Per layer, views of its arrays in the payload bytes ``data`` (token section first, then,
     with ``state``, the state section)."""
-    flat = [(i, spec) for i, layer in enumerate(fmt.specs) for spec in layer]
+    flat = fmt.flat
     out: list[dict[str, RawArray]] = [{} for _ in fmt.specs]
-    _, dtype, bits_dtype, shape, _ = flat[0][1]
-    if fmt.uniform and all(is_token_array(spec[0]) for _, spec in flat):  # a plain K/V block: one view
-        for (i, spec), view in zip(flat, data.view(bits_dtype).reshape((len(flat),) + shape)):
-            out[i][spec[0]] = RawArray(spec[1], view)
+    if fmt.stacked:  # a plain K/V block: one view
+        _, _, bits_dtype, shape, _ = flat[0][1]
+        for (i, (name, dtype, *_)), view in zip(flat, data.view(bits_dtype).reshape((len(flat),) + shape)):
+            out[i][name] = RawArray(dtype, view)
         return out
     ordered = [a for a in flat if is_token_array(a[1][0])] + ([a for a in flat if not is_token_array(a[1][0])]
                                                               if state else [])

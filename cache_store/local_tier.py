@@ -14,12 +14,15 @@ Plain files, not ``diskcache``: ``bench/scale.py`` measures both for a warm fetc
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Sequence
+
+from .wire import advanced
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class FileValue:
             if not n:
                 raise OSError("local tier: file ended early (removed or truncated while read)")
             self._pos += n
-            pending = _advanced(pending, n)
+            pending = advanced(pending, n)
 
     def skip(self, n: int) -> None:
         self._pos += n
@@ -78,8 +81,7 @@ class LocalTier:
 
     def _path(self, key: str, suffix: str) -> str:
         # Strings, not Path objects: a fetch looks up every block of a chain (Path parsing showed).
-        name = hashlib.sha256(key.encode()).hexdigest()
-        return os.path.join(self._root, name[:2], name + suffix)
+        return _stem(self._root, key) + suffix
 
     def has(self, key: str, whole: bool = False) -> bool:
         """Whether a value of ``key`` is here (``whole``: the whole value; else its token section will do)."""
@@ -179,6 +181,14 @@ class LocalTier:
         return {"files": len(files), "bytes": total, "max_bytes": self.max_bytes}
 
 
+@functools.lru_cache(maxsize=4096)  # a fetch looks each key up, then opens it: named once
+def _stem(root: str, key: str) -> str:
+    """The path of ``key``'s files in ``root`` without their suffix: ``<root>/<h[:2]>/<h>``, ``h``
+    the key's SHA-256."""
+    name = hashlib.sha256(key.encode()).hexdigest()
+    return os.path.join(root, name[:2], name)
+
+
 def _write_all(fd: int, parts: Sequence[memoryview]) -> int:
     """Write ``parts`` in order (``writev``, resumed after short writes); bytes written."""
     pending = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -186,17 +196,6 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> int:
     while pending:
         n = os.writev(fd, pending[:512])  # IOV_MAX is at least 1024 on Linux and macOS
         total += n
-        pending = _advanced(pending, n)
+        pending = advanced(pending, n)
     return total
 
-
-def _advanced(views: list[memoryview], n: int) -> list[memoryview]:
-    """``views`` with their first ``n`` bytes done (a short read or write resumes there)."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
-        else:
-            views = [views[0][n:], *views[1:]]
-            n = 0
-    return views

@@ -19,7 +19,9 @@ from .codec import DTYPES, BlockLayout, DecodedBlock, RawArray, is_token_array
 # (dtype name, shape) -> a new writable C-contiguous array of that shape whose dtype is the
 # name's bits dtype (``codec.DTYPES``: "bfloat16" -> uint16); its contents are overwritten.
 Allocate = Callable[[str, tuple[int, ...]], np.ndarray]
-Places = dict[tuple[int, str], np.ndarray]
+# (layer index, array name) -> the array a block's bits go to, or (that array, its C-contiguous
+# byte pieces in C order) when the placer has them at hand (``cache_store.block_reader.Place``).
+Places = dict[tuple[int, str], "np.ndarray | tuple[np.ndarray, list[memoryview]]"]
 
 
 def numpy_empty(dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -42,6 +44,7 @@ class PrefixAssembler:
         self._placed = 0
         self._allocate = allocate or numpy_empty
         self._token_arrays: list[dict[str, np.ndarray]] | None = None
+        self._pieces: dict[tuple[int, str], tuple[memoryview, int, int, int]] = {}  # see _slot
         self._first_layout: BlockLayout | None = None
         self._state: DecodedBlock | None = None  # the checkpoint's state arrays, if read
         self._tail_layout: BlockLayout | None = None  # the tail's, when no block came before it
@@ -61,9 +64,9 @@ class PrefixAssembler:
             room = self.capacity * self.block_size + self.tail
             self._token_arrays = [{name: self._new(dtype, _joined_shape(shape, room))
                                    for name, dtype, shape in layer if is_token_array(name)} for layer in layout]
-        span = slice(self._placed * self.block_size, (self._placed + 1) * self.block_size)
+        start = self._placed * self.block_size
         self._placed += 1
-        places = {(i, name): destinations[name][:, :, span]
+        places = {(i, name): self._slot(i, name, start, start + self.block_size)
                   for i, destinations in enumerate(self._token_arrays) for name in destinations}
         if state:  # a value holding state arrays too (another writer's): they go to new arrays
             places.update(self.place_checkpoint(layout))
@@ -81,9 +84,25 @@ class PrefixAssembler:
             self._token_arrays = [{name: self._new(dtype, _joined_shape(shape, self.tail))
                                    for name, dtype, shape in layer if is_token_array(name)} for layer in layout]
             self._tail_layout = layout
-        span = slice(self.capacity * self.block_size, self.capacity * self.block_size + self.tail)
-        return {(i, name): destinations[name][:, :, span]
+        start = self.capacity * self.block_size
+        return {(i, name): self._slot(i, name, start, start + self.tail)
                 for i, destinations in enumerate(self._token_arrays) for name in destinations}
+
+    def _slot(self, i: int, name: str, start: int, stop: int) -> "np.ndarray | tuple[np.ndarray, list[memoryview]]":
+        """Tokens ``[start, stop)`` of layer ``i``'s joined ``name``: the slice, with its pieces (one
+        per batch row and head, cut from the destination's bytes: cheaper than the reader splitting
+        the slice, per block and array) when the destination is C-contiguous."""
+        destination = self._token_arrays[i][name]
+        pieces = self._pieces.get((i, name))
+        if pieces is None and destination.flags.c_contiguous:
+            b, h, n = destination.shape[:3]
+            row = destination.itemsize * int(np.prod(destination.shape[3:], dtype=np.int64))
+            pieces = self._pieces[(i, name)] = (memoryview(destination).cast("B"), b * h, n, row)
+        view = destination[:, :, start:stop]
+        if pieces is None:
+            return view
+        flat, rows, n, row = pieces
+        return view, [flat[(k * n + start) * row:(k * n + stop) * row] for k in range(rows)]
 
     def commit_tail(self, block: DecodedBlock) -> None:
         """The tail passed its checks: the prefix ends ``tail`` tokens after its last block."""

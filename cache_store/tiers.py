@@ -103,13 +103,15 @@ class TieredValues(SharedValues):
         self.local = local
         self.local_counters = {"local_hit_blocks": 0, "local_fills": 0, "local_errors": 0, "shared_write_errors": 0}
         self._from_shared: set[str] = set()
+        self._here: dict[str, bool] = {}  # this fetch's look at the tier: key -> a whole value there
 
     def served_locally(self, keys: Sequence[str]) -> int:
         return sum(1 for key in keys if key not in self._from_shared)
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
         self._from_shared = set()  # a fetch starts here: what it reads from Redis is noted anew
-        here = [self.local.has(key, whole=False) for key in keys]
+        self._here = {}
+        here = [self._look(key) for key in keys]
         if all(here):
             return list(here)
         elsewhere = iter(super().stored([k for k, h in zip(keys, here) if not h]))
@@ -118,7 +120,7 @@ class TieredValues(SharedValues):
     def stream(self, commands: Sequence[tuple]) -> Iterator[ValueSource | None | Exception]:
         """Local values from their files, the others streamed from Redis, all in order (a file
         evicted since the look is a value gone, like a key evicted in Redis)."""
-        here = [self.local.has(command[1], whole=command[0] == "GET") for command in commands]
+        here = [self._looked(command[1], whole=command[0] == "GET") for command in commands]
         shared = [c for c, h in zip(commands, here) if not h]
         self._from_shared |= {c[1] for c in shared}
         from_shared = super().stream(shared)
@@ -138,6 +140,20 @@ class TieredValues(SharedValues):
                     file_value.close()
         finally:
             from_shared.close()
+
+    def _look(self, key: str) -> bool:
+        """Whether the tier holds a value of ``key`` (its token section will do), noting whether
+        the whole value is there for this fetch's reads."""
+        whole = self.local.has(key, whole=True)
+        self._here[key] = whole
+        return whole or self.local.has(key, whole=False)
+
+    def _looked(self, key: str, whole: bool) -> bool:
+        """What :meth:`_look` found for ``key`` in this fetch (no second look at the disk), else a look."""
+        found = self._here.get(key)
+        if found is None:
+            return self.local.has(key, whole=whole)
+        return found or (not whole and self.local.has(key, whole=False))
 
     def kept(self, key: str, read: PendingBlock) -> None:
         """Fill the local tier with a value the shared store served (checked: written as read)."""

@@ -6,7 +6,8 @@ it once more into the arrays the model uses. Here the replies of a streamed read
 this module off the connection's socket instead (``recv_into``): a bulk reply's header is
 parsed from a small buffer, and its payload goes from the kernel straight into memory the
 caller names (:meth:`BulkValue.readinto`), e.g. a block's place in MLX-owned arrays: one
-copy in all. Measured in ``bench/block_store.py`` against raw GETs read by hiredis.
+copy in all. A value read into many pieces at once (a block's arrays, one piece per head) is
+scattered by the kernel (``recvmsg_into``, :meth:`BulkValue.readinto_many`). Measured in ``bench/block_store.py`` against raw GETs read by hiredis.
 
 Keeping ``window`` requests in flight per connection streams the values: Redis writes the
 next replies while the caller works on the one it has, and each side holds a few values.
@@ -18,6 +19,7 @@ is read through its own parser, the value then copied out of the ``bytes`` it re
 from __future__ import annotations
 
 import socket
+import ssl
 from typing import Callable, Iterator, Protocol, Sequence
 
 import redis
@@ -27,6 +29,7 @@ import redis
 # chain of 20 MiB hybrid blocks keeps under 100 MiB in Redis's output buffer.
 WINDOW = 4
 _BUFFER = 1 << 16  # bytes read at a time for reply headers (payloads bypass it)
+_IOV_MAX = 512  # pieces per scatter call (IOV_MAX is at least 1024 on Linux and macOS)
 
 
 class ValueSource(Protocol):
@@ -82,6 +85,9 @@ class _SocketReader:
         self._sock = sock
         self._buf = bytearray(_BUFFER)
         self._start = self._end = 0
+        # One recvmsg_into fills a block's pieces (16 per 1 MiB draft block) where one recv_into
+        # per piece cost a system call and a Python round each; TLS sockets have no scatter read.
+        self.scatters = hasattr(sock, "recvmsg_into") and not isinstance(sock, ssl.SSLSocket)
 
     def _fill(self) -> None:
         if self._start == self._end:
@@ -90,12 +96,13 @@ class _SocketReader:
             self._buf[:self._end - self._start] = self._buf[self._start:self._end]
             self._end -= self._start
             self._start = 0
-        n = self._recv_into(memoryview(self._buf)[self._end:])
+        n = self._receive(memoryview(self._buf)[self._end:])
         self._end += n
 
-    def _recv_into(self, view: memoryview) -> int:
+    def _receive(self, into: memoryview | list[memoryview]) -> int:
+        """Bytes read off the socket (at least one) into one buffer, or scattered over several."""
         try:
-            n = self._sock.recv_into(view)
+            n = self._sock.recv_into(into) if isinstance(into, memoryview) else self._sock.recvmsg_into(into)[0]
         except socket.timeout:
             raise redis.TimeoutError("Timeout reading from socket") from None
         except OSError as exc:
@@ -136,8 +143,26 @@ class _SocketReader:
             self._start += have
         view = view[have:]
         while len(view):  # straight from the kernel into the caller's memory
-            n = self._recv_into(view)
+            n = self._receive(view)
             view = view[n:]
+
+    def readinto_many(self, views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in turn: what the buffer holds first, then scattered by the kernel."""
+        if not self.scatters:
+            for view in views:
+                self.readinto(view)
+            return
+        pending = []
+        for view in views:
+            have = min(len(view), self._end - self._start)
+            if have:
+                view[:have] = self._buf[self._start:self._start + have]
+                self._start += have
+            if have < len(view):
+                pending.append(view[have:] if have else view)
+        pending = [v for v in pending if len(v)]
+        while pending:
+            pending = advanced(pending, self._receive(pending[:_IOV_MAX]))
 
     def skip(self, n: int) -> None:
         while n:
@@ -155,6 +180,7 @@ class BulkValue:
         self._reader = reader
         self.length = length
         self.remaining = length
+        self.scatters = reader.scatters  # a block's pieces are read in one call (cache_store.block_reader)
 
     def readinto(self, view: memoryview) -> None:
         n = len(view)
@@ -164,8 +190,11 @@ class BulkValue:
         self.remaining -= n
 
     def readinto_many(self, views: Sequence[memoryview]) -> None:
-        for view in views:
-            self.readinto(view)
+        n = sum(len(view) for view in views)
+        if n > self.remaining:
+            raise ValueError("read past the end of the value")
+        self._reader.readinto_many(views)
+        self.remaining -= n
 
     def skip(self, n: int) -> None:
         n = min(n, self.remaining)
@@ -176,6 +205,15 @@ class BulkValue:
         """Drop what the caller left unread, and the reply's CRLF."""
         self._reader.skip(self.remaining + 2)
         self.remaining = 0
+
+
+def advanced(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` with their first ``n`` bytes done (a short read or write resumes there)."""
+    for i, view in enumerate(views):
+        if n < len(view):
+            return [view[n:], *views[i + 1:]] if n else views[i:]
+        n -= len(view)
+    return []
 
 
 def _raw_socket(conn) -> socket.socket | None:

@@ -379,3 +379,46 @@ def test_both_sides_name_token_arrays_by_one_rule():
     assert {"keys", "values.packed", "keys.scales", "state.0", "1.keys", "0.state.1"} <= seen
     for edge in ("keysx", "my_values", "state.keys", "0.values.biases", "key", "values_1", "k.v"):
         assert codec_rule(edge) == caches_rule(edge), edge
+
+
+def reference_value(n_tokens, layers, digest=D):
+    """A value built from the documented format with plain msgpack and one-shot XXH3 (no shared
+    code with the encoder): the header map in its order, the pad aligning the payload to 16, the
+    token section then the state section (layer, name order), the state section's checksum."""
+    import xxhash
+
+    def tokens_on_axis_2(name):
+        return bool({"keys", "values"} & set(name.split(".")))
+
+    named = [sorted((name, RawArray(*a)) for name, a in layer.items()) for layer in layers]
+    token = b"".join(a.bits.tobytes() for layer in named for n, a in layer if tokens_on_axis_2(n))
+    state = b"".join(a.bits.tobytes() for layer in named for n, a in layer if not tokens_on_axis_2(n))
+    payload = token + state
+    header = {"version": FORMAT_VERSION, "fingerprint": FP, "tokens": n_tokens,
+              "layers": [[[n, a.dtype, list(a.bits.shape)] for n, a in layer] for layer in named]}
+    for pad in range(16):
+        head = b"\x93" + msgpack.packb({**header, "pad": bytes(pad),
+                                        "token_checksum": xxhash.xxh3_64_digest(token), "digest": digest})
+        head += b"\xc6" + len(payload).to_bytes(4, "big")  # the payload as a bin32, whatever its size
+        if len(head) % 16 == 0:  # the state checksum as a uint64, whatever its value
+            return head + payload + b"\xcf" + xxhash.xxh3_64_intdigest(state).to_bytes(8, "big")
+    raise AssertionError("no pad aligns the payload")
+
+
+@pytest.mark.parametrize("kind", ["kv", "hybrid", "quantized", "state only", "strided slices"])
+def test_values_are_the_documented_bytes(kind):
+    """The encoder's bytes are the format's, checked against an independent build of it for
+    uniform, mixed, quantized and strided blocks (values stay byte-identical across encoders)."""
+    rng = np.random.default_rng(3)
+    bits = lambda dt, *shape: rng.integers(0, 2**16, size=shape).astype(dt)  # noqa: E731
+    big = bits("<u4", 1, 2, 32, 4)
+    layers = {
+        "kv": [{"keys": ("float32", bits("<u4", 1, 2, 8, 4)), "values": ("float32", bits("<u4", 1, 2, 8, 4))}] * 3,
+        "hybrid": hybrid_layers() + [{}, {"values": ("bfloat16", bits("<u2", 1, 1, 8, 2)),
+                                          "keys": ("bfloat16", bits("<u2", 1, 1, 8, 2)), "state.0": ("float16", bits("<u2", 5))}],
+        "quantized": [{"keys.packed": ("uint32", bits("<u4", 1, 2, 8, 2)), "keys.scales": ("bfloat16", bits("<u2", 1, 2, 8, 1)),
+                       "1.values": ("float32", bits("<u4", 1, 1, 8, 3))}],
+        "state only": [{"state.0": ("float32", bits("<u4", 2, 3, 4))}],
+        "strided slices": [{"keys": ("float32", big[:, :, 8:16]), "values": ("float32", big[:, :, 16:24])}],
+    }[kind]
+    assert bytes(encode(8, layers)) == reference_value(8, layers)

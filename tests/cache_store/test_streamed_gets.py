@@ -1,6 +1,7 @@
 """cache_store.streamed_gets on a real Redis and on fakeredis: order, misses, per-key errors,
 the window, early stops and dropped connections leave the pool clean."""
 import fakeredis
+import numpy as np
 import pytest
 import redis
 
@@ -112,3 +113,25 @@ def test_values_read_off_the_socket_with_health_checks_on(redis_url):
         got.append(bytes(out))
     assert got == [bytes([i]) * 70000 for i in range(12)]
     assert client.get(keys[0]) == bytes([0]) * 70000  # the connection went back clean
+
+
+def test_a_value_scattered_into_many_pieces_off_the_socket(redis_url):
+    """A value read into many pieces at once (one ``recvmsg_into`` per batch of pieces, what a
+    block's arrays take) holds the bytes in order, across the bytes read with the reply's header,
+    more pieces than one system call takes, and values back to back."""
+    from cache_store.wire import streamed_values
+
+    client = redis.Redis.from_url(redis_url)
+    values = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+              for i, n in enumerate((3 << 20, 70001, 1000))]
+    for i, value in enumerate(values):
+        client.set(f"scatter{i}", value)
+    got = []
+    for source in streamed_values(client, [("GET", f"scatter{i}") for i in range(3)], window=2):
+        assert source.scatters
+        out = bytearray(source.length)
+        cuts = sorted({0, source.length, *np.random.default_rng(9).integers(0, source.length, 700).tolist()})
+        source.readinto_many([memoryview(out)[a:b] for a, b in zip(cuts, cuts[1:])])
+        got.append(bytes(out))
+    assert got == values
+    assert client.get("scatter0") == values[0]  # the connection went back clean
