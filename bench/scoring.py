@@ -367,7 +367,7 @@ def print_short(rows: list[dict]) -> None:
 
 
 def blas_comparison(length: int, repeats: int) -> None:
-    """A ``length``-token prefill with OpenBLAS here and without it in a child process."""
+    """A ``length``-token prefill with the fast BLAS here and without it in a child process."""
     with_blas = min(prefill_seconds(length) for _ in range(repeats))
     env = dict(os.environ, SPECPREFILL_OPENBLAS="0")
     child = subprocess.run(
@@ -375,8 +375,9 @@ def blas_comparison(length: int, repeats: int) -> None:
         env=env, cwd=ROOT, capture_output=True, text=True, check=True,
     )
     stock = json.loads(child.stdout.strip().splitlines()[-1])
-    print(f"\nprefill of {length} tokens: {with_blas:.3f} s with OpenBLAS, "
-          f"{stock['seconds']:.3f} s with {stock['blas']} -> OpenBLAS speed-up {stock['seconds'] / with_blas:.1f}x")
+    name = blas_in_use().split()[0]
+    print(f"\nprefill of {length} tokens: {with_blas:.3f} s with {name}, "
+          f"{stock['seconds']:.3f} s with {stock['blas']} -> {name} speed-up {stock['seconds'] / with_blas:.1f}x")
 
 
 def parse_args() -> argparse.Namespace:
@@ -384,7 +385,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="*", default=[2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--blas-length", type=int, default=2048,
-                        help="prompt length of the OpenBLAS on/off comparison (0 skips it)")
+                        help="prompt length of the fast BLAS on/off comparison (0 skips it)")
     parser.add_argument("--hybrid-lengths", type=int, nargs="*", default=[4096],
                         help="prompt lengths of the hybrid (qwen3_5) draft comparison (none skips it)")
     parser.add_argument("--hybrid-warm-lengths", type=int, nargs="*", default=[4096],
@@ -416,7 +417,7 @@ def main() -> int:
     print(f"BLAS: {blas_in_use()}; model: qwen2 4 layers, hidden 256, 4 heads / 2 KV heads")
     rows = short_rows(opts.lengths, opts.repeats) if opts.lengths else []
     print_short(rows)
-    if opts.blas_length and "OpenBLAS" in blas_in_use():
+    if opts.blas_length and blas_in_use() not in ("Accelerate", "bundled reference BLAS"):
         blas_comparison(opts.blas_length, opts.repeats)
 
     hybrid = hybrid_warm_over_cold(opts.hybrid_warm_lengths, opts.repeats) if opts.hybrid_warm_lengths else []

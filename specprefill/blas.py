@@ -1,10 +1,13 @@
-"""Use a system OpenBLAS for MLX's CPU matmuls on Linux.
+"""Use a fast BLAS for MLX's CPU matmuls on Linux.
 
 The Linux ``mlx[cpu]`` wheel bundles the reference BLAS (~5 GFLOP/s on a
-1024² float32 matmul); loading Debian's OpenBLAS with ``RTLD_GLOBAL`` before
-mlx is imported makes the dynamic linker resolve ``cblas_sgemm`` there first
-(~60 GFLOP/s). This must run before the first ``import mlx``: entry points call
-:func:`preload_openblas` at their very top. No-op on macOS (Accelerate is used).
+1024² float32 matmul); loading another library that exports the CBLAS API
+(``cblas_sgemm``...) with ``RTLD_GLOBAL`` before mlx is imported makes the dynamic
+linker resolve MLX's calls there first (~40-100 GFLOP/s). Two are looked for: a system
+OpenBLAS (Debian's ``libopenblas0-pthread``), else ``libmkl_rt`` of the ``mkl`` wheel
+(the ``test`` extra installs it on Linux x86_64, so a fresh machine has it too). This
+must run before the first ``import mlx``: entry points call :func:`preload_openblas` at
+their very top. No-op on macOS (Accelerate is used).
 
 Like every library module here it reads no environment: entry points pass
 ``Settings.from_env()``'s ``openblas`` and ``openblas_path`` (``jobs.settings`` does
@@ -29,40 +32,63 @@ CANDIDATES = (
 )
 
 _loaded: str | None = None
+_name: str | None = None
 _decided = False
 
 
-def preload_openblas(enabled: bool = True, path: str | None = None) -> str | None:
-    """Load a system OpenBLAS globally if ``enabled`` and found; return its path or None.
+def wheel_mkl() -> str | None:
+    """The path of ``libmkl_rt`` installed by the ``mkl`` wheel in this environment, or None."""
+    from importlib.metadata import PackageNotFoundError, distribution
 
-    ``path`` names the library to load instead of searching :data:`CANDIDATES`.
-    Falls back silently (one info log line) to the bundled BLAS. Idempotent: the
-    first call decides.
+    try:
+        files = distribution("mkl").files or []
+    except PackageNotFoundError:
+        return None
+    found = sorted(str(f.locate()) for f in files if f.name.startswith("libmkl_rt.so"))
+    return next((os.path.realpath(p) for p in found if os.path.exists(p)), None)
+
+
+def _load(candidate: str) -> str | None:
+    """Load ``candidate`` globally; its BLAS's name, or None if it is no CBLAS library."""
+    if not os.path.exists(candidate):
+        return None
+    try:
+        lib = ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+        lib.cblas_sgemm  # noqa: B018 - must export the CBLAS API MLX calls
+    except (OSError, AttributeError):
+        return None
+    if hasattr(lib, "MKL_Get_Version_String"):
+        return "MKL"
+    return "OpenBLAS" if hasattr(lib, "openblas_get_config") else "BLAS"
+
+
+def preload_openblas(enabled: bool = True, path: str | None = None) -> str | None:
+    """Load a fast BLAS globally if ``enabled`` and found; return its path or None.
+
+    ``path`` names the library to load instead of searching :data:`CANDIDATES`, then
+    :func:`wheel_mkl`. Falls back silently (one info log line) to the bundled BLAS.
+    Idempotent: the first call decides.
     """
-    global _loaded, _decided
+    global _loaded, _name, _decided
     if _decided:
         return _loaded
     _decided = True
     if not sys.platform.startswith("linux"):
         return None
     if not enabled:
-        log.info("BLAS: bundled reference BLAS (OpenBLAS preload disabled)")
+        log.info("BLAS: bundled reference BLAS (fast BLAS preload disabled)")
         return None
     if "mlx.core" in sys.modules:
         log.info("BLAS: mlx already imported; keeping the BLAS it loaded")
         return None
-    for candidate in (path,) if path else CANDIDATES:
-        if not os.path.exists(candidate):
-            continue
-        try:
-            ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
-            sym = ctypes.CDLL(candidate).cblas_sgemm  # noqa: F841 - must export the CBLAS API
-        except (OSError, AttributeError):
-            continue
-        _loaded = candidate
-        log.info("BLAS: OpenBLAS from %s", candidate)
-        return candidate
-    log.info("BLAS: bundled reference BLAS (no system OpenBLAS found)")
+    for candidate in (path,) if path else (*CANDIDATES, wheel_mkl):
+        candidate = candidate() if callable(candidate) else candidate  # the wheel's only if needed
+        name = _load(candidate) if candidate else None
+        if name:
+            _loaded, _name = candidate, name
+            log.info("BLAS: %s from %s", name, candidate)
+            return candidate
+    log.info("BLAS: bundled reference BLAS (no system OpenBLAS or mkl wheel found)")
     return None
 
 
@@ -70,4 +96,4 @@ def blas_in_use() -> str:
     """A short human-readable name of the BLAS MLX's CPU backend will use."""
     if sys.platform == "darwin":
         return "Accelerate"
-    return f"OpenBLAS ({_loaded})" if _loaded else "bundled reference BLAS"
+    return f"{_name} ({_loaded})" if _loaded else "bundled reference BLAS"

@@ -178,9 +178,9 @@ class WorkerSettings:
 
     # The machine.
     openblas: bool = True
-    """Linux CPU speed-up: preload a system OpenBLAS before mlx."""
+    """Linux CPU speed-up: preload a fast BLAS before mlx (a system OpenBLAS, else the mkl wheel's)."""
     openblas_path: str = ""
-    """The OpenBLAS library to preload. Empty: the system's."""
+    """The BLAS library to preload. Empty: a system OpenBLAS, else the mkl wheel's libmkl_rt."""
     worker_metrics_port: int = 0
     """A worker's Prometheus port. 0: no metrics endpoint."""
     worker_metrics_host: str = "127.0.0.1"

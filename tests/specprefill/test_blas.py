@@ -18,6 +18,13 @@ def system_openblas() -> str | None:
     return next((p for p in CANDIDATES if os.path.exists(p) and os.path.getsize(p) > 0), None)
 
 
+def fast_blas() -> str | None:
+    """What the preload finds with no arguments: a system OpenBLAS, else the mkl wheel's library."""
+    from specprefill.blas import wheel_mkl
+
+    return system_openblas() or wheel_mkl()
+
+
 def _preload(call: str, **env: str) -> str:
     code = f"from specprefill.blas import preload_openblas; print({call})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -27,9 +34,9 @@ def _preload(call: str, **env: str) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
 def test_preload_ignores_the_environment_and_follows_its_arguments():
-    found = system_openblas()
+    found = fast_blas()
     if found is None:
-        pytest.skip("no system OpenBLAS here")
+        pytest.skip("no system OpenBLAS and no mkl wheel here")
     # The environment says off / elsewhere; only the arguments count.
     assert _preload("preload_openblas()", SPECPREFILL_OPENBLAS="0") == found
     assert _preload("preload_openblas()", SPECPREFILL_OPENBLAS_PATH="/nonexistent/libx.so") == found
@@ -61,9 +68,10 @@ def test_entry_points_take_the_preload_choice_from_settings(entry):
                                          text=True, env={**env, **extra}, check=True).stdout.strip()
     assert run(SPECPREFILL_OPENBLAS="0") == "bundled reference BLAS"
     assert run(SPECPREFILL_OPENBLAS="1", SPECPREFILL_OPENBLAS_PATH="/nonexistent/lib.so") == "bundled reference BLAS"
-    found = system_openblas()
-    if found is not None:
-        assert run(SPECPREFILL_OPENBLAS="1") == f"OpenBLAS ({found})"
+    if system_openblas() is not None:
+        assert run(SPECPREFILL_OPENBLAS="1") == f"OpenBLAS ({system_openblas()})"
+    elif fast_blas() is not None:
+        assert run(SPECPREFILL_OPENBLAS="1") == f"MKL ({fast_blas()})"
     assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not stop the preload
 
 
@@ -72,3 +80,46 @@ def test_importing_the_entry_points_preloads_nothing_and_imports_no_mlx():
             "import specprefill.blas as b; print(b._decided, any(m.startswith('mlx') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_mkl_wheel_is_linux_x86_64_only():
+    """The ``mkl`` extra (which ``test`` takes) installs nothing on macOS or arm64 Linux."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "specprefill-queue[mkl]" in extras["test"]
+    (mkl,) = [Requirement(r) for r in extras["mkl"]]
+    where = lambda platform, machine: mkl.marker.evaluate({"sys_platform": platform, "platform_machine": machine})  # noqa: E731
+    assert mkl.name == "mkl" and where("linux", "x86_64")
+    assert not any(where(*p) for p in [("darwin", "arm64"), ("darwin", "x86_64"), ("linux", "aarch64"), ("win32", "AMD64")])
+
+
+MATMUL = """
+import numpy as np
+from specprefill.blas import blas_in_use, preload_openblas
+preload_openblas(path={path!r})
+import mlx.core as mx
+rng = np.random.default_rng(0)
+a, b = (rng.standard_normal((300, 257), dtype=np.float32), rng.standard_normal((257, 190), dtype=np.float32))
+got = np.array(mx.matmul(mx.array(a), mx.array(b), stream=mx.cpu))
+want = a.astype(np.float64) @ b.astype(np.float64)
+print(blas_in_use(), float(np.abs(got - want).max() / np.abs(want).max()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
+def test_the_mkl_wheels_library_is_what_mlx_multiplies_with():
+    """On a machine without a system OpenBLAS the preload takes the mkl wheel's ``libmkl_rt``
+    (the ``test`` extra installs it): MLX's float32 matmul goes through it and is right to float
+    rounding."""
+    from specprefill.blas import wheel_mkl
+
+    path = wheel_mkl()
+    if path is None:
+        pytest.skip("no mkl wheel here (it installs on Linux x86_64 only)")
+    out = subprocess.run([sys.executable, "-c", MATMUL.format(path=path)], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "MKL_VERBOSE": "1"}, check=True).stdout.splitlines()
+    assert any(line.startswith("MKL_VERBOSE SGEMM(N,N,190,300,257,") for line in out)  # MLX called MKL
+    name, where, error = out[-1].split()
+    assert (name, where) == ("MKL", f"({path})") and float(error) < 1e-5

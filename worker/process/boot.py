@@ -11,7 +11,7 @@ from specprefill.blas import preload_openblas
 
 
 def preload_blas() -> str | None:
-    """Load a system OpenBLAS per ``Settings.from_env()`` (``openblas``, ``openblas_path``);
+    """Load a fast BLAS per ``Settings.from_env()`` (``openblas``, ``openblas_path``);
     returns its path, or None. Bad settings fall back to the defaults here: the command
     reports them when it reads the settings itself."""
     try:
