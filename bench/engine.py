@@ -11,7 +11,8 @@ Runs real generate jobs (``worker.job.tasks.execute``: the shipped ``models/targ
 2. mixed: two long prompts, then short requests arriving while they prefill, under
    ``prefill_order`` "fifo" and "shortest": the short requests' median TTFT over the long ones'.
 
-    .venv/bin/python -m bench.engine [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--gaps 0.05 0.4] [--seed 0] [--quick]
+    .venv/bin/python -m bench.engine [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--gaps 0.05 0.4]
+                                     [--seed 0] [--quick]
 """
 import argparse
 import statistics
@@ -166,7 +167,8 @@ def main() -> int:
                      f"{m['short'] / m['long']:.3f}"))
         rows.append((f"mixed, {order}: largest decode gap (s)", f"{m['gap']:.3f}", "", ""))
     rows += gap_rows(rt, args.long_tokens, args.gaps)
-    print(f"generated {d['tokens']} tokens of {args.jobs * args.max_tokens} asked; every job batched: {d['all_batched']}; chunks: {d['chunks']}")
+    print(f"generated {d['tokens']} tokens of {args.jobs * args.max_tokens} asked; "
+          f"every job batched: {d['all_batched']}; chunks: {d['chunks']}")
     return report(rows, [("engine_decode_speedup_c%d" % args.jobs, d["alone_s"] / d["batched_s"], ">=", 1.5),
                          ("batched_vs_alone_greedy_tokens", d["same"], ">=", 1.0),
                          ("short_ttft_behind_long_vs_long_ttft", orders["shortest"]["short"] /

@@ -109,8 +109,10 @@ async def _agent(server: Server, conversations: list, answer_tokens: int) -> lis
 def plan(run: Run, texts: Texts, workload: str, level: int, seed: int) -> tuple[str, Callable]:
     """(the level's label, server -> a coroutine of its records) for one workload at one level."""
     sizes = texts.sizes
-    if workload == "mixed":
+    if workload == "mixed":  # level 0: the short requests alone, at once
         long, short = texts.mixed(seed)
+        if level == 0:
+            return f"0+{len(short)}", lambda server: _mixed(server, [], short, 0.0)
         return f"2+{len(short)}", lambda server: _mixed(server, long, short, sizes.mixed_delay_s)
     if workload == "agent":
         conversations = agent_trace(texts, seed, level)
@@ -178,8 +180,8 @@ def rows(run: Run) -> list[tuple[str, str, str, list[Record]]]:
     for workload, label, server in order:
         records = run.records[(workload, label, server)]
         if workload == "mixed":
-            out += [("mixed long", label, server, [r for r in records if r.key.startswith("long-")]),
-                    ("mixed short", label, server, [r for r in records if r.key.startswith("short-")])]
+            parts = {part: [r for r in records if r.key.startswith(f"{part}-")] for part in ("long", "short")}
+            out += [(f"mixed {part}", label, server, rs) for part, rs in parts.items() if rs]
         else:
             out.append((workload, label, server, records))
     return out
@@ -294,7 +296,7 @@ def targets(run: Run, source: str, note: str, agent_slo: float) -> list[tuple]:
         return (name, value, op, bound,
                 f"{value:.3f} [{figure_name} {ours:.3g} ours / {peer:.3g} peer, {where(level, want)}{note}]")
 
-    mixed = next((k[1] for k in run.records if k[0] == "mixed"), "")
+    mixed = next((k[1] for k in run.records if k[0] == "mixed" and not k[1].startswith("0+")), "")
     short, long = (figure(run, "mixed", mixed, source, "p50_ttft", part) for part in ("short-", "long-"))
     equal, total = same_texts(run, source)
     same = equal / total if total else math.nan
@@ -330,8 +332,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
-    """(level, workload) in run order: the mixed workload once, then each level for every workload."""
-    out = [(2, "mixed")] if "mixed" in args.workloads else []
+    """(level, workload) in run order: the mixed workload once and its short requests alone (level
+    0), then each level for every workload."""
+    out = [(2, "mixed"), (0, "mixed")] if "mixed" in args.workloads else []
     return out + [(level, w) for level in sorted(args.levels) for w in args.workloads if w != "mixed"]
 
 
@@ -362,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         modes, skipped_modes = start_servers(args, logs, servers, engine, on)
         print(f"servers: {', '.join(s.name for s in servers)} (logs in {logs})", flush=True)
         for level, workload in schedule(args):  # level by level: a bound cuts the highest levels first
-            measure(run, servers, texts, workload, level, args.seed + 1000 * WORKLOADS.index(workload) + level)
+            seed = args.seed + 1000 * WORKLOADS.index(workload) + (level if workload != "mixed" else 0)
+            measure(run, servers, texts, workload, level, seed)  # the mixed runs: the same requests
         loaded = sorted({int(level) for _, level in run.requests if int(level) > 1}, key=lambda lv: abs(lv - TARGET_LEVEL))
         if loaded:  # the level nearest the targets' that ran under load
             alone_check(run, modes, loaded[0], logs, engine, on)
