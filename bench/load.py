@@ -260,8 +260,9 @@ def same_texts(run: Run, server: str) -> tuple[int, int]:
 
 def agent_target(run: Run, source: str, note: str, slo: float) -> tuple:
     """``agent_trace_goodput_vs_mlx_lm``: goodput at a turn's TTFT SLO ``slo``, ours / the peer's.
-    Where the peer's goodput is 0 there, the ratio is taken at the tightest looser SLO of the sweep
-    where it is not, and the line says so; where it is 0 at every one, there is no ratio (NaN)."""
+    Where the peer's goodput is 0 there (no ratio), it is taken at the tightest looser SLO of the
+    sweep where the peer's is not; where it is 0 at every one, at the tightest SLO where it is not
+    at all (the peer's fastest turn's TTFT). The line says which; NaN when the peer did no turn."""
     name, op, bound = "agent_trace_goodput_vs_mlx_lm", ">=", 2.0
     level = nearest(run, "agent", TARGET_LEVEL, (source, PEER))
     if level is None:
@@ -269,17 +270,21 @@ def agent_target(run: Run, source: str, note: str, slo: float) -> tuple:
     at_level = where(level, TARGET_LEVEL)
 
     def goodput(server: str, at: float) -> float:
-        return figure(run, "agent", level, server, goodput_name(at))
+        return summarize(run.records[("agent", level, server)], (at,)).get(goodput_name(at), 0.0)
 
     looser = [slo] + sorted(s for s in run.slos if s > slo)
     at = next((s for s in looser if goodput(PEER, s) > 0), None)
+    moved = "" if at in (slo, None) else (f"; the peer's is 0 at {slo:g} s: taken at {at:g} s, the tightest "
+                                          "SLO of the sweep where it is not")
     if at is None:
-        return (name, math.nan, op, bound, f"no ratio [the peer's goodput is 0 at every TTFT SLO from {slo:g} s "
-                f"to {looser[-1]:g} s; ours {goodput(source, slo):.3g} req/s at {slo:g} s, {at_level}{note}]")
+        peer_ttfts = [r.ttft for r in run.records[("agent", level, PEER)] if r.ok]
+        if not peer_ttfts:
+            return (name, math.nan, op, bound, f"no ratio [the peer completed no turn, {at_level}{note}]")
+        at = min(peer_ttfts)
+        moved = (f"; the peer's goodput is 0 at every SLO of the sweep ({slo:g} to {looser[-1]:g} s): taken at "
+                 f"its fastest turn's TTFT, the tightest SLO where it is not 0")
     ours, peer = goodput(source, at), goodput(PEER, at)
-    moved = "" if at == slo else (f"; the peer's is 0 at {slo:g} s: taken at {at:g} s, the tightest SLO "
-                                  "of the sweep where it is not")
-    return (name, ours / peer, op, bound, f"{ours / peer:.3f} [goodput at TTFT <= {at:g} s: {ours:.3g} ours / "
+    return (name, ours / peer, op, bound, f"{ours / peer:.3f} [goodput at TTFT <= {at:.3g} s: {ours:.3g} ours / "
             f"{peer:.3g} peer req/s, {at_level}{moved}{note}]")
 
 

@@ -36,6 +36,15 @@ def test_agent_target_moves_to_the_tightest_slo_where_the_peer_has_goodput_and_s
     assert math.isfinite(value) and "taken at 30 s" in shown and "peer's is 0 at 5 s" in shown
 
 
-def test_agent_target_has_no_ratio_when_the_peer_has_no_goodput_at_any_slo():
-    value, shown = agent_target(_run([1.0] * 4, [50.0] * 4), OURS, "", 10.0)[1::3]
-    assert math.isnan(value) and shown.startswith("no ratio") and "from 10 s to 30 s" in shown
+def test_agent_target_at_the_peers_fastest_turn_when_its_goodput_is_0_at_every_slo_and_says_so():
+    value, shown = agent_target(_run([1.0, 1.0, 1.0, 40.0], [50.0, 60.0, 70.0, 80.0]), OURS, "", 10.0)[1::3]
+    # At 50 s: all 4 of ours over their 3 + 40 + 1 s, 1 of the peer's over its 3 + 80 + 1 s.
+    assert math.isclose(value, (4 / 44) / (1 / 84)) and "TTFT <= 50 s" in shown
+    assert "0 at every SLO of the sweep (10 to 30 s)" in shown and "fastest turn" in shown
+
+
+def test_agent_target_has_no_ratio_when_the_peer_did_no_turn():
+    run = _run([1.0] * 4, [])
+    run.records[("agent", "8", PEER)] = [Record("agent-0", sent=0.0, error="APIError: boom")]
+    value, shown = agent_target(run, OURS, "", 10.0)[1::3]
+    assert math.isnan(value) and shown.startswith("no ratio")
