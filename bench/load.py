@@ -109,7 +109,7 @@ async def _agent(server: Server, conversations: list, answer_tokens: int) -> lis
 def plan(run: Run, texts: Texts, workload: str, level: int, seed: int) -> tuple[str, Callable]:
     """(the level's label, server -> a coroutine of its records) for one workload at one level."""
     sizes = texts.sizes
-    if workload == "mixed":  # level 0: the short requests alone, at once
+    if workload == "mixed":  # level 0: short requests alone, at once (others: this service keeps results)
         long, short = texts.mixed(seed)
         if level == 0:
             return f"0+{len(short)}", lambda server: _mixed(server, [], short, 0.0)
@@ -337,8 +337,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def schedule(args: argparse.Namespace) -> list[tuple[int, str]]:
-    """(level, workload) in run order: the mixed workload once and its short requests alone (level
-    0), then each level for every workload."""
+    """(level, workload) in run order: the mixed workload once and short requests of its kind alone
+    (level 0), then each level for every workload."""
     out = [(2, "mixed"), (0, "mixed")] if "mixed" in args.workloads else []
     return out + [(level, w) for level in sorted(args.levels) for w in args.workloads if w != "mixed"]
 
@@ -370,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         modes, skipped_modes = start_servers(args, logs, servers, engine, on)
         print(f"servers: {', '.join(s.name for s in servers)} (logs in {logs})", flush=True)
         for level, workload in schedule(args):  # level by level: a bound cuts the highest levels first
-            seed = args.seed + 1000 * WORKLOADS.index(workload) + (level if workload != "mixed" else 0)
-            measure(run, servers, texts, workload, level, seed)  # the mixed runs: the same requests
+            measure(run, servers, texts, workload, level, args.seed + 1000 * WORKLOADS.index(workload) + level)
         loaded = sorted({int(level) for _, level in run.requests if int(level) > 1}, key=lambda lv: abs(lv - TARGET_LEVEL))
         if loaded:  # the level nearest the targets' that ran under load
             alone_check(run, modes, loaded[0], logs, engine, on)
