@@ -3,14 +3,16 @@
 Runs real generate jobs (``worker.job.tasks.execute``: the shipped ``models/target-tiny`` and
 ``models/draft-tiny``, progress into fakeredis) side by side in one process:
 
-1. decode-bound: 8 short greedy prompts, all started at once in one engine, vs the same 8 jobs
-   one at a time (each alone in an engine): decode tokens/s (generated tokens over the wall time
-   from the first job's first token to the last job's end), the largest gap between two decode
-   steps, and whether every job's tokens equal its tokens alone.
+1. decode-bound: 8 short greedy chat prompts that the target answers to the full ``--max-tokens``
+   (``bench.load``'s decode prompts: ``bench.load_workloads.Texts.decode_bound``), all started at
+   once in one engine, vs the same 8 jobs one at a time (each alone in an engine): decode tokens/s
+   (generated tokens over the wall time from the first job's first token to the last job's end),
+   the largest gap between two decode steps, and whether every job's tokens equal its tokens alone.
 2. mixed: two long prompts, then short requests arriving while they prefill, under
    ``prefill_order`` "fifo" and "shortest": the short requests' median TTFT over the long ones'.
 
-    .venv/bin/python -m bench.engine [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--gaps 0.05 0.4] [--quick]
+    .venv/bin/python -m bench.engine [--jobs 8] [--max-tokens 256] [--long-tokens 4000] [--gaps 0.05 0.4]
+                                     [--seed 0] [--quick]
 """
 import argparse
 import statistics
@@ -19,6 +21,7 @@ import time
 import fakeredis
 
 from bench.benchlib import SETTINGS, blas_in_use, parse_quick, report
+from bench.load_workloads import Sizes, Texts
 from jobs.contract.spec import build_spec
 from jobs.progress import ProgressPublisher
 from worker.engine import Engine
@@ -26,6 +29,7 @@ from worker.job.context import JobContext
 from worker.job.tasks import execute
 from worker.runtime import WorkerRuntime
 
+# The mixed workload's short prompts and the words of its long ones (plain text, 8 tokens each).
 SHORT = ["The rain had stopped before the carriage reached the village, and",
          "Mr. Knightley said very little, but his eyes followed her across the room while",
          "There was no possibility of taking a walk that day; the wind",
@@ -79,9 +83,11 @@ def engine_chunk(rt, role):
     return Engine.from_settings(rt.settings).chunk_tokens(model, rt.settings.prefill_step)
 
 
-def decode_bound(rt, n_jobs, max_tokens):
-    specs = {f"short-{i}": build_spec(rt.settings, kind="generate", text=SHORT[i % len(SHORT)],
-                                      max_tokens=max_tokens, greedy=True) for i in range(n_jobs)}
+def decode_bound(rt, n_jobs, max_tokens, seed):
+    """``n_jobs`` chat prompts the target answers to ``max_tokens``, batched vs one at a time."""
+    requests = Texts(Sizes(decode_tokens=max_tokens)).decode_bound(seed, n_jobs)
+    specs = {f"short-{i}": build_spec(rt.settings, kind="generate", messages=r.messages, max_tokens=max_tokens,
+                                      greedy=True) for i, r in enumerate(requests)}
     run_engine(rt, {"warm": specs["short-0"]})  # loads the models, sizes the chunks
     alone, gaps_alone = {}, []
     t = time.perf_counter()
@@ -136,6 +142,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--long-tokens", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=0, help="draws the decode prompts")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the mixed workload per order")
     ap.add_argument("--gaps", type=float, nargs="*", default=[],
                     help="also run the mixed workload (shortest) at these max_decode_gap_s")
@@ -143,7 +150,7 @@ def main() -> int:
                        max_tokens=32, long_tokens=1500, rounds=1)
     rt = runtime()
     print(f"BLAS: {blas_in_use()}; max_decode_gap_s {rt.settings.max_decode_gap_s}")
-    d = decode_bound(rt, args.jobs, args.max_tokens)
+    d = decode_bound(rt, args.jobs, args.max_tokens, args.seed)
     rounds = {order: [] for order in ("fifo", "shortest")}
     for _ in range(args.rounds):  # interleaved, each order's median round
         for order in rounds:
@@ -160,7 +167,8 @@ def main() -> int:
                      f"{m['short'] / m['long']:.3f}"))
         rows.append((f"mixed, {order}: largest decode gap (s)", f"{m['gap']:.3f}", "", ""))
     rows += gap_rows(rt, args.long_tokens, args.gaps)
-    print(f"generated {d['tokens']} tokens; every job batched: {d['all_batched']}; chunks: {d['chunks']}")
+    print(f"generated {d['tokens']} tokens of {args.jobs * args.max_tokens} asked; "
+          f"every job batched: {d['all_batched']}; chunks: {d['chunks']}")
     return report(rows, [("engine_decode_speedup_c%d" % args.jobs, d["alone_s"] / d["batched_s"], ">=", 1.5),
                          ("batched_vs_alone_greedy_tokens", d["same"], ">=", 1.0),
                          ("short_ttft_behind_long_vs_long_ttft", orders["shortest"]["short"] /

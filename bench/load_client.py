@@ -112,10 +112,16 @@ def percentile(values: list[float], q: float) -> float | None:
     return ranked[lo] + (ranked[hi] - ranked[lo]) * (pos - lo)
 
 
-def summarize(records: list[Record], slo_ttft_s: float) -> dict[str, Any]:
+def goodput_name(slo_ttft_s: float) -> str:
+    """The summary's key of goodput at one TTFT SLO (``goodput@2s``)."""
+    return f"goodput@{slo_ttft_s:g}s"
+
+
+def summarize(records: list[Record], slos_ttft_s: tuple[float, ...]) -> dict[str, Any]:
     """``vllm bench serve``'s figures over one run: throughputs over the run's duration (first
-    request sent to last stream ended), percentiles of the completed requests, and goodput (the
-    completed requests per second whose TTFT met ``slo_ttft_s``)."""
+    request sent to last stream ended), percentiles of the completed requests, and goodput at
+    each TTFT SLO of ``slos_ttft_s`` (``goodput_name``): as ``vllm bench serve --goodput``
+    counts it, the completed requests per second that met every SLO given (here one, TTFT)."""
     done = [r for r in records if r.ok]
     if not done:
         return {"completed": 0, "failed": len(records)}
@@ -124,9 +130,10 @@ def summarize(records: list[Record], slo_ttft_s: float) -> dict[str, Any]:
         "completed": len(done), "failed": len(records) - len(done), "duration": duration,
         "request_throughput": len(done) / duration,
         "output_throughput": sum(r.output_tokens for r in done) / duration,
-        "goodput": sum(r.ttft <= slo_ttft_s for r in done) / duration,
         "mean_output_tokens": statistics.mean(r.output_tokens for r in done),
     }
+    for slo in slos_ttft_s:
+        out[goodput_name(slo)] = sum(r.ttft <= slo for r in done) / duration
     series = {"ttft": [r.ttft for r in done], "tpot": [t for r in done if (t := r.tpot) is not None],
               "itl": [gap for r in done for gap in r.itls], "e2el": [r.e2el for r in done]}
     for name, values in series.items():

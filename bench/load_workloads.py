@@ -5,7 +5,8 @@ corpus (``tools/recall_task.py``, Austen), sized in the shipped target's tokens.
   target answers to the full 256 tokens, greedy (checked here with mlx-lm's own generation,
   batched: a prompt whose answer ends earlier is skipped);
 - prefill-bound: ~4K-token passages, 32 tokens each;
-- mixed: two ~16K-token passages, then short prompts 1.5 s later;
+- mixed: two ~16K-token passages, then short prompts 1.5 s later (prompts the target answers to
+  the full 32 tokens, checked as the decode-bound ones are);
 - agent: conversations sharing a system prompt (and the agent CLI's ``lookup`` tool), each turn a
   tool result of 1-2K tokens with a question about it, answers of up to 100 tokens.
 
@@ -77,10 +78,14 @@ class Texts:
 
     def decode_bound(self, seed: int, n: int) -> list[Request]:
         """``n`` short prompts that the target answers to ``decode_tokens`` tokens, greedy."""
+        return self.answered(seed, n, self.sizes.decode_tokens, "decode")
+
+    def answered(self, seed: int, n: int, max_tokens: int, prefix: str) -> list[Request]:
+        """``n`` short prompts (keys ``prefix-seed-i``) that the target answers to ``max_tokens``, greedy."""
         rng, out, drawn = random.Random(seed), [], 0
         while len(out) < n:
-            batch = [self.user(f"decode-{seed}-{drawn + i}", self.passage(rng, self.sizes.short_tokens),
-                               self.sizes.decode_tokens) for i in range(2 * (n - len(out)))]
+            batch = [self.user(f"{prefix}-{seed}-{drawn + i}", self.passage(rng, self.sizes.short_tokens),
+                               max_tokens) for i in range(2 * (n - len(out)))]
             drawn += len(batch)  # keys name candidates, never two prompts alike
             out += [r for r, full in zip(batch, self.answered_in_full(batch)) if full][:n - len(out)]
         return out
@@ -111,9 +116,8 @@ class Texts:
         rng = random.Random(seed)
         long = [self.user(f"long-{seed}-{i}", self.passage(rng, self.sizes.long_tokens), self.sizes.mixed_answer)
                 for i in range(2)]
-        short = [self.user(f"short-{seed}-{i}", self.passage(rng, self.sizes.short_tokens), self.sizes.mixed_answer)
-                 for i in range(self.sizes.mixed_short)]
-        return long, short
+        # Their own seed: drawn from the long passages' rng, a short one could open like a long one.
+        return long, self.answered(seed + 1, self.sizes.mixed_short, self.sizes.mixed_answer, "short")
 
     def system_prompt(self, seed: int) -> str:
         return SYSTEM + self.passage(random.Random(seed), self.sizes.system_tokens)
