@@ -322,20 +322,24 @@ def test_a_send_batch_keeps_terminal_events_immediate_and_due_sends_mirrored():
     assert len(r.xrange(stream_key("t", "a"))) == 2
 
 
-def test_a_send_batch_refuses_a_fenced_publisher_alone():
+@pytest.mark.parametrize("background", [False, True])
+def test_a_send_batch_refuses_a_fenced_publisher_alone(background):
+    """Synchronous, or settled in the batch's thread (``background``): the fenced one closes alone."""
     from jobs.progress import SendBatch
 
     r = fakeredis.FakeRedis()
     r.zadd("wip", {"job:ok": 1})
-    batch = SendBatch(r)
+    batch = SendBatch(r, background=background)
     ok = ProgressPublisher(r, "ok", namespace="t", min_interval_s=60.0, fence=("wip", "job:ok"))
     gone = ProgressPublisher(r, "gone", namespace="t", min_interval_s=60.0, fence=("wip", "job:gone"))
     ok.batch = gone.batch = batch
     with batch.holding():
         ok.publish("text", offset=0, delta="a")
         gone.publish("text", offset=0, delta="b")
+    assert batch.drain(10)
     assert [e.data["delta"] for e in parse_stream_events(r.xrange(stream_key("t", "ok")))] == ["a"]
     assert not r.xrange(stream_key("t", "gone")) and gone.fenced and gone.finished and not ok.fenced
+    assert gone.publish("done") is None  # closed: nothing more leaves
 
 
 def test_a_background_send_batch_does_not_hold_the_step_and_keeps_each_jobs_order():
@@ -375,21 +379,3 @@ def test_a_background_send_batch_does_not_hold_the_step_and_keeps_each_jobs_orde
         assert [e.seq for e in events] == list(range(1, len(events) + 1)) and pub.seq == events[-1].seq
         assert "".join(e.data["delta"] for e in events if e.kind == "text") == f"{i}-0 {i}-1 {i}-2 "
     assert [e.kind for e in parse_stream_events(r.xrange(stream_key("t", "j0")))][-1] == "done"
-
-
-def test_a_background_send_batch_still_fences_a_publisher_off():
-    from jobs.progress import SendBatch
-
-    r = fakeredis.FakeRedis()
-    r.zadd("wip", {"job:ok": 1})
-    batch = SendBatch(r, background=True)
-    ok = ProgressPublisher(r, "ok", namespace="t", min_interval_s=60.0, fence=("wip", "job:ok"))
-    gone = ProgressPublisher(r, "gone", namespace="t", min_interval_s=60.0, fence=("wip", "job:gone"))
-    ok.batch = gone.batch = batch
-    with batch.holding():
-        ok.publish("text", offset=0, delta="a")
-        gone.publish("text", offset=0, delta="b")
-    assert batch.drain(10)
-    assert [e.data["delta"] for e in parse_stream_events(r.xrange(stream_key("t", "ok")))] == ["a"]
-    assert not r.xrange(stream_key("t", "gone")) and gone.fenced and gone.finished and not ok.fenced
-    assert gone.publish("done") is None  # closed by the thread's settle: nothing more leaves
