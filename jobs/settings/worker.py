@@ -181,6 +181,10 @@ class WorkerSettings:
     """Linux CPU speed-up: preload a fast BLAS before mlx (a system OpenBLAS, else the mkl wheel's)."""
     openblas_path: str = ""
     """The BLAS library to preload. Empty: a system OpenBLAS, else the mkl wheel's libmkl_rt."""
+    blas_threads: int = 0
+    """Threads of the preloaded BLAS's multiplies. 0: one fewer than the cores (at least one):
+    a multiply's threads wait for one another, and a core the HTTP server, Redis or a client
+    takes stalls them all (docs/load.md: decode at 8 clients on 2 cores)."""
     worker_metrics_port: int = 0
     """A worker's Prometheus port. 0: no metrics endpoint."""
     worker_metrics_host: str = "127.0.0.1"
@@ -197,7 +201,7 @@ RANGES: dict[str, Bounds] = {
     "state_checkpoint_blocks": (0, None), "local_cache_bytes": (1, None), "memo_ttl_s": (1, None),
     "heal_ttl_s": (1, None), "heal_idle_s": (0, 60), "heal_wait_ms": (0, None),
     "max_decode_gap_s": (0.001, 60), "prefill_chunk_tokens": (0, None),
-    "max_jobs_in_flight": (1, 256), "kv_budget_bytes": (0, None),
+    "max_jobs_in_flight": (1, 256), "blas_threads": (0, 4096), "kv_budget_bytes": (0, None),
     "page_curve_points": (1, None), "page_text_tokens": (0, None),
     "progress_stream_maxlen": (1, None), "progress_ttl_s": (1, None), "progress_interval_s": (0, None),
     "heartbeat_interval_s": (0.001, None), "heartbeat_ttl_s": (0.001, None), "maintenance_interval_s": (0.001, None),

@@ -45,6 +45,21 @@ def test_preload_ignores_the_environment_and_follows_its_arguments():
     assert _preload(f"preload_openblas(path={found!r})") == found
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS preload is Linux only")
+def test_the_preload_sets_the_librarys_threads():
+    """``threads`` sets the loaded library's own thread count; 0 leaves a core free; None keeps
+    the library's default."""
+    if fast_blas() is None:
+        pytest.skip("no system OpenBLAS and no mkl wheel here")
+    ask = "import specprefill.blas as b; b.preload_openblas(threads={}); print(b.blas_threads(), b.auto_threads())"
+    got = lambda threads: [int(n) for n in subprocess.run(  # noqa: E731
+        [sys.executable, "-c", ask.format(threads)], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()]
+    assert got(1)[0] == 1
+    assert got(3)[0] == 3
+    used, auto = got(0)
+    assert used == auto == max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def test_library_packages_do_not_read_the_environment():
     pattern = re.compile(r"os\.environ|getenv\(")
     offenders = [str(p.relative_to(ROOT)) for package in ("specprefill", "cache_store")
@@ -73,6 +88,10 @@ def test_entry_points_take_the_preload_choice_from_settings(entry):
     elif fast_blas() is not None:
         assert run(SPECPREFILL_OPENBLAS="1") == f"MKL ({fast_blas()})"
     assert run(SPECPREFILL_NAMESPACE="bad:namespace") != ""  # bad settings do not stop the preload
+    if fast_blas() is not None:
+        threads = subprocess.run([sys.executable, "-c", f"{ENTRY_POINTS[entry]}; from specprefill.blas import blas_threads; print(blas_threads())"],
+                                 cwd=ROOT, capture_output=True, text=True, env={**env, "SPECPREFILL_BLAS_THREADS": "3"}, check=True)
+        assert threads.stdout.strip() == "3"
 
 
 def test_importing_the_entry_points_preloads_nothing_and_imports_no_mlx():

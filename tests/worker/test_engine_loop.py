@@ -249,6 +249,26 @@ def test_sleep_lets_the_others_run_and_a_sleeper_can_be_cancelled():
     assert isinstance(cancelled.exception, TaskCancelled) and ("woke", "long") not in log
 
 
+def test_a_sequence_waiting_to_join_its_batch_is_not_held_by_a_sleeper(model, log, monkeypatch):
+    """A step that decoded nothing sleeps a little while every task sleeps, but not when a job
+    whose prefill just ended waits to join its batch: its next token is the next step's."""
+    import worker.engine.loop as loop_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(loop_module.time, "sleep", lambda s: slept.append(s))
+    engine = Engine(max_decode_gap_s=0.05, prefill_chunk_tokens=CHUNK)
+    engine.start(lambda: sleep(60), name="heal waiting for a quiet moment", priority=HEAL)
+    engine.step()
+    assert slept and engine.idle_for(1.0) > 0  # only a sleeper: the step slept
+    slept.clear()
+    engine.start(generate(model, prompt(3, 4), log, "short", max_tokens=3), name="short")
+    engine.step()  # its prefill and first token; it waits in its batch's joiners
+    assert engine.idle_for(1.0) == 0 and slept == []
+    engine.step()
+    assert ("decode", 1) in log and slept == []
+    engine.close()
+
+
 def test_close_ends_started_tasks_with_their_finally_blocks():
     done = []
 

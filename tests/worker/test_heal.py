@@ -498,11 +498,12 @@ def test_a_turn_waits_for_its_running_heal_only_when_it_pays(monkeypatch, case):
         assert not w["waited"] and "ETA" in w["reason"] and not healed and t["prefilled_sparse"] > 0
 
 
-def test_a_user_job_arriving_while_the_worker_holds_only_a_waiting_heal_is_taken_by_a_blocking_dequeue(
+def test_a_heal_queued_by_a_user_job_stays_queued_for_heal_idle_s_and_the_next_request_is_taken_first(
         redis_url, monkeypatch):
-    """A heal waiting for a quiet moment leaves the engine nothing to run: the worker blocks on
-    its queues until the heal is due (``Engine.idle_for``) instead of polling every ``POLL_S``,
-    so a request arriving then is taken the moment it is queued."""
+    """The heal a user job queues is not taken (claimed, started) until ``heal_idle_s`` after that
+    job: the client's next request, usually on its way, would find the heal's claim and first turn
+    in front of it. Meanwhile the worker blocks on its user queues alone, so that request is
+    taken the moment it is queued; the heal is taken once the quiet time has passed."""
     import threading
 
     import redis as redis_py
@@ -510,14 +511,14 @@ def test_a_user_job_arriving_while_the_worker_holds_only_a_waiting_heal_is_taken
     r = redis_py.Redis.from_url(redis_url)
     rt, _ = runtime(r, heal_idle_s=0.6, **SPARSE)
     first = run(rt, "t1", messages=chat(0), **GREEDY)  # queues its heal
-    rt.user_activity_at = time.monotonic()  # t1 has just ended: the heal waits heal_idle_s
-    taken: list[tuple[float | None, str]] = []
+    rt.user_activity_at = ended = time.monotonic()  # t1 has just ended
+    taken: list[tuple[float, float | None, str, list[str]]] = []
     genuine = Queue.dequeue_any.__func__
 
     def dequeue_any(cls, queues, timeout, **kwargs):
         result = genuine(cls, queues, timeout, **kwargs)
         if result is not None:
-            taken.append((timeout, result[0].id))
+            taken.append((time.monotonic(), timeout, result[0].id, [q.name for q in queues]))
         return result
     monkeypatch.setattr(Queue, "dequeue_any", classmethod(dequeue_any))
     user = build_spec(rt.settings, kind="generate", messages=chat(3, n=90), **GREEDY)
@@ -525,6 +526,8 @@ def test_a_user_job_arriving_while_the_worker_holds_only_a_waiting_heal_is_taken
     submitted.start()
     InProcessWorker(listen_order(rt.settings), runtime=rt, name="w-idle").work(burst=True)
     submitted.join()
-    assert taken[0][1] == first.heal["job_id"]  # the heal first: nothing else was queued
-    user_take = next(timeout for timeout, job_id in taken if job_id == user.job_id(rt.settings.namespace))
-    assert user_take is not None and 0 < user_take <= 0.6  # taken by the blocking dequeue
+    (user_at, user_wait, user_id, user_queues), (heal_at, _, heal_id, _) = taken[:2]  # then the user job's heal
+    assert (user_id, heal_id) == (user.job_id(rt.settings.namespace), first.heal["job_id"])
+    assert user_wait is not None and 0 < user_wait <= 0.6  # a blocking dequeue of the user queues
+    assert HEAL_QUEUE not in user_queues and user_at - ended < 0.6
+    assert heal_at - ended >= 0.6  # not before the quiet time

@@ -110,8 +110,10 @@ class Engine:
         """The task whose greenlet is running (None: the loop itself, or no engine)."""
         return self._current if self._current is not None and getcurrent() is not self._loop else None
 
-    def step(self) -> bool:
-        """One loop turn (module docstring); True while tasks remain."""
+    def step(self, *, idle_sleep: bool = True) -> bool:
+        """One loop turn (module docstring); True while tasks remain. When nothing ran and every
+        task sleeps, it sleeps a little (:meth:`_idle`) unless told not to (``idle_sleep``: the
+        caller waits on something of its own, as the worker on its queues)."""
         from worker.engine import context
 
         self._loop = getcurrent()
@@ -123,7 +125,7 @@ class Engine:
         self._tasks = [t for t in self._tasks if not t.done]
         if not decoded:
             self.stats.idle()
-            if not self._ready and self._tasks:
+            if idle_sleep:
                 self._idle()
         return bool(self._tasks)
 
@@ -293,10 +295,11 @@ class Engine:
         return max(0.0, min(longest_s, min(wakes) - time.perf_counter()))
 
     def _idle(self) -> None:
-        """Nothing ran: sleep until the first sleeper is due (at most a few ms: the caller polls)."""
-        wakes = [t.wake_at for t in self._tasks if t.wake_at is not None]
-        if wakes:
-            time.sleep(min(0.005, max(0.0, min(wakes) - time.perf_counter())))
+        """Nothing ran: sleep until the first sleeper is due (at most a few ms: the caller polls);
+        not while a task is ready or a sequence waits to join its batch (:meth:`idle_for`)."""
+        wait_s = self.idle_for(0.005)
+        if wait_s > 0:
+            time.sleep(wait_s)
 
     def batch_reason(self, model: Any) -> str | None:
         """Why ``model`` cannot decode in a batch (:func:`worker.engine.probe.batch_reason`, once per model)."""

@@ -11,11 +11,11 @@ from specprefill.blas import preload_openblas
 
 
 def preload_blas() -> str | None:
-    """Load a fast BLAS per ``Settings.from_env()`` (``openblas``, ``openblas_path``);
+    """Load a fast BLAS per ``Settings.from_env()`` (``openblas``, ``openblas_path``, ``blas_threads``);
     returns its path, or None. Bad settings fall back to the defaults here: the command
     reports them when it reads the settings itself."""
     try:
         settings = Settings.from_env()
     except ValueError:
         settings = Settings()
-    return preload_openblas(settings.openblas, settings.openblas_path or None)
+    return preload_openblas(settings.openblas, settings.openblas_path or None, settings.blas_threads)

@@ -333,12 +333,12 @@ def run_worker(runtime: WorkerRuntime, queues: Sequence[str] | None = None, *,
                preload: Sequence[str] = (), name: str | None = None, burst: bool = False,
                logging_level: str = "INFO", max_jobs: int | None = None) -> bool:
     """Preload models, then work the queues until stopped (or empty, with ``burst``)."""
-    from specprefill.blas import blas_in_use
+    from specprefill.blas import blas_in_use, blas_threads
 
     s = runtime.settings
     name = name or s.worker_name or default_worker_name()
     set_worker(name)  # every line from here names the worker
-    log.info("BLAS in use: %s", blas_in_use())
+    log.info("BLAS in use: %s, %s threads", blas_in_use(), blas_threads() or "its default")
     queues = listen_order(s, queues)
     w = InProcessWorker([Queue(q, connection=runtime.connection, serializer=JSONSerializer)
                        for q in queues], runtime=runtime, name=name)

@@ -106,10 +106,11 @@ class JobsInFlight:
                             break
                         taken += self._admit(*result)
                         continue
-                    if self._may_take(max_jobs, taken):
+                    polled = self._may_take(max_jobs, taken)
+                    if polled:
                         result = self._poll()
                         taken += self._admit(*result) if result is not None else 0
-                    self._step()
+                    self._step(idle_sleep=not polled)  # a poll waits on the queues instead
                     if self.should_run_maintenance_tasks:
                         self.run_maintenance_tasks()
                 except StopRequested:
@@ -127,12 +128,18 @@ class JobsInFlight:
         return bool(taken)
 
     def _wait_for_a_job(self, burst: bool, max_idle_time: int | None) -> tuple[Any, Any] | None:
-        """Nothing in flight: RQ's own wait (suspension, maintenance, a blocking dequeue)."""
+        """Nothing in flight: RQ's own wait (suspension, maintenance, a blocking dequeue), after
+        the user queues alone while a user job's end is recent (:meth:`_quiet_left`)."""
         self.check_for_suspension(burst)
         if self.should_run_maintenance_tasks:
             self.run_maintenance_tasks()
         if self._stop_requested:
             return None
+        quiet = self._quiet_left()
+        if quiet >= 0.001:
+            result = self._dequeue(self._user_queues(), quiet)
+            if result is not None:
+                return result
         return self.dequeue_job_and_maintain_ttl(None if burst else self.dequeue_timeout, max_idle_time)
 
     def _may_take(self, max_jobs: int | None, taken: int) -> bool:
@@ -142,8 +149,8 @@ class JobsInFlight:
         if max_jobs is not None and taken >= max_jobs:
             return False
         moment = time.monotonic()
-        if moment < self._next_poll:
-            return False
+        if moment < self._next_poll and not self.engine.idle_for(IDLE_WAIT_S):
+            return False  # an idle engine waits on the queues instead (_poll blocks)
         checked, suspended = self._suspension
         if moment - checked >= SUSPENSION_CHECK_S:
             try:
@@ -156,20 +163,30 @@ class JobsInFlight:
     def _poll(self) -> tuple[Any, Any] | None:
         """A dequeue from the worker's queues, in their order; not from the heal queues while a
         user job is in flight (a heal taken then would wait in a slot for the user work to end:
-        left queued, an idle worker takes it). Non-blocking, unless the engine has nothing to
-        run for a while (:meth:`Engine.idle_for`): then a blocking one for that long."""
+        left queued, an idle worker takes it) or recent (:meth:`_quiet_left`). Non-blocking,
+        unless the engine has nothing to run for a while (:meth:`Engine.idle_for`): then a
+        blocking one for that long."""
         self._next_poll = time.monotonic() + POLL_S
-        queues = self._ordered_queues
-        if any(slot.user for slot in self.in_flight.values()):
-            queues = [q for q in queues if not is_heal_queue(q.name)]
-        wait_s = self.engine.idle_for(IDLE_WAIT_S)
+        queues, wait_s = self._ordered_queues, self.engine.idle_for(IDLE_WAIT_S)
+        quiet = self._quiet_left()
+        if quiet > 0 or any(slot.user for slot in self.in_flight.values()):
+            queues = self._user_queues()
+            wait_s = min(wait_s, max(0.0, quiet)) if quiet > 0 else wait_s  # heals count again then
         try:
             if wait_s < 0.001 and not self._anything_queued(queues):
                 return None
+        except REDIS_DOWN as exc:
+            self._redis_down("dequeue", exc)
+            self._next_poll = time.monotonic() + 1.0
+            return None
+        return self._dequeue(queues, wait_s if wait_s >= 0.001 else None)
+
+    def _dequeue(self, queues: list[Any], wait_s: float | None) -> tuple[Any, Any] | None:
+        """RQ's dequeue from ``queues`` (blocking up to ``wait_s``; None: not at all)."""
+        try:
             result = self.queue_class.dequeue_any(
-                queues, wait_s if wait_s >= 0.001 else None, connection=self.connection,
-                job_class=self.job_class, serializer=self.serializer,
-                death_penalty_class=self.death_penalty_class)
+                queues, wait_s, connection=self.connection, job_class=self.job_class,
+                serializer=self.serializer, death_penalty_class=self.death_penalty_class)
         except DequeueTimeout:
             return None
         except REDIS_DOWN as exc:
@@ -180,6 +197,16 @@ class JobsInFlight:
             self.reorder_queues(reference_queue=result[1])
         return result
 
+    def _user_queues(self) -> list[Any]:
+        return [q for q in self._ordered_queues if not is_heal_queue(q.name)]
+
+    def _quiet_left(self) -> float:
+        """Seconds until this worker takes heals again: ``heal_idle_s`` past a user job's last
+        start or end. The client just answered likely sends its next request within
+        milliseconds; a heal claimed and started then (its claim, its first turn) is in that
+        request's way, so it stays queued until the quiet moment it would wait for anyway."""
+        return self.runtime.user_activity_at + self.runtime.settings.heal_idle_s - time.monotonic()
+
     def _anything_queued(self, queues: list[Any]) -> bool:
         """Whether any of ``queues`` holds a job: one round trip (RQ's non-blocking dequeue pops
         each queue in turn, one round trip per queue, and this runs between engine steps)."""
@@ -188,10 +215,10 @@ class JobsInFlight:
                 pipe.llen(queue.key)
             return any(int(n) for n in pipe.execute())
 
-    def _step(self) -> None:
+    def _step(self, idle_sleep: bool = True) -> None:
         """One engine step, with each job's stop delivered before it and ended jobs after it."""
         self._deliver_stops()
-        self.engine.step()
+        self.engine.step(idle_sleep=idle_sleep)
         self._reap()
         if time.monotonic() >= self._next_load:  # the batch size moves every step: sampled
             self._next_load = time.monotonic() + LOAD_SAMPLE_S
