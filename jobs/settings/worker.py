@@ -118,7 +118,7 @@ class WorkerSettings:
     """A heal's next block waits until no user job has started or ended on its worker for this
     long: a client's next request (a closed loop's next, an agent's turn after a quick tool)
     arrives on the heels of the last answer and would otherwise wait for a heal block already on
-    the CPU. 0: a heal starts its blocks at once."""
+    the CPU. For as long, the worker takes no heal off its queues. 0: a heal starts its blocks at once."""
     heal_wait_ms: int = 0
     """How long a turn that would go sparse may wait for the running heal of its conversation,
     when that heal's ETA is under this and shorter than the turn's own sparse prefill at the
