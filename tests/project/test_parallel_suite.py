@@ -1,14 +1,17 @@
-"""`make test` runs the suite on every core (pytest-xdist, --dist loadgroup): tests sharing an
-expensive fixture are grouped onto one test worker (issue 41, item 4)."""
+"""`make test` runs the suite on every core and one more (pytest-xdist, --dist loadgroup): tests
+sharing an expensive fixture are grouped onto one test worker (issue 41, item 4)."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from tests.conftest import shared_fixture_group
 
@@ -35,6 +38,14 @@ def test_make_test_runs_in_parallel_with_xdist():
     assert re.search(r"^test: .*\n\t\$\(BIN\)/python -m pytest -n \$\(TEST_WORKERS\) --dist loadgroup", make, re.M)
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert any(dep.startswith("pytest-xdist") for dep in extras)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_test_runs_one_worker_more_than_the_cores():
+    """A fifth of the suite waits on processes and timeouts: one more test worker than cores."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TEST_WORKERS", "MAKEFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, env=env, check=True)
+    assert f"-m pytest -n {(os.cpu_count() or 1) + 1} --dist loadgroup" in dry.stdout
 
 
 # Four tests sharing a module-scoped fixture that counts its set-ups; this suite's conftest hooks.
