@@ -136,7 +136,7 @@ class JobsInFlight:
         if self._stop_requested:
             return None
         quiet = self._quiet_left()
-        if quiet >= 0.001:
+        if quiet > 0:
             result = self._dequeue(self._user_queues(), quiet)
             if result is not None:
                 return result
@@ -171,21 +171,19 @@ class JobsInFlight:
         quiet = self._quiet_left()
         if quiet > 0 or any(slot.user for slot in self.in_flight.values()):
             queues = self._user_queues()
-            wait_s = min(wait_s, max(0.0, quiet)) if quiet > 0 else wait_s  # heals count again then
-        try:
-            if wait_s < 0.001 and not self._anything_queued(queues):
-                return None
-        except REDIS_DOWN as exc:
-            self._redis_down("dequeue", exc)
-            self._next_poll = time.monotonic() + 1.0
-            return None
-        return self._dequeue(queues, wait_s if wait_s >= 0.001 else None)
+        if quiet > 0:
+            wait_s = min(wait_s, quiet)  # heals count again then
+        return self._dequeue(queues, wait_s)
 
-    def _dequeue(self, queues: list[Any], wait_s: float | None) -> tuple[Any, Any] | None:
-        """RQ's dequeue from ``queues`` (blocking up to ``wait_s``; None: not at all)."""
+    def _dequeue(self, queues: list[Any], wait_s: float) -> tuple[Any, Any] | None:
+        """RQ's dequeue from ``queues``, blocking up to ``wait_s``; under a millisecond, not at
+        all, and only once one round trip found a job there (:meth:`_anything_queued`)."""
+        blocking = wait_s >= 0.001
         try:
+            if not blocking and not self._anything_queued(queues):
+                return None
             result = self.queue_class.dequeue_any(
-                queues, wait_s, connection=self.connection, job_class=self.job_class,
+                queues, wait_s if blocking else None, connection=self.connection, job_class=self.job_class,
                 serializer=self.serializer, death_penalty_class=self.death_penalty_class)
         except DequeueTimeout:
             return None
