@@ -218,7 +218,10 @@ def test_the_kv_budget_never_over_admits(redis_url, workers, model_dir):
     per_token = kv_bytes_of(mlx_lm.load(model_dir)[0]).per_token  # what the worker measures
     tokens = 1200
     budget = int(per_token * tokens * 3.5)
-    s = real_settings(model_dir, kv_budget_bytes=budget)
+    # Several engine steps a job: the worker looks at its queue between steps. A job that fits
+    # one step's turns (max_decode_gap_s) ends in the step after it was taken, and the worker
+    # then looks only once one of the three has ended: on a fast idle machine, never at three.
+    s = real_settings(model_dir, kv_budget_bytes=budget, max_decode_gap_s=0.01)
     w = workers.real(redis_url, s, preload=model_dir)
     prompts = [[6 + (i * 13 + j * 5) % 500 for j in range(tokens)] for i in range(8)]
     handles = client_for(redis_url, s).submit_many([{"tokens": p} for p in prompts]).handles
