@@ -2,8 +2,9 @@
 
 Blocks spread over the cluster's slots by their content keys (no hash tags: every key is
 read and written alone, never with another key in one command, so nothing must share a
-slot). Pipelines (the ``EXISTS`` probe, the writes, counters) go through redis-py's cluster
-pipeline, which splits them per node. A streamed read (:func:`cache_store.wire.streamed_values`)
+slot). The fetch's ``EXISTS`` probe, on its critical path, goes as one plain pipeline per
+primary (:func:`per_node`); the writes and counters, behind the job, go through redis-py's
+cluster pipeline, which splits them per node and follows redirections. A streamed read (:func:`cache_store.wire.streamed_values`)
 takes :func:`pool_router`: each key to the connection pool of the primary that holds its slot,
 so every node streams its share with its own requests in flight. What scans the whole store
 (``cache stats``, ``cache verify``, ``cache clear``) runs on :func:`primaries`: one plain client
@@ -12,7 +13,7 @@ per primary, each scanning its own keys.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import redis
 from redis.cluster import RedisCluster
@@ -36,6 +37,26 @@ def pool_router(client: Any) -> Callable[[str], tuple[str, Any]] | None:
         return node.name, client.get_redis_connection(node).connection_pool
 
     return pool_of
+
+
+def per_node(client: RedisCluster, keys: Sequence[str], queue: Callable[[Any, str], Any]) -> list[Any]:
+    """Each key's reply, in order, to the command ``queue(pipe, key)`` adds, sent as one plain
+    pipeline per primary; a command's error is its reply. redis-py's cluster pipeline does the
+    same with several times the work per command (a probe of 64 keys: 1.5 ms against 0.5 ms on
+    one Redis); a reply that says the slot moved is returned like any error (the caller re-reads
+    the slots and asks the cluster pipeline, which follows redirections)."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for i, key in enumerate(keys):
+        node = client.get_node_from_key(key)
+        groups.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(keys)
+    for node, indices in groups.values():
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        for i in indices:
+            queue(pipe, keys[i])
+        for i, reply in zip(indices, pipe.execute(raise_on_error=False)):
+            replies[i] = reply
+    return replies
 
 
 def refresh(client: Any) -> None:

@@ -34,6 +34,15 @@ class SharedValues:
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
         """Per key: present (bool) or the command's error; one pipelined round trip (per node)."""
+        if self._pool_of is not None:  # a cluster: plain pipelines, unless a slot moved
+            try:
+                answers = cluster.per_node(self.client, keys, lambda pipe, key: pipe.exists(key))
+            except (redis.ConnectionError, redis.TimeoutError):
+                cluster.refresh(self.client)
+                raise
+            if not any(isinstance(a, redis.ResponseError) for a in answers):
+                return answers
+            cluster.refresh(self.client)
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)

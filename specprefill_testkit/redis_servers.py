@@ -138,6 +138,26 @@ class LocalCluster:
                         return node
         raise RuntimeError(f"no live primary holds {key!r}")
 
+    def move_slot(self, key: str, to: EmbeddedRedis) -> EmbeddedRedis:
+        """Move the slot of ``key``, with its keys, to the primary ``to`` (as ``redis-cli --cluster
+        reshard`` does: IMPORTING, MIGRATING, MIGRATE, then every primary told the new owner);
+        the primary it left. A client's slot table still names that one until it re-reads it."""
+        source = self.primary_of_key(key)
+        src, dst = self.client(source), self.client(to)
+        slot = src.cluster("keyslot", key)
+        src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100000)
+        if keys:
+            src.execute_command("MIGRATE", "127.0.0.1", to.port, "", 0, 5000, "KEYS", *keys)
+        for node in self.live():
+            c = self.client(node)
+            if c.execute_command("ROLE")[0] == b"master":
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        _wait("the slot to move", lambda: self.primary_of_key(key) is to)
+        return source
+
     def kill(self, node: EmbeddedRedis) -> None:
         node.kill()
 

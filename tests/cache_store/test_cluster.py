@@ -2,10 +2,13 @@
 the nodes, fetched per node, verified, counted and cleared across every primary; a primary
 killed mid-fetch gives a shorter restore or a miss (never an error), then its promoted replica
 serves."""
+import threading
+
 import numpy as np
 import pytest
+import redis
 
-from cache_store import verify_namespace
+from cache_store import cluster, verify_namespace
 from cache_store.cluster import is_cluster, pool_router, primaries
 from cache_store.inventory import clear
 from cache_store.trailing import BOOKKEEPING
@@ -50,6 +53,41 @@ def test_blocks_spread_over_the_primaries_and_restore_exactly(client, model):
     assert_restored_prefix(restored, cache, n)
     stats = store.stats()
     assert stats["hit_blocks"] == 16 and stats["blocks_written"] == 16 and stats["fetch_errors"] == 0
+
+
+def test_the_fetch_probe_goes_as_plain_pipelines_per_primary_not_the_cluster_pipeline(client, model, monkeypatch):
+    """The probe is on the fetch's critical path: redis-py's cluster pipeline is not used for it
+    (one plain pipeline per primary); what goes behind the job still uses it."""
+    store, cache, keys = stored_chain(client, model, PROMPT, block_size=BS)
+    BOOKKEEPING.flush()
+    here, called_here = threading.get_ident(), []
+    cluster_pipeline = type(client).pipeline
+    monkeypatch.setattr(type(client), "pipeline", lambda self, *a, **kw: (
+        called_here.append(threading.get_ident() == here), cluster_pipeline(self, *a, **kw))[1])
+    restored, n = store.fetch(PROMPT)
+    BOOKKEEPING.flush()  # the counters and renewals: through the cluster pipeline, behind the job
+    assert n == 16 * BS and not any(called_here) and called_here
+    assert_restored_prefix(restored, cache, n)
+    assert store.raw_store._values.stored([keys[0], "absent", keys[9]]) == [1, 0, 1]
+
+
+def test_a_slot_moved_since_the_client_read_the_slots_is_followed(redis_cluster, client, model):
+    """The primary the client still names answers MOVED to the probe: the slots are re-read and
+    the probe asked again through the cluster pipeline, so the fetch restores every block."""
+    store, cache, keys = stored_chain(client, model, PROMPT, block_size=BS)
+    mover = keys[6]
+    target = next(n for n in redis_cluster.live() if n is not redis_cluster.primary_of_key(mover)
+                  and redis_cluster.client(n).execute_command("ROLE")[0] == b"master")
+    source = redis_cluster.move_slot(mover, target)
+    try:
+        answers = cluster.per_node(client, keys, lambda pipe, key: pipe.exists(key))
+        assert isinstance(answers[6], redis.exceptions.MovedError)
+        restored, n = store.fetch(PROMPT)
+        assert n == 16 * BS
+        assert_restored_prefix(restored, cache, n)
+        assert store.stats()["fetch_errors"] == 0
+    finally:
+        redis_cluster.move_slot(mover, source)
 
 
 def test_stats_verify_and_clear_cover_every_primary(client, model):
