@@ -4,7 +4,9 @@
    no persistence): store and fetch of a 64-block chain (1 MiB blocks of the scoring
    benchmark's draft shape) through the worker's draft cache (``RedisBlockStore`` behind
    ``BlockDraftCache``), GB/s each; on one host a cluster should cost little
-   (``cluster_fetch_vs_single``).
+   (``cluster_fetch_vs_single``). Beside it, the fetching thread's CPU time: what the client
+   itself spends (its copies included), apart from waiting for the servers, which on a host
+   with fewer cores than servers and client wait for one another.
 2. The local tier (``cache_store.local_tier``: plain files on this node's disk) against Redis
    for a warm fetch of the same chain, the local tier in front of the same Redis, read first
    (``local_tier_fetch_vs_redis``: its fetch time over Redis's). Beside it, the same tier built
@@ -139,7 +141,14 @@ def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
         for _ in range(opts.repeats):  # interleaved: both see the same machine load
             for name, store in stores.items():
                 store_times[name] = min(store_times[name], best_of(lambda s=store: chain.write(s), 1, flushes[name]))
-        fetches = paired_rounds({name: (lambda s=store: chain.fetch(s)) for name, store in stores.items()},
+        cpu: dict[str, list[float]] = {name: [] for name in stores}
+
+        def fetch_timing_cpu(name: str, store: BlockDraftCache) -> None:
+            start = time.thread_time()
+            chain.fetch(store)
+            cpu[name].append(time.thread_time() - start)
+
+        fetches = paired_rounds({name: (lambda n=name, s=store: fetch_timing_cpu(n, s)) for name, store in stores.items()},
                                 opts.fetch_rounds)
         chain.measure(stores["one Redis"], clients["one Redis"])
         BOOKKEEPING.flush()  # the fetches' counters, before the servers go
@@ -152,6 +161,9 @@ def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
              f"one Redis {chain.n_bytes / one / GB:.2f} GB/s ({one * 1e3:.0f} ms)", f"{one / many:.2f}"),
             ("cluster: fetch, one Redis's time over the cluster's", "", "",
              spread(fetches["one Redis"], fetches["3-primary cluster"])),
+            ("cluster: the fetching thread's CPU time (median; the rest of a fetch waits on the servers)",
+             f"{np.median(cpu['3-primary cluster']) * 1e3:.1f} ms", f"one Redis {np.median(cpu['one Redis']) * 1e3:.1f} ms",
+             f"{np.median(cpu['one Redis']) / np.median(cpu['3-primary cluster']):.2f}"),
             ("cluster: store of the chain", f"{chain.n_bytes / many_s / GB:.2f} GB/s",
              f"one Redis {chain.n_bytes / one_s / GB:.2f} GB/s", f"{one_s / many_s:.2f}")]
     return rows, [("cluster_fetch_vs_single", one / many, ">=", GOALS["cluster"])]
