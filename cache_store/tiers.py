@@ -14,6 +14,7 @@ import logging
 from typing import Any, Iterator, Sequence
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from . import cluster
 from .block_reader import PendingBlock
@@ -40,6 +41,8 @@ class SharedValues:
             except (redis.ConnectionError, redis.TimeoutError):
                 cluster.refresh(self.client)
                 raise
+            except RedisClusterException:  # a slot the client's map lacks: asked below, as before
+                answers = [redis.ResponseError("slot not in the client's map")]
             if not any(isinstance(a, redis.ResponseError) for a in answers):
                 return answers
             cluster.refresh(self.client)

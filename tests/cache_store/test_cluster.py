@@ -90,6 +90,16 @@ def test_a_slot_moved_since_the_client_read_the_slots_is_followed(redis_cluster,
         redis_cluster.move_slot(mover, source)
 
 
+def test_a_slot_missing_from_the_clients_map_is_asked_through_the_cluster_pipeline(client, model):
+    """redis-py raises SlotNotCoveredError (not a RedisError) for a key whose slot its map lacks:
+    the probe asks the cluster pipeline instead, which reads the slots again."""
+    store, cache, keys = stored_chain(client, model, PROMPT, block_size=BS)
+    client.nodes_manager.slots_cache.pop(client.keyslot(keys[4]))
+    restored, n = store.fetch(PROMPT)
+    assert n == 16 * BS
+    assert_restored_prefix(restored, cache, n)
+
+
 def test_stats_verify_and_clear_cover_every_primary(client, model):
     store = worker_store(client, model, block_size=BS)
     cache, _ = prefilled(model, PROMPT)
