@@ -35,21 +35,29 @@ class SharedValues:
 
     def stored(self, keys: Sequence[str]) -> list[Any]:
         """Per key: present (bool) or the command's error; one pipelined round trip (per node)."""
-        if self._pool_of is not None:  # a cluster: plain pipelines, unless a slot moved
-            try:
-                answers = cluster.per_node(self.client, keys, lambda pipe, key: pipe.exists(key))
-            except (redis.ConnectionError, redis.TimeoutError):
-                cluster.refresh(self.client)
-                raise
-            except RedisClusterException:  # a slot the client's map lacks: asked below, as before
-                answers = [redis.ResponseError("slot not in the client's map")]
-            if not any(isinstance(a, redis.ResponseError) for a in answers):
-                return answers
-            cluster.refresh(self.client)
+        answers = self._stored_per_node(keys) if self._pool_of is not None else None
+        if answers is not None:
+            return answers
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.exists(key)
         return self._execute(pipe, raise_on_error=False)
+
+    def _stored_per_node(self, keys: Sequence[str]) -> list[Any] | None:
+        """A cluster's probe as one plain pipeline per primary; None where redis-py's cluster
+        pipeline must ask instead (a slot moved, or missing from the client's map: the slots are
+        read again first, and it follows redirections)."""
+        try:
+            answers = cluster.per_node(self.client, keys, lambda pipe, key: pipe.exists(key))
+        except (redis.ConnectionError, redis.TimeoutError):
+            cluster.refresh(self.client)
+            raise
+        except RedisClusterException:  # SlotNotCoveredError: not a RedisError
+            answers = None
+        if answers is not None and not any(isinstance(a, redis.ResponseError) for a in answers):
+            return answers
+        cluster.refresh(self.client)
+        return None
 
     def stream(self, commands: Sequence[tuple]) -> Iterator[ValueSource | None | Exception]:
         """Each command's value in order (see :func:`cache_store.wire.streamed_values`)."""
