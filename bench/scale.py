@@ -5,8 +5,8 @@
    benchmark's draft shape) through the worker's draft cache (``RedisBlockStore`` behind
    ``BlockDraftCache``), GB/s each; on one host a cluster should cost little
    (``cluster_fetch_vs_single``). Beside it, the fetching thread's CPU time: what the client
-   itself spends (its copies included), apart from waiting for the servers, which on a host
-   with fewer cores than servers and client wait for one another.
+   spends, its socket copies included, apart from waiting for the servers (on a host with fewer
+   cores than servers and client they wait for one another, and their load moves the copies too).
 2. The local tier (``cache_store.local_tier``: plain files on this node's disk) against Redis
    for a warm fetch of the same chain, the local tier in front of the same Redis, read first
    (``local_tier_fetch_vs_redis``: its fetch time over Redis's). Beside it, the same tier built
@@ -161,7 +161,7 @@ def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
              f"one Redis {chain.n_bytes / one / GB:.2f} GB/s ({one * 1e3:.0f} ms)", f"{one / many:.2f}"),
             ("cluster: fetch, one Redis's time over the cluster's", "", "",
              spread(fetches["one Redis"], fetches["3-primary cluster"])),
-            ("cluster: the fetching thread's CPU time (median; the rest of a fetch waits on the servers)",
+            ("cluster: the fetching thread's CPU time (median; its kernel copies included)",
              f"{np.median(cpu['3-primary cluster']) * 1e3:.1f} ms", f"one Redis {np.median(cpu['one Redis']) * 1e3:.1f} ms",
              f"{np.median(cpu['one Redis']) / np.median(cpu['3-primary cluster']):.2f}"),
             ("cluster: store of the chain", f"{chain.n_bytes / many_s / GB:.2f} GB/s",
