@@ -156,14 +156,14 @@ def bench_cluster(chain: Chain, opts: argparse.Namespace) -> tuple[list, list]:
             c.close()
     one, many = min(fetches["one Redis"]), min(fetches["3-primary cluster"])
     one_s, many_s = store_times["one Redis"], store_times["3-primary cluster"]
+    one_cpu, many_cpu = np.median(cpu["one Redis"]), np.median(cpu["3-primary cluster"])
     rows = [(f"cluster: fetch of a {chain.n_tokens // BLOCK}-block chain (best)",
              f"{chain.n_bytes / many / GB:.2f} GB/s ({many * 1e3:.0f} ms)",
              f"one Redis {chain.n_bytes / one / GB:.2f} GB/s ({one * 1e3:.0f} ms)", f"{one / many:.2f}"),
             ("cluster: fetch, one Redis's time over the cluster's", "", "",
              spread(fetches["one Redis"], fetches["3-primary cluster"])),
             ("cluster: the fetching thread's CPU time (median; its kernel copies included)",
-             f"{np.median(cpu['3-primary cluster']) * 1e3:.1f} ms", f"one Redis {np.median(cpu['one Redis']) * 1e3:.1f} ms",
-             f"{np.median(cpu['one Redis']) / np.median(cpu['3-primary cluster']):.2f}"),
+             f"{many_cpu * 1e3:.1f} ms", f"one Redis {one_cpu * 1e3:.1f} ms", f"{one_cpu / many_cpu:.2f}"),
             ("cluster: store of the chain", f"{chain.n_bytes / many_s / GB:.2f} GB/s",
              f"one Redis {chain.n_bytes / one_s / GB:.2f} GB/s", f"{one_s / many_s:.2f}")]
     return rows, [("cluster_fetch_vs_single", one / many, ">=", GOALS["cluster"])]

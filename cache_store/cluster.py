@@ -5,8 +5,9 @@ read and written alone, never with another key in one command, so nothing must s
 slot). The fetch's ``EXISTS`` probe, on its critical path, goes as one plain pipeline per
 primary (:func:`per_node`); the writes and counters, behind the job, go through redis-py's
 cluster pipeline, which splits them per node and follows redirections. A streamed read
-(:func:`cache_store.wire.streamed_values`) takes :func:`pool_router`: each key to the connection pool of the primary that holds its slot,
-so every node streams its share with its own requests in flight. What scans the whole store
+(:func:`cache_store.wire.streamed_values`) takes :func:`pool_router`: each key to the connection
+pool of the primary that holds its slot, so every node streams its share with its own requests
+in flight. What scans the whole store
 (``cache stats``, ``cache verify``, ``cache clear``) runs on :func:`primaries`: one plain client
 per primary, each scanning its own keys.
 """
