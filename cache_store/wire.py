@@ -12,14 +12,16 @@ scattered by the kernel (``recvmsg_into``, :meth:`BulkValue.readinto_many`). Mea
 Keeping ``window`` requests in flight per connection streams the values: Redis writes the
 next replies while the caller works on the one it has, and each side holds a few values.
 A read may span several connections (a Redis Cluster: one per node that holds a key,
-``pool_of``): requests go out in order, each node with up to ``window`` in flight, and replies
-are read in order. A connection that offers no plain socket (a fake, a client-side cache)
+``pool_of``): each node's requests go out in order, every node with up to ``window`` in flight
+whatever the others hold (a node is never idle behind another's full window), and replies are
+read in order. A connection that offers no plain socket (a fake, a client-side cache)
 is read through its own parser, the value then copied out of the ``bytes`` it returns.
 """
 from __future__ import annotations
 
 import socket
 import ssl
+from collections import deque
 from typing import Callable, Iterator, Protocol, Sequence
 
 import redis
@@ -257,23 +259,31 @@ class _Link:
             self.conn.disconnect()
 
 
-def _top_up(links: dict[str, _Link], targets: list, commands: Sequence[tuple], sent: int, i: int,
-            window: int, via_parser: bool) -> int:
-    """Send the next requests, in order, while their node has room in its window (request
-    ``i``, the one read next, always goes); a node is topped up once half its window is read,
-    with one write. Returns how many requests are sent now."""
-    batches: dict[str, list[tuple]] = {}
-    while sent < len(commands):
-        name, pool = targets[sent]
-        link = links.get(name) or links.setdefault(name, _Link(pool, via_parser))
-        queued = len(batches.get(name, ()))
-        if sent > i and (link.in_flight + queued >= window or (not queued and link.in_flight > window // 2)):
-            break
-        batches.setdefault(name, []).append(commands[sent])
-        sent += 1
-    for name, batch in batches.items():
-        links[name].send(batch)
-    return sent
+class _Schedule:
+    """When each request goes out: every node's requests in chain order, each node kept busy
+    with up to ``window`` in flight whatever the others hold (a node waiting on another's turn
+    would sit idle while the caller reads the other's values); a node is topped up once half
+    its window is read, with one write."""
+
+    def __init__(self, targets: list, commands: Sequence[tuple], window: int, via_parser: bool) -> None:
+        self._commands, self._window, self._via_parser = commands, window, via_parser
+        self._pools: dict[str, object] = {}
+        self._unsent: dict[str, deque[int]] = {}  # per node, its commands not yet sent (indices)
+        for index, (name, pool) in enumerate(targets):
+            self._pools.setdefault(name, pool)
+            self._unsent.setdefault(name, deque()).append(index)
+
+    def top_up(self, links: dict[str, _Link]) -> None:
+        """Send each node its next requests where its window has room (the one read next always
+        has room: every earlier request of its node was read)."""
+        for name, unsent in self._unsent.items():
+            if not unsent:
+                continue
+            link = links.get(name) or links.setdefault(name, _Link(self._pools[name], self._via_parser))
+            if link.in_flight > self._window // 2:
+                continue
+            room = min(len(unsent), self._window - link.in_flight)
+            link.send([self._commands[unsent.popleft()] for _ in range(room)])
 
 
 def single_pool(client: redis.Redis) -> Callable[[str], tuple[str, object]]:
@@ -300,11 +310,11 @@ def streamed_values(client: redis.Redis, commands: Sequence[tuple], window: int 
     route = pool_of or single_pool(client)
     targets = [route(command[1]) for command in commands]
     links: dict[str, _Link] = {}
-    sent = 0
+    schedule = _Schedule(targets, commands, window, via_parser)
     value = None
     try:
         for i in range(len(commands)):
-            sent = _top_up(links, targets, commands, sent, i, window, via_parser)
+            schedule.top_up(links)
             value = links[targets[i][0]].receive()
             yield value
             if isinstance(value, BulkValue):

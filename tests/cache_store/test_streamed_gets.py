@@ -135,3 +135,46 @@ def test_a_value_scattered_into_many_pieces_off_the_socket(redis_url):
         got.append(bytes(out))
     assert got == values
     assert client.get("scatter0") == values[0]  # the connection went back clean
+
+
+def test_each_node_is_kept_busy_whatever_another_nodes_window_holds(redis_url, monkeypatch):
+    """A read across nodes (a cluster's, two pools here) sends every node its first requests at
+    once: a node whose next key comes after another node's full window is not left idle, and no
+    node ever has more than ``window`` in flight."""
+    from cache_store.wire import streamed_values
+
+    client = redis.Redis.from_url(redis_url)
+    pools = {"a": redis.ConnectionPool.from_url(redis_url), "b": redis.ConnectionPool.from_url(redis_url)}
+    keys = [f"a{i}" for i in range(6)] + ["b0", "b1"]
+    for key in keys:
+        client.set(key, key.encode() * 1000)
+    sent: list[str] = []
+    in_flight, most = {"a": 0, "b": 0}, {"a": 0, "b": 0}
+    cls = client.connection_pool.connection_class
+    real_send = cls.send_packed_command
+
+    def send(self, command, *args, **kwargs):
+        for part in command:
+            for key in keys:
+                if f"\r\n{key}\r\n".encode() in bytes(part):
+                    sent.append(key)
+                    in_flight[key[0]] += 1
+                    most[key[0]] = max(most[key[0]], in_flight[key[0]])
+        return real_send(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "send_packed_command", send)
+    got = []
+    for key, value in zip(keys, streamed_values(client, [("GET", k) for k in keys], window=2,
+                                                 pool_of=lambda key: (key[0], pools[key[0]]))):
+        if key == "a0":
+            assert "b0" in sent  # node b works while the caller reads node a's values
+        out = bytearray(value.length)
+        value.readinto(memoryview(out))
+        got.append(bytes(out))
+        in_flight[key[0]] -= 1
+    assert got == [key.encode() * 1000 for key in keys]
+    assert most == {"a": 2, "b": 2}
+    assert sorted(sent) == sorted(keys)
+    for pool in pools.values():
+        pool.disconnect()
+    client.close()
