@@ -34,7 +34,8 @@ class DeploymentSettings:
     instead of a stuck job."""
     routing: str = "prefix"
     """``prefix``: a submitter sends a job to the node that last served the longest prefix of its
-    prompt (``bench.scale`` section 3: local share 1.00 vs 0.70, median TTFT 0.83x), and workers
+    prompt (``bench.scale`` section 3, two nodes on one host: local share 0.91-1.00 against
+    0.68-0.78 unrouted; median TTFT 0.83x-1.56x unrouted's, see ``docs/deploy.md``), and workers
     record what they served; ``off``: every job goes to the shared queue."""
     route_index_ttl_s: int = 3600
     """How long a node is remembered to hold a prefix."""
